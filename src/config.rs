@@ -1,0 +1,212 @@
+//! The policy of idempotent calls: retention, in-flight handling, key length
+//! and the clock.
+
+use std::fmt;
+use std::sync::Arc;
+
+use chrono::{DateTime, Duration, Utc};
+
+use crate::error::Error;
+use crate::store::{Backend, StoreConnection};
+
+/// What a request does when another transaction holds the same key.
+///
+/// On PostgreSQL the claim of a key blocks on the primary key index while
+/// another transaction holds an uncommitted claim of it; the policy bounds
+/// that wait with a transaction-local `lock_timeout`. When the holder commits,
+/// the waiting request replays its result; when it rolls back, the waiting
+/// request executes.
+///
+/// On SQLite every writer holds the one database lock, so the policy bounds
+/// the wait for that lock (the connection's busy timeout), whoever holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlight {
+    /// Wait up to this long, then replay or execute; if the key is still held
+    /// after it, fail with [`Error::InProgress`].
+    Wait(Duration),
+    /// Fail with [`Error::InProgress`] at once while another transaction holds
+    /// the key.
+    Reject,
+}
+
+impl Default for InFlight {
+    /// `InFlight::Wait` for 5 seconds.
+    fn default() -> Self {
+        InFlight::Wait(Duration::seconds(5))
+    }
+}
+
+impl InFlight {
+    /// The wait in whole milliseconds; zero for [`InFlight::Reject`].
+    pub(crate) fn wait_millis(self) -> i64 {
+        match self {
+            InFlight::Wait(wait) => wait.num_milliseconds(),
+            InFlight::Reject => 0,
+        }
+    }
+}
+
+type Clock = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
+
+/// The policy for idempotent calls, built with consuming builder methods.
+///
+/// | setting | default |
+/// | --- | --- |
+/// | [`retention`](Config::retention) | 24 hours |
+/// | [`in_flight`](Config::in_flight) | `InFlight::Wait(5 s)` |
+/// | [`max_key_len`](Config::max_key_len) | 255 bytes |
+/// | [`clock`](Config::clock) | `Utc::now` |
+///
+/// A `Config` is cheap to clone and can be shared between threads; build it
+/// once at start-up.
+///
+/// ```
+/// use chrono::Duration;
+/// use idempotency::{Config, InFlight};
+///
+/// let config = Config::default()
+///     .retention(Duration::hours(48))
+///     .in_flight(InFlight::Reject)
+///     .max_key_len(64);
+/// assert_eq!(config.retention_period(), Duration::hours(48));
+/// ```
+#[derive(Clone)]
+pub struct Config {
+    pub(crate) retention: Duration,
+    pub(crate) in_flight: InFlight,
+    pub(crate) max_key_len: usize,
+    clock: Clock,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            retention: Duration::hours(24),
+            in_flight: InFlight::default(),
+            max_key_len: 255,
+            clock: Arc::new(Utc::now),
+        }
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("retention", &self.retention)
+            .field("in_flight", &self.in_flight)
+            .field("max_key_len", &self.max_key_len)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Retention beyond this is certainly a unit mistake, and it keeps
+/// `now + retention` far from chrono's range limits.
+const MAX_RETENTION_DAYS: i64 = 100 * 366;
+
+impl Config {
+    /// How long a completed key is remembered (default 24 hours). After it,
+    /// the key may execute again as new: this is the retention contract, so
+    /// choose it longer than any client keeps retrying.
+    ///
+    /// # Panics
+    ///
+    /// If `retention` is not positive or longer than 100 years.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        assert!(retention > Duration::zero(), "retention must be positive");
+        assert!(retention <= Duration::days(MAX_RETENTION_DAYS), "retention must be at most 100 years");
+        self.retention = retention;
+        self
+    }
+
+    /// What a request does when another transaction holds its key (default
+    /// `InFlight::Wait(5 s)`).
+    ///
+    /// # Panics
+    ///
+    /// If the wait is negative.
+    pub fn in_flight(mut self, in_flight: InFlight) -> Self {
+        if let InFlight::Wait(wait) = in_flight {
+            assert!(wait >= Duration::zero(), "in-flight wait must not be negative");
+        }
+        self.in_flight = in_flight;
+        self
+    }
+
+    /// The longest key or scope accepted, in bytes (default 255).
+    ///
+    /// # Panics
+    ///
+    /// If `max_key_len` is zero.
+    pub fn max_key_len(mut self, max_key_len: usize) -> Self {
+        assert!(max_key_len > 0, "max_key_len must be positive");
+        self.max_key_len = max_key_len;
+        self
+    }
+
+    /// The time source for `created_at`, `completed_at` and expiry (default
+    /// `Utc::now`). Tests inject a [`ManualClock`](crate::testing::ManualClock)
+    /// to move through the retention window without waiting.
+    pub fn clock(mut self, clock: impl Fn() -> DateTime<Utc> + Send + Sync + 'static) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// The configured retention.
+    pub fn retention_period(&self) -> Duration {
+        self.retention
+    }
+
+    pub(crate) fn now(&self) -> DateTime<Utc> {
+        (self.clock)()
+    }
+
+    /// Deletes every record whose retention has ended (`expires_at <= now`),
+    /// `batch_size` rows per statement, each statement its own short
+    /// transaction, so it can run beside live traffic. Returns how many rows
+    /// were deleted in all.
+    ///
+    /// Called inside an open transaction, the batches become part of it.
+    /// On PostgreSQL rows that a live request is taking over are skipped, not
+    /// waited for.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Storage`] when a batch fails; the batches before it stay
+    /// deleted.
+    ///
+    /// # Panics
+    ///
+    /// If `batch_size` is zero.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::Duration;
+    /// use idempotency::{testing::ManualClock, Config};
+    ///
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// let clock = ManualClock::new();
+    /// let config = Config::default().clock(clock.source());
+    /// config.run(&mut conn, "orders", "key-1", &"request", |_| Ok::<_, std::convert::Infallible>(1))?;
+    ///
+    /// assert_eq!(config.purge_expired(&mut conn, 500)?, 0);
+    /// clock.advance(Duration::hours(24));
+    /// assert_eq!(config.purge_expired(&mut conn, 500)?, 1);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn purge_expired<C: StoreConnection>(&self, conn: &mut C, batch_size: usize) -> Result<usize, Error> {
+        assert!(batch_size > 0, "batch_size must be positive");
+        // One fixed cut-off, so the loop ends even while records keep
+        // expiring under it.
+        let cutoff = self.now().naive_utc();
+        let conn = conn.raw();
+        let mut total = 0;
+        loop {
+            let deleted = conn.purge_batch(cutoff, batch_size, self.in_flight)?;
+            total += deleted;
+            if deleted < batch_size {
+                return Ok(total);
+            }
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! The error type of every fallible call in this crate.
+
+use std::convert::Infallible;
+use std::fmt;
+
+/// Why an idempotent call did not produce an [`Outcome`](crate::Outcome).
+///
+/// `E` is the error type of the caller's operation; calls without an
+/// operation (such as [`Config::purge_expired`](crate::Config::purge_expired))
+/// use the default, [`Infallible`].
+///
+/// Which errors spend the key: none of them. Every variant means that the
+/// transaction holding the key record was rolled back (or never opened), so a
+/// retry with the same key and the same request is answered as if this call
+/// had not happened. [`Error::Codec`] on a replay is the exception in spirit:
+/// the key was spent by an earlier call whose stored response no longer
+/// decodes, and it stays spent.
+///
+/// [`status_code`](Error::status_code) maps each variant to the HTTP status
+/// that the IETF `Idempotency-Key` header draft prescribes.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error<E = Infallible> {
+    /// The idempotency key breaks the key rules; nothing was written. HTTP 400.
+    InvalidKey(KeyError),
+    /// The scope breaks the key rules (without the card number check);
+    /// nothing was written. HTTP 400.
+    InvalidScope(KeyError),
+    /// The key was first used with a different request (its fingerprint
+    /// differs); nothing was written and the first result stays replayable.
+    /// HTTP 422.
+    Mismatch,
+    /// Another transaction holds the key and the [`InFlight`](crate::InFlight)
+    /// policy ran out (or rejects at once); nothing was written. HTTP 409.
+    InProgress,
+    /// The operation returned this error; its writes and the key record were
+    /// rolled back and the key is not spent. HTTP 500 unless the application
+    /// maps its own errors.
+    Operation(E),
+    /// The database failed; everything was rolled back. HTTP 500.
+    ///
+    /// On PostgreSQL this includes serialization failures and deadlocks
+    /// (`DatabaseErrorKind::SerializationFailure` and friends): the
+    /// transaction did not commit, the operation's effects are gone and
+    /// retrying the whole call is safe. The crate never retries by itself.
+    Storage(diesel::result::Error),
+    /// A value could not be converted to or from JSON: the request while
+    /// fingerprinting it, or the operation's result while storing it (both
+    /// rolled back, key not spent), or a stored response that no longer
+    /// decodes into the caller's type on a replay (the operation is never run
+    /// again for it). HTTP 500.
+    Codec(serde_json::Error),
+}
+
+impl<E> Error<E> {
+    /// The HTTP status for this error: 400 for an invalid key or scope, 422
+    /// for a mismatched request, 409 for a key in progress, 500 otherwise.
+    ///
+    /// ```
+    /// use idempotency::Error;
+    ///
+    /// assert_eq!(Error::<()>::Mismatch.status_code(), 422);
+    /// assert_eq!(Error::<()>::InProgress.status_code(), 409);
+    /// ```
+    pub fn status_code(&self) -> u16 {
+        match self {
+            Error::InvalidKey(_) | Error::InvalidScope(_) => 400,
+            Error::Mismatch => 422,
+            Error::InProgress => 409,
+            Error::Operation(_) | Error::Storage(_) | Error::Codec(_) => 500,
+        }
+    }
+}
+
+impl<E> From<diesel::result::Error> for Error<E> {
+    fn from(error: diesel::result::Error) -> Self {
+        Error::Storage(error)
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for Error<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::InvalidKey(reason) => write!(f, "invalid idempotency key: {reason}"),
+            Error::InvalidScope(reason) => write!(f, "invalid idempotency scope: {reason}"),
+            Error::Mismatch => f.write_str("idempotency key was already used with a different request"),
+            Error::InProgress => f.write_str("a request with this idempotency key is in progress"),
+            Error::Operation(error) => error.fmt(f),
+            Error::Storage(_) => f.write_str("idempotency storage failed"),
+            Error::Codec(_) => f.write_str("json encoding or decoding failed"),
+        }
+    }
+}
+
+impl<E> std::error::Error for Error<E>
+where
+    E: std::error::Error + 'static,
+{
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            // The operation's error is shown as this error itself, so its
+            // chain continues with its own source.
+            Error::Operation(error) => error.source(),
+            Error::Storage(error) => Some(error),
+            Error::Codec(error) => Some(error),
+            Error::InvalidKey(_) | Error::InvalidScope(_) | Error::Mismatch | Error::InProgress => None,
+        }
+    }
+}
+
+/// Why a key or scope was refused. The message never repeats the value,
+/// which may be sensitive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The value is empty.
+    Empty,
+    /// The value is longer than [`Config::max_key_len`](crate::Config::max_key_len) bytes.
+    TooLong {
+        /// Its length in bytes.
+        len: usize,
+        /// The configured limit.
+        max: usize,
+    },
+    /// The byte at `position` is not visible ASCII (`!` to `~`): white space,
+    /// a control byte, NUL or part of a non-ASCII character.
+    InvalidCharacter {
+        /// Byte offset of the first offending byte.
+        position: usize,
+    },
+    /// The key looks like a payment card number (13 to 19 digits, possibly
+    /// separated by spaces or hyphens, passing the Luhn check). Keys are
+    /// technical identifiers and must not carry personal data.
+    LooksLikeCardNumber,
+}
+
+impl fmt::Display for KeyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyError::Empty => f.write_str("must not be empty"),
+            KeyError::TooLong { len, max } => write!(f, "is {len} bytes long, the limit is {max}"),
+            KeyError::InvalidCharacter { position } => {
+                write!(f, "byte {position} is not visible ascii")
+            }
+            KeyError::LooksLikeCardNumber => f.write_str("looks like a payment card number"),
+        }
+    }
+}
+
+impl std::error::Error for KeyError {}
