@@ -197,12 +197,12 @@ common::backend_tests! {
     fn killed_job_rerun_executes_every_item_exactly_once() {
         const ITEMS: i64 = 5_000;
         const KILL_AFTER: usize = 1_500;
-        let job = |pool| Runner::new(pool).workers(4).scope("jobs");
+        let job = |pool| Runner::new(pool).workers(8).scope("jobs");
 
         if let Ok(url) = std::env::var(CHILD_URL) {
             // The child: the job as a real process would run it, printing
             // its progress until the parent kills it.
-            let runner = job(pool_at(&url, 4)).on_progress(|progress| println!("progress {}", progress.processed));
+            let runner = job(pool_at(&url, 8)).on_progress(|progress| println!("progress {}", progress.processed));
             runner.run("job-kill", 1..=ITEMS, invoice).expect("the child's run");
             return;
         }
@@ -241,7 +241,7 @@ common::backend_tests! {
         assert_eq!(key_count(&mut conn), committed, "every committed item has its key and no other key exists");
         assert_eq!(distinct_items(&mut conn), committed);
 
-        let rerun = job(db.pool(4)).run("job-kill", 1..=ITEMS, invoice).expect("rerun");
+        let rerun = job(db.pool(8)).run("job-kill", 1..=ITEMS, invoice).expect("rerun");
         assert!(rerun.failed.is_empty(), "{:?}", rerun.failed.first());
         assert_eq!(rerun.replayed as i64, committed, "the rerun replays exactly what the killed run committed");
         assert_eq!(rerun.executed as i64, ITEMS - committed);
@@ -258,7 +258,9 @@ fn unreachable_database_is_a_run_error() {
     let pool = Pool::builder()
         .max_size(2)
         .connection_timeout(std::time::Duration::from_millis(200))
-        .build_unchecked(ConnectionManager::<SqliteConnection>::new(missing.to_str().expect("utf-8 path")));
+        .build_unchecked(ConnectionManager::<SqliteConnection>::new(
+            missing.to_str().expect("utf-8 path"),
+        ));
     let runs = AtomicUsize::new(0);
     let result = Runner::new(pool).run("job-1", 1..=3_i64, |_, _| {
         runs.fetch_add(1, Ordering::SeqCst);
