@@ -4,6 +4,7 @@
 //!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! use diesel::connection::SimpleConnection;
 //! use diesel::prelude::*;
 //! use diesel::r2d2::{ConnectionManager, Pool};
 //! use idempotency::batch::Runner;
@@ -12,6 +13,8 @@
 //! # let url = dir.path().join("jobs.db").to_str().ok_or("path is not utf-8")?.to_owned();
 //! let pool = Pool::builder().max_size(2).build(ConnectionManager::<SqliteConnection>::new(&url))?;
 //! let mut conn = pool.get()?;
+//! // WAL, so that workers replaying finished items read beside the writer.
+//! conn.batch_execute("PRAGMA journal_mode = WAL")?;
 //! idempotency::run_migrations(&mut conn)?;
 //! diesel::sql_query("CREATE TABLE invoices (customer BIGINT NOT NULL UNIQUE)").execute(&mut conn)?;
 //! drop(conn);
@@ -230,8 +233,9 @@ type ProgressCallback = Box<dyn Fn(&Progress) + Send + Sync>;
 ///
 /// Each worker keeps one pooled connection for the whole run. On SQLite all
 /// workers write through the one database lock, so more than one worker
-/// helps only when the operation spends time outside the database; on
-/// PostgreSQL items run truly in parallel.
+/// helps only when the operation spends time outside the database; enable
+/// WAL (`PRAGMA journal_mode = WAL`) so that replays read while another
+/// worker writes. On PostgreSQL items run truly in parallel.
 pub struct Runner<C: R2D2Connection + 'static> {
     pool: Pool<ConnectionManager<C>>,
     workers: usize,
@@ -354,6 +358,7 @@ where
     /// # let dir = tempfile::tempdir()?;
     /// # let url = dir.path().join("jobs.db").to_str().ok_or("path is not utf-8")?.to_owned();
     /// # let pool = Pool::builder().max_size(4).build(ConnectionManager::<SqliteConnection>::new(&url))?;
+    /// # diesel::connection::SimpleConnection::batch_execute(&mut pool.get()?, "PRAGMA journal_mode = WAL")?;
     /// # idempotency::run_migrations(&mut pool.get()?)?;
     /// use idempotency::{batch::Runner, Error};
     ///
