@@ -1,0 +1,96 @@
+//! The error type: thread-safe, HTTP mapping, messages and sources.
+
+use std::error::Error as _;
+
+use idempotency::{Error, KeyError};
+
+fn assert_send_sync_static<T: Send + Sync + 'static>() {}
+
+#[test]
+fn error_is_send_sync_and_static() {
+    assert_send_sync_static::<Error>();
+    assert_send_sync_static::<Error<std::io::Error>>();
+    assert_send_sync_static::<Error<anyhow::Error>>();
+    assert_send_sync_static::<KeyError>();
+}
+
+#[test]
+fn status_codes_follow_the_idempotency_key_draft() {
+    let cases: [(Error<std::io::Error>, u16); 7] = [
+        (Error::InvalidKey(KeyError::Empty), 400),
+        (Error::InvalidScope(KeyError::Empty), 400),
+        (Error::Mismatch, 422),
+        (Error::InProgress, 409),
+        (Error::Operation(std::io::Error::other("x")), 500),
+        (Error::Storage(diesel::result::Error::NotFound), 500),
+        (
+            Error::Codec(serde_json::from_str::<u8>("x").expect_err("not json")),
+            500,
+        ),
+    ];
+    for (error, status) in cases {
+        assert_eq!(error.status_code(), status, "{error:?}");
+    }
+}
+
+#[test]
+fn messages_are_lowercase_without_trailing_punctuation() {
+    let errors: Vec<Error<std::io::Error>> = vec![
+        Error::InvalidKey(KeyError::TooLong { len: 300, max: 255 }),
+        Error::InvalidScope(KeyError::InvalidCharacter { position: 2 }),
+        Error::Mismatch,
+        Error::InProgress,
+        Error::Storage(diesel::result::Error::NotFound),
+        Error::Codec(serde_json::from_str::<u8>("x").expect_err("not json")),
+    ];
+    for error in errors {
+        let message = error.to_string();
+        let first = message.chars().next().expect("a message");
+        assert!(first.is_lowercase(), "{message}");
+        assert!(!message.ends_with(['.', '!', '?']), "{message}");
+    }
+}
+
+#[test]
+fn wrapped_errors_are_sources() {
+    let storage: Error = Error::Storage(diesel::result::Error::NotFound);
+    assert_eq!(
+        storage.source().expect("a source").to_string(),
+        diesel::result::Error::NotFound.to_string()
+    );
+
+    let codec: Error = Error::Codec(serde_json::from_str::<u8>("x").expect_err("not json"));
+    assert!(codec.source().is_some());
+
+    // The operation's error is shown as the error itself, its chain going on
+    // from its own source.
+    let inner = std::io::Error::other("disk full");
+    let operation: Error<std::io::Error> = Error::Operation(inner);
+    assert_eq!(operation.to_string(), "disk full");
+
+    assert!(Error::<std::io::Error>::Mismatch.source().is_none());
+}
+
+#[test]
+fn an_anyhow_operation_error_is_kept() {
+    let error: Error<anyhow::Error> = Error::Operation(anyhow::anyhow!("payment gateway timed out"));
+    assert_eq!(error.to_string(), "payment gateway timed out");
+    match error {
+        Error::Operation(inner) => assert_eq!(inner.to_string(), "payment gateway timed out"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn an_error_converts_into_anyhow() {
+    fn handler() -> anyhow::Result<()> {
+        Err(Error::<std::io::Error>::InProgress)?;
+        Ok(())
+    }
+    let error = handler().expect_err("the handler fails");
+    assert_eq!(error.to_string(), "a request with this idempotency key is in progress");
+    assert!(matches!(
+        error.downcast_ref::<Error<std::io::Error>>(),
+        Some(Error::InProgress)
+    ));
+}

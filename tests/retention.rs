@@ -1,0 +1,160 @@
+//! Retention: an expired key executes again; purging deletes expired records
+//! in bounded batches.
+
+mod common;
+
+use chrono::Duration;
+use idempotency::testing::ManualClock;
+use idempotency::{Config, Error};
+
+common::backend_tests! {
+    use diesel::prelude::*;
+
+    fn config(clock: &ManualClock) -> Config {
+        Config::default().retention(Duration::hours(1)).clock(clock.source())
+    }
+
+    #[test]
+    fn key_replays_until_retention_ends() {
+        let db = Db::new();
+        let mut conn = db.conn();
+        let clock = ManualClock::new();
+        let config = config(&clock);
+        let first = config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("first");
+        clock.advance(Duration::minutes(59) + Duration::seconds(59));
+        let retry = config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("retry");
+        assert!(retry.is_replayed());
+        assert_eq!(retry.into_inner(), first.into_inner());
+        assert_eq!(order_count(&mut conn), 1);
+    }
+
+    #[test]
+    fn expired_key_executes_again_as_new() {
+        let db = Db::new();
+        let mut conn = db.conn();
+        let clock = ManualClock::new();
+        let config = config(&clock);
+        config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("first");
+        clock.advance(Duration::hours(1));
+        let again = config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("after expiry");
+        assert!(!again.is_replayed(), "expires_at <= now is expired");
+        assert_eq!(order_count(&mut conn), 2);
+        assert_eq!(key_count(&mut conn), 1, "the old record was replaced, not duplicated");
+        // The new record starts a new retention window.
+        clock.advance(Duration::minutes(30));
+        let retry = config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("retry");
+        assert!(retry.is_replayed());
+    }
+
+    #[test]
+    fn expired_key_accepts_a_different_request() {
+        let db = Db::new();
+        let mut conn = db.conn();
+        let clock = ManualClock::new();
+        let config = config(&clock);
+        config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("first");
+        let early = config.run(&mut conn, "shop", "k", &2, |tx| place_order(tx, "book", 2));
+        assert!(matches!(early, Err(Error::Mismatch)));
+        clock.advance(Duration::hours(2));
+        let late = config.run(&mut conn, "shop", "k", &2, |tx| place_order(tx, "book", 2)).expect("after expiry");
+        assert!(!late.is_replayed());
+    }
+
+    #[test]
+    fn failed_takeover_of_an_expired_key_keeps_the_old_record_until_purged() {
+        let db = Db::new();
+        let mut conn = db.conn();
+        let clock = ManualClock::new();
+        let config = config(&clock);
+        config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("first");
+        clock.advance(Duration::hours(2));
+        let failed = config.run(&mut conn, "shop", "k", &1, |_| Err::<i64, _>("declined by validation"));
+        assert!(matches!(failed, Err(Error::Operation("declined by validation"))));
+        assert_eq!(key_count(&mut conn), 1, "the rollback restored the expired record");
+        assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 1);
+    }
+
+    #[test]
+    fn purge_deletes_only_expired_records_in_batches() {
+        let db = Db::new();
+        let mut conn = db.conn();
+        let clock = ManualClock::new();
+        let config = config(&clock);
+        for i in 0..25 {
+            config.run(&mut conn, "shop", &format!("old-{i}"), &i, |_| Ok::<_, Error>(i)).expect("old call");
+        }
+        clock.advance(Duration::minutes(30));
+        for i in 0..5 {
+            config.run(&mut conn, "shop", &format!("new-{i}"), &i, |_| Ok::<_, Error>(i)).expect("new call");
+        }
+        clock.advance(Duration::minutes(30));
+        // The 25 old records expire now; the 5 new ones in 30 minutes.
+        assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 25);
+        assert_eq!(key_count(&mut conn), 5);
+        assert_eq!(config.purge_expired(&mut conn, 10).expect("second purge"), 0);
+        let kept = config.run(&mut conn, "shop", "new-3", &3, |_| Ok::<_, Error>(-1)).expect("retry");
+        assert!(kept.is_replayed(), "unexpired records survive the purge");
+    }
+
+    #[test]
+    fn purge_with_exact_multiple_of_batch_size_deletes_all() {
+        let db = Db::new();
+        let mut conn = db.conn();
+        let clock = ManualClock::new();
+        let config = config(&clock);
+        for i in 0..20 {
+            config.run(&mut conn, "shop", &format!("k-{i}"), &i, |_| Ok::<_, Error>(i)).expect("call");
+        }
+        clock.advance(Duration::days(1));
+        assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 20);
+        assert_eq!(config.purge_expired(&mut conn, 1).expect("purge of nothing"), 0);
+        assert_eq!(key_count(&mut conn), 0);
+    }
+
+    #[test]
+    fn purge_inside_a_caller_transaction_rolls_back_with_it() {
+        let db = Db::new();
+        let mut conn = db.conn();
+        let clock = ManualClock::new();
+        let config = config(&clock);
+        config.run(&mut conn, "shop", "k", &1, |_| Ok::<_, Error>(1)).expect("call");
+        clock.advance(Duration::days(1));
+        let rolled_back = conn.transaction(|tx| {
+            assert_eq!(config.purge_expired(tx, 10).expect("purge"), 1);
+            Err::<(), _>(diesel::result::Error::RollbackTransaction)
+        });
+        assert!(rolled_back.is_err());
+        assert_eq!(key_count(&mut conn), 1);
+    }
+}
+
+#[test]
+#[should_panic(expected = "batch_size must be positive")]
+fn purge_refuses_a_zero_batch() {
+    let mut conn = idempotency::testing::sqlite_memory();
+    let _ = Config::default().purge_expired(&mut conn, 0);
+}
+
+#[test]
+#[should_panic(expected = "retention must be positive")]
+fn zero_retention_is_refused() {
+    let _ = Config::default().retention(Duration::zero());
+}
+
+#[test]
+#[should_panic(expected = "retention must be at most 100 years")]
+fn absurd_retention_is_refused() {
+    let _ = Config::default().retention(Duration::days(100_000));
+}
+
+#[test]
+#[should_panic(expected = "in-flight wait must not be negative")]
+fn negative_in_flight_wait_is_refused() {
+    let _ = Config::default().in_flight(idempotency::InFlight::Wait(Duration::seconds(-1)));
+}
+
+#[test]
+#[should_panic(expected = "max_key_len must be positive")]
+fn zero_key_length_is_refused() {
+    let _ = Config::default().max_key_len(0);
+}
