@@ -84,12 +84,14 @@
 //! shared by several connections, so that replays, which only read, do not
 //! queue behind writers.
 
+pub mod batch;
 mod config;
 mod error;
 mod fingerprint;
 pub mod key;
 mod migrate;
 mod outcome;
+mod repository;
 mod run;
 mod schema;
 mod store;
@@ -100,5 +102,6 @@ pub use config::{Config, InFlight};
 pub use error::{Error, KeyError};
 pub use migrate::{MIGRATIONS, run_migrations};
 pub use outcome::Outcome;
+pub use repository::Idempotent;
 pub use run::run_idempotent;
 pub use store::StoreConnection;

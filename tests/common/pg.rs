@@ -71,3 +71,12 @@ impl Drop for Db {
         }
     }
 }
+
+/// A pool on a schema that `Db::new` made, by its url: for a child process
+/// that works on its parent's database.
+pub fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<Conn>> {
+    Pool::builder()
+        .max_size(size)
+        .build(ConnectionManager::new(url))
+        .expect("build a pool")
+}

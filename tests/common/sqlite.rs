@@ -59,3 +59,13 @@ impl Db {
             .expect("build a pool")
     }
 }
+
+/// A pool on a database that `Db::new` made, by its url: for a child process
+/// that works on its parent's database.
+pub fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<Conn>> {
+    Pool::builder()
+        .max_size(size)
+        .connection_customizer(Box::new(Setup))
+        .build(ConnectionManager::new(url))
+        .expect("build a pool")
+}
