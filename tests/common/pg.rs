@@ -80,3 +80,91 @@ pub fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<Conn>> {
         .build(ConnectionManager::new(url))
         .expect("build a pool")
 }
+
+/// The server process serving `conn`.
+pub fn backend_pid(conn: &mut Conn) -> i32 {
+    #[derive(QueryableByName)]
+    struct Pid {
+        #[diesel(sql_type = diesel::sql_types::Integer)]
+        pid: i32,
+    }
+    diesel::sql_query("SELECT pg_backend_pid() AS pid")
+        .get_result::<Pid>(conn)
+        .expect("read the backend pid")
+        .pid
+}
+
+/// The session's `lock_timeout` as `SHOW` reports it.
+pub fn show_lock_timeout(conn: &mut Conn) -> String {
+    #[derive(QueryableByName)]
+    struct Setting {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        lock_timeout: String,
+    }
+    diesel::sql_query("SHOW lock_timeout")
+        .get_result::<Setting>(conn)
+        .expect("show lock_timeout")
+        .lock_timeout
+}
+
+/// How long the polls below wait for the server before the test fails; far
+/// beyond what a healthy server needs, so it only ends a test that hangs.
+const SERVER_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Polls the server through `admin` until `condition` holds. The server
+/// changes these states on its own, so there is nothing to wait on but the
+/// server's view.
+fn poll_server(admin: &mut Conn, what: &str, mut condition: impl FnMut(&mut Conn) -> bool) {
+    let deadline = std::time::Instant::now() + SERVER_PATIENCE;
+    while !condition(admin) {
+        assert!(std::time::Instant::now() < deadline, "the server did not report {what}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    n: i64,
+}
+
+/// Waits until the session `pid` waits for a lock, such as the index entry
+/// of a key another transaction has claimed.
+pub fn wait_until_waiting_for_lock(admin: &mut Conn, pid: i32) {
+    poll_server(admin, &format!("backend {pid} waiting for a lock"), |admin| {
+        diesel::sql_query("SELECT count(*) AS n FROM pg_locks WHERE pid = $1 AND NOT granted")
+            .bind::<diesel::sql_types::Integer, _>(pid)
+            .get_result::<Count>(admin)
+            .expect("read pg_locks")
+            .n
+            > 0
+    });
+}
+
+/// Waits until the server has ended the session `pid`.
+pub fn wait_until_backend_gone(admin: &mut Conn, pid: i32) {
+    poll_server(admin, &format!("backend {pid} gone"), |admin| {
+        diesel::sql_query("SELECT count(*) AS n FROM pg_stat_activity WHERE pid = $1")
+            .bind::<diesel::sql_types::Integer, _>(pid)
+            .get_result::<Count>(admin)
+            .expect("read pg_stat_activity")
+            .n
+            == 0
+    });
+}
+
+/// The state of session `pid` in `pg_stat_activity` (`idle`, `idle in
+/// transaction`, ...); `None` once the session has ended.
+pub fn backend_state(admin: &mut Conn, pid: i32) -> Option<String> {
+    #[derive(QueryableByName)]
+    struct State {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        state: String,
+    }
+    diesel::sql_query("SELECT coalesce(state, '') AS state FROM pg_stat_activity WHERE pid = $1")
+        .bind::<diesel::sql_types::Integer, _>(pid)
+        .get_result::<State>(admin)
+        .optional()
+        .expect("read pg_stat_activity")
+        .map(|row| row.state)
+}
