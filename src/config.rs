@@ -17,6 +17,12 @@ use crate::store::{Backend, StoreConnection};
 /// the waiting request replays its result; when it rolls back, the waiting
 /// request executes.
 ///
+/// Inside a caller's `REPEATABLE READ` or `SERIALIZABLE` transaction on
+/// PostgreSQL there is no waiting to bound: a request whose snapshot predates
+/// the holder's commit fails with a serialization failure
+/// ([`Error::Storage`]) and the caller retries its whole transaction, which
+/// then replays.
+///
 /// On SQLite every writer holds the one database lock, so the policy bounds
 /// the wait for that lock (the connection's busy timeout), whoever holds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

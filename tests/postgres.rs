@@ -9,7 +9,6 @@
 #![cfg(feature = "postgres")]
 
 // This file uses the PostgreSQL helpers, not the two-backend macro.
-#[allow(unused_imports)]
 mod common;
 
 use std::collections::HashMap;

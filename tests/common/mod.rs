@@ -7,7 +7,7 @@
 //! `Conn`, `Db`, `place_order` and `order_count` refer to that backend.
 
 // Each test binary uses a different part of the harness.
-#![allow(dead_code, unused_macros)]
+#![allow(dead_code, unused_macros, unused_imports)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
