@@ -113,7 +113,10 @@ impl Config {
     /// If `retention` is not positive or longer than 100 years.
     pub fn retention(mut self, retention: Duration) -> Self {
         assert!(retention > Duration::zero(), "retention must be positive");
-        assert!(retention <= Duration::days(MAX_RETENTION_DAYS), "retention must be at most 100 years");
+        assert!(
+            retention <= Duration::days(MAX_RETENTION_DAYS),
+            "retention must be at most 100 years"
+        );
         self.retention = retention;
         self
     }

@@ -74,7 +74,11 @@ fn looks_like_card_number(key: &str) -> bool {
     if !key.bytes().all(|b| b.is_ascii_digit() || b == b' ' || b == b'-') {
         return false;
     }
-    let digits: Vec<u32> = key.bytes().filter(u8::is_ascii_digit).map(|b| u32::from(b - b'0')).collect();
+    let digits: Vec<u32> = key
+        .bytes()
+        .filter(u8::is_ascii_digit)
+        .map(|b| u32::from(b - b'0'))
+        .collect();
     (13..=19).contains(&digits.len()) && luhn_valid(&digits)
 }
 
@@ -98,7 +102,12 @@ mod tests {
 
     #[test]
     fn luhn_accepts_known_test_card_numbers() {
-        for number in ["4111111111111111", "5500005555555559", "378282246310005", "6011111111111117"] {
+        for number in [
+            "4111111111111111",
+            "5500005555555559",
+            "378282246310005",
+            "6011111111111117",
+        ] {
             assert!(looks_like_card_number(number), "{number}");
         }
     }

@@ -89,6 +89,7 @@ mod error;
 mod fingerprint;
 pub mod key;
 mod migrate;
+pub mod outbox;
 mod outcome;
 mod run;
 mod schema;

@@ -9,7 +9,7 @@ use serde::de::DeserializeOwned;
 use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::Outcome;
-use crate::store::{self, Backend, COMPLETED, NewRecord, PROCESSING, Stored, StoreConnection};
+use crate::store::{self, Backend, COMPLETED, NewRecord, PROCESSING, StoreConnection, Stored};
 use crate::{fingerprint, key};
 
 /// Runs `op` at most once for `(scope, key)` with [`Config::default()`]; see
@@ -143,7 +143,14 @@ impl Config {
     /// # Ok(())
     /// # }
     /// ```
-    pub fn run<C, Q, R, E, F>(&self, conn: &mut C, scope: &str, key: &str, request: &Q, op: F) -> Result<Outcome<R>, Error<E>>
+    pub fn run<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        op: F,
+    ) -> Result<Outcome<R>, Error<E>>
     where
         C: StoreConnection,
         Q: Serialize + ?Sized,
@@ -167,7 +174,14 @@ impl Config {
         })
     }
 
-    fn execute<B, R, E, F>(&self, conn: &mut B, scope: &str, key: &str, request_hash: &str, op: F) -> Result<Outcome<R>, Error<E>>
+    fn execute<B, R, E, F>(
+        &self,
+        conn: &mut B,
+        scope: &str,
+        key: &str,
+        request_hash: &str,
+        op: F,
+    ) -> Result<Outcome<R>, Error<E>>
     where
         B: Backend,
         R: Serialize + DeserializeOwned,
@@ -220,7 +234,9 @@ fn replay<R: DeserializeOwned, E>(stored: Stored, request_hash: &str) -> Result<
         return Err(Error::Mismatch);
     }
     match stored.response {
-        Some(response) if stored.status == COMPLETED => serde_json::from_str(&response).map(Outcome::Replayed).map_err(Error::Codec),
+        Some(response) if stored.status == COMPLETED => serde_json::from_str(&response)
+            .map(Outcome::Replayed)
+            .map_err(Error::Codec),
         // Claimed by an enclosing call on this same connection whose
         // operation has not finished.
         _ => Err(Error::InProgress),

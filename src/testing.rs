@@ -58,12 +58,18 @@ impl ManualClock {
     /// A clock standing at 2030-01-01 00:00:00 UTC, so tests do not depend
     /// on when they run.
     pub fn new() -> Self {
-        Self::at(Utc.with_ymd_and_hms(2030, 1, 1, 0, 0, 0).single().expect("a valid date"))
+        Self::at(
+            Utc.with_ymd_and_hms(2030, 1, 1, 0, 0, 0)
+                .single()
+                .expect("a valid date"),
+        )
     }
 
     /// A clock standing at `start`.
     pub fn at(start: DateTime<Utc>) -> Self {
-        ManualClock { now: Arc::new(Mutex::new(start)) }
+        ManualClock {
+            now: Arc::new(Mutex::new(start)),
+        }
     }
 
     /// The current time of this clock.

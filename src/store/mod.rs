@@ -51,7 +51,11 @@ macro_rules! shared_queries {
             // anything else means something interferes with the table, and
             // committing would leave an executed operation without its
             // result.
-            if updated == 1 { Ok(()) } else { Err(diesel::result::Error::NotFound) }
+            if updated == 1 {
+                Ok(())
+            } else {
+                Err(diesel::result::Error::NotFound)
+            }
         }
     };
 }
@@ -124,12 +128,18 @@ pub struct Stored {
 
 /// The per-backend part of storage. Implemented by the diesel connection
 /// types only; the combinator in `run.rs` is written against it alone.
-pub trait Backend: Connection<TransactionManager = AnsiTransactionManager> + MigrationHarness<<Self as Connection>::Backend> + Sized {
+pub trait Backend:
+    Connection<TransactionManager = AnsiTransactionManager> + MigrationHarness<<Self as Connection>::Backend> + Sized
+{
     /// Runs `f` in a transaction that may write at once, or in a savepoint
     /// when a transaction is already open. On return the transaction is
     /// committed if `f` succeeded and rolled back otherwise.
     #[doc(hidden)]
-    fn write_transaction<T, E>(&mut self, in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    fn write_transaction<T, E>(
+        &mut self,
+        in_flight: InFlight,
+        f: impl FnOnce(&mut Self) -> Result<T, E>,
+    ) -> Result<T, E>
     where
         E: From<diesel::result::Error>;
 
@@ -171,4 +181,3 @@ pub(crate) fn unwind_to_depth<C: Backend>(conn: &mut C, depth: u32) -> QueryResu
     }
     Ok(())
 }
-

@@ -66,7 +66,11 @@ fn lock_timeout(in_flight: InFlight) -> String {
 }
 
 impl Backend for PgConnection {
-    fn write_transaction<T, E>(&mut self, _in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    fn write_transaction<T, E>(
+        &mut self,
+        _in_flight: InFlight,
+        f: impl FnOnce(&mut Self) -> Result<T, E>,
+    ) -> Result<T, E>
     where
         E: From<DieselError>,
     {

@@ -27,11 +27,18 @@ impl sealed::Sealed for SqliteConnection {}
 /// Makes the connection's busy timeout follow the in-flight policy.
 fn apply_busy_timeout(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryResult<()> {
     // A PRAGMA takes no bound parameters; the value is an integer of ours.
-    conn.batch_execute(&format!("PRAGMA busy_timeout = {}", in_flight.wait_millis().clamp(0, i64::from(i32::MAX))))
+    conn.batch_execute(&format!(
+        "PRAGMA busy_timeout = {}",
+        in_flight.wait_millis().clamp(0, i64::from(i32::MAX))
+    ))
 }
 
 impl Backend for SqliteConnection {
-    fn write_transaction<T, E>(&mut self, in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    fn write_transaction<T, E>(
+        &mut self,
+        in_flight: InFlight,
+        f: impl FnOnce(&mut Self) -> Result<T, E>,
+    ) -> Result<T, E>
     where
         E: From<DieselError>,
     {

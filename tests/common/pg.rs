@@ -31,7 +31,9 @@ impl Db {
         let separator = if base_url.contains('?') { '&' } else { '?' };
         let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
         let mut admin = PgConnection::establish(&base_url).expect("connect to DATABASE_URL");
-        admin.batch_execute(&format!("CREATE SCHEMA {schema}")).expect("create the test schema");
+        admin
+            .batch_execute(&format!("CREATE SCHEMA {schema}"))
+            .expect("create the test schema");
         let db = Db { base_url, url, schema };
         let mut conn = db.conn();
         conn.batch_execute(
