@@ -533,10 +533,18 @@ impl Relay {
             let attempt = u32::try_from(row.attempts).unwrap_or(u32::MAX);
             if attempt > self.max_attempts {
                 let error = format!("lease ran out during attempt {} without an outcome", attempt - 1);
-                let settled = conn.settle(&row.id, &token, Settlement::Dead { error: &error })?;
+                let settled = conn.settle(
+                    &row.id,
+                    &token,
+                    Settlement::Dead {
+                        error: &error,
+                        attempts: row.attempts - 1,
+                    },
+                )?;
                 count(&mut batch, settled, |b| &mut b.dead);
                 continue;
             }
+            let row_attempts = row.attempts;
             let message = Message {
                 key: row.id.clone(),
                 id: row.id,
@@ -554,7 +562,11 @@ impl Relay {
                 Err(error) => {
                     let error = truncate(error.to_string());
                     if attempt >= self.max_attempts {
-                        let settled = conn.settle(&message.id, &token, Settlement::Dead { error: &error })?;
+                        let dead = Settlement::Dead {
+                            error: &error,
+                            attempts: row_attempts,
+                        };
+                        let settled = conn.settle(&message.id, &token, dead)?;
                         count(&mut batch, settled, |b| &mut b.dead);
                     } else {
                         let due = at + self.backoff_after(attempt);

@@ -53,9 +53,19 @@ pub struct DeadRow {
 /// How a claimed message's attempt ended, written only while the claim's
 /// lease token is still the message's.
 pub enum Settlement<'a> {
-    Delivered { at: NaiveDateTime },
-    Retry { due: NaiveDateTime, error: &'a str },
-    Dead { error: &'a str },
+    Delivered {
+        at: NaiveDateTime,
+    },
+    Retry {
+        due: NaiveDateTime,
+        error: &'a str,
+    },
+    /// `attempts` is written too: a claim counts an attempt in advance,
+    /// and one that parks the message without handing it over made none.
+    Dead {
+        error: &'a str,
+        attempts: i32,
+    },
 }
 
 /// The outbox statements, implemented by the diesel connection types only;
@@ -137,9 +147,10 @@ macro_rules! shared_queries {
                         o::lease_token.eq(None::<String>),
                     ))
                     .execute(self)?,
-                Settlement::Dead { error } => diesel::update(held)
+                Settlement::Dead { error, attempts } => diesel::update(held)
                     .set((
                         o::status.eq(DEAD),
+                        o::attempts.eq(attempts),
                         o::last_error.eq(error),
                         o::lease_token.eq(None::<String>),
                     ))
