@@ -226,7 +226,8 @@ pub struct DeadLetter {
     /// The handler's error on the last attempt, or why the attempt ended
     /// without one.
     pub last_error: Option<String>,
-    /// When it was enqueued (UTC).
+    /// When it was enqueued (UTC, by the system clock: `enqueue` takes no
+    /// clock).
     pub created_at: NaiveDateTime,
 }
 
