@@ -531,50 +531,52 @@ impl Relay {
             ..Batch::default()
         };
         for row in claimed {
-            let attempt = u32::try_from(row.attempts).unwrap_or(u32::MAX);
-            if attempt > self.max_attempts {
-                let error = format!("lease ran out during attempt {} without an outcome", attempt - 1);
-                let settled = conn.settle(
-                    &row.id,
-                    &token,
+            let id = row.id.clone();
+            let attempts = row.attempts;
+            let attempt = u32::try_from(attempts).unwrap_or(u32::MAX);
+            let error;
+            let (settlement, tally): (Settlement<'_>, fn(&mut Batch) -> &mut usize) = if attempt > self.max_attempts {
+                // The claim counted an attempt in advance; parking the
+                // message without handing it over made none.
+                error = format!("lease ran out during attempt {} without an outcome", attempt - 1);
+                (
                     Settlement::Dead {
                         error: &error,
-                        attempts: row.attempts - 1,
+                        attempts: attempts - 1,
                     },
-                )?;
-                count(&mut batch, settled, |b| &mut b.dead);
-                continue;
-            }
-            let row_attempts = row.attempts;
-            let message = Message {
-                key: row.id.clone(),
-                id: row.id,
-                topic: row.topic,
-                payload_json: row.payload,
-                attempt,
-            };
-            let outcome = handler(&message);
-            let at = self.now();
-            match outcome {
-                Ok(()) => {
-                    let settled = conn.settle(&message.id, &token, Settlement::Delivered { at })?;
-                    count(&mut batch, settled, |b| &mut b.delivered);
-                }
-                Err(error) => {
-                    let error = truncate(error.to_string());
-                    if attempt >= self.max_attempts {
-                        let dead = Settlement::Dead {
-                            error: &error,
-                            attempts: row_attempts,
-                        };
-                        let settled = conn.settle(&message.id, &token, dead)?;
-                        count(&mut batch, settled, |b| &mut b.dead);
-                    } else {
-                        let due = at + self.backoff_after(attempt);
-                        let settled = conn.settle(&message.id, &token, Settlement::Retry { due, error: &error })?;
-                        count(&mut batch, settled, |b| &mut b.retried);
+                    |b| &mut b.dead,
+                )
+            } else {
+                let message = Message {
+                    key: row.id,
+                    id: id.clone(),
+                    topic: row.topic,
+                    payload_json: row.payload,
+                    attempt,
+                };
+                match handler(&message) {
+                    Ok(()) => (Settlement::Delivered { at: self.now() }, |b| &mut b.delivered),
+                    Err(failure) => {
+                        error = truncate(failure.to_string());
+                        if attempt >= self.max_attempts {
+                            (
+                                Settlement::Dead {
+                                    error: &error,
+                                    attempts,
+                                },
+                                |b| &mut b.dead,
+                            )
+                        } else {
+                            let due = self.now() + self.backoff_after(attempt);
+                            (Settlement::Retry { due, error: &error }, |b| &mut b.retried)
+                        }
                     }
                 }
+            };
+            if conn.settle(&id, &token, settlement)? {
+                *tally(&mut batch) += 1;
+            } else {
+                batch.lost += 1;
             }
         }
         Ok(batch)
@@ -702,14 +704,6 @@ impl Relay {
                 return Ok(total);
             }
         }
-    }
-}
-
-fn count(batch: &mut Batch, settled: bool, field: impl FnOnce(&mut Batch) -> &mut usize) {
-    if settled {
-        *field(batch) += 1;
-    } else {
-        batch.lost += 1;
     }
 }
 

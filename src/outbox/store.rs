@@ -60,8 +60,7 @@ pub enum Settlement<'a> {
         due: NaiveDateTime,
         error: &'a str,
     },
-    /// `attempts` is written too: a claim counts an attempt in advance,
-    /// and one that parks the message without handing it over made none.
+    /// With the number of attempts actually made.
     Dead {
         error: &'a str,
         attempts: i32,
