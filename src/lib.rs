@@ -90,6 +90,7 @@ mod error;
 mod fingerprint;
 pub mod key;
 mod migrate;
+pub mod outbox;
 mod outcome;
 mod repository;
 mod run;

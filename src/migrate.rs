@@ -4,12 +4,13 @@ use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 use crate::store::StoreConnection;
 
-/// This crate's migrations: the `idempotency_keys` table and its index.
+/// This crate's migrations: the `idempotency_keys` table and its index, and
+/// the `idempotency_outbox` table of the [outbox](crate::outbox).
 ///
 /// Run them with [`run_migrations`], or with your own
 /// [`MigrationHarness`] next to your application's migrations: diesel records
 /// them in the same `__diesel_schema_migrations` table under their own
-/// version, `20261129000000`.
+/// versions, `20261129000000` and `20261130000000`.
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
 /// Applies the pending migrations of [`MIGRATIONS`] on `conn`.

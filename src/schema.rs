@@ -12,3 +12,20 @@ diesel::table! {
         expires_at -> Timestamp,
     }
 }
+
+diesel::table! {
+    idempotency_outbox (id) {
+        id -> Text,
+        topic -> Text,
+        payload -> Text,
+        status -> Text,
+        attempts -> Integer,
+        available_at -> Nullable<Timestamp>,
+        lease_token -> Nullable<Text>,
+        last_error -> Nullable<Text>,
+        created_at -> Timestamp,
+        delivered_at -> Nullable<Timestamp>,
+    }
+}
+
+diesel::allow_tables_to_appear_in_same_query!(idempotency_keys, idempotency_outbox,);

@@ -1,0 +1,56 @@
+//! PostgreSQL: relays claim concurrently. The claim locks the due rows it
+//! picks with `FOR UPDATE SKIP LOCKED`, so a relay passes over messages
+//! another relay is claiming at that moment instead of waiting for them, and
+//! writes the lease in the same statement; once it commits, the leased rows
+//! are no longer due for anyone until the lease runs out.
+
+use chrono::NaiveDateTime;
+use diesel::pg::PgConnection;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Text, Timestamp};
+
+use super::store::{Claimed, OutboxBackend};
+
+fn limit(limit: usize) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
+impl OutboxBackend for PgConnection {
+    fn claim_batch(
+        &mut self,
+        now: NaiveDateTime,
+        lease_until: NaiveDateTime,
+        lease_token: &str,
+        batch: usize,
+    ) -> QueryResult<Vec<Claimed>> {
+        diesel::sql_query(
+            "WITH due AS ( \
+                 SELECT id FROM idempotency_outbox \
+                 WHERE status = 'pending' AND (available_at IS NULL OR available_at <= $3) \
+                 ORDER BY id LIMIT $4 FOR UPDATE SKIP LOCKED) \
+             UPDATE idempotency_outbox AS o SET attempts = o.attempts + 1, available_at = $1, lease_token = $2 \
+             FROM due WHERE o.id = due.id \
+             RETURNING o.id, o.topic, o.payload, o.attempts",
+        )
+        .bind::<Timestamp, _>(lease_until)
+        .bind::<Text, _>(lease_token)
+        .bind::<Timestamp, _>(now)
+        .bind::<BigInt, _>(limit(batch))
+        .load(self)
+    }
+
+    fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
+        // SKIP LOCKED: two purges running at once split the rows instead of
+        // queueing behind each other.
+        diesel::sql_query(
+            "DELETE FROM idempotency_outbox WHERE id IN \
+             (SELECT id FROM idempotency_outbox WHERE status = 'delivered' AND delivered_at <= $1 \
+              LIMIT $2 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind::<Timestamp, _>(cutoff)
+        .bind::<BigInt, _>(limit(batch))
+        .execute(self)
+    }
+
+    super::store::shared_queries!();
+}

@@ -1,0 +1,196 @@
+//! Where outbox messages live, per backend.
+//!
+//! The statements whose DSL is the same everywhere are written once in
+//! `shared_queries!`; `sqlite.rs` and `postgres.rs` add the claim, which
+//! differs in how concurrent relays keep off each other's messages, and the
+//! purge. Both update or delete through a limited subquery, which diesel's
+//! DSL cannot express, so they are SQL with bound parameters.
+
+use chrono::NaiveDateTime;
+use diesel::QueryResult;
+use diesel::prelude::*;
+
+use crate::schema::idempotency_outbox;
+use crate::store::Backend;
+
+pub(crate) const PENDING: &str = "pending";
+pub(crate) const DELIVERED: &str = "delivered";
+pub(crate) const DEAD: &str = "dead";
+
+/// A message as `enqueue` writes it: pending, never attempted, due at once.
+#[derive(Insertable)]
+#[diesel(table_name = idempotency_outbox)]
+pub struct NewMessage<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) topic: &'a str,
+    pub(crate) payload: &'a str,
+    pub(crate) status: &'a str,
+    pub(crate) attempts: i32,
+    pub(crate) created_at: NaiveDateTime,
+}
+
+/// A message a relay has just claimed; `attempts` counts this attempt.
+#[derive(Queryable, QueryableByName)]
+#[diesel(table_name = idempotency_outbox)]
+pub struct Claimed {
+    pub(crate) id: String,
+    pub(crate) topic: String,
+    pub(crate) payload: String,
+    pub(crate) attempts: i32,
+}
+
+/// A message parked as dead, as listed.
+#[derive(Queryable)]
+pub struct DeadRow {
+    pub(crate) id: String,
+    pub(crate) topic: String,
+    pub(crate) payload: String,
+    pub(crate) attempts: i32,
+    pub(crate) last_error: Option<String>,
+    pub(crate) created_at: NaiveDateTime,
+}
+
+/// How a claimed message's attempt ended, written only while the claim's
+/// lease token is still the message's.
+pub enum Settlement<'a> {
+    Delivered {
+        at: NaiveDateTime,
+    },
+    Retry {
+        due: NaiveDateTime,
+        error: &'a str,
+    },
+    /// With the number of attempts actually made.
+    Dead {
+        error: &'a str,
+        attempts: i32,
+    },
+}
+
+/// The outbox statements, implemented by the diesel connection types only;
+/// the relay in `mod.rs` is written against this trait alone.
+pub trait OutboxBackend: Backend {
+    /// Leases up to `limit` pending messages due at `now`, oldest first:
+    /// each gets one more attempt, `lease_token` and `available_at =
+    /// lease_until`, so no other relay claims it before the lease runs out.
+    /// Runs inside the caller's write transaction.
+    #[doc(hidden)]
+    fn claim_batch(
+        &mut self,
+        now: NaiveDateTime,
+        lease_until: NaiveDateTime,
+        lease_token: &str,
+        limit: usize,
+    ) -> QueryResult<Vec<Claimed>>;
+
+    /// Writes a new message.
+    #[doc(hidden)]
+    fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()>;
+
+    /// Records how an attempt ended; `false` when the lease was taken over
+    /// (or the message requeued) and nothing was written.
+    #[doc(hidden)]
+    fn settle(&mut self, id: &str, lease_token: &str, settlement: Settlement<'_>) -> QueryResult<bool>;
+
+    /// Up to `limit` dead messages, oldest first.
+    #[doc(hidden)]
+    fn dead_messages(&mut self, limit: usize) -> QueryResult<Vec<DeadRow>>;
+
+    /// Makes a dead message pending again with fresh attempts, due at once.
+    #[doc(hidden)]
+    fn requeue(&mut self, id: &str) -> QueryResult<bool>;
+
+    /// Deletes at most `limit` messages delivered at or before `cutoff`.
+    #[doc(hidden)]
+    fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
+}
+
+/// The methods of [`OutboxBackend`] whose DSL is the same on every backend,
+/// expanded into each backend's impl (see `crate::store::shared_queries`
+/// for why a macro rather than generic functions).
+macro_rules! shared_queries {
+    () => {
+        fn insert_message(&mut self, message: &$crate::outbox::store::NewMessage<'_>) -> diesel::QueryResult<()> {
+            use diesel::prelude::*;
+            diesel::insert_into(crate::schema::idempotency_outbox::table)
+                .values(message)
+                .execute(self)?;
+            Ok(())
+        }
+
+        fn settle(
+            &mut self,
+            id: &str,
+            lease_token: &str,
+            settlement: $crate::outbox::store::Settlement<'_>,
+        ) -> diesel::QueryResult<bool> {
+            use crate::outbox::store::{DEAD, DELIVERED, PENDING, Settlement};
+            use crate::schema::idempotency_outbox as o;
+            use diesel::prelude::*;
+            let held = o::table
+                .filter(o::id.eq(id))
+                .filter(o::status.eq(PENDING))
+                .filter(o::lease_token.eq(lease_token));
+            let updated = match settlement {
+                Settlement::Delivered { at } => diesel::update(held)
+                    .set((
+                        o::status.eq(DELIVERED),
+                        o::delivered_at.eq(at),
+                        o::lease_token.eq(None::<String>),
+                    ))
+                    .execute(self)?,
+                Settlement::Retry { due, error } => diesel::update(held)
+                    .set((
+                        o::available_at.eq(due),
+                        o::last_error.eq(error),
+                        o::lease_token.eq(None::<String>),
+                    ))
+                    .execute(self)?,
+                Settlement::Dead { error, attempts } => diesel::update(held)
+                    .set((
+                        o::status.eq(DEAD),
+                        o::attempts.eq(attempts),
+                        o::last_error.eq(error),
+                        o::lease_token.eq(None::<String>),
+                    ))
+                    .execute(self)?,
+            };
+            Ok(updated == 1)
+        }
+
+        fn dead_messages(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::outbox::store::DeadRow>> {
+            use crate::outbox::store::DEAD;
+            use crate::schema::idempotency_outbox as o;
+            use diesel::prelude::*;
+            o::table
+                .filter(o::status.eq(DEAD))
+                .order(o::id)
+                .limit(i64::try_from(limit).unwrap_or(i64::MAX))
+                .select((
+                    o::id,
+                    o::topic,
+                    o::payload,
+                    o::attempts,
+                    o::last_error,
+                    o::created_at,
+                ))
+                .load(self)
+        }
+
+        fn requeue(&mut self, id: &str) -> diesel::QueryResult<bool> {
+            use crate::outbox::store::{DEAD, PENDING};
+            use crate::schema::idempotency_outbox as o;
+            use diesel::prelude::*;
+            let updated = diesel::update(o::table.filter(o::id.eq(id)).filter(o::status.eq(DEAD)))
+                .set((
+                    o::status.eq(PENDING),
+                    o::attempts.eq(0),
+                    o::available_at.eq(None::<chrono::NaiveDateTime>),
+                    o::lease_token.eq(None::<String>),
+                ))
+                .execute(self)?;
+            Ok(updated == 1)
+        }
+    };
+}
+pub(crate) use shared_queries;
