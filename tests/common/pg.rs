@@ -57,10 +57,7 @@ impl Db {
     }
 
     pub fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
-        Pool::builder()
-            .max_size(size)
-            .build(ConnectionManager::new(&self.url))
-            .expect("build a pool")
+        pool_at(&self.url, size)
     }
 }
 
