@@ -289,24 +289,39 @@ where
     R: PartialEq + Debug,
     E: Debug,
 {
-    let first = match call(conn) {
+    let first = expect_executed(call(conn), "lost_response: the first call", "its key was already spent");
+    expect_replay_of(call(conn), &first, "lost_response: the retry", "");
+    first
+}
+
+/// The value of a call that must have executed; panics naming the story
+/// otherwise, with `hint` on what usually causes a replay there.
+fn expect_executed<R: Debug, E: Debug>(result: Result<Outcome<R>, Error<E>>, call: &str, hint: &str) -> R {
+    match result {
         Ok(Outcome::Executed(value)) => value,
-        Ok(Outcome::Replayed(value)) => {
-            panic!("lost_response: the first call replayed {value:?}; its key was already spent")
-        }
-        Err(error) => panic!("lost_response: the first call failed: {error:?}"),
-    };
-    match call(conn) {
+        Ok(Outcome::Replayed(value)) => panic!("{call} replayed {value:?}; {hint}"),
+        Err(error) => panic!("{call} failed: {error:?}"),
+    }
+}
+
+/// Checks that a call replayed `first`; panics naming the story otherwise,
+/// with `hint` on what usually causes a new execution there.
+fn expect_replay_of<R: PartialEq + Debug, E: Debug>(
+    result: Result<Outcome<R>, Error<E>>,
+    first: &R,
+    call: &str,
+    hint: &str,
+) {
+    match result {
         Ok(Outcome::Replayed(replay)) => {
             assert_eq!(
-                replay, first,
-                "lost_response: the retry replayed another result than the first call returned"
+                &replay, first,
+                "{call} replayed another result than the first call returned"
             )
         }
-        Ok(Outcome::Executed(value)) => panic!("lost_response: the retry executed again and returned {value:?}"),
-        Err(error) => panic!("lost_response: the retry failed: {error:?}"),
+        Ok(Outcome::Executed(value)) => panic!("{call} executed again ({value:?}){hint}"),
+        Err(error) => panic!("{call} failed: {error:?}"),
     }
-    first
 }
 
 /// The worker crashes after the operation wrote to the database and before
@@ -485,35 +500,25 @@ where
     R: PartialEq + Debug,
     E: Debug,
 {
-    let first = match call(conn) {
-        Ok(Outcome::Executed(value)) => value,
-        Ok(Outcome::Replayed(value)) => {
-            panic!("retry_after_expiry: the first call replayed {value:?}; its key was already spent")
-        }
-        Err(error) => panic!("retry_after_expiry: the first call failed: {error:?}"),
-    };
+    let first = expect_executed(
+        call(conn),
+        "retry_after_expiry: the first call",
+        "its key was already spent",
+    );
     let just_before = retention - Duration::milliseconds(1);
     clock.advance(just_before);
-    match call(conn) {
-        Ok(Outcome::Replayed(replay)) => assert_eq!(
-            replay, first,
-            "retry_after_expiry: the retry within the retention replayed another result than the first call returned"
-        ),
-        Ok(Outcome::Executed(value)) => panic!(
-            "retry_after_expiry: the retry 1 ms before the retention ended executed again ({value:?}); \
-             is the call's retention longer than the one given here?"
-        ),
-        Err(error) => panic!("retry_after_expiry: the retry within the retention failed: {error:?}"),
-    }
+    expect_replay_of(
+        call(conn),
+        &first,
+        "retry_after_expiry: the retry 1 ms before the retention ended",
+        "; is the call's retention longer than the one given here?",
+    );
     clock.advance(retention - just_before);
-    let second = match call(conn) {
-        Ok(Outcome::Executed(value)) => value,
-        Ok(Outcome::Replayed(value)) => panic!(
-            "retry_after_expiry: the retry after the retention replayed {value:?}; \
-             does the call's Config use this clock and this retention?"
-        ),
-        Err(error) => panic!("retry_after_expiry: the retry after the retention failed: {error:?}"),
-    };
+    let second = expect_executed(
+        call(conn),
+        "retry_after_expiry: the retry after the retention",
+        "does the call's Config use this clock and this retention?",
+    );
     (first, second)
 }
 
