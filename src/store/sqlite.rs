@@ -28,15 +28,12 @@ impl sealed::Sealed for SqliteConnection {}
 
 /// Makes the connection's busy timeout follow the in-flight policy.
 fn apply_busy_timeout(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryResult<()> {
-    set_busy_timeout(conn, in_flight.wait_millis())
+    conn.batch_execute(&busy_timeout_sql(in_flight.wait_millis()))
 }
 
-fn set_busy_timeout(conn: &mut SqliteConnection, millis: i64) -> QueryResult<()> {
+fn busy_timeout_sql(millis: i64) -> String {
     // A PRAGMA takes no bound parameters; the value is an integer of ours.
-    conn.batch_execute(&format!(
-        "PRAGMA busy_timeout = {}",
-        millis.clamp(0, i64::from(i32::MAX))
-    ))
+    format!("PRAGMA busy_timeout = {}", millis.clamp(0, i64::from(i32::MAX)))
 }
 
 /// How long a writer waiting for the write lock sleeps between attempts: it
@@ -49,24 +46,30 @@ const WRITE_LOCK_MAX_POLL: Duration = Duration::from_millis(2);
 
 /// Opens a `BEGIN IMMEDIATE` transaction, retrying at short intervals while
 /// another connection holds the write lock, for as long as `in_flight`
-/// allows.
+/// allows. The connection keeps the policy's busy timeout for what the
+/// caller does with it afterwards, as it did before the wait.
 fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryResult<()> {
     let deadline = Instant::now() + Duration::from_millis(u64::try_from(in_flight.wait_millis()).unwrap_or(0));
-    set_busy_timeout(conn, 0)?;
+    // One call in the common case, where the lock is free. Setting the busy
+    // timeout cannot fail, so the batch stops, if at all, at BEGIN.
+    let attempt = format!(
+        "PRAGMA busy_timeout = 0; BEGIN IMMEDIATE; {}",
+        busy_timeout_sql(in_flight.wait_millis())
+    );
     let mut poll = WRITE_LOCK_FIRST_POLL;
-    let begun = loop {
-        match AnsiTransactionManager::begin_transaction_sql(conn, "BEGIN IMMEDIATE") {
+    loop {
+        match AnsiTransactionManager::begin_transaction_sql(conn, &attempt) {
             Err(error) if SqliteConnection::is_in_flight_timeout(&error) && Instant::now() < deadline => {
                 std::thread::sleep(poll);
                 poll = (poll * 2).min(WRITE_LOCK_MAX_POLL);
             }
-            result => break result,
+            Err(error) => {
+                apply_busy_timeout(conn, in_flight)?;
+                return Err(error);
+            }
+            Ok(()) => return Ok(()),
         }
-    };
-    // The connection keeps the policy's busy timeout for what the caller
-    // does with it afterwards, as it did before the wait.
-    apply_busy_timeout(conn, in_flight)?;
-    begun
+    }
 }
 
 impl Backend for SqliteConnection {
