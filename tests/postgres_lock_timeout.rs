@@ -3,6 +3,8 @@
 //! `lock_timeout`.
 #![cfg(feature = "postgres")]
 
+// The PostgreSQL part of the harness alone: its test macro goes unused.
+#[allow(unused_imports)]
 mod common;
 
 use diesel::connection::SimpleConnection;
