@@ -56,7 +56,7 @@ const FULL: Sizes = Sizes {
     scaling_time: Duration::from_millis(1500),
     large_records: 1_000_000,
     large_rounds: 15,
-    purge_batch: 1000,
+    purge_batch: 500,
 };
 
 const QUICK: Sizes = Sizes {
@@ -67,7 +67,7 @@ const QUICK: Sizes = Sizes {
     scaling_time: Duration::from_millis(300),
     large_records: 20_000,
     large_rounds: 3,
-    purge_batch: 1000,
+    purge_batch: 500,
 };
 
 const CONTENTION_THREADS: usize = 32;
@@ -379,12 +379,14 @@ fn print_report(report: &Value, quick: bool) {
     );
     let purge = &report["purge"];
     println!(
-        "purge ({} expired records, {} per batch): {:.0} rows/s, longest batch {:.1} ms, median batch {:.1} ms",
+        "purge ({} expired records, {} per batch): {:.0} rows/s; batches: longest {:.1} ms, p99 {:.1} ms, median {:.1} ms, first {:.1} ms",
         purge["rows"],
         purge["batch_size"],
         purge["rows_per_s"].as_f64().unwrap_or(f64::NAN),
         purge["max_batch_ms"].as_f64().unwrap_or(f64::NAN),
+        purge["p99_batch_ms"].as_f64().unwrap_or(f64::NAN),
         purge["median_batch_ms"].as_f64().unwrap_or(f64::NAN),
+        purge["first_batch_ms"].as_f64().unwrap_or(f64::NAN),
     );
     if let Some(profile) = report["statement_profile"].as_array() {
         println!();
@@ -784,6 +786,8 @@ macro_rules! scenarios {
                 "batches": batches.len(),
                 "rows_per_s": (rows as f64 / elapsed).round(),
                 "max_batch_ms": round3(percentile(&batches, 100.0)),
+                "p99_batch_ms": round3(percentile(&batches, 99.0)),
+                "first_batch_ms": round3(batches.first().copied().unwrap_or(f64::NAN)),
                 "median_batch_ms": round3(median(&batches)),
             });
             (large_table, purge)
