@@ -1,7 +1,6 @@
 //! PostgreSQL: the in-flight policy bounds the claim alone. The operation
 //! runs, and the caller's transaction goes on, under the caller's own
-//! `lock_timeout`.
-#![cfg(feature = "postgres")]
+//! `lock_timeout`. Built with the `postgres` feature only (Cargo.toml).
 
 // The PostgreSQL part of the harness alone: its test macro goes unused.
 #[allow(unused_imports)]
