@@ -2,8 +2,6 @@
 //! runs, and the caller's transaction goes on, under the caller's own
 //! `lock_timeout`. Built with the `postgres` feature only (Cargo.toml).
 
-// The PostgreSQL part of the harness alone: its test macro goes unused.
-#[allow(unused_imports)]
 mod common;
 
 use diesel::connection::SimpleConnection;
