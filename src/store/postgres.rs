@@ -53,10 +53,6 @@ fn apply_lock_timeout_sql(in_flight: InFlight) -> String {
     )
 }
 
-/// Puts the caller's `lock_timeout` back after a claim that took no row.
-const RESTORE_LOCK_TIMEOUT: &str =
-    "SELECT set_config('lock_timeout', current_setting('idempotency.caller_lock_timeout'), true)";
-
 impl Backend for PgConnection {
     fn write_transaction<T, E>(
         &mut self,
@@ -119,7 +115,7 @@ impl Backend for PgConnection {
         if taken_over.is_none() && transaction_depth(self)? > 1 {
             // Inside a caller's transaction the setting would outlive this
             // call's savepoint.
-            self.batch_execute(RESTORE_LOCK_TIMEOUT)?;
+            diesel::select(restore_lock_timeout).execute(self)?;
         }
         Ok(taken_over.is_some())
     }
