@@ -173,6 +173,31 @@ pub(crate) fn transaction_depth<C: Backend>(conn: &mut C) -> QueryResult<u32> {
     Ok(depth.map_or(0, |depth| depth.get()))
 }
 
+/// Runs `f` in a transaction opened by `begin` (which must open exactly one
+/// level), committing if `f` succeeds and rolling back otherwise, as
+/// diesel's own `transaction` does for its fixed `BEGIN`.
+pub(crate) fn transaction_with<C, T, E>(
+    conn: &mut C,
+    begin: impl FnOnce(&mut C) -> QueryResult<()>,
+    f: impl FnOnce(&mut C) -> Result<T, E>,
+) -> Result<T, E>
+where
+    C: Backend,
+    E: From<diesel::result::Error>,
+{
+    begin(conn)?;
+    match f(conn) {
+        Ok(value) => {
+            AnsiTransactionManager::commit_transaction(conn)?;
+            Ok(value)
+        }
+        Err(error) => match AnsiTransactionManager::rollback_transaction(conn) {
+            Ok(()) | Err(diesel::result::Error::BrokenTransactionManager) => Err(error),
+            Err(rollback_error) => Err(rollback_error.into()),
+        },
+    }
+}
+
 /// Rolls back the levels an operation opened and left open when it panicked,
 /// so that the caller's own level can be rolled back as usual.
 pub(crate) fn unwind_to_depth<C: Backend>(conn: &mut C, depth: u32) -> QueryResult<()> {

@@ -2,16 +2,19 @@
 //! key blocks on the primary key index until the holder commits (the waiter
 //! then finds the record and replays) or rolls back (the waiter's insert goes
 //! through and it executes). The in-flight policy bounds that wait with a
-//! `lock_timeout` set for the claim statement alone.
+//! `lock_timeout` that is set with `BEGIN`, in the same round trip, and put
+//! back by the claim itself, so it bounds the claim and not the operation.
 
 use chrono::NaiveDateTime;
+use diesel::connection::{AnsiTransactionManager, SimpleConnection};
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{BigInt, Text, Timestamp};
+use diesel::sql_types::{BigInt, Bool, Text, Timestamp};
 
-use super::{Backend, NewRecord, StoreConnection, sealed};
+use super::{Backend, NewRecord, StoreConnection, sealed, transaction_depth, transaction_with};
 use crate::config::InFlight;
+use crate::schema::idempotency_keys as k;
 
 impl StoreConnection for PgConnection {
     type Raw = Self;
@@ -23,72 +26,98 @@ impl StoreConnection for PgConnection {
 
 impl sealed::Sealed for PgConnection {}
 
-/// The claim in one round trip: set `lock_timeout` for this transaction,
-/// insert or take over an expired record, and put the caller's
-/// `lock_timeout` back, so the wait bound applies to the claim and not to
-/// the operation that follows. diesel's DSL cannot express the settings, and
-/// three statements would cost three round trips on every call.
-///
-/// The insert reads its row from `timeout`, so the new setting is in force
-/// before it can wait; the final projection runs after the insert finished.
-/// Only a record whose retention has ended is taken over; `RETURNING` yields
-/// a row exactly when the key became this transaction's.
-const CLAIM: &str = "\
-WITH timeout AS MATERIALIZED (
-    SELECT current_setting('lock_timeout') AS previous, set_config('lock_timeout', $6, true) AS applied
-), claimed AS (
-    INSERT INTO idempotency_keys AS k
-        (scope, idempotency_key, request_hash, status, created_at, expires_at)
-    SELECT $1, $2, $3, $4, $5, $7 FROM timeout
-    ON CONFLICT (scope, idempotency_key) DO UPDATE SET
-        request_hash = EXCLUDED.request_hash,
-        status = EXCLUDED.status,
-        response = NULL,
-        created_at = EXCLUDED.created_at,
-        completed_at = NULL,
-        expires_at = EXCLUDED.expires_at
-    WHERE k.expires_at <= EXCLUDED.created_at
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM claimed) AS claimed, set_config('lock_timeout', previous, true) AS restored
-FROM timeout";
-
-#[derive(QueryableByName)]
-struct ClaimRow {
-    #[diesel(sql_type = BigInt)]
-    claimed: i64,
+diesel::define_sql_function! {
+    /// PostgreSQL's `set_config(name, value, is_local)`.
+    fn set_config(name: Text, value: Text, is_local: Bool) -> Text;
 }
 
-/// `lock_timeout` for the policy. Zero would mean "no limit" to PostgreSQL,
-/// so rejecting at once is the smallest wait it accepts.
-fn lock_timeout(in_flight: InFlight) -> String {
-    format!("{}ms", in_flight.wait_millis().max(1))
+diesel::define_sql_function! {
+    /// PostgreSQL's `current_setting(name)`.
+    fn current_setting(name: Text) -> Text;
+}
+
+/// Where the caller's `lock_timeout` waits while the claim runs under the
+/// policy's; a placeholder setting, local to the transaction.
+const SAVED_LOCK_TIMEOUT: &str = "idempotency.caller_lock_timeout";
+
+/// Saves the caller's `lock_timeout` and puts the policy's in force, so the
+/// claim's wait for a key held elsewhere is bounded. Both settings are local
+/// to the transaction. Zero would mean "no limit" to PostgreSQL, so rejecting
+/// at once is the smallest wait it accepts. A statement that takes no bound
+/// parameters: the only value in it is an integer of ours.
+fn apply_lock_timeout_sql(in_flight: InFlight) -> String {
+    format!(
+        "SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true), \
+         set_config('lock_timeout', '{}ms', true)",
+        in_flight.wait_millis().max(1)
+    )
 }
 
 impl Backend for PgConnection {
     fn write_transaction<T, E>(
         &mut self,
-        _in_flight: InFlight,
+        in_flight: InFlight,
         f: impl FnOnce(&mut Self) -> Result<T, E>,
     ) -> Result<T, E>
     where
         E: From<DieselError>,
     {
-        // diesel opens a transaction, or a savepoint inside an open one.
-        self.transaction(f)
+        if transaction_depth(self)? == 0 {
+            // The lock timeout travels with BEGIN: one round trip, not two.
+            let begin = format!("BEGIN; {}", apply_lock_timeout_sql(in_flight));
+            transaction_with(
+                self,
+                |conn| AnsiTransactionManager::begin_transaction_sql(conn, &begin),
+                f,
+            )
+        } else {
+            self.transaction(|conn| {
+                conn.batch_execute(&apply_lock_timeout_sql(in_flight))?;
+                f(conn)
+            })
+        }
     }
 
-    fn claim(&mut self, record: &NewRecord<'_>, in_flight: InFlight) -> QueryResult<bool> {
-        let row: ClaimRow = diesel::sql_query(CLAIM)
-            .bind::<Text, _>(record.scope)
-            .bind::<Text, _>(record.idempotency_key)
-            .bind::<Text, _>(record.request_hash)
-            .bind::<Text, _>(record.status)
-            .bind::<Timestamp, _>(record.created_at)
-            .bind::<Text, _>(lock_timeout(in_flight))
-            .bind::<Timestamp, _>(record.expires_at)
-            .get_result(self)?;
-        Ok(row.claimed == 1)
+    fn claim(&mut self, record: &NewRecord<'_>, _in_flight: InFlight) -> QueryResult<bool> {
+        // Statements that diesel prepares once per connection and caches, so
+        // the server does not parse and plan them on every call. `RETURNING`
+        // runs only for a row this transaction now holds, and gives the
+        // operation that follows the caller's lock timeout back.
+        //
+        // DO NOTHING, not DO UPDATE: a fresh key, the common case, costs the
+        // server measurably less that way. A record that is already there
+        // is taken over by a second, guarded statement only if its
+        // retention has ended; of two requests taking over the same record,
+        // the second waits for the first and then finds it unexpired.
+        let restore_lock_timeout = set_config("lock_timeout", current_setting(SAVED_LOCK_TIMEOUT), true);
+        let inserted = diesel::insert_into(k::table)
+            .values(record)
+            .on_conflict_do_nothing()
+            .returning(restore_lock_timeout)
+            .get_result::<String>(self)
+            .optional()?;
+        if inserted.is_some() {
+            return Ok(true);
+        }
+        let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
+            .filter(k::expires_at.le(record.created_at))
+            .set((
+                k::request_hash.eq(record.request_hash),
+                k::status.eq(record.status),
+                k::response.eq(None::<String>),
+                k::created_at.eq(record.created_at),
+                k::completed_at.eq(None::<NaiveDateTime>),
+                k::expires_at.eq(record.expires_at),
+            ))
+            .returning(restore_lock_timeout)
+            .get_result::<String>(self)
+            .optional()?;
+        if taken_over.is_none() && transaction_depth(self)? > 1 {
+            // Inside a caller's transaction the setting would outlive this
+            // call's savepoint.
+            diesel::select(restore_lock_timeout).execute(self)?;
+        }
+        Ok(taken_over.is_some())
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {

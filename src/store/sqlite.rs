@@ -1,8 +1,10 @@
 //! SQLite: one writer at a time, so a claim first takes the database's write
 //! lock (`BEGIN IMMEDIATE`) and the in-flight policy bounds the wait for it.
 
+use std::time::{Duration, Instant};
+
 use chrono::NaiveDateTime;
-use diesel::connection::SimpleConnection;
+use diesel::connection::{AnsiTransactionManager, SimpleConnection};
 use diesel::prelude::*;
 use diesel::query_dsl::methods::FilterDsl;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
@@ -10,7 +12,7 @@ use diesel::sql_types::{BigInt, Timestamp};
 use diesel::sqlite::SqliteConnection;
 use diesel::upsert::excluded;
 
-use super::{Backend, NewRecord, StoreConnection, sealed, transaction_depth};
+use super::{Backend, NewRecord, StoreConnection, sealed, transaction_depth, transaction_with};
 use crate::config::InFlight;
 use crate::schema::idempotency_keys as k;
 
@@ -26,11 +28,48 @@ impl sealed::Sealed for SqliteConnection {}
 
 /// Makes the connection's busy timeout follow the in-flight policy.
 fn apply_busy_timeout(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryResult<()> {
+    conn.batch_execute(&busy_timeout_sql(in_flight.wait_millis()))
+}
+
+fn busy_timeout_sql(millis: i64) -> String {
     // A PRAGMA takes no bound parameters; the value is an integer of ours.
-    conn.batch_execute(&format!(
-        "PRAGMA busy_timeout = {}",
-        in_flight.wait_millis().clamp(0, i64::from(i32::MAX))
-    ))
+    format!("PRAGMA busy_timeout = {}", millis.clamp(0, i64::from(i32::MAX)))
+}
+
+/// How long a writer waiting for the write lock sleeps between attempts: it
+/// starts short and doubles up to the cap. SQLite's own busy handler backs
+/// off to 100 ms sleeps, so a writer queued behind a few short transactions
+/// would wait far longer than they take; a fixed short sleep would spend the
+/// holder's CPU on waiters that keep trying.
+const WRITE_LOCK_FIRST_POLL: Duration = Duration::from_micros(100);
+const WRITE_LOCK_MAX_POLL: Duration = Duration::from_millis(2);
+
+/// Opens a `BEGIN IMMEDIATE` transaction, retrying at short intervals while
+/// another connection holds the write lock, for as long as `in_flight`
+/// allows. The connection keeps the policy's busy timeout for what the
+/// caller does with it afterwards, as it did before the wait.
+fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryResult<()> {
+    let deadline = Instant::now() + Duration::from_millis(u64::try_from(in_flight.wait_millis()).unwrap_or(0));
+    // One call in the common case, where the lock is free. Setting the busy
+    // timeout cannot fail, so the batch stops, if at all, at BEGIN.
+    let attempt = format!(
+        "PRAGMA busy_timeout = 0; BEGIN IMMEDIATE; {}",
+        busy_timeout_sql(in_flight.wait_millis())
+    );
+    let mut poll = WRITE_LOCK_FIRST_POLL;
+    loop {
+        match AnsiTransactionManager::begin_transaction_sql(conn, &attempt) {
+            Err(error) if SqliteConnection::is_in_flight_timeout(&error) && Instant::now() < deadline => {
+                std::thread::sleep(poll);
+                poll = (poll * 2).min(WRITE_LOCK_MAX_POLL);
+            }
+            Err(error) => {
+                apply_busy_timeout(conn, in_flight)?;
+                return Err(error);
+            }
+            Ok(()) => return Ok(()),
+        }
+    }
 }
 
 impl Backend for SqliteConnection {
@@ -42,13 +81,13 @@ impl Backend for SqliteConnection {
     where
         E: From<DieselError>,
     {
-        apply_busy_timeout(self, in_flight)?;
         if transaction_depth(self)? == 0 {
             // A deferred BEGIN would take the write lock only at the first
             // write, and two racing writers would then fail with "database
             // is locked" instead of waiting for each other.
-            self.immediate_transaction(f)
+            transaction_with(self, |conn| begin_immediate(conn, in_flight), f)
         } else {
+            apply_busy_timeout(self, in_flight)?;
             self.transaction(f)
         }
     }

@@ -1,0 +1,985 @@
+//! What an idempotent call costs next to the domain transaction alone, on a
+//! SQLite file database or on PostgreSQL, all scenarios measured in one run.
+//!
+//! ```text
+//! cargo bench --bench overhead -- --backend sqlite [--quick] [--json FILE] [--statements]
+//! cargo bench --features postgres --bench overhead -- --backend postgres [--quick] [--json FILE] [--statements]
+//! ```
+//!
+//! The domain operation is one `INSERT` of an order row. Per-call figures
+//! are medians over rounds in which the scenarios take turns call by call
+//! (their order rotating), so a disturbance on the machine hits all of them
+//! alike and every ratio compares figures of the same run. `--quick` cuts
+//! every count so that a run takes seconds; CI uses it to keep the bench
+//! working, not to judge speed. `--statements` adds, per scenario, every
+//! statement sent and its mean time from send to result.
+//!
+//! PostgreSQL reads `DATABASE_URL` and works in schemas of its own, dropped
+//! at the end. SQLite works on WAL files in a temporary directory with
+//! `synchronous = FULL`, so that every commit is durable, as on PostgreSQL.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// How much work each scenario gets.
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    /// Rounds of the interleaved single-connection scenarios.
+    rounds: usize,
+    /// Calls of each scenario per round.
+    calls: usize,
+    /// Rounds of the contention scenario, each with a key of its own.
+    contention_rounds: usize,
+    /// Rounds of the scaling scenario, each visiting every thread count.
+    scaling_rounds: usize,
+    /// How long each thread count runs in one scaling round.
+    scaling_time: Duration,
+    /// Existing records in the large table, all expired, later purged.
+    large_records: i64,
+    /// Rounds of the large-table comparison.
+    large_rounds: usize,
+    /// Rows per purge batch.
+    purge_batch: usize,
+}
+
+const FULL: Sizes = Sizes {
+    rounds: 21,
+    calls: 100,
+    contention_rounds: 10,
+    scaling_rounds: 5,
+    scaling_time: Duration::from_millis(1500),
+    large_records: 1_000_000,
+    large_rounds: 15,
+    purge_batch: 500,
+};
+
+const QUICK: Sizes = Sizes {
+    rounds: 5,
+    calls: 30,
+    contention_rounds: 2,
+    scaling_rounds: 1,
+    scaling_time: Duration::from_millis(300),
+    large_records: 20_000,
+    large_rounds: 3,
+    purge_batch: 500,
+};
+
+const CONTENTION_THREADS: usize = 32;
+const CONTENTION_OP: Duration = Duration::from_millis(10);
+const SCALING_THREADS: [usize; 5] = [1, 2, 4, 8, 16];
+const SCENARIOS: [&str; 5] = ["baseline", "floor", "first", "two_phase", "replay"];
+
+struct Args {
+    backend: String,
+    quick: bool,
+    json: Option<PathBuf>,
+    statements: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut backend = None;
+    let mut quick = false;
+    let mut json = None;
+    let mut statements = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--backend" => backend = Some(args.next().ok_or("--backend needs sqlite or postgres")?),
+            "--quick" => quick = true,
+            "--statements" => statements = true,
+            "--json" => json = Some(PathBuf::from(args.next().ok_or("--json needs a file name")?)),
+            // cargo bench passes --bench to every bench binary.
+            "--bench" => {}
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    let backend = backend.ok_or("usage: overhead --backend sqlite|postgres [--quick] [--json FILE] [--statements]")?;
+    Ok(Args {
+        backend,
+        quick,
+        json,
+        statements,
+    })
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("{message}");
+            return ExitCode::from(2);
+        }
+    };
+    let sizes = if args.quick { QUICK } else { FULL };
+    let report = match args.backend.as_str() {
+        #[cfg(feature = "sqlite")]
+        "sqlite" => sqlite::run(sizes, args.statements),
+        #[cfg(not(feature = "sqlite"))]
+        "sqlite" => {
+            eprintln!("the sqlite backend is not compiled in: build with the sqlite feature");
+            return ExitCode::from(2);
+        }
+        #[cfg(feature = "postgres")]
+        "postgres" => postgres::run(sizes, args.statements),
+        #[cfg(not(feature = "postgres"))]
+        "postgres" => {
+            eprintln!(
+                "the postgres backend is not compiled in: run \
+                 cargo bench --features postgres --bench overhead -- --backend postgres"
+            );
+            return ExitCode::from(2);
+        }
+        other => {
+            eprintln!("unknown backend {other}: use sqlite or postgres");
+            return ExitCode::from(2);
+        }
+    };
+    print_report(&report, args.quick);
+    if let Some(path) = args.json {
+        let text = serde_json::to_string_pretty(&report).expect("serialize the report");
+        if let Err(error) = std::fs::write(&path, text + "\n") {
+            eprintln!("cannot write {}: {error}", path.display());
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// The median of `values`; the mean of the middle two for an even count.
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let mid = sorted.len() / 2;
+    if sorted.len() % 2 == 0 {
+        (sorted[mid - 1] + sorted[mid]) / 2.0
+    } else {
+        sorted[mid]
+    }
+}
+
+/// The nearest-rank percentile `p` (0..=100) of `values`.
+fn percentile(values: &[f64], p: f64) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn round3(value: f64) -> f64 {
+    (value * 1000.0).round() / 1000.0
+}
+
+/// Fresh keys shaped like the random identifiers clients send (32 hex
+/// digits), so inserts land all over the key index rather than at its end.
+struct Keys(u64);
+
+impl Keys {
+    fn new(seed: u64) -> Keys {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Keys(seed ^ nanos | 1)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        // xorshift64*
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn next_key(&mut self) -> String {
+        format!("{:016x}{:016x}", self.next_u64(), self.next_u64())
+    }
+}
+
+/// Counts the statements a connection sends: on PostgreSQL each is one
+/// round trip to the server.
+#[derive(Clone, Default)]
+struct StatementCounter(Arc<AtomicU64>);
+
+impl StatementCounter {
+    fn instrumentation(&self) -> impl diesel::connection::Instrumentation {
+        let count = Arc::clone(&self.0);
+        move |event: diesel::connection::InstrumentationEvent<'_>| {
+            if let diesel::connection::InstrumentationEvent::StartQuery { .. } = event {
+                count.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn take(&self) -> u64 {
+        self.0.swap(0, Ordering::Relaxed)
+    }
+}
+
+/// Records how long each purge batch (one `DELETE` statement, its own
+/// transaction) takes from start to commit.
+#[derive(Clone, Default)]
+struct BatchTimer(Arc<Mutex<(Option<Instant>, Vec<f64>)>>);
+
+impl BatchTimer {
+    fn instrumentation(&self) -> impl diesel::connection::Instrumentation {
+        let state = Arc::clone(&self.0);
+        move |event: diesel::connection::InstrumentationEvent<'_>| {
+            use diesel::connection::InstrumentationEvent::{FinishQuery, StartQuery};
+            let mut state = state.lock().expect("batch timer");
+            match event {
+                StartQuery { query, .. } if query.to_string().contains("DELETE") => state.0 = Some(Instant::now()),
+                FinishQuery { .. } => {
+                    if let Some(start) = state.0.take() {
+                        state.1.push(start.elapsed().as_secs_f64() * 1000.0);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn batches_ms(&self) -> Vec<f64> {
+        std::mem::take(&mut self.0.lock().expect("batch timer").1)
+    }
+}
+
+/// Per scenario and statement: how many were sent and their mean time from
+/// send to result, which on PostgreSQL includes the round trip.
+type Profile = Vec<(String, String, f64, f64)>;
+
+/// Times every statement of the single-connection scenarios (`--statements`).
+/// Reading a statement's text costs time of its own, so the per-call figures
+/// of a run with it are not the ones to quote.
+#[derive(Clone, Default)]
+struct Profiler(Arc<Mutex<ProfilerState>>);
+
+#[derive(Default)]
+struct ProfilerState {
+    scenario: &'static str,
+    started: Option<(String, Instant)>,
+    totals: BTreeMap<(&'static str, String), (u64, f64)>,
+}
+
+impl Profiler {
+    fn instrumentation(&self, counter: StatementCounter) -> impl diesel::connection::Instrumentation {
+        let state = Arc::clone(&self.0);
+        move |event: diesel::connection::InstrumentationEvent<'_>| {
+            use diesel::connection::InstrumentationEvent::{FinishQuery, StartQuery};
+            let mut state = state.lock().expect("profiler");
+            match event {
+                StartQuery { query, .. } => {
+                    counter.0.fetch_add(1, Ordering::Relaxed);
+                    let text = query.to_string();
+                    let sql = text.split(" -- binds").next().unwrap_or_default();
+                    let label: String = sql
+                        .split_whitespace()
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                        .chars()
+                        .take(64)
+                        .collect();
+                    state.started = Some((label, Instant::now()));
+                }
+                FinishQuery { .. } => {
+                    if let Some((label, start)) = state.started.take() {
+                        let scenario = state.scenario;
+                        let entry = state.totals.entry((scenario, label)).or_default();
+                        entry.0 += 1;
+                        entry.1 += start.elapsed().as_secs_f64() * 1e6;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn enter(&self, scenario: &'static str) {
+        self.0.lock().expect("profiler").scenario = scenario;
+    }
+
+    fn reset(&self) {
+        self.0.lock().expect("profiler").totals.clear();
+    }
+
+    /// Statements per call and mean µs per statement, for `calls` calls of
+    /// each scenario.
+    fn report(&self, calls: usize) -> Profile {
+        let state = self.0.lock().expect("profiler");
+        state
+            .totals
+            .iter()
+            .map(|((scenario, label), (count, total))| {
+                (
+                    scenario.to_string(),
+                    label.clone(),
+                    round3(*count as f64 / calls as f64),
+                    round3(total / *count as f64),
+                )
+            })
+            .collect()
+    }
+}
+
+fn print_report(report: &Value, quick: bool) {
+    let per_call = &report["per_call_us"];
+    let statements = &report["statements_per_call"];
+    println!();
+    println!(
+        "backend: {}{}   (medians of {} rounds of {} calls per scenario, the scenarios taking turns call by call)",
+        report["backend"].as_str().unwrap_or("?"),
+        if quick { ", quick" } else { "" },
+        report["rounds"],
+        report["calls_per_round"],
+    );
+    println!();
+    println!("| scenario  | µs per call | statements per call |");
+    println!("| --------- | ----------: | ------------------: |");
+    for name in SCENARIOS {
+        println!(
+            "| {name:<9} | {:>11.1} | {:>19} |",
+            per_call[name].as_f64().unwrap_or(f64::NAN),
+            statements[name]
+        );
+    }
+    println!();
+    println!("| ratio                | value |");
+    println!("| -------------------- | ----: |");
+    for (name, value) in report["ratios"].as_object().into_iter().flatten() {
+        println!("| {name:<20} | {:>5.3} |", value.as_f64().unwrap_or(f64::NAN));
+    }
+    let contention = &report["contention"];
+    println!();
+    println!(
+        "contention ({} threads, one key, {} ms operation, {} rounds): executions per round {}..{}, errors {}, p50 {:.1} ms, p99 {:.1} ms",
+        CONTENTION_THREADS,
+        CONTENTION_OP.as_millis(),
+        contention["rounds"],
+        contention["min_executions"],
+        contention["executions"],
+        contention["errors"],
+        contention["p50_ms"].as_f64().unwrap_or(f64::NAN),
+        contention["p99_ms"].as_f64().unwrap_or(f64::NAN),
+    );
+    print!("scaling (first, calls/s over a pool):");
+    for (threads, ops) in report["scaling"].as_object().into_iter().flatten() {
+        print!("  {threads} threads {:.0}", ops.as_f64().unwrap_or(f64::NAN));
+    }
+    println!("  (errors {})", report["scaling_errors"]);
+    let large = &report["large_table"];
+    println!(
+        "large table ({} records): {:.0} calls/s against {:.0} calls/s on an empty table",
+        large["records"],
+        large["large_ops_per_s"].as_f64().unwrap_or(f64::NAN),
+        large["empty_ops_per_s"].as_f64().unwrap_or(f64::NAN),
+    );
+    let purge = &report["purge"];
+    println!(
+        "purge ({} expired records, {} per batch): {:.0} rows/s; batches: longest {:.1} ms, p99 {:.1} ms, median {:.1} ms, first {:.1} ms",
+        purge["rows"],
+        purge["batch_size"],
+        purge["rows_per_s"].as_f64().unwrap_or(f64::NAN),
+        purge["max_batch_ms"].as_f64().unwrap_or(f64::NAN),
+        purge["p99_batch_ms"].as_f64().unwrap_or(f64::NAN),
+        purge["median_batch_ms"].as_f64().unwrap_or(f64::NAN),
+        purge["first_batch_ms"].as_f64().unwrap_or(f64::NAN),
+    );
+    if let Some(profile) = report["statement_profile"].as_array() {
+        println!();
+        println!(
+            "| scenario  | statement                                                        | per call | µs each |"
+        );
+        println!(
+            "| --------- | ---------------------------------------------------------------- | -------: | ------: |"
+        );
+        for row in profile {
+            println!(
+                "| {:<9} | {:<64} | {:>8.2} | {:>7.1} |",
+                row[0].as_str().unwrap_or("?"),
+                row[1].as_str().unwrap_or("?"),
+                row[2].as_f64().unwrap_or(f64::NAN),
+                row[3].as_f64().unwrap_or(f64::NAN)
+            );
+        }
+    }
+}
+
+/// Scenario bodies, written once and expanded per backend: diesel's query
+/// types are concrete per connection.
+macro_rules! scenarios {
+    () => {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Barrier;
+        use std::time::Instant;
+
+        use chrono::Utc;
+        use diesel::prelude::*;
+        use diesel::r2d2::{ConnectionManager, Pool};
+        use idempotency::{Config, Outcome};
+        use serde_json::{Value, json};
+
+        use super::{
+            BatchTimer, CONTENTION_OP, CONTENTION_THREADS, Keys, Profile, Profiler, SCALING_THREADS, SCENARIOS, Sizes,
+            StatementCounter, median, percentile, round3,
+        };
+
+        diesel::table! {
+            orders (id) {
+                id -> BigInt,
+                item -> Text,
+                quantity -> Integer,
+            }
+        }
+
+        diesel::table! {
+            idempotency_keys (scope, idempotency_key) {
+                scope -> Text,
+                idempotency_key -> Text,
+                request_hash -> Text,
+                status -> Text,
+                response -> Nullable<Text>,
+                created_at -> Timestamp,
+                completed_at -> Nullable<Timestamp>,
+                expires_at -> Timestamp,
+            }
+        }
+
+        diesel::table! {
+            floor_keys (rowid) {
+                rowid -> BigInt,
+                scope -> Text,
+                idempotency_key -> Text,
+                request_hash -> Text,
+                status -> Text,
+                response -> Nullable<Text>,
+                created_at -> Timestamp,
+                completed_at -> Nullable<Timestamp>,
+                expires_at -> Timestamp,
+            }
+        }
+
+        #[derive(serde::Serialize)]
+        struct PlaceOrder<'a> {
+            item: &'a str,
+            quantity: i32,
+        }
+
+        const REQUEST: PlaceOrder<'static> = PlaceOrder { item: "book", quantity: 1 };
+        /// What the library stores for `REQUEST`: its SHA-256, in hex.
+        const REQUEST_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+        const SCOPE: &str = "bench";
+
+        /// The domain operation: one order row.
+        fn place_order(conn: &mut Conn) -> QueryResult<i64> {
+            diesel::insert_into(orders::table)
+                .values((orders::item.eq(REQUEST.item), orders::quantity.eq(REQUEST.quantity)))
+                .returning(orders::id)
+                .get_result(conn)
+        }
+
+        fn baseline(conn: &mut Conn) -> QueryResult<i64> {
+            conn.transaction(place_order)
+        }
+
+        /// The domain transaction plus one plain insert of a completed key
+        /// record's size: no index, no guard, no update afterwards.
+        fn floor(conn: &mut Conn, key: &str) -> QueryResult<i64> {
+            conn.transaction(|tx| {
+                let id = place_order(tx)?;
+                let now = Utc::now().naive_utc();
+                diesel::insert_into(floor_keys::table)
+                    .values((
+                        floor_keys::scope.eq(SCOPE),
+                        floor_keys::idempotency_key.eq(key),
+                        floor_keys::request_hash.eq(REQUEST_HASH),
+                        floor_keys::status.eq("completed"),
+                        floor_keys::response.eq(id.to_string()),
+                        floor_keys::created_at.eq(now),
+                        floor_keys::completed_at.eq(now),
+                        floor_keys::expires_at.eq(now + chrono::Duration::hours(24)),
+                    ))
+                    .execute(tx)?;
+                Ok(id)
+            })
+        }
+
+        fn first(conn: &mut Conn, config: &Config, key: &str) -> i64 {
+            match config.run(conn, SCOPE, key, &REQUEST, place_order) {
+                Ok(Outcome::Executed(id)) => id,
+                other => panic!("a fresh key must execute, got {other:?}"),
+            }
+        }
+
+        fn replay(conn: &mut Conn, config: &Config, key: &str) -> i64 {
+            match config.run(conn, SCOPE, key, &REQUEST, place_order) {
+                Ok(Outcome::Replayed(id)) => id,
+                other => panic!("a completed key must replay, got {other:?}"),
+            }
+        }
+
+        /// The common design elsewhere: claim the key in a committed
+        /// transaction of its own, run the operation in another, store the
+        /// result in a third. Given its best case: no read before the claim.
+        fn two_phase(conn: &mut Conn, key: &str) -> QueryResult<i64> {
+            let now = Utc::now().naive_utc();
+            let claimed = diesel::insert_into(idempotency_keys::table)
+                .values((
+                    idempotency_keys::scope.eq("two-phase"),
+                    idempotency_keys::idempotency_key.eq(key),
+                    idempotency_keys::request_hash.eq(REQUEST_HASH),
+                    idempotency_keys::status.eq("processing"),
+                    idempotency_keys::created_at.eq(now),
+                    idempotency_keys::expires_at.eq(now + chrono::Duration::hours(24)),
+                ))
+                .on_conflict_do_nothing()
+                .execute(conn)?;
+            assert_eq!(claimed, 1, "a fresh key must be claimed");
+            let id = conn.transaction(place_order)?;
+            diesel::update(idempotency_keys::table.find(("two-phase", key)))
+                .set((
+                    idempotency_keys::status.eq("completed"),
+                    idempotency_keys::response.eq(id.to_string()),
+                    idempotency_keys::completed_at.eq(Utc::now().naive_utc()),
+                ))
+                .execute(conn)?;
+            Ok(id)
+        }
+
+        /// One call of scenario `name`: `key` is fresh, `done` holds
+        /// completed keys for replays.
+        fn call(conn: &mut Conn, config: &Config, name: &str, key: &str, done: &[String], next_done: &mut usize) {
+            match name {
+                "baseline" => {
+                    std::hint::black_box(baseline(conn).expect("baseline"));
+                }
+                "floor" => {
+                    std::hint::black_box(floor(conn, key).expect("floor"));
+                }
+                "first" => {
+                    std::hint::black_box(first(conn, config, key));
+                }
+                "two_phase" => {
+                    std::hint::black_box(two_phase(conn, key).expect("two_phase"));
+                }
+                "replay" => {
+                    std::hint::black_box(replay(conn, config, &done[*next_done % done.len()]));
+                    *next_done += 1;
+                }
+                _ => unreachable!("unknown scenario {name}"),
+            }
+        }
+
+        fn single_connection(db: &Db, sizes: Sizes, profile: bool) -> (Value, Value, Option<Profile>) {
+            let config = Config::default();
+            let mut conn = db.conn();
+            let counter = StatementCounter::default();
+            let profiler = Profiler::default();
+            if profile {
+                conn.set_instrumentation(profiler.instrumentation(counter.clone()));
+            } else {
+                conn.set_instrumentation(counter.instrumentation());
+            }
+            let mut keys = Keys::new(1);
+            let done: Vec<String> = (0..sizes.calls.max(100)).map(|_| keys.next_key()).collect();
+            for key in &done {
+                first(&mut conn, &config, key);
+            }
+            let mut next_done = 0;
+            // Warm up: every statement prepared and cached before timing.
+            for name in SCENARIOS {
+                for _ in 0..5 {
+                    call(&mut conn, &config, name, &keys.next_key(), &done, &mut next_done);
+                }
+            }
+            profiler.reset();
+            let mut samples: Vec<Vec<f64>> = vec![Vec::new(); SCENARIOS.len()];
+            let mut statements = [0u64; SCENARIOS.len()];
+            // The scenarios take turns call by call, their order rotating, so
+            // a disturbance on the machine lands on all of them alike; a
+            // round's figure is its mean per call.
+            for _ in 0..sizes.rounds {
+                let mut elapsed = [0.0f64; SCENARIOS.len()];
+                for i in 0..sizes.calls {
+                    for turn in 0..SCENARIOS.len() {
+                        let index = (i + turn) % SCENARIOS.len();
+                        let key = keys.next_key();
+                        profiler.enter(SCENARIOS[index]);
+                        counter.take();
+                        let start = Instant::now();
+                        call(&mut conn, &config, SCENARIOS[index], &key, &done, &mut next_done);
+                        elapsed[index] += start.elapsed().as_secs_f64();
+                        statements[index] += counter.take();
+                    }
+                }
+                for (index, total) in elapsed.iter().enumerate() {
+                    samples[index].push(total * 1e6 / sizes.calls as f64);
+                }
+            }
+            let mut per_call = serde_json::Map::new();
+            let mut per_statement = serde_json::Map::new();
+            for (index, name) in SCENARIOS.iter().enumerate() {
+                per_call.insert((*name).into(), json!(round3(median(&samples[index]))));
+                let count = statements[index] as f64 / (sizes.rounds * sizes.calls) as f64;
+                per_statement.insert((*name).into(), json!(round3(count)));
+            }
+            let profile = profile.then(|| profiler.report(sizes.rounds * sizes.calls));
+            (Value::Object(per_call), Value::Object(per_statement), profile)
+        }
+
+        fn contention(db: &Db, sizes: Sizes) -> Value {
+            let pool = db.pool(CONTENTION_THREADS as u32);
+            let config = Config::default();
+            let mut keys = Keys::new(2);
+            let mut latencies = Vec::new();
+            let mut executions_per_round = Vec::new();
+            let mut errors = 0;
+            for _ in 0..sizes.contention_rounds {
+                let key = keys.next_key();
+                let executions = AtomicU64::new(0);
+                let barrier = Barrier::new(CONTENTION_THREADS);
+                let results: Vec<Result<f64, String>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = (0..CONTENTION_THREADS)
+                        .map(|_| {
+                            let (pool, config, key, executions, barrier) = (&pool, &config, &key, &executions, &barrier);
+                            s.spawn(move || {
+                                let mut conn = pool.get().expect("a pooled connection");
+                                barrier.wait();
+                                let start = Instant::now();
+                                let result = config.run(&mut conn, SCOPE, key, &REQUEST, |tx| {
+                                    executions.fetch_add(1, Ordering::SeqCst);
+                                    std::thread::sleep(CONTENTION_OP);
+                                    place_order(tx)
+                                });
+                                let elapsed = start.elapsed().as_secs_f64() * 1000.0;
+                                result.map(|_| elapsed).map_err(|error| error.to_string())
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().expect("a contention thread")).collect()
+                });
+                for result in results {
+                    match result {
+                        Ok(ms) => latencies.push(ms),
+                        Err(error) => {
+                            eprintln!("contention error: {error}");
+                            errors += 1;
+                        }
+                    }
+                }
+                executions_per_round.push(executions.load(Ordering::SeqCst));
+            }
+            json!({
+                "executions": executions_per_round.iter().max(),
+                "min_executions": executions_per_round.iter().min(),
+                "errors": errors,
+                "p50_ms": round3(percentile(&latencies, 50.0)),
+                "p99_ms": round3(percentile(&latencies, 99.0)),
+                "max_ms": round3(percentile(&latencies, 100.0)),
+                "threads": CONTENTION_THREADS,
+                "rounds": sizes.contention_rounds,
+            })
+        }
+
+        fn scaling(db: &Db, sizes: Sizes) -> (Value, u64) {
+            let max_threads = SCALING_THREADS[SCALING_THREADS.len() - 1];
+            let pool = db.pool(max_threads as u32);
+            let config = Config::default();
+            let errors = AtomicU64::new(0);
+            let mut samples: Vec<Vec<f64>> = vec![Vec::new(); SCALING_THREADS.len()];
+            for round in 0..sizes.scaling_rounds {
+                for turn in 0..SCALING_THREADS.len() {
+                    let index = (round + turn) % SCALING_THREADS.len();
+                    let threads = SCALING_THREADS[index];
+                    let barrier = Barrier::new(threads);
+                    let calls: u64 = std::thread::scope(|s| {
+                        let handles: Vec<_> = (0..threads)
+                            .map(|t| {
+                                let (pool, config, barrier, errors) = (&pool, &config, &barrier, &errors);
+                                s.spawn(move || {
+                                    let mut keys = Keys::new(100 + t as u64);
+                                    let mut conn = pool.get().expect("a pooled connection");
+                                    barrier.wait();
+                                    let deadline = Instant::now() + sizes.scaling_time;
+                                    let mut calls = 0;
+                                    while Instant::now() < deadline {
+                                        match config.run(&mut conn, SCOPE, &keys.next_key(), &REQUEST, place_order) {
+                                            Ok(_) => calls += 1,
+                                            Err(_) => {
+                                                errors.fetch_add(1, Ordering::Relaxed);
+                                            }
+                                        }
+                                    }
+                                    calls
+                                })
+                            })
+                            .collect();
+                        handles.into_iter().map(|h| h.join().expect("a scaling thread")).sum()
+                    });
+                    samples[index].push(calls as f64 / sizes.scaling_time.as_secs_f64());
+                }
+            }
+            let mut result = serde_json::Map::new();
+            for (index, threads) in SCALING_THREADS.iter().enumerate() {
+                result.insert(threads.to_string(), json!(median(&samples[index]).round()));
+            }
+            (Value::Object(result), errors.load(Ordering::Relaxed))
+        }
+
+        /// `first` throughput with many existing records against an empty
+        /// table, in alternating rounds; then the existing records, all
+        /// expired, are purged.
+        fn large_table_and_purge(sizes: Sizes) -> (Value, Value) {
+            let empty = Db::new();
+            let large = Db::new();
+            let config = Config::default();
+            let mut fill = large.conn();
+            let start = Instant::now();
+            fill_expired(&mut fill, sizes.large_records).expect("fill the large table");
+            eprintln!("filled {} expired records in {:.1} s", sizes.large_records, start.elapsed().as_secs_f64());
+            let mut conns = [empty.conn(), large.conn()];
+            let mut keys = Keys::new(3);
+            let mut samples = [Vec::new(), Vec::new()];
+            for conn in &mut conns {
+                for _ in 0..20 {
+                    first(conn, &config, &keys.next_key());
+                }
+            }
+            // Call by call in turns, as in the single-connection scenarios.
+            for _ in 0..sizes.large_rounds {
+                let mut elapsed = [0.0f64; 2];
+                for i in 0..sizes.calls * 2 {
+                    for turn in 0..2 {
+                        let index = (i + turn) % 2;
+                        let key = keys.next_key();
+                        let start = Instant::now();
+                        first(&mut conns[index], &config, &key);
+                        elapsed[index] += start.elapsed().as_secs_f64();
+                    }
+                }
+                for (index, total) in elapsed.iter().enumerate() {
+                    samples[index].push((sizes.calls * 2) as f64 / total);
+                }
+            }
+            let (empty_ops, large_ops) = (median(&samples[0]), median(&samples[1]));
+            let large_table = json!({
+                "records": sizes.large_records,
+                "empty_ops_per_s": empty_ops.round(),
+                "large_ops_per_s": large_ops.round(),
+                "ratio": round3(large_ops / empty_ops),
+            });
+
+            let timer = BatchTimer::default();
+            let mut conn = large.conn();
+            conn.set_instrumentation(timer.instrumentation());
+            let start = Instant::now();
+            let rows = config.purge_expired(&mut conn, sizes.purge_batch).expect("purge");
+            let elapsed = start.elapsed().as_secs_f64();
+            assert_eq!(rows as i64, sizes.large_records, "every expired record is purged, no other");
+            let batches = timer.batches_ms();
+            let purge = json!({
+                "rows": rows,
+                "batch_size": sizes.purge_batch,
+                "batches": batches.len(),
+                "rows_per_s": (rows as f64 / elapsed).round(),
+                "max_batch_ms": round3(percentile(&batches, 100.0)),
+                "p99_batch_ms": round3(percentile(&batches, 99.0)),
+                "first_batch_ms": round3(batches.first().copied().unwrap_or(f64::NAN)),
+                "median_batch_ms": round3(median(&batches)),
+            });
+            (large_table, purge)
+        }
+
+        pub fn run(sizes: Sizes, profile: bool) -> Value {
+            let db = Db::new();
+            eprintln!("single-connection scenarios...");
+            let (per_call, statements, profile) = single_connection(&db, sizes, profile);
+            eprintln!("contention...");
+            let contention = contention(&db, sizes);
+            eprintln!("scaling...");
+            let (scaling, scaling_errors) = scaling(&db, sizes);
+            eprintln!("large table and purge...");
+            let (large_table, purge) = large_table_and_purge(sizes);
+            let ratio = |a: &str, b: &str| round3(per_call[a].as_f64().unwrap_or(f64::NAN) / per_call[b].as_f64().unwrap_or(f64::NAN));
+            json!({
+                "backend": BACKEND,
+                "rounds": sizes.rounds,
+                "calls_per_round": sizes.calls,
+                "per_call_us": per_call,
+                "statements_per_call": statements,
+                "ratios": {
+                    "first_over_floor": ratio("first", "floor"),
+                    "first_over_baseline": ratio("first", "baseline"),
+                    "first_over_two_phase": ratio("first", "two_phase"),
+                    "replay_over_baseline": ratio("replay", "baseline"),
+                    "large_table": large_table["ratio"],
+                },
+                "contention": contention,
+                "scaling": scaling,
+                "scaling_errors": scaling_errors,
+                "large_table": large_table,
+                "purge": purge,
+                "statement_profile": profile,
+            })
+        }
+    };
+}
+
+#[cfg(feature = "sqlite")]
+mod sqlite {
+    use diesel::connection::SimpleConnection;
+    use diesel::r2d2::CustomizeConnection;
+    use tempfile::TempDir;
+
+    type Conn = diesel::sqlite::SqliteConnection;
+    const BACKEND: &str = "sqlite";
+
+    scenarios!();
+
+    /// Every commit durable: WAL with `synchronous = FULL` syncs the log on
+    /// each commit, as PostgreSQL does.
+    #[derive(Debug)]
+    struct Setup;
+
+    impl CustomizeConnection<Conn, diesel::r2d2::Error> for Setup {
+        fn on_acquire(&self, conn: &mut Conn) -> Result<(), diesel::r2d2::Error> {
+            conn.batch_execute("PRAGMA synchronous = FULL; PRAGMA busy_timeout = 10000;")
+                .map_err(diesel::r2d2::Error::QueryError)
+        }
+    }
+
+    struct Db {
+        url: String,
+        _dir: TempDir,
+    }
+
+    impl Db {
+        fn new() -> Db {
+            let dir = tempfile::tempdir().expect("create a temporary directory");
+            let url = dir.path().join("bench.db").to_str().expect("utf-8 path").to_owned();
+            let db = Db { url, _dir: dir };
+            let mut conn = db.conn();
+            conn.batch_execute(
+                "PRAGMA journal_mode = WAL;
+                 CREATE TABLE orders (id INTEGER PRIMARY KEY AUTOINCREMENT, item TEXT NOT NULL, quantity INTEGER NOT NULL);
+                 CREATE TABLE floor_keys (scope TEXT NOT NULL, idempotency_key TEXT NOT NULL, request_hash TEXT NOT NULL,
+                     status TEXT NOT NULL, response TEXT, created_at TIMESTAMP NOT NULL, completed_at TIMESTAMP,
+                     expires_at TIMESTAMP NOT NULL);",
+            )
+            .expect("create the bench tables");
+            idempotency::run_migrations(&mut conn).expect("migrate");
+            db
+        }
+
+        fn conn(&self) -> Conn {
+            let mut conn = Conn::establish(&self.url).expect("open the bench database");
+            Setup.on_acquire(&mut conn).expect("configure the connection");
+            conn
+        }
+
+        fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
+            Pool::builder()
+                .max_size(size)
+                .connection_customizer(Box::new(Setup))
+                .build(ConnectionManager::new(&self.url))
+                .expect("build a pool")
+        }
+    }
+
+    fn fill_expired(conn: &mut Conn, records: i64) -> QueryResult<usize> {
+        diesel::sql_query(
+            "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < ?)
+             INSERT INTO idempotency_keys
+                 (scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at)
+             SELECT 'bench', lower(hex(randomblob(16))), lower(hex(randomblob(32))), 'completed', '12345',
+                    '2000-01-01 00:00:00', '2000-01-01 00:00:00', datetime('2000-01-02', '+' || n || ' seconds')
+             FROM g",
+        )
+        .bind::<diesel::sql_types::BigInt, _>(records)
+        .execute(conn)
+    }
+}
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use diesel::connection::SimpleConnection;
+
+    type Conn = diesel::pg::PgConnection;
+    const BACKEND: &str = "postgres";
+
+    scenarios!();
+
+    /// A schema of its own in the database named by `DATABASE_URL`, dropped
+    /// when the run ends.
+    struct Db {
+        base_url: String,
+        url: String,
+        schema: String,
+    }
+
+    impl Db {
+        fn new() -> Db {
+            static NEXT: AtomicU64 = AtomicU64::new(0);
+            let base_url = std::env::var("DATABASE_URL")
+                .expect("the postgres bench needs DATABASE_URL, e.g. postgres://postgres@127.0.0.1:5432/test");
+            let schema = format!(
+                "idem_bench_{}_{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            );
+            let separator = if base_url.contains('?') { '&' } else { '?' };
+            let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
+            let mut admin = Conn::establish(&base_url).expect("connect to DATABASE_URL");
+            admin
+                .batch_execute(&format!("CREATE SCHEMA {schema}"))
+                .expect("create the bench schema");
+            let db = Db { base_url, url, schema };
+            let mut conn = db.conn();
+            conn.batch_execute(
+                "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, item TEXT NOT NULL, quantity INTEGER NOT NULL);
+                 CREATE TABLE floor_keys (scope TEXT NOT NULL, idempotency_key TEXT NOT NULL, request_hash TEXT NOT NULL,
+                     status TEXT NOT NULL, response TEXT, created_at TIMESTAMP NOT NULL, completed_at TIMESTAMP,
+                     expires_at TIMESTAMP NOT NULL);",
+            )
+            .expect("create the bench tables");
+            idempotency::run_migrations(&mut conn).expect("migrate");
+            db
+        }
+
+        fn conn(&self) -> Conn {
+            Conn::establish(&self.url).expect("connect to the bench schema")
+        }
+
+        fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
+            Pool::builder()
+                .max_size(size)
+                .build(ConnectionManager::new(&self.url))
+                .expect("build a pool")
+        }
+    }
+
+    impl Drop for Db {
+        fn drop(&mut self) {
+            if let Ok(mut admin) = Conn::establish(&self.base_url) {
+                let _ = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema));
+            }
+        }
+    }
+
+    fn fill_expired(conn: &mut Conn, records: i64) -> QueryResult<usize> {
+        let inserted = diesel::sql_query(
+            "INSERT INTO idempotency_keys
+                 (scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at)
+             SELECT 'bench', md5(g::text), md5(g::text) || md5(g::text), 'completed', '12345',
+                    timestamp '2000-01-01', timestamp '2000-01-01', timestamp '2000-01-02' + g * interval '1 second'
+             FROM generate_series(1, $1) AS g",
+        )
+        .bind::<diesel::sql_types::BigInt, _>(records)
+        .execute(conn)?;
+        conn.batch_execute("ANALYZE idempotency_keys")?;
+        Ok(inserted)
+    }
+}
