@@ -166,6 +166,10 @@ impl Config {
         let outcome = match conn.find(scope, key) {
             Ok(Some(stored)) if stored.status == COMPLETED && stored.expires_at > now => replay(stored, &request_hash),
             Ok(_) => self.execute(conn, scope, key, &request_hash, op),
+            // A reader kept out by a writer (SQLite outside WAL mode) takes
+            // the write path, which waits as the in-flight policy allows and
+            // reads again once it holds the lock.
+            Err(error) if C::Raw::is_in_flight_timeout(&error) => self.execute(conn, scope, key, &request_hash, op),
             Err(error) => Err(Error::Storage(error)),
         };
         outcome.map_err(|error| match error {

@@ -218,4 +218,52 @@ mod sqlite_busy_timeout {
         release.send(()).expect("release");
         holder.join().expect("writer thread");
     }
+
+    /// Outside WAL mode a reader is locked out while a writer commits; with
+    /// connections that have no busy timeout of their own, the replay read
+    /// must not turn that into a failed request.
+    #[test]
+    fn rollback_journal_readers_wait_for_writers() {
+        const THREADS: usize = 8;
+        const ITEMS: usize = 300;
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let url = dir.path().join("journal.db").to_str().expect("utf-8 path").to_owned();
+        {
+            let mut conn = diesel::SqliteConnection::establish(&url).expect("open");
+            diesel::connection::SimpleConnection::batch_execute(
+                &mut conn,
+                "CREATE TABLE orders (id INTEGER PRIMARY KEY AUTOINCREMENT, item TEXT NOT NULL, quantity INTEGER NOT NULL)",
+            )
+            .expect("create orders");
+            idempotency::run_migrations(&mut conn).expect("migrate");
+        }
+        let barrier = Arc::new(Barrier::new(THREADS));
+        let handles: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (url, barrier) = (url.clone(), barrier.clone());
+                thread::spawn(move || {
+                    let mut conn = diesel::SqliteConnection::establish(&url).expect("open");
+                    barrier.wait();
+                    // Every thread runs every item, so replays read while
+                    // other threads commit.
+                    (0..ITEMS)
+                        .map(|i| (i + t * 50) % ITEMS)
+                        .filter(|&i| {
+                            run_idempotent(&mut conn, "jobs", &format!("item-{i}"), &i, |tx| {
+                                crate::common::sqlite::place_order(tx, "item", 1)
+                            })
+                            .is_err()
+                        })
+                        .count()
+                })
+            })
+            .collect();
+        let failures: usize = handles.into_iter().map(|h| h.join().expect("thread")).sum();
+        assert_eq!(failures, 0);
+        let mut conn = diesel::SqliteConnection::establish(&url).expect("open");
+        assert_eq!(
+            crate::common::sqlite::order_count(&mut conn),
+            i64::try_from(ITEMS).expect("small")
+        );
+    }
 }

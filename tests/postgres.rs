@@ -823,3 +823,24 @@ fn lock_timeout_of_the_claim_does_not_leak_into_the_operation_or_the_session() {
     .expect("caller's transaction");
     assert_eq!(show_lock_timeout(&mut conn), "3s");
 }
+
+#[test]
+fn nested_call_that_claims_nothing_leaves_the_callers_lock_timeout() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    let config = Config::default().in_flight(InFlight::Wait(Duration::milliseconds(250)));
+    let after_inner = conn
+        .transaction(|conn| {
+            conn.batch_execute("SET LOCAL lock_timeout = '3s'")?;
+            let outcome = config.run(conn, "settings", "k-1", &1, |tx| {
+                // The same key, claimed by the enclosing call on this
+                // connection: the inner call claims nothing.
+                let inner = config.run(tx, "settings", "k-1", &1, |_| Ok::<_, Error>(String::new()));
+                assert!(matches!(inner, Err(Error::InProgress)), "got {inner:?}");
+                Ok::<_, Error>(show_lock_timeout(tx))
+            });
+            Ok::<_, DieselError>(outcome.expect("outer call").into_inner())
+        })
+        .expect("caller's transaction");
+    assert_eq!(after_inner, "3s");
+}
