@@ -46,6 +46,10 @@ struct Sizes {
     large_rounds: usize,
     /// Rows per purge batch.
     purge_batch: usize,
+    /// Messages the relay delivers in each outbox round.
+    relay_messages: usize,
+    /// Rounds of the relay throughput scenario.
+    relay_rounds: usize,
 }
 
 const FULL: Sizes = Sizes {
@@ -57,6 +61,8 @@ const FULL: Sizes = Sizes {
     large_records: 1_000_000,
     large_rounds: 15,
     purge_batch: 500,
+    relay_messages: 5_000,
+    relay_rounds: 5,
 };
 
 const QUICK: Sizes = Sizes {
@@ -68,12 +74,16 @@ const QUICK: Sizes = Sizes {
     large_records: 20_000,
     large_rounds: 3,
     purge_batch: 500,
+    relay_messages: 500,
+    relay_rounds: 1,
 };
 
 const CONTENTION_THREADS: usize = 32;
 const CONTENTION_OP: Duration = Duration::from_millis(10);
 const SCALING_THREADS: [usize; 5] = [1, 2, 4, 8, 16];
-const SCENARIOS: [&str; 5] = ["baseline", "floor", "first", "two_phase", "replay"];
+const SCENARIOS: [&str; 6] = ["baseline", "floor", "first", "two_phase", "replay", "first_outbox"];
+/// Messages a relay claims per batch in the relay throughput scenario.
+const RELAY_BATCH: usize = 100;
 
 struct Args {
     backend: String,
@@ -337,13 +347,13 @@ fn print_report(report: &Value, quick: bool) {
         report["calls_per_round"],
     );
     println!();
-    println!("| scenario  | µs per call | statements per call |");
-    println!("| --------- | ----------: | ------------------: |");
+    println!("| scenario     | µs per call | statements per call |");
+    println!("| ------------ | ----------: | ------------------: |");
     for name in SCENARIOS {
         println!(
-            "| {name:<9} | {:>11.1} | {:>19} |",
+            "| {name:<12} | {:>11.1} | {:>19.1} |",
             per_call[name].as_f64().unwrap_or(f64::NAN),
-            statements[name]
+            statements[name].as_f64().unwrap_or(f64::NAN)
         );
     }
     println!();
@@ -388,6 +398,15 @@ fn print_report(report: &Value, quick: bool) {
         purge["median_batch_ms"].as_f64().unwrap_or(f64::NAN),
         purge["first_batch_ms"].as_f64().unwrap_or(f64::NAN),
     );
+    let outbox = &report["outbox"];
+    println!(
+        "outbox: enqueue inside first +{:.1} µs (first with enqueue / first {:.3}); relay {:.0} messages/s ({} messages, batches of {})",
+        outbox["enqueue_us"].as_f64().unwrap_or(f64::NAN),
+        outbox["first_with_enqueue_over_first"].as_f64().unwrap_or(f64::NAN),
+        outbox["relay"]["messages_per_s"].as_f64().unwrap_or(f64::NAN),
+        outbox["relay"]["messages"],
+        outbox["relay"]["batch_size"],
+    );
     if let Some(profile) = report["statement_profile"].as_array() {
         println!();
         println!(
@@ -419,11 +438,13 @@ macro_rules! scenarios {
         use chrono::Utc;
         use diesel::prelude::*;
         use diesel::r2d2::{ConnectionManager, Pool};
+        use idempotency::outbox::{self, Relay};
         use idempotency::{Config, Outcome};
         use serde_json::{Value, json};
 
         use super::{
-            BatchTimer, CONTENTION_OP, CONTENTION_THREADS, Keys, Profile, Profiler, SCALING_THREADS, SCENARIOS, Sizes,
+            BatchTimer, CONTENTION_OP, CONTENTION_THREADS, Keys, Profile, Profiler, RELAY_BATCH, SCALING_THREADS, SCENARIOS,
+            Sizes,
             StatementCounter, median, percentile, round3,
         };
 
@@ -514,6 +535,20 @@ macro_rules! scenarios {
             }
         }
 
+        /// `first` whose operation also enqueues an outbox message, as an
+        /// order that must send a receipt does.
+        fn first_outbox(conn: &mut Conn, config: &Config, key: &str) -> i64 {
+            let outcome = config.run(conn, SCOPE, key, &REQUEST, |tx| {
+                let id = place_order(tx).map_err(|e| e.to_string())?;
+                outbox::enqueue(tx, "receipts", &json!({ "order": id })).map_err(|e| e.to_string())?;
+                Ok::<_, String>(id)
+            });
+            match outcome {
+                Ok(Outcome::Executed(id)) => id,
+                other => panic!("a fresh key must execute, got {other:?}"),
+            }
+        }
+
         fn replay(conn: &mut Conn, config: &Config, key: &str) -> i64 {
             match config.run(conn, SCOPE, key, &REQUEST, place_order) {
                 Ok(Outcome::Replayed(id)) => id,
@@ -568,6 +603,9 @@ macro_rules! scenarios {
                 "replay" => {
                     std::hint::black_box(replay(conn, config, &done[*next_done % done.len()]));
                     *next_done += 1;
+                }
+                "first_outbox" => {
+                    std::hint::black_box(first_outbox(conn, config, key));
                 }
                 _ => unreachable!("unknown scenario {name}"),
             }
@@ -793,6 +831,52 @@ macro_rules! scenarios {
             (large_table, purge)
         }
 
+        /// Messages per second one relay delivers with a handler that does
+        /// nothing: the outbox's own cost of claiming and settling.
+        fn relay_throughput(db: &Db, sizes: Sizes) -> Value {
+            let mut conn = db.conn();
+            let relay = Relay::default().batch_size(RELAY_BATCH);
+            // Delivers every due message; returns how many.
+            let mut drain = |conn: &mut Conn| {
+                let mut delivered = 0;
+                loop {
+                    let batch = relay
+                        .run_once(conn, |message| {
+                            std::hint::black_box(&message.key);
+                            Ok::<_, std::convert::Infallible>(())
+                        })
+                        .expect("relay");
+                    if batch.claimed == 0 {
+                        return delivered;
+                    }
+                    delivered += batch.delivered;
+                }
+            };
+            // The receipts of the `first_outbox` scenario go first, untimed.
+            drain(&mut conn);
+            let mut rates = Vec::new();
+            for _ in 0..sizes.relay_rounds {
+                conn.transaction(|tx| {
+                    for order in 0..sizes.relay_messages {
+                        outbox::enqueue(tx, "receipts", &json!({ "order": order }))?;
+                    }
+                    Ok::<_, outbox::Error>(())
+                })
+                .expect("enqueue the messages");
+                let start = Instant::now();
+                let delivered = drain(&mut conn);
+                let elapsed = start.elapsed().as_secs_f64();
+                assert_eq!(delivered, sizes.relay_messages, "every message delivered once");
+                rates.push(delivered as f64 / elapsed);
+            }
+            json!({
+                "messages": sizes.relay_messages,
+                "batch_size": RELAY_BATCH,
+                "rounds": sizes.relay_rounds,
+                "messages_per_s": round3(median(&rates)),
+            })
+        }
+
         pub fn run(sizes: Sizes, profile: bool) -> Value {
             let db = Db::new();
             eprintln!("single-connection scenarios...");
@@ -803,6 +887,8 @@ macro_rules! scenarios {
             let (scaling, scaling_errors) = scaling(&db, sizes);
             eprintln!("large table and purge...");
             let (large_table, purge) = large_table_and_purge(sizes);
+            eprintln!("outbox relay...");
+            let relay = relay_throughput(&db, sizes);
             let ratio = |a: &str, b: &str| round3(per_call[a].as_f64().unwrap_or(f64::NAN) / per_call[b].as_f64().unwrap_or(f64::NAN));
             json!({
                 "backend": BACKEND,
@@ -822,6 +908,13 @@ macro_rules! scenarios {
                 "scaling_errors": scaling_errors,
                 "large_table": large_table,
                 "purge": purge,
+                "outbox": {
+                    "enqueue_us": round3(
+                        per_call["first_outbox"].as_f64().unwrap_or(f64::NAN) - per_call["first"].as_f64().unwrap_or(f64::NAN)
+                    ),
+                    "first_with_enqueue_over_first": ratio("first_outbox", "first"),
+                    "relay": relay,
+                },
                 "statement_profile": profile,
             })
         }
