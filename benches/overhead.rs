@@ -837,7 +837,7 @@ macro_rules! scenarios {
             let mut conn = db.conn();
             let relay = Relay::default().batch_size(RELAY_BATCH);
             // Delivers every due message; returns how many.
-            let mut drain = |conn: &mut Conn| {
+            let drain = |conn: &mut Conn| {
                 let mut delivered = 0;
                 loop {
                     let batch = relay
