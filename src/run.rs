@@ -201,7 +201,7 @@ impl Config {
             expires_at: (now + self.retention).naive_utc(),
         };
         let result = conn.write_transaction(self.in_flight, |tx| {
-            if !tx.claim(&record, self.in_flight)? {
+            if !tx.claim(&record)? {
                 // Held by a record that is not ours to take over: replay it
                 // (or report it in progress) without calling `op`.
                 return match tx.find(scope, key)? {

@@ -146,9 +146,10 @@ pub trait Backend:
     /// Inserts `record`, or takes over an expired record with its key.
     /// Returns whether the key is now this transaction's; `false` means an
     /// unexpired record exists. Waits for a record held by another
-    /// transaction as `in_flight` allows.
+    /// transaction as the `in_flight` policy given to
+    /// [`write_transaction`](Backend::write_transaction) allows.
     #[doc(hidden)]
-    fn claim(&mut self, record: &NewRecord<'_>, in_flight: InFlight) -> QueryResult<bool>;
+    fn claim(&mut self, record: &NewRecord<'_>) -> QueryResult<bool>;
 
     /// Whether `error` means the in-flight wait ran out.
     #[doc(hidden)]

@@ -78,7 +78,7 @@ impl Backend for PgConnection {
         }
     }
 
-    fn claim(&mut self, record: &NewRecord<'_>, _in_flight: InFlight) -> QueryResult<bool> {
+    fn claim(&mut self, record: &NewRecord<'_>) -> QueryResult<bool> {
         // Statements that diesel prepares once per connection and caches, so
         // the server does not parse and plan them on every call. `RETURNING`
         // runs only for a row this transaction now holds, and gives the

@@ -92,7 +92,7 @@ impl Backend for SqliteConnection {
         }
     }
 
-    fn claim(&mut self, record: &NewRecord<'_>, _in_flight: InFlight) -> QueryResult<bool> {
+    fn claim(&mut self, record: &NewRecord<'_>) -> QueryResult<bool> {
         let claimed = diesel::insert_into(k::table)
             .values(record)
             .on_conflict((k::scope, k::idempotency_key))
