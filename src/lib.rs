@@ -80,6 +80,18 @@
 //! r2d2 pooled connection of either; see [`StoreConnection`]. Apply the
 //! table with [`run_migrations`] or embed [`MIGRATIONS`] with your own.
 //!
+//! # Beyond the single call
+//!
+//! - [`Idempotent`] makes an existing repository function idempotent at its
+//!   call site: `create_order.idempotent(conn, scope, key, &new_order)`.
+//! - [`batch::Runner`] reruns batch jobs safely, with keys derived from the
+//!   job and the item.
+//! - [`outbox`] writes messages for other systems in the same transaction
+//!   and delivers them afterwards, at least once, with a stable key.
+//! - [`testing`] has what domain tests need: in-memory SQLite with the
+//!   migrations applied, a manual clock, and the stories that matter (a lost
+//!   response, a crash, expiry, a racing duplicate).
+//!
 //! On SQLite, enable WAL (`PRAGMA journal_mode = WAL`) for file databases
 //! shared by several connections, so that replays, which only read, do not
 //! queue behind writers.
