@@ -1,6 +1,5 @@
 //! The combinator: validate, fingerprint, claim, run the operation, store.
 
-use std::any::Any;
 use std::panic::{self, AssertUnwindSafe};
 
 use serde::Serialize;
@@ -59,25 +58,6 @@ where
     F: FnOnce(&mut C::Raw) -> Result<R, E>,
 {
     Config::default().run(conn, scope, key, request, op)
-}
-
-/// Why the write transaction ended early. A panic is carried out of it so
-/// that diesel rolls back before the panic resumes.
-enum Abort<E> {
-    Error(Error<E>),
-    Panic(Box<dyn Any + Send>),
-}
-
-impl<E> From<diesel::result::Error> for Abort<E> {
-    fn from(error: diesel::result::Error) -> Self {
-        Abort::Error(Error::Storage(error))
-    }
-}
-
-impl<E> From<Error<E>> for Abort<E> {
-    fn from(error: Error<E>) -> Self {
-        Abort::Error(error)
-    }
 }
 
 impl Config {
@@ -200,35 +180,41 @@ impl Config {
             created_at: now.naive_utc(),
             expires_at: (now + self.retention).naive_utc(),
         };
+        // A panic in `op` is carried out of the transaction, so that it
+        // rolls back before the panic goes on.
+        let mut panicked = None;
         let result = conn.write_transaction(self.in_flight, |tx| {
             if !tx.claim(&record)? {
                 // Held by a record that is not ours to take over: replay it
                 // (or report it in progress) without calling `op`.
                 return match tx.find(scope, key)? {
-                    Some(stored) => Ok(replay(stored, request_hash)?),
+                    Some(stored) => replay(stored, request_hash),
                     // Purged between the claim and this read; the client's
                     // retry will find the key free.
-                    None => Err(Abort::Error(Error::InProgress)),
+                    None => Err(Error::InProgress),
                 };
             }
             let depth = store::transaction_depth(tx)?;
             let value = match panic::catch_unwind(AssertUnwindSafe(|| op(tx))) {
                 Ok(Ok(value)) => value,
-                Ok(Err(error)) => return Err(Abort::Error(Error::Operation(error))),
+                Ok(Err(error)) => return Err(Error::Operation(error)),
                 Err(payload) => {
-                    store::unwind_to_depth(tx, depth)?;
-                    return Err(Abort::Panic(payload));
+                    // The panic goes on whatever this finds: a connection
+                    // that cannot roll back is left marked broken, which
+                    // makes r2d2 discard it.
+                    let _ = store::unwind_to_depth(tx, depth);
+                    panicked = Some(payload);
+                    return Err(Error::Storage(diesel::result::Error::RollbackTransaction));
                 }
             };
             let response = serde_json::to_string(&value).map_err(Error::Codec)?;
             tx.complete(scope, key, &response, self.now().naive_utc())?;
             Ok(Outcome::Executed(value))
         });
-        match result {
-            Ok(outcome) => Ok(outcome),
-            Err(Abort::Error(error)) => Err(error),
-            Err(Abort::Panic(payload)) => panic::resume_unwind(payload),
+        if let Some(payload) = panicked {
+            panic::resume_unwind(payload);
         }
+        result
     }
 }
 

@@ -401,6 +401,32 @@ fn terminated_backend_leaves_no_key_and_no_domain_row() {
     assert_crash_left_nothing_and_retry_executes_once(&db, "k-terminated");
 }
 
+#[test]
+fn panic_on_a_lost_connection_still_reaches_the_caller() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    let mut admin = db.conn();
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        run_idempotent(&mut conn, SCOPE, "k-lost", REQUEST, |tx| {
+            place_order(tx, "lost", 1)?;
+            // The connection dies under the operation, so rolling back after
+            // the panic fails too; the panic must not turn into an error.
+            diesel::sql_query("SELECT pg_terminate_backend($1, 30000)")
+                .bind::<diesel::sql_types::Integer, _>(backend_pid(tx))
+                .execute(&mut admin)?;
+            panic!("the operation panics after its connection was lost");
+            #[allow(unreachable_code)]
+            Ok::<i64, DomainError>(0)
+        })
+    }));
+    let payload = result.expect_err("the panic reaches the caller");
+    assert_eq!(
+        payload.downcast_ref::<&str>(),
+        Some(&"the operation panics after its connection was lost")
+    );
+    assert_crash_left_nothing_and_retry_executes_once(&db, "k-lost");
+}
+
 /// Set in the child process of the SIGKILL test: the database URL of the
 /// parent's test schema.
 const CRASH_CHILD_URL: &str = "IDEMPOTENCY_TEST_CRASH_CHILD_URL";
