@@ -28,7 +28,9 @@ use crate::store::{Backend, StoreConnection};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InFlight {
     /// Wait up to this long, then replay or execute; if the key is still held
-    /// after it, fail with [`Error::InProgress`].
+    /// after it, fail with [`Error::InProgress`]. Waits beyond about 24.8
+    /// days (`i32::MAX` milliseconds, the most either backend takes) are
+    /// shortened to that.
     Wait(Duration),
     /// Fail with [`Error::InProgress`] at once while another transaction holds
     /// the key.
@@ -43,10 +45,12 @@ impl Default for InFlight {
 }
 
 impl InFlight {
-    /// The wait in whole milliseconds; zero for [`InFlight::Reject`].
+    /// The wait in whole milliseconds; zero for [`InFlight::Reject`]. At most
+    /// `i32::MAX` (about 24.8 days), the longest wait either backend's
+    /// setting takes.
     pub(crate) fn wait_millis(self) -> i64 {
         match self {
-            InFlight::Wait(wait) => wait.num_milliseconds(),
+            InFlight::Wait(wait) => wait.num_milliseconds().clamp(0, i64::from(i32::MAX)),
             InFlight::Reject => 0,
         }
     }

@@ -166,22 +166,37 @@ mod sqlite_busy_timeout {
     }
 
     #[test]
-    fn busy_timeout_follows_the_in_flight_policy() {
+    fn busy_timeout_follows_the_in_flight_policy_while_the_call_writes() {
         let db = Db::new();
         let mut conn = db.conn();
+        // The harness gives its connections a busy timeout of their own.
+        assert_eq!(busy_timeout(&mut conn), 10_000);
+
         let wait = Config::default().in_flight(InFlight::Wait(Duration::milliseconds(2500)));
-        wait.run(&mut conn, "shop", "a", &1, |_| Ok::<_, Error>(1))
+        let inside = wait
+            .run(&mut conn, "shop", "a", &1, |tx| Ok::<_, Error>(busy_timeout(tx)))
             .expect("call");
-        assert_eq!(busy_timeout(&mut conn), 2500);
+        assert_eq!(inside.into_inner(), 2500);
+        assert_eq!(busy_timeout(&mut conn), 10_000, "the caller's busy timeout is put back");
 
         let reject = Config::default().in_flight(InFlight::Reject);
-        reject
-            .run(&mut conn, "shop", "b", &1, |_| Ok::<_, Error>(1))
+        let inside = reject
+            .run(&mut conn, "shop", "b", &1, |tx| Ok::<_, Error>(busy_timeout(tx)))
             .expect("call");
-        assert_eq!(busy_timeout(&mut conn), 0);
+        assert_eq!(inside.into_inner(), 0);
+        assert_eq!(busy_timeout(&mut conn), 10_000);
 
-        run_idempotent(&mut conn, "shop", "c", &1, |_| Ok::<_, Error>(1)).expect("call");
-        assert_eq!(busy_timeout(&mut conn), 5000, "the default policy waits 5 s");
+        let failed = run_idempotent(&mut conn, "shop", "c", &1, |tx| Err::<i32, _>(busy_timeout(tx)));
+        assert!(
+            matches!(failed, Err(Error::Operation(5000))),
+            "the default policy waits 5 s: {failed:?}"
+        );
+        assert_eq!(busy_timeout(&mut conn), 10_000, "also after a rolled-back call");
+
+        let clock = idempotency::testing::ManualClock::new();
+        let purging = Config::default().in_flight(InFlight::Reject).clock(clock.source());
+        purging.purge_expired(&mut conn, 10).expect("purge");
+        assert_eq!(busy_timeout(&mut conn), 10_000, "and after a purge");
     }
 
     #[test]

@@ -870,3 +870,38 @@ fn nested_call_that_claims_nothing_leaves_the_callers_lock_timeout() {
         .expect("caller's transaction");
     assert_eq!(after_inner, "3s");
 }
+
+#[test]
+fn relay_inside_a_callers_transaction_leaves_its_lock_timeout() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    let after = conn
+        .transaction(|tx| {
+            tx.batch_execute("SET LOCAL lock_timeout = '3s'")?;
+            idempotency::outbox::enqueue(tx, "receipts", &1).expect("enqueue");
+            let batch = idempotency::outbox::Relay::default()
+                .run_once(tx, |_| Ok::<_, std::convert::Infallible>(()))
+                .expect("relay");
+            assert_eq!(batch.delivered, 1);
+            Ok::<_, DieselError>(show_lock_timeout(tx))
+        })
+        .expect("caller's transaction");
+    assert_eq!(after, "3s");
+}
+
+#[test]
+fn longest_in_flight_wait_is_accepted() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    // Longer than PostgreSQL's largest lock_timeout; shortened to it.
+    let config = Config::default().in_flight(InFlight::Wait(Duration::days(30)));
+    let first = config.run(&mut conn, SCOPE, "k-long-wait", REQUEST, |tx| {
+        place_order(tx, "long", 1)
+    });
+    assert!(!first.expect("the call executes").is_replayed());
+    assert!(!in_transaction(&mut conn));
+    let again = config.run(&mut conn, SCOPE, "k-long-wait", REQUEST, |tx| {
+        place_order(tx, "long", 1)
+    });
+    assert!(again.expect("the connection is still usable").is_replayed());
+}

@@ -53,6 +53,11 @@ fn apply_lock_timeout_sql(in_flight: InFlight) -> String {
     )
 }
 
+/// Puts back the `lock_timeout` that [`apply_lock_timeout_sql`] saved.
+fn restore_lock_timeout() -> set_config<&'static str, current_setting<&'static str>, bool> {
+    set_config("lock_timeout", current_setting(SAVED_LOCK_TIMEOUT), true)
+}
+
 impl Backend for PgConnection {
     fn write_transaction<T, E>(
         &mut self,
@@ -71,9 +76,14 @@ impl Backend for PgConnection {
                 f,
             )
         } else {
+            // A savepoint: rolling back to it undoes the setting, but
+            // releasing it would leave the policy's timeout to the rest of
+            // the caller's transaction.
             self.transaction(|conn| {
                 conn.batch_execute(&apply_lock_timeout_sql(in_flight))?;
-                f(conn)
+                let value = f(conn)?;
+                diesel::select(restore_lock_timeout()).execute(conn)?;
+                Ok(value)
             })
         }
     }
@@ -89,11 +99,10 @@ impl Backend for PgConnection {
         // is taken over by a second, guarded statement only if its
         // retention has ended; of two requests taking over the same record,
         // the second waits for the first and then finds it unexpired.
-        let restore_lock_timeout = set_config("lock_timeout", current_setting(SAVED_LOCK_TIMEOUT), true);
         let inserted = diesel::insert_into(k::table)
             .values(record)
             .on_conflict_do_nothing()
-            .returning(restore_lock_timeout)
+            .returning(restore_lock_timeout())
             .get_result::<String>(self)
             .optional()?;
         if inserted.is_some() {
@@ -109,14 +118,9 @@ impl Backend for PgConnection {
                 k::completed_at.eq(None::<NaiveDateTime>),
                 k::expires_at.eq(record.expires_at),
             ))
-            .returning(restore_lock_timeout)
+            .returning(restore_lock_timeout())
             .get_result::<String>(self)
             .optional()?;
-        if taken_over.is_none() && transaction_depth(self)? > 1 {
-            // Inside a caller's transaction the setting would outlive this
-            // call's savepoint.
-            diesel::select(restore_lock_timeout).execute(self)?;
-        }
         Ok(taken_over.is_some())
     }
 

@@ -1,5 +1,7 @@
 //! SQLite: one writer at a time, so a claim first takes the database's write
 //! lock (`BEGIN IMMEDIATE`) and the in-flight policy bounds the wait for it.
+//! The policy is the connection's busy timeout while a call writes; the
+//! caller's own busy timeout is put back afterwards.
 
 use std::time::{Duration, Instant};
 
@@ -8,7 +10,7 @@ use diesel::connection::{AnsiTransactionManager, SimpleConnection};
 use diesel::prelude::*;
 use diesel::query_dsl::methods::FilterDsl;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{BigInt, Timestamp};
+use diesel::sql_types::{BigInt, Integer, Timestamp};
 use diesel::sqlite::SqliteConnection;
 use diesel::upsert::excluded;
 
@@ -26,6 +28,29 @@ impl StoreConnection for SqliteConnection {
 
 impl sealed::Sealed for SqliteConnection {}
 
+#[derive(QueryableByName)]
+struct BusyTimeout {
+    #[diesel(sql_type = Integer)]
+    timeout: i32,
+}
+
+/// Runs `f` and then puts the connection's busy timeout back to what it was
+/// before, whatever `f` did with it.
+fn keeping_busy_timeout<T, E>(
+    conn: &mut SqliteConnection,
+    f: impl FnOnce(&mut SqliteConnection) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<DieselError>,
+{
+    let previous = diesel::sql_query("PRAGMA busy_timeout").get_result::<BusyTimeout>(conn)?;
+    let result = f(conn);
+    let restored = conn.batch_execute(&busy_timeout_sql(previous.timeout.into()));
+    let value = result?;
+    restored?;
+    Ok(value)
+}
+
 /// Makes the connection's busy timeout follow the in-flight policy.
 fn apply_busy_timeout(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryResult<()> {
     conn.batch_execute(&busy_timeout_sql(in_flight.wait_millis()))
@@ -33,7 +58,7 @@ fn apply_busy_timeout(conn: &mut SqliteConnection, in_flight: InFlight) -> Query
 
 fn busy_timeout_sql(millis: i64) -> String {
     // A PRAGMA takes no bound parameters; the value is an integer of ours.
-    format!("PRAGMA busy_timeout = {}", millis.clamp(0, i64::from(i32::MAX)))
+    format!("PRAGMA busy_timeout = {millis}")
 }
 
 /// How long a writer waiting for the write lock sleeps between attempts: it
@@ -46,8 +71,9 @@ const WRITE_LOCK_MAX_POLL: Duration = Duration::from_millis(2);
 
 /// Opens a `BEGIN IMMEDIATE` transaction, retrying at short intervals while
 /// another connection holds the write lock, for as long as `in_flight`
-/// allows. The connection keeps the policy's busy timeout for what the
-/// caller does with it afterwards, as it did before the wait.
+/// allows. Once it holds the lock, the policy's busy timeout bounds the
+/// rest of the transaction's waits (a commit waiting for readers outside
+/// WAL mode).
 fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryResult<()> {
     let deadline = Instant::now() + Duration::from_millis(u64::try_from(in_flight.wait_millis()).unwrap_or(0));
     // One call in the common case, where the lock is free. Setting the busy
@@ -63,11 +89,7 @@ fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryRes
                 std::thread::sleep(poll);
                 poll = (poll * 2).min(WRITE_LOCK_MAX_POLL);
             }
-            Err(error) => {
-                apply_busy_timeout(conn, in_flight)?;
-                return Err(error);
-            }
-            Ok(()) => return Ok(()),
+            result => return result,
         }
     }
 }
@@ -81,15 +103,18 @@ impl Backend for SqliteConnection {
     where
         E: From<DieselError>,
     {
-        if transaction_depth(self)? == 0 {
-            // A deferred BEGIN would take the write lock only at the first
-            // write, and two racing writers would then fail with "database
-            // is locked" instead of waiting for each other.
-            transaction_with(self, |conn| begin_immediate(conn, in_flight), f)
-        } else {
-            apply_busy_timeout(self, in_flight)?;
-            self.transaction(f)
-        }
+        let top_level = transaction_depth(self)? == 0;
+        keeping_busy_timeout(self, |conn| {
+            if top_level {
+                // A deferred BEGIN would take the write lock only at the
+                // first write, and two racing writers would then fail with
+                // "database is locked" instead of waiting for each other.
+                transaction_with(conn, |conn| begin_immediate(conn, in_flight), f)
+            } else {
+                apply_busy_timeout(conn, in_flight)?;
+                conn.transaction(f)
+            }
+        })
     }
 
     fn claim(&mut self, record: &NewRecord<'_>) -> QueryResult<bool> {
@@ -118,15 +143,17 @@ impl Backend for SqliteConnection {
     }
 
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize, in_flight: InFlight) -> QueryResult<usize> {
-        apply_busy_timeout(self, in_flight)?;
-        // diesel's DSL cannot delete through a limited subquery.
-        diesel::sql_query(
-            "DELETE FROM idempotency_keys WHERE rowid IN \
-             (SELECT rowid FROM idempotency_keys WHERE expires_at <= ? LIMIT ?)",
-        )
-        .bind::<Timestamp, _>(cutoff)
-        .bind::<BigInt, _>(i64::try_from(limit).unwrap_or(i64::MAX))
-        .execute(self)
+        keeping_busy_timeout(self, |conn| {
+            apply_busy_timeout(conn, in_flight)?;
+            // diesel's DSL cannot delete through a limited subquery.
+            diesel::sql_query(
+                "DELETE FROM idempotency_keys WHERE rowid IN \
+                 (SELECT rowid FROM idempotency_keys WHERE expires_at <= ? LIMIT ?)",
+            )
+            .bind::<Timestamp, _>(cutoff)
+            .bind::<BigInt, _>(i64::try_from(limit).unwrap_or(i64::MAX))
+            .execute(conn)
+        })
     }
 
     super::shared_queries!();
