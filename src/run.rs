@@ -141,15 +141,25 @@ impl Config {
         key::validate_key(key, self.max_key_len).map_err(Error::InvalidKey)?;
         let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
         let conn = conn.raw();
-        let now = self.now().naive_utc();
+        let now = self.now();
+        let record = NewRecord {
+            scope,
+            idempotency_key: key,
+            request_hash: &request_hash,
+            status: PROCESSING,
+            created_at: now.naive_utc(),
+            expires_at: (now + self.retention).naive_utc(),
+        };
 
         let outcome = match conn.find(scope, key) {
-            Ok(Some(stored)) if stored.status == COMPLETED && stored.expires_at > now => replay(stored, &request_hash),
-            Ok(_) => self.execute(conn, scope, key, &request_hash, op),
+            Ok(Some(stored)) if stored.status == COMPLETED && stored.expires_at > record.created_at => {
+                replay(stored, &request_hash)
+            }
+            Ok(_) => self.execute(conn, &record, op),
             // A reader kept out by a writer (SQLite outside WAL mode) takes
             // the write path, which waits as the in-flight policy allows and
             // reads again once it holds the lock.
-            Err(error) if C::Raw::is_in_flight_timeout(&error) => self.execute(conn, scope, key, &request_hash, op),
+            Err(error) if C::Raw::is_in_flight_timeout(&error) => self.execute(conn, &record, op),
             Err(error) => Err(Error::Storage(error)),
         };
         outcome.map_err(|error| match error {
@@ -158,41 +168,26 @@ impl Config {
         })
     }
 
-    fn execute<B, R, E, F>(
-        &self,
-        conn: &mut B,
-        scope: &str,
-        key: &str,
-        request_hash: &str,
-        op: F,
-    ) -> Result<Outcome<R>, Error<E>>
+    fn execute<B, R, E, F>(&self, conn: &mut B, record: &NewRecord<'_>, op: F) -> Result<Outcome<R>, Error<E>>
     where
         B: Backend,
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut B) -> Result<R, E>,
     {
-        let now = self.now();
-        let record = NewRecord {
-            scope,
-            idempotency_key: key,
-            request_hash,
-            status: PROCESSING,
-            created_at: now.naive_utc(),
-            expires_at: (now + self.retention).naive_utc(),
-        };
+        let (scope, key) = (record.scope, record.idempotency_key);
         // A panic in `op` is carried out of the transaction, so that it
         // rolls back before the panic goes on.
         let mut panicked = None;
         let result = conn.write_transaction(self.in_flight, |tx| {
-            if !tx.claim(&record)? {
+            if !tx.claim(record)? {
                 // Held by a record that is not ours to take over: replay it
                 // (or report it in progress) without calling `op`.
-                return match tx.find(scope, key)? {
-                    Some(stored) => replay(stored, request_hash),
-                    // Purged between the claim and this read; the client's
-                    // retry will find the key free.
-                    None => Err(Error::InProgress),
-                };
+                match tx.find(scope, key)? {
+                    Some(stored) => return replay(stored, record.request_hash),
+                    // Purged between the claim and this read, so free now.
+                    None if tx.claim(record)? => {}
+                    None => return Err(Error::InProgress),
+                }
             }
             let depth = store::transaction_depth(tx)?;
             let value = match panic::catch_unwind(AssertUnwindSafe(|| op(tx))) {
