@@ -336,6 +336,38 @@ common::backend_tests! {
     }
 
     #[test]
+    fn messages_reached_after_the_lease_ran_out_are_not_handed_over() {
+        let db = Db::new();
+        let mut conn = db.conn();
+        let clock = ManualClock::new();
+        let relay = Relay::default().clock(clock.source()).lease(Duration::seconds(10));
+        let first = outbox::enqueue(&mut conn, "receipts", &1).expect("enqueue");
+        let second = outbox::enqueue(&mut conn, "receipts", &2).expect("enqueue");
+
+        let mut handed = Vec::new();
+        let batch = relay
+            .run_once(&mut conn, |message| {
+                handed.push(message.key.clone());
+                // A slow handler: the lease of the whole batch runs out.
+                clock.advance(Duration::seconds(10));
+                Ok::<_, String>(())
+            })
+            .expect("relay");
+        assert_eq!(handed, [first.clone()]);
+        assert_eq!((batch.claimed, batch.delivered, batch.lost), (2, 1, 1));
+
+        let mut later = Vec::new();
+        relay
+            .run_once(&mut conn, |message| {
+                later.push((message.key.clone(), message.attempt));
+                Ok::<_, String>(())
+            })
+            .expect("next relay run");
+        assert_eq!(later, [(second, 2)]);
+        assert_eq!(status_count(&mut conn, "delivered"), 2);
+    }
+
+    #[test]
     fn relay_whose_lease_was_taken_over_cannot_settle_the_message() {
         let db = Db::new();
         let clock = ManualClock::new();

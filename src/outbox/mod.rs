@@ -244,7 +244,8 @@ pub struct Batch {
     /// Messages parked as dead on this run.
     pub dead: usize,
     /// Messages whose lease was taken over (or that were requeued) before
-    /// this relay settled them; their outcome was left to the new holder.
+    /// this relay settled them, or whose lease ran out before the relay
+    /// reached them in its batch; they are left to the next claim.
     pub lost: usize,
 }
 
@@ -469,9 +470,12 @@ impl Relay {
     /// message whose earlier lease ran out after its last attempt is parked
     /// without being handed over again.
     ///
-    /// The claim is one short transaction; the handler runs outside any
-    /// transaction, and each outcome is written in one statement of its own,
-    /// so no lock is held while the handler calls out. The handler's error
+    /// The claim is one short transaction, and each outcome is written in one
+    /// statement of its own, so on a connection outside a transaction no lock
+    /// is held while the handler calls out. (On a connection inside a
+    /// transaction, the claim and the outcomes become part of it.) Messages
+    /// the relay reaches only after their lease ran out are not handed over:
+    /// choose the lease longer than a whole batch takes. The handler's error
     /// text is stored on the message (at most 2000 bytes); keep payload data
     /// out of it.
     ///
@@ -530,7 +534,14 @@ impl Relay {
             claimed: claimed.len(),
             ..Batch::default()
         };
+        let lease_until = now + self.lease;
         for row in claimed {
+            if self.now() >= lease_until {
+                // Handlers slower than the lease: the rest of the batch may
+                // already be another relay's, so it is left to that relay.
+                batch.lost += 1;
+                continue;
+            }
             let id = row.id.clone();
             let attempts = row.attempts;
             let attempt = u32::try_from(attempts).unwrap_or(u32::MAX);
