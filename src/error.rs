@@ -130,7 +130,9 @@ pub enum KeyError {
     },
     /// The key looks like a payment card number (13 to 19 digits, possibly
     /// separated by spaces or hyphens, passing the Luhn check). Keys are
-    /// technical identifiers and must not carry personal data.
+    /// technical identifiers and must not carry personal data. One in ten
+    /// purely numeric keys of that length passes the Luhn check by chance:
+    /// prefer UUIDs, or prefix numeric ids (`order-1700000000123`).
     LooksLikeCardNumber,
 }
 

@@ -61,7 +61,8 @@
 //!   scope serves several operations, put the operation's name in the
 //!   request or the scope.
 //! - **Retention.** A completed key is remembered for
-//!   [`Config::retention`] (default 24 hours). After that the key may execute
+//!   [`Config::retention`] (default 24 hours), counted from the call that
+//!   executed it. After that the key may execute
 //!   again as new. [`Config::purge_expired`] deletes expired records.
 //! - **What spends a key.** Only a committed `Ok`. [`Error::Operation`], a
 //!   panic, a killed process, a lost connection and every other error leave
@@ -118,3 +119,6 @@ pub use outcome::Outcome;
 pub use repository::Idempotent;
 pub use run::run_idempotent;
 pub use store::StoreConnection;
+
+#[cfg(not(any(feature = "sqlite", feature = "postgres")))]
+compile_error!("enable at least one backend feature: `sqlite` (the default) or `postgres`");

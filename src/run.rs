@@ -104,8 +104,9 @@ impl Config {
     ///
     /// # Panics
     ///
-    /// A panic in `op` rolls the transaction back and then resumes; the key
-    /// stays free and the connection is left outside the transaction.
+    /// A panic in `op` rolls the transaction (or savepoint) back and then
+    /// resumes; the key stays free and the connection is left as it was
+    /// before the call: outside a transaction, or in the caller's.
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

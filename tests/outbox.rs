@@ -353,7 +353,7 @@ common::backend_tests! {
                 Ok::<_, String>(())
             })
             .expect("relay");
-        assert_eq!(handed, [first.clone()]);
+        assert_eq!(handed, [first]);
         assert_eq!((batch.claimed, batch.delivered, batch.lost), (2, 1, 1));
 
         let mut later = Vec::new();

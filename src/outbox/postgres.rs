@@ -10,10 +10,7 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 
 use super::store::{Claimed, OutboxBackend};
-
-fn limit(limit: usize) -> i64 {
-    i64::try_from(limit).unwrap_or(i64::MAX)
-}
+use crate::store::sql_limit;
 
 impl OutboxBackend for PgConnection {
     fn claim_batch(
@@ -35,7 +32,7 @@ impl OutboxBackend for PgConnection {
         .bind::<Timestamp, _>(lease_until)
         .bind::<Text, _>(lease_token)
         .bind::<Timestamp, _>(now)
-        .bind::<BigInt, _>(limit(batch))
+        .bind::<BigInt, _>(sql_limit(batch))
         .load(self)
     }
 
@@ -48,7 +45,7 @@ impl OutboxBackend for PgConnection {
               LIMIT $2 FOR UPDATE SKIP LOCKED)",
         )
         .bind::<Timestamp, _>(cutoff)
-        .bind::<BigInt, _>(limit(batch))
+        .bind::<BigInt, _>(sql_limit(batch))
         .execute(self)
     }
 

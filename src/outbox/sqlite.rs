@@ -8,10 +8,7 @@ use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
 use super::store::{Claimed, OutboxBackend};
-
-fn limit(limit: usize) -> i64 {
-    i64::try_from(limit).unwrap_or(i64::MAX)
-}
+use crate::store::sql_limit;
 
 impl OutboxBackend for SqliteConnection {
     fn claim_batch(
@@ -31,7 +28,7 @@ impl OutboxBackend for SqliteConnection {
         .bind::<Timestamp, _>(lease_until)
         .bind::<Text, _>(lease_token)
         .bind::<Timestamp, _>(now)
-        .bind::<BigInt, _>(limit(batch))
+        .bind::<BigInt, _>(sql_limit(batch))
         .load(self)
     }
 
@@ -41,7 +38,7 @@ impl OutboxBackend for SqliteConnection {
              (SELECT id FROM idempotency_outbox WHERE status = 'delivered' AND delivered_at <= ? LIMIT ?)",
         )
         .bind::<Timestamp, _>(cutoff)
-        .bind::<BigInt, _>(limit(batch))
+        .bind::<BigInt, _>(sql_limit(batch))
         .execute(self)
     }
 

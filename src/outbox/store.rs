@@ -165,7 +165,7 @@ macro_rules! shared_queries {
             o::table
                 .filter(o::status.eq(DEAD))
                 .order(o::id)
-                .limit(i64::try_from(limit).unwrap_or(i64::MAX))
+                .limit($crate::store::sql_limit(limit))
                 .select((
                     o::id,
                     o::topic,

@@ -168,6 +168,11 @@ pub trait Backend:
     fn complete(&mut self, scope: &str, key: &str, response: &str, at: NaiveDateTime) -> QueryResult<()>;
 }
 
+/// A row count as SQL's `LIMIT` takes it.
+pub(crate) fn sql_limit(limit: usize) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
 /// How deep the connection's open transactions are nested; 0 outside one.
 pub(crate) fn transaction_depth<C: Backend>(conn: &mut C) -> QueryResult<u32> {
     let depth = AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth()?;

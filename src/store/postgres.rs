@@ -2,8 +2,9 @@
 //! key blocks on the primary key index until the holder commits (the waiter
 //! then finds the record and replays) or rolls back (the waiter's insert goes
 //! through and it executes). The in-flight policy bounds that wait with a
-//! `lock_timeout` that is set with `BEGIN`, in the same round trip, and put
-//! back by the claim itself, so it bounds the claim and not the operation.
+//! `lock_timeout` that is set with `BEGIN`, in the same round trip (in a
+//! caller's transaction: right after the savepoint), and put back by the
+//! claim itself, so it bounds the claim and not the operation.
 
 use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, SimpleConnection};
@@ -140,7 +141,7 @@ impl Backend for PgConnection {
              (SELECT ctid FROM idempotency_keys WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
         )
         .bind::<Timestamp, _>(cutoff)
-        .bind::<BigInt, _>(i64::try_from(limit).unwrap_or(i64::MAX))
+        .bind::<BigInt, _>(super::sql_limit(limit))
         .execute(self)
     }
 

@@ -151,7 +151,7 @@ impl Backend for SqliteConnection {
                  (SELECT rowid FROM idempotency_keys WHERE expires_at <= ? LIMIT ?)",
             )
             .bind::<Timestamp, _>(cutoff)
-            .bind::<BigInt, _>(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind::<BigInt, _>(super::sql_limit(limit))
             .execute(conn)
         })
     }
