@@ -2,26 +2,26 @@
 //! and the clock.
 
 use std::fmt;
-use std::sync::Arc;
 
 use chrono::{DateTime, Duration, Utc};
 
+use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
-use crate::store::{Backend, StoreConnection};
+use crate::store::{self, KeyStore, StoreConnection};
 
 /// What a request does when another transaction holds the same key.
 ///
-/// On PostgreSQL the claim of a key blocks on the primary key index while
-/// another transaction holds an uncommitted claim of it; the policy bounds
-/// that wait with a transaction-local `lock_timeout`. When the holder commits,
-/// the waiting request replays its result; when it rolls back, the waiting
-/// request executes.
+/// On PostgreSQL a call holds its key with an advisory lock on it until its
+/// transaction ends; a second call with the key waits for that lock, and the
+/// policy bounds the wait with a transaction-local `lock_timeout`. When the
+/// holder commits, the waiting request replays its result; when it rolls
+/// back, the waiting request executes.
 ///
-/// Inside a caller's `REPEATABLE READ` or `SERIALIZABLE` transaction on
-/// PostgreSQL there is no waiting to bound: a request whose snapshot predates
-/// the holder's commit fails with a serialization failure
-/// ([`Error::Storage`]) and the caller retries its whole transaction, which
-/// then replays.
+/// A request whose transaction cannot see the holder's commit (nested in a
+/// caller's `REPEATABLE READ` or `SERIALIZABLE` transaction, or in a session
+/// at that level) fails with a serialization failure ([`Error::Storage`])
+/// once the holder commits, without running its operation; the caller
+/// retries its whole transaction, which then replays.
 ///
 /// On SQLite every writer holds the one database lock, so the policy bounds
 /// the wait for that lock (the connection's busy timeout), whoever holds it.
@@ -56,8 +56,6 @@ impl InFlight {
     }
 }
 
-type Clock = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
-
 /// The policy for idempotent calls, built with consuming builder methods.
 ///
 /// | setting | default |
@@ -65,7 +63,7 @@ type Clock = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
 /// | [`retention`](Config::retention) | 24 hours |
 /// | [`in_flight`](Config::in_flight) | `InFlight::Wait(5 s)` |
 /// | [`max_key_len`](Config::max_key_len) | 255 bytes |
-/// | [`clock`](Config::clock) | `Utc::now` |
+/// | [`clock`](Config::clock) | the database's clock |
 ///
 /// A `Config` is cheap to clone and can be shared between threads; build it
 /// once at start-up.
@@ -85,7 +83,7 @@ pub struct Config {
     pub(crate) retention: Duration,
     pub(crate) in_flight: InFlight,
     pub(crate) max_key_len: usize,
-    clock: Clock,
+    pub(crate) clock: Clock,
 }
 
 impl Default for Config {
@@ -94,7 +92,7 @@ impl Default for Config {
             retention: Duration::hours(24),
             in_flight: InFlight::default(),
             max_key_len: 255,
-            clock: Arc::new(Utc::now),
+            clock: Clock::Database,
         }
     }
 }
@@ -109,10 +107,6 @@ impl fmt::Debug for Config {
     }
 }
 
-/// Retention beyond this is certainly a unit mistake, and it keeps
-/// `now + retention` far from chrono's range limits.
-const MAX_RETENTION_DAYS: i64 = 100 * 366;
-
 impl Config {
     /// How long a completed key is remembered (default 24 hours). After it,
     /// the key may execute again as new: this is the retention contract, so
@@ -122,11 +116,7 @@ impl Config {
     ///
     /// If `retention` is not positive or longer than 100 years.
     pub fn retention(mut self, retention: Duration) -> Self {
-        assert!(retention > Duration::zero(), "retention must be positive");
-        assert!(
-            retention <= Duration::days(MAX_RETENTION_DAYS),
-            "retention must be at most 100 years"
-        );
+        assert_duration(retention, "retention");
         self.retention = retention;
         self
     }
@@ -156,21 +146,47 @@ impl Config {
         self
     }
 
-    /// The time source for `created_at`, `completed_at` and expiry (default
-    /// `Utc::now`). Tests inject a [`ManualClock`](crate::testing::ManualClock)
-    /// to move through the retention window without waiting.
+    /// The time source for `created_at` and expiry (default: the database's
+    /// clock). Tests inject a [`ManualClock`](crate::testing::ManualClock) to
+    /// move through the retention window without waiting.
+    ///
+    /// Expiry compares a time one process wrote with the time another reads,
+    /// so all of them must agree on the time. By default they ask the
+    /// database, in the statement that reads the record anyway: on PostgreSQL
+    /// every application server then uses the server's clock, however far
+    /// its own has drifted. (SQLite runs in-process; its clock is the
+    /// machine's.) An injected clock is used as it is, by every process that
+    /// injects it: a process whose clock runs ahead by `d` shortens the
+    /// retention it sees by `d`, and can execute a key again that the others
+    /// still replay. Inject clocks in tests, not in production.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::{Duration, TimeZone, Utc};
+    /// use idempotency::{testing::ManualClock, Config};
+    ///
+    /// let clock = ManualClock::at(Utc.with_ymd_and_hms(2030, 6, 1, 12, 0, 0).single().ok_or("date")?);
+    /// let config = Config::default().clock(clock.source()).retention(Duration::hours(1));
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// let mut runs = 0;
+    /// let mut call = |conn: &mut _| config.run(conn, "shop", "k", &1, |_| { runs += 1; Ok::<_, std::convert::Infallible>(runs) });
+    ///
+    /// assert!(!call(&mut conn)?.is_replayed());
+    /// clock.advance(Duration::minutes(59));
+    /// assert!(call(&mut conn)?.is_replayed());
+    /// clock.advance(Duration::minutes(1));
+    /// assert_eq!(call(&mut conn)?.into_inner(), 2, "expired: executes again");
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn clock(mut self, clock: impl Fn() -> DateTime<Utc> + Send + Sync + 'static) -> Self {
-        self.clock = Arc::new(clock);
+        self.clock = Clock::injected(clock);
         self
     }
 
     /// The configured retention.
     pub fn retention_period(&self) -> Duration {
         self.retention
-    }
-
-    pub(crate) fn now(&self) -> DateTime<Utc> {
-        (self.clock)()
     }
 
     /// Deletes every record whose retention has ended (`expires_at <= now`),
@@ -208,18 +224,13 @@ impl Config {
     /// # }
     /// ```
     pub fn purge_expired<C: StoreConnection>(&self, conn: &mut C, batch_size: usize) -> Result<usize, Error> {
-        assert!(batch_size > 0, "batch_size must be positive");
+        let conn = conn.raw();
         // One fixed cut-off, so the loop ends even while records keep
         // expiring under it.
-        let cutoff = self.now().naive_utc();
-        let conn = conn.raw();
-        let mut total = 0;
-        loop {
-            let deleted = conn.purge_batch(cutoff, batch_size, self.in_flight)?;
-            total += deleted;
-            if deleted < batch_size {
-                return Ok(total);
-            }
-        }
+        let cutoff = self.clock.now(conn)?;
+        let purged = store::purge_in_batches(batch_size, |limit| {
+            conn.write(self.in_flight, |conn| conn.purge_batch(cutoff, limit))
+        })?;
+        Ok(purged)
     }
 }

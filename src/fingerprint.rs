@@ -4,7 +4,9 @@
 //! no white space, so the fingerprint depends neither on a map's iteration
 //! order nor on serde_json's `preserve_order` feature. Numbers are written by
 //! serde_json's own formatter, which `arbitrary_precision` does not change for
-//! values that came from Rust integers and floats.
+//! values that came from Rust integers and floats. NaN and the infinities,
+//! which serde_json would write as `null` (so that a request holding one
+//! would pass for the same request holding `null`), are refused.
 
 use serde::Serialize;
 use serde_json::Value;
@@ -13,8 +15,12 @@ use sha2::{Digest, Sha256};
 use crate::key::hex;
 
 /// The hex SHA-256 of the canonical JSON form of `request`.
+///
+/// # Errors
+///
+/// When `request` does not serialize or holds a non-finite float.
 pub(crate) fn of<T: Serialize + ?Sized>(request: &T) -> Result<String, serde_json::Error> {
-    let value = serde_json::to_value(request)?;
+    let value = crate::codec::to_value(request)?;
     let mut canonical = Vec::with_capacity(128);
     write_canonical(&value, &mut canonical)?;
     Ok(hex(&Sha256::digest(&canonical)))

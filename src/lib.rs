@@ -97,7 +97,12 @@
 //! shared by several connections, so that replays, which only read, do not
 //! queue behind writers.
 
+#![warn(missing_docs)]
+#![forbid(unsafe_code)]
+
 pub mod batch;
+mod clock;
+mod codec;
 mod config;
 mod error;
 mod fingerprint;
@@ -114,8 +119,8 @@ pub mod testing;
 
 pub use config::{Config, InFlight};
 pub use error::{Error, KeyError};
-pub use migrate::{MIGRATIONS, run_migrations};
-pub use outcome::Outcome;
+pub use migrate::{MIGRATIONS, Migrations, run_migrations};
+pub use outcome::{Outcome, Recorded};
 pub use repository::Idempotent;
 pub use run::run_idempotent;
 pub use store::StoreConnection;

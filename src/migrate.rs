@@ -1,17 +1,66 @@
-//! The crate's own migrations, embedded in the binary.
+//! The crate's own migrations, embedded in the binary, one set per backend.
+//!
+//! The backends share their first migrations; where a backend's SQL has to
+//! differ (SQLite's key table without a rowid), its set has a migration the
+//! others lack. Versions are never reused across sets, so a database records
+//! the same versions whichever set created it.
 
-use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
+use diesel::migration::{self, Migration, MigrationSource};
+use diesel_migrations::{EmbeddedMigrations, embed_migrations};
 
 use crate::store::StoreConnection;
 
+#[cfg(feature = "sqlite")]
+pub(crate) const SQLITE: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
+
+#[cfg(feature = "postgres")]
+pub(crate) const POSTGRES: EmbeddedMigrations = embed_migrations!("migrations/postgres");
+
 /// This crate's migrations: the `idempotency_keys` table and its index, and
-/// the `idempotency_outbox` table of the [outbox](crate::outbox).
+/// the `idempotency_outbox` table of the [outbox](crate::outbox), for
+/// whichever backend the harness runs them on.
 ///
 /// Run them with [`run_migrations`], or with your own
-/// [`MigrationHarness`] next to your application's migrations: diesel records
-/// them in the same `__diesel_schema_migrations` table under their own
-/// versions, `20261129000000` and `20261130000000`.
-pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
+/// [`MigrationHarness`](diesel_migrations::MigrationHarness) next to your
+/// application's migrations: diesel records them in the same
+/// `__diesel_schema_migrations` table under their own versions
+/// (`20261129000000` onwards), so they never clash with yours.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::prelude::*;
+/// use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
+///
+/// // Your application's own migrations.
+/// const APP_MIGRATIONS: EmbeddedMigrations = embed_migrations!("tests/migrations");
+///
+/// let mut conn = SqliteConnection::establish(":memory:")?;
+/// conn.run_pending_migrations(idempotency::MIGRATIONS)?;
+/// conn.run_pending_migrations(APP_MIGRATIONS)?;
+/// assert!(conn.has_pending_migration(idempotency::MIGRATIONS).map(|pending| !pending)?);
+/// # Ok(())
+/// # }
+/// ```
+pub const MIGRATIONS: Migrations = Migrations(());
+
+/// The type of [`MIGRATIONS`]: a diesel migration source for every backend
+/// this build supports.
+#[derive(Debug, Clone, Copy)]
+pub struct Migrations(());
+
+#[cfg(feature = "sqlite")]
+impl MigrationSource<diesel::sqlite::Sqlite> for Migrations {
+    fn migrations(&self) -> migration::Result<Vec<Box<dyn Migration<diesel::sqlite::Sqlite>>>> {
+        SQLITE.migrations()
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl MigrationSource<diesel::pg::Pg> for Migrations {
+    fn migrations(&self) -> migration::Result<Vec<Box<dyn Migration<diesel::pg::Pg>>>> {
+        POSTGRES.migrations()
+    }
+}
 
 /// Applies the pending migrations of [`MIGRATIONS`] on `conn`.
 ///
@@ -30,7 +79,7 @@ pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 /// # Ok(())
 /// # }
 /// ```
-pub fn run_migrations<C: StoreConnection>(conn: &mut C) -> diesel::migration::Result<()> {
-    conn.raw().run_pending_migrations(MIGRATIONS)?;
-    Ok(())
+pub fn run_migrations<C: StoreConnection>(conn: &mut C) -> migration::Result<()> {
+    use crate::store::KeyStore;
+    conn.raw().apply_migrations()
 }

@@ -1,5 +1,7 @@
 //! What a successful idempotent call returns.
 
+use chrono::{DateTime, NaiveDateTime, Utc};
+
 /// The result of an idempotent call: either the operation ran now, or an
 /// earlier call with the same key and request ran it and this is its stored
 /// result.
@@ -37,5 +39,29 @@ impl<R> Outcome<R> {
     /// ```
     pub fn is_replayed(&self) -> bool {
         matches!(self, Outcome::Replayed(_))
+    }
+}
+
+/// An [`Outcome`] with the times of the key record behind it, as
+/// [`Config::run_recorded`](crate::Config::run_recorded) returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Recorded<R> {
+    /// Whether the operation ran now, and its result.
+    pub outcome: Outcome<R>,
+    /// When the call that executed the operation began (UTC).
+    pub created_at: DateTime<Utc>,
+    /// When the retention of the record ends (UTC): from then on the key may
+    /// execute again.
+    pub expires_at: DateTime<Utc>,
+}
+
+impl<R> Recorded<R> {
+    pub(crate) fn new(outcome: Outcome<R>, created_at: NaiveDateTime, expires_at: NaiveDateTime) -> Self {
+        Recorded {
+            outcome,
+            created_at: created_at.and_utc(),
+            expires_at: expires_at.and_utc(),
+        }
     }
 }

@@ -1,15 +1,18 @@
 //! The combinator: validate, fingerprint, claim, run the operation, store.
 
+use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
+use std::time::Instant;
 
+use chrono::{Duration, NaiveDateTime};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::config::Config;
 use crate::error::Error;
-use crate::outcome::Outcome;
-use crate::store::{self, Backend, COMPLETED, NewRecord, PROCESSING, StoreConnection, Stored};
-use crate::{fingerprint, key};
+use crate::outcome::{Outcome, Recorded};
+use crate::store::{self, COMPLETED, Hold, KeyStore, PROCESSING, Read, Record, StoreConnection, Stored};
+use crate::{codec, fingerprint, key};
 
 /// Runs `op` at most once for `(scope, key)` with [`Config::default()`]; see
 /// [`Config::run`].
@@ -138,58 +141,120 @@ impl Config {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut C::Raw) -> Result<R, E>,
     {
+        self.run_recorded(conn, scope, key, request, op)
+            .map(|recorded| recorded.outcome)
+    }
+
+    /// [`run`](Config::run), also telling when the key record was created
+    /// and when it expires: an HTTP layer can send the expiry to the client,
+    /// and tests can check it.
+    ///
+    /// # Errors
+    ///
+    /// As [`run`](Config::run).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::Duration;
+    /// use idempotency::{testing::ManualClock, Config};
+    ///
+    /// let clock = ManualClock::new();
+    /// let config = Config::default().clock(clock.source()).retention(Duration::hours(2));
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// let first = config.run_recorded(&mut conn, "shop", "order-1", &"book", |_| Ok::<_, std::convert::Infallible>(1))?;
+    /// assert_eq!((first.created_at, first.expires_at), (clock.now(), clock.now() + Duration::hours(2)));
+    ///
+    /// clock.advance(Duration::minutes(10));
+    /// let retry = config.run_recorded(&mut conn, "shop", "order-1", &"book", |_| Ok::<_, std::convert::Infallible>(2))?;
+    /// assert!(retry.outcome.is_replayed());
+    /// assert_eq!(retry.expires_at, first.expires_at, "a replay does not extend the retention");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn run_recorded<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        op: F,
+    ) -> Result<Recorded<R>, Error<E>>
+    where
+        C: StoreConnection,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: FnOnce(&mut C::Raw) -> Result<R, E>,
+    {
         key::validate_scope(scope, self.max_key_len).map_err(Error::InvalidScope)?;
         key::validate_key(key, self.max_key_len).map_err(Error::InvalidKey)?;
         let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
         let conn = conn.raw();
-        let now = self.now();
-        let record = NewRecord {
-            scope,
-            idempotency_key: key,
-            request_hash: &request_hash,
-            status: PROCESSING,
-            created_at: now.naive_utc(),
-            expires_at: (now + self.retention).naive_utc(),
-        };
-
-        let outcome = match conn.find(scope, key) {
-            Ok(Some(stored)) if stored.status == COMPLETED && stored.expires_at > record.created_at => {
-                replay(stored, &request_hash)
+        let recorded = match conn.read(scope, key) {
+            Ok(Read { record, now }) => {
+                let now = self.clock.or_database(now);
+                match record {
+                    Some(stored) if stored.status == COMPLETED && stored.expires_at > now => {
+                        replay(stored, &request_hash)
+                    }
+                    _ => self.execute(conn, scope, key, &request_hash, now, op),
+                }
             }
-            Ok(_) => self.execute(conn, &record, op),
             // A reader kept out by a writer (SQLite outside WAL mode) takes
             // the write path, which waits as the in-flight policy allows and
             // reads again once it holds the lock.
-            Err(error) if C::Raw::is_in_flight_timeout(&error) => self.execute(conn, &record, op),
+            Err(error) if C::Raw::is_in_flight_timeout(&error) => {
+                let now = self.clock.now(conn)?;
+                self.execute(conn, scope, key, &request_hash, now, op)
+            }
             Err(error) => Err(Error::Storage(error)),
         };
-        outcome.map_err(|error| match error {
+        recorded.map_err(|error| match error {
             Error::Storage(ref storage) if C::Raw::is_in_flight_timeout(storage) => Error::InProgress,
             other => other,
         })
     }
 
-    fn execute<B, R, E, F>(&self, conn: &mut B, record: &NewRecord<'_>, op: F) -> Result<Outcome<R>, Error<E>>
+    /// The write path: hold the key, then replay what another call stored
+    /// meanwhile, or run `op` and store its result.
+    fn execute<C, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request_hash: &str,
+        now: NaiveDateTime,
+        op: F,
+    ) -> Result<Recorded<R>, Error<E>>
     where
-        B: Backend,
+        C: KeyStore,
         R: Serialize + DeserializeOwned,
-        F: FnOnce(&mut B) -> Result<R, E>,
+        F: FnOnce(&mut C) -> Result<R, E>,
     {
-        let (scope, key) = (record.scope, record.idempotency_key);
+        // An enclosing call on this connection that executes the same key
+        // has written nothing yet for a nested call to find.
+        let Some(_executing) = Executing::enter(conn, scope, key) else {
+            return Err(Error::InProgress);
+        };
+        let record = Record {
+            scope,
+            idempotency_key: key,
+            request_hash,
+            status: PROCESSING,
+            response: None,
+            created_at: now,
+            completed_at: None,
+            expires_at: now + self.retention,
+        };
+        let started = Instant::now();
         // A panic in `op` is carried out of the transaction, so that it
         // rolls back before the panic goes on.
         let mut panicked = None;
-        let result = conn.write_transaction(self.in_flight, |tx| {
-            if !tx.claim(record)? {
-                // Held by a record that is not ours to take over: replay it
-                // (or report it in progress) without calling `op`.
-                match tx.find(scope, key)? {
-                    Some(stored) => return replay(stored, record.request_hash),
-                    // Purged between the claim and this read, so free now.
-                    None if tx.claim(record)? => {}
-                    None => return Err(Error::InProgress),
-                }
-            }
+        let result = conn.key_transaction(scope, key, self.in_flight, |tx| {
+            let hold = match tx.hold(&record)? {
+                Hold::Taken(stored) => return replay(stored, request_hash),
+                Hold::Busy => return Err(Error::InProgress),
+                hold => hold,
+            };
             let depth = store::transaction_depth(tx)?;
             let value = match panic::catch_unwind(AssertUnwindSafe(|| op(tx))) {
                 Ok(Ok(value)) => value,
@@ -203,9 +268,22 @@ impl Config {
                     return Err(Error::Storage(diesel::result::Error::RollbackTransaction));
                 }
             };
-            let response = serde_json::to_string(&value).map_err(Error::Codec)?;
-            tx.complete(scope, key, &response, self.now().naive_utc())?;
-            Ok(Outcome::Executed(value))
+            let response = codec::to_replayable_json(&value).map_err(Error::Codec)?;
+            let elapsed = Duration::from_std(started.elapsed()).unwrap_or(Duration::zero());
+            tx.store(
+                hold,
+                &Record {
+                    status: COMPLETED,
+                    response: Some(&response),
+                    completed_at: Some(now + elapsed),
+                    ..record
+                },
+            )?;
+            Ok(Recorded::new(
+                Outcome::Executed(value),
+                record.created_at,
+                record.expires_at,
+            ))
         });
         if let Some(payload) = panicked {
             panic::resume_unwind(payload);
@@ -215,16 +293,48 @@ impl Config {
 }
 
 /// The answer from a stored record: its response when the request matches.
-fn replay<R: DeserializeOwned, E>(stored: Stored, request_hash: &str) -> Result<Outcome<R>, Error<E>> {
+fn replay<R: DeserializeOwned, E>(stored: Stored, request_hash: &str) -> Result<Recorded<R>, Error<E>> {
     if stored.request_hash != request_hash {
         return Err(Error::Mismatch);
     }
     match stored.response {
         Some(response) if stored.status == COMPLETED => serde_json::from_str(&response)
-            .map(Outcome::Replayed)
+            .map(|value| Recorded::new(Outcome::Replayed(value), stored.created_at, stored.expires_at))
             .map_err(Error::Codec),
         // Claimed by an enclosing call on this same connection whose
         // operation has not finished.
         _ => Err(Error::InProgress),
+    }
+}
+
+thread_local! {
+    /// The keys that calls on this thread are executing, with the address
+    /// of their connection.
+    static EXECUTING: RefCell<Vec<(usize, String, String)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A key this thread executes on a connection, from the hold to the commit.
+/// Operations run on the caller's thread, so a nested call on the same
+/// connection finds its enclosing call here.
+struct Executing(usize);
+
+impl Executing {
+    /// `None` when a call on this thread already executes `(scope, key)` on
+    /// `conn`.
+    fn enter<C>(conn: &C, scope: &str, key: &str) -> Option<Executing> {
+        let conn = std::ptr::from_ref(conn).addr();
+        EXECUTING.with_borrow_mut(|executing| {
+            if executing.iter().any(|(c, s, k)| *c == conn && s == scope && k == key) {
+                return None;
+            }
+            executing.push((conn, scope.to_owned(), key.to_owned()));
+            Some(Executing(executing.len()))
+        })
+    }
+}
+
+impl Drop for Executing {
+    fn drop(&mut self) {
+        EXECUTING.with_borrow_mut(|executing| executing.truncate(self.0 - 1));
     }
 }

@@ -40,7 +40,7 @@ fn lost_response_catches_a_key_already_spent() {
 }
 
 #[test]
-#[should_panic(expected = "crash_midway: idempotency_keys, orders changed although the call crashed")]
+#[should_panic(expected = "crash_midway: orders changed although the call crashed")]
 fn crash_midway_catches_writes_committed_by_the_operation_itself() {
     let mut conn = testing::sqlite_memory();
     create_table(&mut conn);

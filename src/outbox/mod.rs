@@ -79,30 +79,29 @@
 //! ```
 
 use std::fmt;
-use std::sync::Arc;
+use std::ops::AddAssign;
 
-use chrono::{DateTime, Duration, NaiveDateTime, Utc};
+use chrono::NaiveDateTime;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::config::InFlight;
 use crate::error::KeyError;
-use crate::store::{Backend, StoreConnection};
+use crate::store::StoreConnection;
 
 mod id;
 #[cfg(feature = "postgres")]
 mod postgres;
+mod relay;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod store;
 
-use store::{NewMessage, OutboxBackend, PENDING, Settlement};
+pub use relay::Relay;
+pub(crate) use store::OutboxStore;
+use store::{NewMessage, Settlement};
 
 /// The longest topic accepted, in bytes.
 const MAX_TOPIC_LEN: usize = 255;
-
-/// The most of a handler's error text kept on a message, in bytes.
-const MAX_ERROR_LEN: usize = 2000;
 
 /// Writes a message for `topic` with `payload` as JSON, through `conn`.
 ///
@@ -121,7 +120,9 @@ const MAX_ERROR_LEN: usize = 2000;
 ///
 /// - [`Error::InvalidTopic`]: `topic` is empty, longer than 255 bytes or not
 ///   visible ASCII; nothing was written.
-/// - [`Error::Codec`]: `payload` did not serialize; nothing was written.
+/// - [`Error::Codec`]: `payload` did not serialize, or its JSON would not
+///   read back (a non-finite float, more than 128 levels of nesting);
+///   nothing was written.
 /// - [`Error::Storage`]: the insert failed. Inside a transaction, the
 ///   transaction should be rolled back (on PostgreSQL it cannot go on).
 ///
@@ -137,8 +138,8 @@ const MAX_ERROR_LEN: usize = 2000;
 /// });
 /// assert!(result.is_err());
 /// // Rolled back with the transaction: nothing to deliver.
-/// let batch = outbox::Relay::default().run_once(&mut conn, |_| Ok::<_, std::convert::Infallible>(()))?;
-/// assert_eq!(batch.claimed, 0);
+/// let report = outbox::Relay::default().run_once(&mut conn, |_| Ok::<_, std::convert::Infallible>(()))?;
+/// assert_eq!(report.claimed, 0);
 ///
 /// let id = outbox::enqueue(&mut conn, "receipts", &42)?;
 /// assert_eq!(id.len(), 36);
@@ -148,19 +149,15 @@ const MAX_ERROR_LEN: usize = 2000;
 pub fn enqueue<C, P>(conn: &mut C, topic: &str, payload: &P) -> Result<String, Error>
 where
     C: StoreConnection,
-    C::Raw: OutboxBackend,
     P: Serialize + ?Sized,
 {
     crate::key::validate_scope(topic, MAX_TOPIC_LEN).map_err(Error::InvalidTopic)?;
-    let payload = serde_json::to_string(payload).map_err(Error::Codec)?;
+    let payload = crate::codec::to_readable_json(payload).map_err(Error::Codec)?;
     let id = id::new();
     conn.raw().insert_message(&NewMessage {
         id: &id,
         topic,
         payload: &payload,
-        status: PENDING,
-        attempts: 0,
-        created_at: Utc::now().naive_utc(),
     })?;
     Ok(id)
 }
@@ -231,22 +228,43 @@ pub struct DeadLetter {
     pub created_at: NaiveDateTime,
 }
 
-/// What one [`Relay::run_once`] did.
+/// What a relay did: one [`Relay::run_once`], or all of them added up.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Batch {
+pub struct Report {
     /// Messages claimed; zero means none was due.
     pub claimed: usize,
     /// Messages the handler accepted and that are now marked delivered.
     pub delivered: usize,
     /// Messages the handler failed and that are scheduled again.
     pub retried: usize,
-    /// Messages parked as dead on this run.
+    /// Messages parked as dead.
     pub dead: usize,
     /// Messages whose lease was taken over (or that were requeued) before
     /// this relay settled them, or whose lease ran out before the relay
     /// reached them in its batch; they are left to the next claim.
     pub lost: usize,
+}
+
+impl Report {
+    /// Counts a settlement that was written.
+    fn count(&mut self, settlement: &Settlement) {
+        match settlement {
+            Settlement::Delivered { .. } => self.delivered += 1,
+            Settlement::Retry { .. } => self.retried += 1,
+            Settlement::Dead { .. } => self.dead += 1,
+        }
+    }
+}
+
+impl AddAssign for Report {
+    fn add_assign(&mut self, other: Report) {
+        self.claimed += other.claimed;
+        self.delivered += other.delivered;
+        self.retried += other.retried;
+        self.dead += other.dead;
+        self.lost += other.lost;
+    }
 }
 
 /// Why an outbox call failed.
@@ -273,7 +291,7 @@ impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Error::InvalidTopic(reason) => write!(f, "invalid outbox topic: {reason}"),
-            Error::Codec(_) => f.write_str("outbox payload did not serialize to json"),
+            Error::Codec(_) => f.write_str("outbox payload cannot be stored as json"),
             Error::Storage(_) => f.write_str("outbox storage failed"),
         }
     }
@@ -282,477 +300,10 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::InvalidTopic(reason) => Some(reason),
+            // The reason is part of the message already.
+            Error::InvalidTopic(_) => None,
             Error::Codec(error) => Some(error),
             Error::Storage(error) => Some(error),
         }
-    }
-}
-
-type Clock = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
-
-/// Delivers outbox messages: claims due ones, hands each to a handler and
-/// records the outcome. Built with consuming builder methods:
-///
-/// | setting | default |
-/// | --- | --- |
-/// | [`batch_size`](Relay::batch_size) | 100 messages per claim |
-/// | [`lease`](Relay::lease) | 30 seconds |
-/// | [`max_attempts`](Relay::max_attempts) | 10 |
-/// | [`backoff`](Relay::backoff) | 1 second, doubling, at most 15 minutes |
-/// | [`retention`](Relay::retention) | 7 days for delivered messages |
-/// | [`clock`](Relay::clock) | `Utc::now` |
-///
-/// A relay holds no connection and no state between runs; run
-/// [`run_once`](Relay::run_once) in a loop, pausing while it claims nothing.
-/// Any number of relays, in one process or several, may run over one
-/// database; see the [module docs](self) for what each guarantees.
-///
-/// ```
-/// use chrono::Duration;
-/// use idempotency::outbox::Relay;
-///
-/// let relay = Relay::default()
-///     .batch_size(50)
-///     .lease(Duration::minutes(2))
-///     .max_attempts(5)
-///     .backoff(Duration::seconds(2), Duration::minutes(10));
-/// # let _ = relay;
-/// ```
-#[derive(Clone)]
-pub struct Relay {
-    batch_size: usize,
-    lease: Duration,
-    max_attempts: u32,
-    backoff_base: Duration,
-    backoff_max: Duration,
-    retention: Duration,
-    clock: Clock,
-}
-
-impl Default for Relay {
-    fn default() -> Self {
-        Relay {
-            batch_size: 100,
-            lease: Duration::seconds(30),
-            max_attempts: 10,
-            backoff_base: Duration::seconds(1),
-            backoff_max: Duration::minutes(15),
-            retention: Duration::days(7),
-            clock: Arc::new(Utc::now),
-        }
-    }
-}
-
-impl fmt::Debug for Relay {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Relay")
-            .field("batch_size", &self.batch_size)
-            .field("lease", &self.lease)
-            .field("max_attempts", &self.max_attempts)
-            .field("backoff_base", &self.backoff_base)
-            .field("backoff_max", &self.backoff_max)
-            .field("retention", &self.retention)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Durations beyond this are certainly a unit mistake, and it keeps
-/// `now + duration` far from chrono's range limits.
-const MAX_DURATION_DAYS: i64 = 100 * 366;
-
-fn assert_duration(value: Duration, what: &str) {
-    assert!(value > Duration::zero(), "{what} must be positive");
-    assert!(
-        value <= Duration::days(MAX_DURATION_DAYS),
-        "{what} must be at most 100 years"
-    );
-}
-
-impl Relay {
-    /// How many messages one [`run_once`](Relay::run_once) claims at most
-    /// (default 100). All of them are leased together, so the lease must
-    /// cover the handler's time for the whole batch.
-    ///
-    /// # Panics
-    ///
-    /// If `batch_size` is zero.
-    pub fn batch_size(mut self, batch_size: usize) -> Self {
-        assert!(batch_size > 0, "batch_size must be positive");
-        self.batch_size = batch_size;
-        self
-    }
-
-    /// How long claimed messages are reserved for this relay (default 30
-    /// seconds), counted from the claim. When it runs out before the relay
-    /// recorded an outcome, as when the relay died, another run claims the
-    /// message again.
-    ///
-    /// # Panics
-    ///
-    /// If `lease` is not positive or longer than 100 years.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        assert_duration(lease, "lease");
-        self.lease = lease;
-        self
-    }
-
-    /// How many attempts a message gets before it is parked as dead (default
-    /// 10). Attempts cut short by a relay that died count: a message that
-    /// crashes its relay every time is parked too, without another delivery.
-    ///
-    /// # Panics
-    ///
-    /// If `max_attempts` is zero.
-    pub fn max_attempts(mut self, max_attempts: u32) -> Self {
-        assert!(max_attempts > 0, "max_attempts must be positive");
-        self.max_attempts = max_attempts;
-        self
-    }
-
-    /// The wait after a failed attempt (default 1 second, at most 15
-    /// minutes): `base` after the first, doubling after each further one, and
-    /// never more than `max`. The wait counts from when the failure is
-    /// recorded.
-    ///
-    /// # Panics
-    ///
-    /// If either is not positive or longer than 100 years, or `max < base`.
-    pub fn backoff(mut self, base: Duration, max: Duration) -> Self {
-        assert_duration(base, "backoff base");
-        assert_duration(max, "backoff maximum");
-        assert!(max >= base, "backoff maximum must not be below its base");
-        self.backoff_base = base;
-        self.backoff_max = max;
-        self
-    }
-
-    /// How long delivered messages are kept before
-    /// [`purge_delivered`](Relay::purge_delivered) deletes them (default 7
-    /// days).
-    ///
-    /// # Panics
-    ///
-    /// If `retention` is not positive or longer than 100 years.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        assert_duration(retention, "retention");
-        self.retention = retention;
-        self
-    }
-
-    /// The time source for leases, backoff and retention (default
-    /// `Utc::now`). Tests inject a
-    /// [`ManualClock`](crate::testing::ManualClock) to step through them
-    /// without waiting. Relays sharing a database must agree on the time.
-    pub fn clock(mut self, clock: impl Fn() -> DateTime<Utc> + Send + Sync + 'static) -> Self {
-        self.clock = Arc::new(clock);
-        self
-    }
-
-    fn now(&self) -> NaiveDateTime {
-        (self.clock)().naive_utc()
-    }
-
-    /// The wait after failed attempt number `attempt` (from 1).
-    fn backoff_after(&self, attempt: u32) -> Duration {
-        let doublings = attempt.saturating_sub(1).min(62);
-        let factor = 1i32.checked_shl(doublings).unwrap_or(i32::MAX);
-        self.backoff_base
-            .checked_mul(factor)
-            .map_or(self.backoff_max, |wait| wait.min(self.backoff_max))
-    }
-
-    /// Claims up to [`batch_size`](Relay::batch_size) due messages, oldest
-    /// first, hands each to `handler` in that order, and records each
-    /// outcome: `Ok` marks the message delivered; `Err` schedules it again
-    /// after the [backoff](Relay::backoff), or parks it as dead with the
-    /// error's text once it had [`max_attempts`](Relay::max_attempts). A
-    /// message whose earlier lease ran out after its last attempt is parked
-    /// without being handed over again.
-    ///
-    /// The claim is one short transaction, and each outcome is written in one
-    /// statement of its own, so on a connection outside a transaction no lock
-    /// is held while the handler calls out. (On a connection inside a
-    /// transaction, the claim and the outcomes become part of it.) Messages
-    /// the relay reaches only after their lease ran out are not handed over:
-    /// choose the lease longer than a whole batch takes. The handler's error
-    /// text is stored on the message (at most 2000 bytes); keep payload data
-    /// out of it.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Storage`] when the claim or recording an outcome fails. The
-    /// messages claimed and not yet settled stay leased and are delivered
-    /// again after the lease.
-    ///
-    /// # Panics
-    ///
-    /// A panic in `handler` passes through; its message and the rest of the
-    /// batch are delivered again after the lease.
-    ///
-    /// ```
-    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    /// use chrono::Duration;
-    /// use idempotency::outbox::{self, Relay};
-    /// use idempotency::testing::ManualClock;
-    ///
-    /// let mut conn = idempotency::testing::sqlite_memory();
-    /// outbox::enqueue(&mut conn, "payments", &"capture 12.00")?;
-    /// let clock = ManualClock::new();
-    /// let relay = Relay::default().clock(clock.source()).backoff(Duration::seconds(10), Duration::minutes(5));
-    ///
-    /// let failed = relay.run_once(&mut conn, |_| Err("gateway unavailable"))?;
-    /// assert_eq!(failed.retried, 1);
-    /// // Not due again before the backoff.
-    /// assert_eq!(relay.run_once(&mut conn, |_| Ok::<_, &str>(()))?.claimed, 0);
-    /// clock.advance(Duration::seconds(10));
-    /// let retried = relay.run_once(&mut conn, |message| {
-    ///     assert_eq!(message.attempt, 2);
-    ///     Ok::<_, &str>(())
-    /// })?;
-    /// assert_eq!(retried.delivered, 1);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn run_once<C, E, F>(&self, conn: &mut C, mut handler: F) -> Result<Batch, Error>
-    where
-        C: StoreConnection,
-        C::Raw: OutboxBackend,
-        E: fmt::Display,
-        F: FnMut(&Message) -> Result<(), E>,
-    {
-        let conn = conn.raw();
-        let now = self.now();
-        let token = id::new();
-        let mut claimed = conn.write_transaction(InFlight::default(), |tx| {
-            tx.claim_batch(now, now + self.lease, &token, self.batch_size)
-        })?;
-        // The claim returns its rows in no particular order.
-        claimed.sort_by(|a, b| a.id.cmp(&b.id));
-
-        let mut batch = Batch {
-            claimed: claimed.len(),
-            ..Batch::default()
-        };
-        let lease_until = now + self.lease;
-        for row in claimed {
-            if self.now() >= lease_until {
-                // Handlers slower than the lease: the rest of the batch may
-                // already be another relay's, so it is left to that relay.
-                batch.lost += 1;
-                continue;
-            }
-            let id = row.id.clone();
-            let attempts = row.attempts;
-            let attempt = u32::try_from(attempts).unwrap_or(u32::MAX);
-            let error;
-            let (settlement, tally): (Settlement<'_>, fn(&mut Batch) -> &mut usize) = if attempt > self.max_attempts {
-                // The claim counted an attempt in advance; parking the
-                // message without handing it over made none.
-                error = format!("lease ran out during attempt {} without an outcome", attempt - 1);
-                (
-                    Settlement::Dead {
-                        error: &error,
-                        attempts: attempts - 1,
-                    },
-                    |b| &mut b.dead,
-                )
-            } else {
-                let message = Message {
-                    key: row.id,
-                    id: id.clone(),
-                    topic: row.topic,
-                    payload_json: row.payload,
-                    attempt,
-                };
-                match handler(&message) {
-                    Ok(()) => (Settlement::Delivered { at: self.now() }, |b| &mut b.delivered),
-                    Err(failure) => {
-                        error = truncate(failure.to_string());
-                        if attempt >= self.max_attempts {
-                            (
-                                Settlement::Dead {
-                                    error: &error,
-                                    attempts,
-                                },
-                                |b| &mut b.dead,
-                            )
-                        } else {
-                            let due = self.now() + self.backoff_after(attempt);
-                            (Settlement::Retry { due, error: &error }, |b| &mut b.retried)
-                        }
-                    }
-                }
-            };
-            if conn.settle(&id, &token, settlement)? {
-                *tally(&mut batch) += 1;
-            } else {
-                batch.lost += 1;
-            }
-        }
-        Ok(batch)
-    }
-
-    /// Up to `limit` dead messages, oldest first.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Storage`] when the query fails.
-    ///
-    /// ```
-    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    /// use idempotency::outbox::{self, Relay};
-    ///
-    /// let mut conn = idempotency::testing::sqlite_memory();
-    /// let id = outbox::enqueue(&mut conn, "webhooks", &"order shipped")?;
-    /// let relay = Relay::default().max_attempts(1);
-    /// relay.run_once(&mut conn, |_| Err("410 gone"))?;
-    ///
-    /// let dead = relay.dead_letters(&mut conn, 10)?;
-    /// assert_eq!(dead.len(), 1);
-    /// assert_eq!((dead[0].id.as_str(), dead[0].last_error.as_deref()), (id.as_str(), Some("410 gone")));
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn dead_letters<C>(&self, conn: &mut C, limit: usize) -> Result<Vec<DeadLetter>, Error>
-    where
-        C: StoreConnection,
-        C::Raw: OutboxBackend,
-    {
-        let rows = conn.raw().dead_messages(limit)?;
-        Ok(rows
-            .into_iter()
-            .map(|row| DeadLetter {
-                id: row.id,
-                topic: row.topic,
-                payload_json: row.payload,
-                attempts: u32::try_from(row.attempts).unwrap_or(0),
-                last_error: row.last_error,
-                created_at: row.created_at,
-            })
-            .collect())
-    }
-
-    /// Sends a dead message again: pending, due at once, with a fresh count
-    /// of attempts and the same key. Returns `false` when `id` names no dead
-    /// message.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Storage`] when the update fails.
-    ///
-    /// ```
-    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    /// use idempotency::outbox::{self, Relay};
-    ///
-    /// let mut conn = idempotency::testing::sqlite_memory();
-    /// let id = outbox::enqueue(&mut conn, "webhooks", &"order shipped")?;
-    /// let relay = Relay::default().max_attempts(1);
-    /// relay.run_once(&mut conn, |_| Err("endpoint misconfigured"))?;
-    ///
-    /// // The endpoint was fixed.
-    /// assert!(relay.requeue(&mut conn, &id)?);
-    /// assert_eq!(relay.run_once(&mut conn, |_| Ok::<_, &str>(()))?.delivered, 1);
-    /// assert!(!relay.requeue(&mut conn, &id)?, "a delivered message is not dead");
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn requeue<C>(&self, conn: &mut C, id: &str) -> Result<bool, Error>
-    where
-        C: StoreConnection,
-        C::Raw: OutboxBackend,
-    {
-        Ok(conn.raw().requeue(id)?)
-    }
-
-    /// Deletes every message delivered longer than
-    /// [`retention`](Relay::retention) ago, `batch_size` rows per statement,
-    /// each statement its own short transaction, so it can run beside live
-    /// traffic. Returns how many were deleted. Pending and dead messages are
-    /// never purged.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Storage`] when a batch fails; the batches before it stay
-    /// deleted.
-    ///
-    /// # Panics
-    ///
-    /// If `batch_size` is zero.
-    ///
-    /// ```
-    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    /// use chrono::Duration;
-    /// use idempotency::outbox::{self, Relay};
-    /// use idempotency::testing::ManualClock;
-    ///
-    /// let mut conn = idempotency::testing::sqlite_memory();
-    /// let clock = ManualClock::new();
-    /// let relay = Relay::default().clock(clock.source()).retention(Duration::days(1));
-    /// outbox::enqueue(&mut conn, "receipts", &1)?;
-    /// relay.run_once(&mut conn, |_| Ok::<_, &str>(()))?;
-    ///
-    /// assert_eq!(relay.purge_delivered(&mut conn, 500)?, 0);
-    /// clock.advance(Duration::days(1));
-    /// assert_eq!(relay.purge_delivered(&mut conn, 500)?, 1);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn purge_delivered<C>(&self, conn: &mut C, batch_size: usize) -> Result<usize, Error>
-    where
-        C: StoreConnection,
-        C::Raw: OutboxBackend,
-    {
-        assert!(batch_size > 0, "batch_size must be positive");
-        // One fixed cut-off, so the loop ends while deliveries go on.
-        let cutoff = self.now() - self.retention;
-        let conn = conn.raw();
-        let mut total = 0;
-        loop {
-            let deleted = conn.purge_delivered_batch(cutoff, batch_size)?;
-            total += deleted;
-            if deleted < batch_size {
-                return Ok(total);
-            }
-        }
-    }
-}
-
-/// Cuts `text` to at most `MAX_ERROR_LEN` bytes on a character boundary.
-fn truncate(mut text: String) -> String {
-    if text.len() > MAX_ERROR_LEN {
-        let mut end = MAX_ERROR_LEN;
-        while !text.is_char_boundary(end) {
-            end -= 1;
-        }
-        text.truncate(end);
-    }
-    text
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_doubles_up_to_its_maximum() {
-        let relay = Relay::default().backoff(Duration::seconds(10), Duration::seconds(70));
-        let waits: Vec<i64> = (1..=6)
-            .map(|attempt| relay.backoff_after(attempt).num_seconds())
-            .collect();
-        assert_eq!(waits, [10, 20, 40, 70, 70, 70]);
-        assert_eq!(
-            relay.backoff_after(u32::MAX),
-            Duration::seconds(70),
-            "no overflow on huge attempt counts"
-        );
-    }
-
-    #[test]
-    fn long_error_text_is_cut_on_a_character_boundary() {
-        let text = "é".repeat(MAX_ERROR_LEN);
-        let cut = truncate(text);
-        assert!(cut.len() <= MAX_ERROR_LEN && cut.len() >= MAX_ERROR_LEN - 1);
-        assert!(cut.chars().all(|c| c == 'é'));
     }
 }

@@ -9,10 +9,12 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 
-use super::store::{Claimed, OutboxBackend};
+use super::store::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
+use crate::schema::idempotency_outbox as o;
+use crate::store::postgres::timezone;
 use crate::store::sql_limit;
 
-impl OutboxBackend for PgConnection {
+impl OutboxStore for PgConnection {
     fn claim_batch(
         &mut self,
         now: NaiveDateTime,
@@ -23,17 +25,32 @@ impl OutboxBackend for PgConnection {
         diesel::sql_query(
             "WITH due AS ( \
                  SELECT id FROM idempotency_outbox \
-                 WHERE status = 'pending' AND (available_at IS NULL OR available_at <= $3) \
-                 ORDER BY id LIMIT $4 FOR UPDATE SKIP LOCKED) \
+                 WHERE status = $3 AND (available_at IS NULL OR available_at <= $4) \
+                 ORDER BY id LIMIT $5 FOR UPDATE SKIP LOCKED) \
              UPDATE idempotency_outbox AS o SET attempts = o.attempts + 1, available_at = $1, lease_token = $2 \
              FROM due WHERE o.id = due.id \
              RETURNING o.id, o.topic, o.payload, o.attempts",
         )
         .bind::<Timestamp, _>(lease_until)
         .bind::<Text, _>(lease_token)
+        .bind::<Text, _>(PENDING)
         .bind::<Timestamp, _>(now)
         .bind::<BigInt, _>(sql_limit(batch))
         .load(self)
+    }
+
+    fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()> {
+        diesel::insert_into(o::table)
+            .values((
+                o::id.eq(message.id),
+                o::topic.eq(message.topic),
+                o::payload.eq(message.payload),
+                o::status.eq(PENDING),
+                o::attempts.eq(0),
+                o::created_at.eq(timezone("UTC", diesel::dsl::now)),
+            ))
+            .execute(self)?;
+        Ok(())
     }
 
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
@@ -41,9 +58,10 @@ impl OutboxBackend for PgConnection {
         // queueing behind each other.
         diesel::sql_query(
             "DELETE FROM idempotency_outbox WHERE id IN \
-             (SELECT id FROM idempotency_outbox WHERE status = 'delivered' AND delivered_at <= $1 \
-              LIMIT $2 FOR UPDATE SKIP LOCKED)",
+             (SELECT id FROM idempotency_outbox WHERE status = $1 AND delivered_at <= $2 \
+              LIMIT $3 FOR UPDATE SKIP LOCKED)",
         )
+        .bind::<Text, _>(DELIVERED)
         .bind::<Timestamp, _>(cutoff)
         .bind::<BigInt, _>(sql_limit(batch))
         .execute(self)

@@ -1,16 +1,17 @@
-//! SQLite: one writer at a time. The relay claims inside its write
-//! transaction (`BEGIN IMMEDIATE`), so two relays' claims run one after the
-//! other and the second sees the first's leases.
+//! SQLite: one writer at a time. A relay claims inside a write transaction
+//! that waits for the write lock (`BEGIN IMMEDIATE`), so two relays' claims
+//! run one after the other and the second sees the first's leases.
 
-use chrono::NaiveDateTime;
+use chrono::{NaiveDateTime, Utc};
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use super::store::{Claimed, OutboxBackend};
+use super::store::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
+use crate::schema::idempotency_outbox as o;
 use crate::store::sql_limit;
 
-impl OutboxBackend for SqliteConnection {
+impl OutboxStore for SqliteConnection {
     fn claim_batch(
         &mut self,
         now: NaiveDateTime,
@@ -21,22 +22,39 @@ impl OutboxBackend for SqliteConnection {
         diesel::sql_query(
             "UPDATE idempotency_outbox SET attempts = attempts + 1, available_at = ?, lease_token = ? \
              WHERE id IN (SELECT id FROM idempotency_outbox \
-                          WHERE status = 'pending' AND (available_at IS NULL OR available_at <= ?) \
+                          WHERE status = ? AND (available_at IS NULL OR available_at <= ?) \
                           ORDER BY id LIMIT ?) \
              RETURNING id, topic, payload, attempts",
         )
         .bind::<Timestamp, _>(lease_until)
         .bind::<Text, _>(lease_token)
+        .bind::<Text, _>(PENDING)
         .bind::<Timestamp, _>(now)
         .bind::<BigInt, _>(sql_limit(batch))
         .load(self)
     }
 
+    fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()> {
+        diesel::insert_into(o::table)
+            .values((
+                o::id.eq(message.id),
+                o::topic.eq(message.topic),
+                o::payload.eq(message.payload),
+                o::status.eq(PENDING),
+                o::attempts.eq(0),
+                // SQLite's clock is this machine's.
+                o::created_at.eq(Utc::now().naive_utc()),
+            ))
+            .execute(self)?;
+        Ok(())
+    }
+
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
         diesel::sql_query(
             "DELETE FROM idempotency_outbox WHERE id IN \
-             (SELECT id FROM idempotency_outbox WHERE status = 'delivered' AND delivered_at <= ? LIMIT ?)",
+             (SELECT id FROM idempotency_outbox WHERE status = ? AND delivered_at <= ? LIMIT ?)",
         )
+        .bind::<Text, _>(DELIVERED)
         .bind::<Timestamp, _>(cutoff)
         .bind::<BigInt, _>(sql_limit(batch))
         .execute(self)

@@ -1,32 +1,28 @@
 //! Where outbox messages live, per backend.
 //!
 //! The statements whose DSL is the same everywhere are written once in
-//! `shared_queries!`; `sqlite.rs` and `postgres.rs` add the claim, which
-//! differs in how concurrent relays keep off each other's messages, and the
-//! purge. Both update or delete through a limited subquery, which diesel's
-//! DSL cannot express, so they are SQL with bound parameters.
+//! `shared_queries!`; `sqlite.rs` and `postgres.rs` add the insert (which
+//! takes the database's time), the claim, which differs in how concurrent
+//! relays keep off each other's messages, and the purge. The claim and the
+//! purge update or delete through a limited subquery, which diesel's DSL
+//! cannot express, so they are SQL with bound parameters.
 
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
 use diesel::prelude::*;
 
 use crate::schema::idempotency_outbox;
-use crate::store::Backend;
+use crate::store::KeyStore;
 
 pub(crate) const PENDING: &str = "pending";
 pub(crate) const DELIVERED: &str = "delivered";
 pub(crate) const DEAD: &str = "dead";
 
 /// A message as `enqueue` writes it: pending, never attempted, due at once.
-#[derive(Insertable)]
-#[diesel(table_name = idempotency_outbox)]
 pub struct NewMessage<'a> {
     pub(crate) id: &'a str,
     pub(crate) topic: &'a str,
     pub(crate) payload: &'a str,
-    pub(crate) status: &'a str,
-    pub(crate) attempts: i32,
-    pub(crate) created_at: NaiveDateTime,
 }
 
 /// A message a relay has just claimed; `attempts` counts this attempt.
@@ -52,28 +48,22 @@ pub struct DeadRow {
 
 /// How a claimed message's attempt ended, written only while the claim's
 /// lease token is still the message's.
-pub enum Settlement<'a> {
-    Delivered {
-        at: NaiveDateTime,
-    },
-    Retry {
-        due: NaiveDateTime,
-        error: &'a str,
-    },
-    /// With the number of attempts actually made.
-    Dead {
-        error: &'a str,
-        attempts: i32,
-    },
+#[derive(Debug)]
+pub enum Settlement {
+    /// The handler accepted it.
+    Delivered { at: NaiveDateTime },
+    /// The handler failed; the message is due again at `due`.
+    Retry { due: NaiveDateTime, error: String },
+    /// Parked after `attempts` attempts, the last with `error`.
+    Dead { error: String, attempts: i32 },
 }
 
 /// The outbox statements, implemented by the diesel connection types only;
-/// the relay in `mod.rs` is written against this trait alone.
-pub trait OutboxBackend: Backend {
+/// the relay is written against this trait alone.
+pub trait OutboxStore: KeyStore {
     /// Leases up to `limit` pending messages due at `now`, oldest first:
     /// each gets one more attempt, `lease_token` and `available_at =
     /// lease_until`, so no other relay claims it before the lease runs out.
-    /// Runs inside the caller's write transaction.
     #[doc(hidden)]
     fn claim_batch(
         &mut self,
@@ -83,14 +73,14 @@ pub trait OutboxBackend: Backend {
         limit: usize,
     ) -> QueryResult<Vec<Claimed>>;
 
-    /// Writes a new message.
+    /// Writes a new message, created at the database's time.
     #[doc(hidden)]
     fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()>;
 
     /// Records how an attempt ended; `false` when the lease was taken over
     /// (or the message requeued) and nothing was written.
     #[doc(hidden)]
-    fn settle(&mut self, id: &str, lease_token: &str, settlement: Settlement<'_>) -> QueryResult<bool>;
+    fn settle(&mut self, id: &str, lease_token: &str, settlement: &Settlement) -> QueryResult<bool>;
 
     /// Up to `limit` dead messages, oldest first.
     #[doc(hidden)]
@@ -105,24 +95,16 @@ pub trait OutboxBackend: Backend {
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
 }
 
-/// The methods of [`OutboxBackend`] whose DSL is the same on every backend,
+/// The methods of [`OutboxStore`] whose DSL is the same on every backend,
 /// expanded into each backend's impl (see `crate::store::shared_queries`
 /// for why a macro rather than generic functions).
 macro_rules! shared_queries {
     () => {
-        fn insert_message(&mut self, message: &$crate::outbox::store::NewMessage<'_>) -> diesel::QueryResult<()> {
-            use diesel::prelude::*;
-            diesel::insert_into(crate::schema::idempotency_outbox::table)
-                .values(message)
-                .execute(self)?;
-            Ok(())
-        }
-
         fn settle(
             &mut self,
             id: &str,
             lease_token: &str,
-            settlement: $crate::outbox::store::Settlement<'_>,
+            settlement: &$crate::outbox::store::Settlement,
         ) -> diesel::QueryResult<bool> {
             use crate::outbox::store::{DEAD, DELIVERED, PENDING, Settlement};
             use crate::schema::idempotency_outbox as o;

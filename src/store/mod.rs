@@ -1,21 +1,32 @@
 //! Where key records live: the connection types this crate accepts and, per
 //! backend, the few statements whose SQL or transaction handling differs.
 //!
+//! A call writes its key record once, completed, after the operation: the
+//! write transaction first holds the key (SQLite: the database's write lock;
+//! PostgreSQL: an advisory lock on the key), reads the record under that
+//! lock, runs the operation and inserts the record. Where a read under the
+//! lock could miss a concurrent commit (a call nested in a caller's
+//! transaction, a PostgreSQL session at `REPEATABLE READ` or above), the
+//! transaction instead claims the key with a guarded insert before the
+//! operation and completes the record after it. Either way the primary key
+//! backs the lock: a writer that got past it cannot commit a second record.
+//!
 //! Everything the backends share is written once here with diesel's DSL;
-//! `sqlite.rs` and `postgres.rs` hold only what differs: how a transaction is
-//! opened, how the claim waits for a key held elsewhere, how that wait is
-//! recognised when it times out, and how a purge batch picks its rows.
+//! `sqlite.rs` and `postgres.rs` hold what differs: how the write
+//! transaction is opened and the key held, how a wait that ran out is
+//! recognised, which path a transaction takes, and how a purge batch picks
+//! its rows.
 
 use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
-use diesel_migrations::MigrationHarness;
 
 use crate::config::InFlight;
+use crate::outbox::OutboxStore;
 use crate::schema::idempotency_keys;
 
-/// The methods of [`Backend`] whose DSL is the same on every backend.
+/// The methods of [`KeyStore`] whose DSL is the same on every backend.
 /// diesel's query types are concrete per connection, so a generic function
 /// would need a bound for every intermediate query type; the bodies are
 /// written once here and expanded into each backend's impl instead.
@@ -24,34 +35,38 @@ macro_rules! shared_queries {
         fn find(&mut self, scope: &str, key: &str) -> diesel::QueryResult<Option<$crate::store::Stored>> {
             use crate::schema::idempotency_keys as k;
             use diesel::prelude::*;
+            // A primary key lookup needs no LIMIT; a bound LIMIT would make
+            // SQLite prepare the statement again on every call.
             k::table
                 .find((scope, key))
-                .select((k::request_hash, k::status, k::response, k::expires_at))
-                .first(self)
+                .select($crate::store::Stored::as_select())
+                .get_result(self)
                 .optional()
         }
 
-        fn complete(
-            &mut self,
-            scope: &str,
-            key: &str,
-            response: &str,
-            at: chrono::NaiveDateTime,
-        ) -> diesel::QueryResult<()> {
+        fn store(&mut self, hold: $crate::store::Hold, record: &$crate::store::Record<'_>) -> diesel::QueryResult<()> {
             use crate::schema::idempotency_keys as k;
+            use crate::store::Hold;
             use diesel::prelude::*;
-            let updated = diesel::update(k::table.find((scope, key)))
-                .set((
-                    k::status.eq($crate::store::COMPLETED),
-                    k::response.eq(response),
-                    k::completed_at.eq(at),
-                ))
-                .execute(self)?;
-            // The record was claimed by this transaction a moment ago;
-            // anything else means something interferes with the table, and
-            // committing would leave an executed operation without its
-            // result.
-            if updated == 1 {
+            let stored = match hold {
+                Hold::Free => diesel::insert_into(k::table).values(record).execute(self)?,
+                Hold::Expired => diesel::update(k::table.find((record.scope, record.idempotency_key)))
+                    .filter(k::expires_at.le(record.created_at))
+                    .set(record)
+                    .execute(self)?,
+                Hold::Claimed => diesel::update(k::table.find((record.scope, record.idempotency_key)))
+                    .set((
+                        k::status.eq(record.status),
+                        k::response.eq(record.response),
+                        k::completed_at.eq(record.completed_at),
+                    ))
+                    .execute(self)?,
+                Hold::Taken(_) | Hold::Busy => return Err(diesel::result::Error::NotFound),
+            };
+            // The key is held by this transaction; anything else means
+            // something bypasses the lock, and committing would leave an
+            // executed operation without its result.
+            if stored == 1 {
                 Ok(())
             } else {
                 Err(diesel::result::Error::NotFound)
@@ -62,7 +77,7 @@ macro_rules! shared_queries {
 pub(crate) use shared_queries;
 
 #[cfg(feature = "postgres")]
-mod postgres;
+pub(crate) mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
@@ -76,20 +91,56 @@ pub(crate) const COMPLETED: &str = "completed";
 /// The operation of an idempotent call receives the underlying connection,
 /// [`StoreConnection::Raw`], also when the call was given a pooled one, so
 /// repository functions taking `&mut PgConnection` plug in as they are.
+/// `Raw` is a `StoreConnection` itself, so an operation can enqueue outbox
+/// messages or make nested calls on it.
 ///
-/// This trait is sealed: the crate implements it for the backends it stores
-/// keys on.
+/// The trait is sealed, the way diesel seals `Connection`: name it in
+/// bounds to write code once for every backend; only this crate implements
+/// it. `C: StoreConnection` is all that any function of the crate asks of a
+/// connection.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use std::convert::Infallible;
+///
+/// use idempotency::outbox::{self, Relay};
+/// use idempotency::{run_idempotent, Error, Outcome, StoreConnection};
+///
+/// // Written once; SQLite in the tests, PostgreSQL in production, pooled or not.
+/// fn place_with_receipt<C: StoreConnection>(conn: &mut C, key: &str) -> Result<Outcome<u32>, Error<outbox::Error>> {
+///     run_idempotent(conn, "shop", key, &"book", |tx| {
+///         outbox::enqueue(tx, "receipts", &"book")?;
+///         Ok(1)
+///     })
+/// }
+///
+/// fn deliver_all<C: StoreConnection>(conn: &mut C) -> Result<usize, outbox::Error> {
+///     Ok(Relay::default().run_once(conn, |_m| Ok::<_, Infallible>(()))?.delivered)
+/// }
+///
+/// let mut conn = idempotency::testing::sqlite_memory();
+/// assert_eq!(place_with_receipt(&mut conn, "order-1")?, Outcome::Executed(1));
+/// assert_eq!(place_with_receipt(&mut conn, "order-1")?, Outcome::Replayed(1));
+/// assert_eq!(deliver_all(&mut conn)?, 1);
+/// # Ok(())
+/// # }
+/// ```
 pub trait StoreConnection: sealed::Sealed {
     /// The diesel connection that the operation runs on.
-    type Raw: Backend;
+    type Raw: RawConnection;
 
     /// The diesel connection behind this one.
     fn raw(&mut self) -> &mut Self::Raw;
 }
 
+/// A plain diesel connection of a backend this crate stores keys on: every
+/// statement the crate needs, per backend. Implemented by the crate for
+/// `SqliteConnection` and `PgConnection` only.
+pub trait RawConnection: StoreConnection<Raw = Self> + KeyStore + OutboxStore {}
+
 impl<C> StoreConnection for PooledConnection<ConnectionManager<C>>
 where
-    C: Backend + R2D2Connection + Send + 'static,
+    C: RawConnection + R2D2Connection + Send + 'static,
 {
     type Raw = C;
 
@@ -98,74 +149,168 @@ where
     }
 }
 
-impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where C: Backend + R2D2Connection + Send + 'static {}
+impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
+    C: RawConnection + R2D2Connection + Send + 'static
+{
+}
 
 pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
-/// The record as it is claimed: status `processing`, no response yet.
-#[derive(Insertable)]
-#[diesel(table_name = idempotency_keys)]
-pub struct NewRecord<'a> {
+/// A key record as this crate writes it: claimed (`processing`, no response
+/// yet) or completed with its response.
+#[derive(Insertable, AsChangeset, Clone, Copy)]
+#[diesel(table_name = idempotency_keys, primary_key(scope, idempotency_key), treat_none_as_null = true)]
+pub struct Record<'a> {
     pub(crate) scope: &'a str,
     pub(crate) idempotency_key: &'a str,
     pub(crate) request_hash: &'a str,
     pub(crate) status: &'a str,
+    pub(crate) response: Option<&'a str>,
     pub(crate) created_at: NaiveDateTime,
+    pub(crate) completed_at: Option<NaiveDateTime>,
     pub(crate) expires_at: NaiveDateTime,
 }
 
 /// What a replay needs of a stored record.
-#[derive(Queryable)]
+#[derive(Queryable, Selectable, Debug)]
 #[diesel(table_name = idempotency_keys)]
 pub struct Stored {
     pub(crate) request_hash: String,
     pub(crate) status: String,
     pub(crate) response: Option<String>,
+    pub(crate) created_at: NaiveDateTime,
     pub(crate) expires_at: NaiveDateTime,
 }
 
-/// The per-backend part of storage. Implemented by the diesel connection
+/// What the replay read outside the write transaction found.
+pub struct Read {
+    /// The record, whatever its state.
+    pub(crate) record: Option<Stored>,
+    /// The database's time when it was read.
+    pub(crate) now: NaiveDateTime,
+}
+
+/// How a write transaction holds its key, decided once it holds the key's
+/// lock, and so how the operation's result is stored.
+#[derive(Debug)]
+pub enum Hold {
+    /// No record: the completed record is inserted after the operation.
+    Free,
+    /// An expired record: it is replaced by the completed one after the
+    /// operation.
+    Expired,
+    /// Claimed with a guarded insert before the operation: the operation's
+    /// result completes the record.
+    Claimed,
+    /// An unexpired record: the answer is a replay, a mismatch, or (for a
+    /// record an enclosing call has claimed) in progress.
+    Taken(Stored),
+    /// The key was freed and taken again while this transaction looked at
+    /// it: in progress elsewhere.
+    Busy,
+}
+
+/// The per-backend part of key storage. Implemented by the diesel connection
 /// types only; the combinator in `run.rs` is written against it alone.
-pub trait Backend:
-    Connection<TransactionManager = AnsiTransactionManager> + MigrationHarness<<Self as Connection>::Backend> + Sized
-{
-    /// Runs `f` in a transaction that may write at once, or in a savepoint
-    /// when a transaction is already open. On return the transaction is
-    /// committed if `f` succeeded and rolled back otherwise.
+pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Sized {
+    /// The backend's name, as events and metrics report it.
     #[doc(hidden)]
-    fn write_transaction<T, E>(
+    const BACKEND: &'static str;
+
+    /// Applies the pending migrations of this backend's set.
+    #[doc(hidden)]
+    fn apply_migrations(&mut self) -> diesel::migration::Result<()>;
+
+    /// The record for `(scope, key)` and the database's time, in one
+    /// statement outside any write transaction.
+    #[doc(hidden)]
+    fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read>;
+
+    /// The database's time (UTC).
+    #[doc(hidden)]
+    fn database_now(&mut self) -> QueryResult<NaiveDateTime>;
+
+    /// Runs `f` in a write transaction (a savepoint when a transaction is
+    /// open) that holds the key `(scope, key)` against every other call,
+    /// waiting for a holder as `in_flight` allows. Commits if `f` succeeds
+    /// and rolls back otherwise.
+    #[doc(hidden)]
+    fn key_transaction<T, E>(
         &mut self,
+        scope: &str,
+        key: &str,
         in_flight: InFlight,
         f: impl FnOnce(&mut Self) -> Result<T, E>,
     ) -> Result<T, E>
     where
         E: From<diesel::result::Error>;
 
-    /// Inserts `record`, or takes over an expired record with its key.
-    /// Returns whether the key is now this transaction's; `false` means an
-    /// unexpired record exists. Waits for a record held by another
-    /// transaction as the `in_flight` policy given to
-    /// [`write_transaction`](Backend::write_transaction) allows.
+    /// Runs `f` in a short write transaction (a savepoint when one is open)
+    /// that waits for the database's write lock as `in_flight` allows, where
+    /// the backend has one.
     #[doc(hidden)]
-    fn claim(&mut self, record: &NewRecord<'_>) -> QueryResult<bool>;
+    fn write<T, E>(&mut self, in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<diesel::result::Error>;
 
-    /// Whether `error` means the in-flight wait ran out.
+    /// Inside [`key_transaction`](KeyStore::key_transaction): how this
+    /// transaction holds the key `record` is for, claiming it first where a
+    /// read could miss a concurrent commit.
+    #[doc(hidden)]
+    fn hold(&mut self, record: &Record<'_>) -> QueryResult<Hold>;
+
+    /// Inserts `record` as a claim, or takes over an expired record with its
+    /// key. Returns whether the key is now this transaction's; `false` means
+    /// an unexpired record exists.
+    #[doc(hidden)]
+    fn claim(&mut self, record: &Record<'_>) -> QueryResult<bool>;
+
+    /// Writes the completed `record` as `hold` requires.
+    #[doc(hidden)]
+    fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()>;
+
+    /// Whether `error` means a wait for a lock ran out.
     #[doc(hidden)]
     fn is_in_flight_timeout(error: &diesel::result::Error) -> bool;
 
     /// Deletes at most `limit` records expired at `cutoff`.
     #[doc(hidden)]
-    fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize, in_flight: InFlight) -> QueryResult<usize>;
+    fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
 
     /// The stored record for `(scope, key)`.
     #[doc(hidden)]
     fn find(&mut self, scope: &str, key: &str) -> QueryResult<Option<Stored>>;
+}
 
-    /// Stores the response of a claimed record and marks it completed.
-    #[doc(hidden)]
-    fn complete(&mut self, scope: &str, key: &str, response: &str, at: NaiveDateTime) -> QueryResult<()>;
+/// How a transaction whose read sees every commit before it holds its key:
+/// the record decides, nothing is written yet.
+pub(crate) fn hold_by_reading<C: KeyStore>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
+    Ok(hold_of(conn.find(record.scope, record.idempotency_key)?, record))
+}
+
+/// What a record read under the key's lock means for `record`.
+pub(crate) fn hold_of(stored: Option<Stored>, record: &Record<'_>) -> Hold {
+    match stored {
+        None => Hold::Free,
+        Some(stored) if stored.expires_at <= record.created_at => Hold::Expired,
+        Some(stored) => Hold::Taken(stored),
+    }
+}
+
+/// How a transaction whose reads may miss a concurrent commit holds its key:
+/// by a claim that the primary key guards, before the operation runs.
+pub(crate) fn hold_by_claiming<C: KeyStore>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
+    if conn.claim(record)? {
+        return Ok(Hold::Claimed);
+    }
+    match conn.find(record.scope, record.idempotency_key)? {
+        Some(stored) => Ok(Hold::Taken(stored)),
+        // Purged between the claim and this read, so free now.
+        None if conn.claim(record)? => Ok(Hold::Claimed),
+        None => Ok(Hold::Busy),
+    }
 }
 
 /// A row count as SQL's `LIMIT` takes it.
@@ -173,8 +318,29 @@ pub(crate) fn sql_limit(limit: usize) -> i64 {
     i64::try_from(limit).unwrap_or(i64::MAX)
 }
 
+/// Runs `batch` with `batch_size` until it deletes fewer rows than that, and
+/// returns the total: a purge in bounded batches.
+///
+/// # Panics
+///
+/// If `batch_size` is zero.
+pub(crate) fn purge_in_batches(
+    batch_size: usize,
+    mut batch: impl FnMut(usize) -> QueryResult<usize>,
+) -> QueryResult<usize> {
+    assert!(batch_size > 0, "batch_size must be positive");
+    let mut total = 0;
+    loop {
+        let deleted = batch(batch_size)?;
+        total += deleted;
+        if deleted < batch_size {
+            return Ok(total);
+        }
+    }
+}
+
 /// How deep the connection's open transactions are nested; 0 outside one.
-pub(crate) fn transaction_depth<C: Backend>(conn: &mut C) -> QueryResult<u32> {
+pub(crate) fn transaction_depth<C: KeyStore>(conn: &mut C) -> QueryResult<u32> {
     let depth = AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth()?;
     Ok(depth.map_or(0, |depth| depth.get()))
 }
@@ -188,7 +354,7 @@ pub(crate) fn transaction_with<C, T, E>(
     f: impl FnOnce(&mut C) -> Result<T, E>,
 ) -> Result<T, E>
 where
-    C: Backend,
+    C: KeyStore,
     E: From<diesel::result::Error>,
 {
     begin(conn)?;
@@ -206,7 +372,7 @@ where
 
 /// Rolls back the levels an operation opened and left open when it panicked,
 /// so that the caller's own level can be rolled back as usual.
-pub(crate) fn unwind_to_depth<C: Backend>(conn: &mut C, depth: u32) -> QueryResult<()> {
+pub(crate) fn unwind_to_depth<C: KeyStore>(conn: &mut C, depth: u32) -> QueryResult<()> {
     while transaction_depth(conn)? > depth {
         AnsiTransactionManager::rollback_transaction(conn)?;
     }

@@ -1,19 +1,43 @@
-//! PostgreSQL: a claim is one guarded insert. A concurrent insert of the same
-//! key blocks on the primary key index until the holder commits (the waiter
-//! then finds the record and replays) or rolls back (the waiter's insert goes
-//! through and it executes). The in-flight policy bounds that wait with a
-//! `lock_timeout` that is set with `BEGIN`, in the same round trip (in a
-//! caller's transaction: right after the savepoint), and put back by the
-//! claim itself, so it bounds the claim and not the operation.
+//! PostgreSQL: a write transaction holds its key with a transaction-level
+//! advisory lock on a hash of `(scope, key)`, taken in the `BEGIN` round
+//! trip. A second call with the key waits on that lock until the holder
+//! commits (it then reads the holder's record and replays) or rolls back (it
+//! then executes). The in-flight policy bounds the wait with a
+//! `lock_timeout` that is put back to the caller's value in the same round
+//! trip, so it bounds the lock and never the operation.
+//!
+//! At `READ COMMITTED` the read after the lock sees the holder's commit, so
+//! the record is written once, after the operation. In a caller's
+//! transaction, or a session at `REPEATABLE READ` or `SERIALIZABLE`, the read
+//! may miss it: there the key is claimed with a guarded insert before the
+//! operation runs, and a conflict with a commit the transaction cannot see
+//! fails as a serialization failure before the operation is called. The
+//! crate never changes the isolation level the operation runs under.
+//!
+//! The lock uses PostgreSQL's two-integer advisory key space, which is
+//! separate from the single `bigint` space most applications lock in (their
+//! locks can never meet the crate's). Both integers come from a SHA-256 of
+//! the scope and the key, so an application that does use two-integer locks
+//! meets one of the crate's only by a 1 in 2^64 chance, and two keys that
+//! meet merely wait for each other.
+
+use std::marker::PhantomData;
 
 use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, SimpleConnection};
-use diesel::pg::PgConnection;
+use diesel::pg::{Pg, PgConnection};
 use diesel::prelude::*;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::query_dsl::LoadQuery;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{BigInt, Bool, Text, Timestamp};
+use diesel::sql_types::{BigInt, Nullable, SingleValue, Text, Timestamp, Timestamptz};
+use diesel_migrations::MigrationHarness;
+use sha2::{Digest, Sha256};
 
-use super::{Backend, NewRecord, StoreConnection, sealed, transaction_depth, transaction_with};
+use super::{
+    Hold, KeyStore, RawConnection, Read, Record, StoreConnection, Stored, hold_by_claiming, hold_of, sealed,
+    transaction_depth, transaction_with,
+};
 use crate::config::InFlight;
 use crate::schema::idempotency_keys as k;
 
@@ -27,102 +51,241 @@ impl StoreConnection for PgConnection {
 
 impl sealed::Sealed for PgConnection {}
 
-diesel::define_sql_function! {
-    /// PostgreSQL's `set_config(name, value, is_local)`.
-    fn set_config(name: Text, value: Text, is_local: Bool) -> Text;
-}
+impl RawConnection for PgConnection {}
 
 diesel::define_sql_function! {
-    /// PostgreSQL's `current_setting(name)`.
-    fn current_setting(name: Text) -> Text;
+    /// PostgreSQL's `timezone(zone, timestamptz)`: the time in `zone`,
+    /// without a zone.
+    fn timezone(zone: Text, at: Timestamptz) -> Timestamp;
 }
 
-/// Where the caller's `lock_timeout` waits while the claim runs under the
+/// Where the caller's `lock_timeout` waits while the lock is taken under the
 /// policy's; a placeholder setting, local to the transaction.
 const SAVED_LOCK_TIMEOUT: &str = "idempotency.caller_lock_timeout";
 
-/// Saves the caller's `lock_timeout` and puts the policy's in force, so the
-/// claim's wait for a key held elsewhere is bounded. Both settings are local
-/// to the transaction. Zero would mean "no limit" to PostgreSQL, so rejecting
-/// at once is the smallest wait it accepts. A statement that takes no bound
-/// parameters: the only value in it is an integer of ours.
-fn apply_lock_timeout_sql(in_flight: InFlight) -> String {
+/// The statements that take the key's advisory lock with the policy's
+/// `lock_timeout` and then put the caller's back; all local to the
+/// transaction. Zero would mean "no limit" to PostgreSQL, so rejecting at
+/// once is the smallest wait it accepts. Simple-query text with no bound
+/// parameters: the only values in it are integers of ours.
+fn lock_key_sql(scope: &str, key: &str, in_flight: InFlight) -> String {
+    let (high, low) = lock_key(scope, key);
     format!(
         "SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true), \
-         set_config('lock_timeout', '{}ms', true)",
+                set_config('lock_timeout', '{}ms', true); \
+         SELECT pg_advisory_xact_lock({high}, {low}); \
+         SELECT set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true)",
         in_flight.wait_millis().max(1)
     )
 }
 
-/// Puts back the `lock_timeout` that [`apply_lock_timeout_sql`] saved.
-fn restore_lock_timeout() -> set_config<&'static str, current_setting<&'static str>, bool> {
-    set_config("lock_timeout", current_setting(SAVED_LOCK_TIMEOUT), true)
+/// The advisory lock's two integers: 64 bits of a SHA-256 of the scope and
+/// the key, each prefixed with its length. Stable across processes and
+/// versions of the crate, which must agree on it while they run side by side.
+fn lock_key(scope: &str, key: &str) -> (i32, i32) {
+    let mut hasher = Sha256::new();
+    for part in [scope, key] {
+        hasher.update((part.len() as u64).to_be_bytes());
+        hasher.update(part.as_bytes());
+    }
+    let digest = hasher.finalize();
+    let int = |bytes: &[u8]| i32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+    (int(&digest[..4]), int(&digest[4..8]))
 }
 
-impl Backend for PgConnection {
-    fn write_transaction<T, E>(
+/// The first column of a [`RecordWith`] query.
+trait Head: 'static {
+    const SQL: &'static str;
+    type SqlType: SingleValue;
+}
+
+/// The database's time, in UTC.
+struct DatabaseNow;
+
+impl Head for DatabaseNow {
+    const SQL: &'static str = "timezone('UTC', now())";
+    type SqlType = Timestamp;
+}
+
+/// The isolation level of the transaction.
+struct Isolation;
+
+impl Head for Isolation {
+    const SQL: &'static str = "current_setting('transaction_isolation')";
+    type SqlType = Text;
+}
+
+/// `SELECT head, record FROM (SELECT 1) LEFT JOIN idempotency_keys`: one
+/// row whether or not the record exists, so the head arrives with a miss
+/// too. diesel's DSL joins declared tables only; this is the statement as a
+/// query type of its own, so that diesel prepares it once per connection.
+struct RecordWith<'a, H> {
+    scope: &'a str,
+    key: &'a str,
+    head: PhantomData<H>,
+}
+
+impl<H: Head> QueryId for RecordWith<'_, H> {
+    type QueryId = RecordWith<'static, H>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl<H: Head> Query for RecordWith<'_, H> {
+    type SqlType = (
+        H::SqlType,
+        Nullable<Text>,
+        Nullable<Text>,
+        Nullable<Text>,
+        Nullable<Timestamp>,
+        Nullable<Timestamp>,
+    );
+}
+
+impl<H: Head> QueryFragment<Pg> for RecordWith<'_, H> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        out.push_sql("SELECT ");
+        out.push_sql(H::SQL);
+        out.push_sql(
+            ", k.request_hash, k.status, k.response, k.created_at, k.expires_at \
+             FROM (SELECT 1) AS one LEFT JOIN idempotency_keys AS k \
+             ON k.scope = ",
+        );
+        out.push_bind_param::<Text, _>(&self.scope)?;
+        out.push_sql(" AND k.idempotency_key = ");
+        out.push_bind_param::<Text, _>(&self.key)?;
+        Ok(())
+    }
+}
+
+impl<H> RunQueryDsl<PgConnection> for RecordWith<'_, H> {}
+
+type RecordRow<T> = (
+    T,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<NaiveDateTime>,
+    Option<NaiveDateTime>,
+);
+
+/// The head and the record, if any, of `(scope, key)`.
+fn record_with<H, T>(conn: &mut PgConnection, scope: &str, key: &str) -> QueryResult<(T, Option<Stored>)>
+where
+    H: Head,
+    for<'a> RecordWith<'a, H>: LoadQuery<'a, PgConnection, RecordRow<T>>,
+{
+    let row: RecordRow<T> = RecordWith::<H> {
+        scope,
+        key,
+        head: PhantomData,
+    }
+    .get_result(conn)?;
+    let stored = match row {
+        (_, Some(request_hash), Some(status), response, Some(created_at), Some(expires_at)) => Some(Stored {
+            request_hash,
+            status,
+            response,
+            created_at,
+            expires_at,
+        }),
+        _ => None,
+    };
+    Ok((row.0, stored))
+}
+
+impl KeyStore for PgConnection {
+    const BACKEND: &'static str = "postgres";
+
+    fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
+        self.run_pending_migrations(crate::migrate::POSTGRES)?;
+        Ok(())
+    }
+
+    fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
+        let (now, record) = record_with::<DatabaseNow, NaiveDateTime>(self, scope, key)?;
+        Ok(Read { record, now })
+    }
+
+    fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
+        diesel::select(timezone("UTC", diesel::dsl::now)).get_result(self)
+    }
+
+    fn key_transaction<T, E>(
         &mut self,
+        scope: &str,
+        key: &str,
         in_flight: InFlight,
         f: impl FnOnce(&mut Self) -> Result<T, E>,
     ) -> Result<T, E>
     where
         E: From<DieselError>,
     {
+        let lock = lock_key_sql(scope, key, in_flight);
         if transaction_depth(self)? == 0 {
-            // The lock timeout travels with BEGIN: one round trip, not two.
-            let begin = format!("BEGIN; {}", apply_lock_timeout_sql(in_flight));
+            // BEGIN, the policy's lock timeout, the lock and the caller's
+            // timeout back: one round trip.
+            let begin = format!("BEGIN; {lock}");
             transaction_with(
                 self,
-                |conn| AnsiTransactionManager::begin_transaction_sql(conn, &begin),
+                |conn| {
+                    AnsiTransactionManager::begin_transaction_sql(conn, &begin).inspect_err(|_| {
+                        // BEGIN went through before the statement that
+                        // failed: the server holds an aborted transaction
+                        // that diesel does not know of. A broken connection
+                        // fails this too and is discarded as broken anyway.
+                        let _ = conn.batch_execute("ROLLBACK");
+                    })
+                },
                 f,
             )
         } else {
-            // A savepoint: rolling back to it undoes the setting, but
-            // releasing it would leave the policy's timeout to the rest of
-            // the caller's transaction.
+            // In a savepoint: a lock wait that runs out rolls back to it,
+            // settings included; otherwise the lock is held until the
+            // caller's transaction ends, as its record would be.
             self.transaction(|conn| {
-                conn.batch_execute(&apply_lock_timeout_sql(in_flight))?;
-                let value = f(conn)?;
-                diesel::select(restore_lock_timeout()).execute(conn)?;
-                Ok(value)
+                conn.batch_execute(&lock)?;
+                f(conn)
             })
         }
     }
 
-    fn claim(&mut self, record: &NewRecord<'_>) -> QueryResult<bool> {
-        // Statements that diesel prepares once per connection and caches, so
-        // the server does not parse and plan them on every call. `RETURNING`
-        // runs only for a row this transaction now holds, and gives the
-        // operation that follows the caller's lock timeout back.
-        //
-        // DO NOTHING, not DO UPDATE: a fresh key, the common case, costs the
-        // server measurably less that way. A record that is already there
-        // is taken over by a second, guarded statement only if its
-        // retention has ended; of two requests taking over the same record,
-        // the second waits for the first and then finds it unexpired.
+    fn write<T, E>(&mut self, _in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        // Writers wait for the rows they touch, not for the database: each
+        // statement runs as it is (its own transaction outside a caller's).
+        f(self)
+    }
+
+    fn hold(&mut self, record: &Record<'_>) -> QueryResult<Hold> {
+        if transaction_depth(self)? > 1 {
+            return hold_by_claiming(self, record);
+        }
+        let (isolation, stored) = record_with::<Isolation, String>(self, record.scope, record.idempotency_key)?;
+        if matches!(isolation.as_str(), "read committed" | "read uncommitted") {
+            Ok(hold_of(stored, record))
+        } else {
+            hold_by_claiming(self, record)
+        }
+    }
+
+    fn claim(&mut self, record: &Record<'_>) -> QueryResult<bool> {
+        // DO NOTHING, not DO UPDATE: a fresh key costs the server
+        // measurably less that way. A record that is already there is taken
+        // over by a second, guarded statement only if its retention has ended.
         let inserted = diesel::insert_into(k::table)
             .values(record)
             .on_conflict_do_nothing()
-            .returning(restore_lock_timeout())
-            .get_result::<String>(self)
-            .optional()?;
-        if inserted.is_some() {
+            .execute(self)?;
+        if inserted == 1 {
             return Ok(true);
         }
         let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
             .filter(k::expires_at.le(record.created_at))
-            .set((
-                k::request_hash.eq(record.request_hash),
-                k::status.eq(record.status),
-                k::response.eq(None::<String>),
-                k::created_at.eq(record.created_at),
-                k::completed_at.eq(None::<NaiveDateTime>),
-                k::expires_at.eq(record.expires_at),
-            ))
-            .returning(restore_lock_timeout())
-            .get_result::<String>(self)
-            .optional()?;
-        Ok(taken_over.is_some())
+            .set(record)
+            .execute(self)?;
+        Ok(taken_over == 1)
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {
@@ -133,7 +296,7 @@ impl Backend for PgConnection {
             if info.message().contains("lock timeout"))
     }
 
-    fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize, _in_flight: InFlight) -> QueryResult<usize> {
+    fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
         // SKIP LOCKED: a record that a live request is taking over right now
         // is not worth waiting for; it is no longer expired once that commits.
         diesel::sql_query(
@@ -146,4 +309,18 @@ impl Backend for PgConnection {
     }
 
     super::shared_queries!();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lock_key;
+
+    #[test]
+    fn lock_key_is_pinned() {
+        // Processes of two versions of the crate must lock the same key the
+        // same way, so the derivation may never change.
+        assert_eq!(lock_key("shop", "order-1"), lock_key("shop", "order-1"));
+        assert_ne!(lock_key("shop", "order-1"), lock_key("sho", "porder-1"));
+        assert_eq!(lock_key("shop", "order-1"), (-394_540_622, -1_204_734_676));
+    }
 }

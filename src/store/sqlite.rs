@@ -1,20 +1,33 @@
-//! SQLite: one writer at a time, so a claim first takes the database's write
-//! lock (`BEGIN IMMEDIATE`) and the in-flight policy bounds the wait for it.
-//! The policy is the connection's busy timeout while a call writes; the
-//! caller's own busy timeout is put back afterwards.
+//! SQLite: one writer at a time. A call that is not a replay takes the
+//! database's write lock (`BEGIN IMMEDIATE`), which holds its key and every
+//! other, so a read under it sees every commit and the record is written
+//! once after the operation. A call nested in a caller's transaction cannot
+//! know whether that transaction holds the write lock yet, so it claims the
+//! key before its operation instead.
+//!
+//! The in-flight policy bounds the wait for the write lock: `BEGIN
+//! IMMEDIATE` is retried in short polls with the busy timeout off, then the
+//! policy is the busy timeout for the rest of the transaction (a commit
+//! outside WAL mode waits for readers), and the caller's own busy timeout is
+//! put back at the end. The PRAGMAs are prepared statements that diesel
+//! caches, so the setting costs microseconds, not a parse per call.
 
 use std::time::{Duration, Instant};
 
-use chrono::NaiveDateTime;
-use diesel::connection::{AnsiTransactionManager, SimpleConnection};
+use chrono::{NaiveDateTime, Utc};
+use diesel::connection::AnsiTransactionManager;
 use diesel::prelude::*;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::query_dsl::methods::FilterDsl;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Integer, Timestamp};
-use diesel::sqlite::SqliteConnection;
-use diesel::upsert::excluded;
+use diesel::sqlite::{Sqlite, SqliteConnection};
+use diesel_migrations::MigrationHarness;
 
-use super::{Backend, NewRecord, StoreConnection, sealed, transaction_depth, transaction_with};
+use super::{
+    Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_by_reading, sealed,
+    transaction_depth, transaction_with,
+};
 use crate::config::InFlight;
 use crate::schema::idempotency_keys as k;
 
@@ -28,10 +41,39 @@ impl StoreConnection for SqliteConnection {
 
 impl sealed::Sealed for SqliteConnection {}
 
-#[derive(QueryableByName)]
-struct BusyTimeout {
-    #[diesel(sql_type = Integer)]
-    timeout: i32,
+impl RawConnection for SqliteConnection {}
+
+/// A PRAGMA that reads or sets an integer, sent as a prepared statement
+/// that diesel caches by its text. (`sql_query` is never cached, and a
+/// PRAGMA takes no bound parameters; the only value in the text is an
+/// integer of ours.)
+struct Pragma(String);
+
+impl QueryId for Pragma {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl QueryFragment<Sqlite> for Pragma {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Sqlite>) -> QueryResult<()> {
+        out.push_sql(&self.0);
+        Ok(())
+    }
+}
+
+impl Query for Pragma {
+    type SqlType = Integer;
+}
+
+impl RunQueryDsl<SqliteConnection> for Pragma {}
+
+fn busy_timeout(conn: &mut SqliteConnection) -> QueryResult<i32> {
+    Pragma(String::from("PRAGMA busy_timeout")).get_result(conn)
+}
+
+fn set_busy_timeout(conn: &mut SqliteConnection, millis: i64) -> QueryResult<()> {
+    Pragma(format!("PRAGMA busy_timeout = {millis}")).execute(conn)?;
+    Ok(())
 }
 
 /// Runs `f` and then puts the connection's busy timeout back to what it was
@@ -43,22 +85,12 @@ fn keeping_busy_timeout<T, E>(
 where
     E: From<DieselError>,
 {
-    let previous = diesel::sql_query("PRAGMA busy_timeout").get_result::<BusyTimeout>(conn)?;
+    let previous = busy_timeout(conn)?;
     let result = f(conn);
-    let restored = conn.batch_execute(&busy_timeout_sql(previous.timeout.into()));
+    let restored = set_busy_timeout(conn, previous.into());
     let value = result?;
     restored?;
     Ok(value)
-}
-
-/// Makes the connection's busy timeout follow the in-flight policy.
-fn apply_busy_timeout(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryResult<()> {
-    conn.batch_execute(&busy_timeout_sql(in_flight.wait_millis()))
-}
-
-fn busy_timeout_sql(millis: i64) -> String {
-    // A PRAGMA takes no bound parameters; the value is an integer of ours.
-    format!("PRAGMA busy_timeout = {millis}")
 }
 
 /// How long a writer waiting for the write lock sleeps between attempts: it
@@ -72,34 +104,58 @@ const WRITE_LOCK_MAX_POLL: Duration = Duration::from_millis(2);
 /// Opens a `BEGIN IMMEDIATE` transaction, retrying at short intervals while
 /// another connection holds the write lock, for as long as `in_flight`
 /// allows. Once it holds the lock, the policy's busy timeout bounds the
-/// rest of the transaction's waits (a commit waiting for readers outside
-/// WAL mode).
+/// rest of the transaction's waits.
 fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryResult<()> {
     let deadline = Instant::now() + Duration::from_millis(u64::try_from(in_flight.wait_millis()).unwrap_or(0));
-    // One call in the common case, where the lock is free. Setting the busy
-    // timeout cannot fail, so the batch stops, if at all, at BEGIN.
-    let attempt = format!(
-        "PRAGMA busy_timeout = 0; BEGIN IMMEDIATE; {}",
-        busy_timeout_sql(in_flight.wait_millis())
-    );
+    set_busy_timeout(conn, 0)?;
     let mut poll = WRITE_LOCK_FIRST_POLL;
     loop {
-        match AnsiTransactionManager::begin_transaction_sql(conn, &attempt) {
+        match AnsiTransactionManager::begin_transaction_sql(conn, "BEGIN IMMEDIATE") {
             Err(error) if SqliteConnection::is_in_flight_timeout(&error) && Instant::now() < deadline => {
                 std::thread::sleep(poll);
                 poll = (poll * 2).min(WRITE_LOCK_MAX_POLL);
             }
-            result => return result,
+            Err(error) => return Err(error),
+            Ok(()) => return set_busy_timeout(conn, in_flight.wait_millis()),
         }
     }
 }
 
-impl Backend for SqliteConnection {
-    fn write_transaction<T, E>(
+impl KeyStore for SqliteConnection {
+    const BACKEND: &'static str = "sqlite";
+
+    fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
+        self.run_pending_migrations(crate::migrate::SQLITE)?;
+        Ok(())
+    }
+
+    fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
+        Ok(Read {
+            record: self.find(scope, key)?,
+            // SQLite's clock is this machine's: the database runs in-process.
+            now: Utc::now().naive_utc(),
+        })
+    }
+
+    fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
+        Ok(Utc::now().naive_utc())
+    }
+
+    fn key_transaction<T, E>(
         &mut self,
+        _scope: &str,
+        _key: &str,
         in_flight: InFlight,
         f: impl FnOnce(&mut Self) -> Result<T, E>,
     ) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        // The write lock holds every key.
+        self.write(in_flight, f)
+    }
+
+    fn write<T, E>(&mut self, in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
     where
         E: From<DieselError>,
     {
@@ -111,25 +167,26 @@ impl Backend for SqliteConnection {
                 // "database is locked" instead of waiting for each other.
                 transaction_with(conn, |conn| begin_immediate(conn, in_flight), f)
             } else {
-                apply_busy_timeout(conn, in_flight)?;
+                set_busy_timeout(conn, in_flight.wait_millis())?;
                 conn.transaction(f)
             }
         })
     }
 
-    fn claim(&mut self, record: &NewRecord<'_>) -> QueryResult<bool> {
+    fn hold(&mut self, record: &Record<'_>) -> QueryResult<Hold> {
+        if transaction_depth(self)? == 1 {
+            hold_by_reading(self, record)
+        } else {
+            hold_by_claiming(self, record)
+        }
+    }
+
+    fn claim(&mut self, record: &Record<'_>) -> QueryResult<bool> {
         let claimed = diesel::insert_into(k::table)
             .values(record)
             .on_conflict((k::scope, k::idempotency_key))
             .do_update()
-            .set((
-                k::request_hash.eq(excluded(k::request_hash)),
-                k::status.eq(excluded(k::status)),
-                k::response.eq(None::<String>),
-                k::created_at.eq(excluded(k::created_at)),
-                k::completed_at.eq(None::<NaiveDateTime>),
-                k::expires_at.eq(excluded(k::expires_at)),
-            ))
+            .set(record)
             .filter(k::expires_at.le(record.created_at))
             .execute(self)?;
         Ok(claimed == 1)
@@ -142,18 +199,15 @@ impl Backend for SqliteConnection {
             if info.message().contains("database is locked"))
     }
 
-    fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize, in_flight: InFlight) -> QueryResult<usize> {
-        keeping_busy_timeout(self, |conn| {
-            apply_busy_timeout(conn, in_flight)?;
-            // diesel's DSL cannot delete through a limited subquery.
-            diesel::sql_query(
-                "DELETE FROM idempotency_keys WHERE rowid IN \
-                 (SELECT rowid FROM idempotency_keys WHERE expires_at <= ? LIMIT ?)",
-            )
-            .bind::<Timestamp, _>(cutoff)
-            .bind::<BigInt, _>(super::sql_limit(limit))
-            .execute(conn)
-        })
+    fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+        // diesel's DSL cannot delete through a limited subquery.
+        diesel::sql_query(
+            "DELETE FROM idempotency_keys WHERE (scope, idempotency_key) IN \
+             (SELECT scope, idempotency_key FROM idempotency_keys WHERE expires_at <= ? LIMIT ?)",
+        )
+        .bind::<Timestamp, _>(cutoff)
+        .bind::<BigInt, _>(super::sql_limit(limit))
+        .execute(self)
     }
 
     super::shared_queries!();

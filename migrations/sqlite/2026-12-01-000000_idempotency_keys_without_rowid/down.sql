@@ -1,0 +1,22 @@
+CREATE TABLE idempotency_keys_with_rowid (
+    scope TEXT NOT NULL,
+    idempotency_key TEXT NOT NULL,
+    request_hash TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('processing', 'completed')),
+    response TEXT,
+    created_at TIMESTAMP NOT NULL,
+    completed_at TIMESTAMP,
+    expires_at TIMESTAMP NOT NULL,
+    PRIMARY KEY (scope, idempotency_key)
+);
+
+INSERT INTO idempotency_keys_with_rowid
+    (scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at)
+SELECT scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at
+FROM idempotency_keys;
+
+DROP TABLE idempotency_keys;
+
+ALTER TABLE idempotency_keys_with_rowid RENAME TO idempotency_keys;
+
+CREATE INDEX idempotency_keys_expires_at ON idempotency_keys (expires_at);
