@@ -81,7 +81,15 @@ const QUICK: Sizes = Sizes {
 const CONTENTION_THREADS: usize = 32;
 const CONTENTION_OP: Duration = Duration::from_millis(10);
 const SCALING_THREADS: [usize; 5] = [1, 2, 4, 8, 16];
-const SCENARIOS: [&str; 6] = ["baseline", "floor", "first", "two_phase", "replay", "first_outbox"];
+const SCENARIOS: [&str; 7] = [
+    "baseline",
+    "floor",
+    "bare_floor",
+    "first",
+    "two_phase",
+    "replay",
+    "first_outbox",
+];
 /// Messages a relay claims per batch in the relay throughput scenario.
 const RELAY_BATCH: usize = 100;
 
@@ -470,7 +478,24 @@ macro_rules! scenarios {
         }
 
         diesel::table! {
-            floor_keys (rowid) {
+            /// The key table's twin: its columns, primary key and
+            /// `expires_at` index.
+            floor_keys (scope, idempotency_key) {
+                scope -> Text,
+                idempotency_key -> Text,
+                request_hash -> Text,
+                status -> Text,
+                response -> Nullable<Text>,
+                created_at -> Timestamp,
+                completed_at -> Nullable<Timestamp>,
+                expires_at -> Timestamp,
+            }
+        }
+
+        diesel::table! {
+            /// The same columns without any index: the floor of earlier
+            /// runs, kept as a second reference.
+            bare_keys (rowid) {
                 rowid -> BigInt,
                 scope -> Text,
                 idempotency_key -> Text,
@@ -507,26 +532,33 @@ macro_rules! scenarios {
         }
 
         /// The domain transaction plus one plain insert of a completed key
-        /// record's size: no index, no guard, no update afterwards.
-        fn floor(conn: &mut Conn, key: &str) -> QueryResult<i64> {
-            conn.transaction(|tx| {
-                let id = place_order(tx)?;
-                let now = Utc::now().naive_utc();
-                diesel::insert_into(floor_keys::table)
-                    .values((
-                        floor_keys::scope.eq(SCOPE),
-                        floor_keys::idempotency_key.eq(key),
-                        floor_keys::request_hash.eq(REQUEST_HASH),
-                        floor_keys::status.eq("completed"),
-                        floor_keys::response.eq(id.to_string()),
-                        floor_keys::created_at.eq(now),
-                        floor_keys::completed_at.eq(now),
-                        floor_keys::expires_at.eq(now + chrono::Duration::hours(24)),
-                    ))
-                    .execute(tx)?;
-                Ok(id)
-            })
+        /// record into `$table`: no guard, no read, no update afterwards.
+        macro_rules! floor_into {
+            ($name:ident, $table:ident) => {
+                fn $name(conn: &mut Conn, key: &str) -> QueryResult<i64> {
+                    conn.transaction(|tx| {
+                        let id = place_order(tx)?;
+                        let now = Utc::now().naive_utc();
+                        diesel::insert_into($table::table)
+                            .values((
+                                $table::scope.eq(SCOPE),
+                                $table::idempotency_key.eq(key),
+                                $table::request_hash.eq(REQUEST_HASH),
+                                $table::status.eq("completed"),
+                                $table::response.eq(id.to_string()),
+                                $table::created_at.eq(now),
+                                $table::completed_at.eq(now),
+                                $table::expires_at.eq(now + chrono::Duration::hours(24)),
+                            ))
+                            .execute(tx)?;
+                        Ok(id)
+                    })
+                }
+            };
         }
+
+        floor_into!(floor, floor_keys);
+        floor_into!(bare_floor, bare_keys);
 
         fn first(conn: &mut Conn, config: &Config, key: &str) -> i64 {
             match config.run(conn, SCOPE, key, &REQUEST, place_order) {
@@ -593,6 +625,9 @@ macro_rules! scenarios {
                 }
                 "floor" => {
                     std::hint::black_box(floor(conn, key).expect("floor"));
+                }
+                "bare_floor" => {
+                    std::hint::black_box(bare_floor(conn, key).expect("bare_floor"));
                 }
                 "first" => {
                     std::hint::black_box(first(conn, config, key));
@@ -898,6 +933,7 @@ macro_rules! scenarios {
                 "statements_per_call": statements,
                 "ratios": {
                     "first_over_floor": ratio("first", "floor"),
+                    "first_over_bare_floor": ratio("first", "bare_floor"),
                     "first_over_baseline": ratio("first", "baseline"),
                     "first_over_two_phase": ratio("first", "two_phase"),
                     "replay_over_baseline": ratio("replay", "baseline"),
@@ -959,6 +995,10 @@ mod sqlite {
                 "PRAGMA journal_mode = WAL;
                  CREATE TABLE orders (id INTEGER PRIMARY KEY AUTOINCREMENT, item TEXT NOT NULL, quantity INTEGER NOT NULL);
                  CREATE TABLE floor_keys (scope TEXT NOT NULL, idempotency_key TEXT NOT NULL, request_hash TEXT NOT NULL,
+                     status TEXT NOT NULL, response TEXT, created_at TIMESTAMP NOT NULL, completed_at TIMESTAMP,
+                     expires_at TIMESTAMP NOT NULL, PRIMARY KEY (scope, idempotency_key)) WITHOUT ROWID;
+                 CREATE INDEX floor_keys_expires_at ON floor_keys (expires_at);
+                 CREATE TABLE bare_keys (scope TEXT NOT NULL, idempotency_key TEXT NOT NULL, request_hash TEXT NOT NULL,
                      status TEXT NOT NULL, response TEXT, created_at TIMESTAMP NOT NULL, completed_at TIMESTAMP,
                      expires_at TIMESTAMP NOT NULL);",
             )
@@ -1034,6 +1074,10 @@ mod postgres {
             conn.batch_execute(
                 "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, item TEXT NOT NULL, quantity INTEGER NOT NULL);
                  CREATE TABLE floor_keys (scope TEXT NOT NULL, idempotency_key TEXT NOT NULL, request_hash TEXT NOT NULL,
+                     status TEXT NOT NULL, response TEXT, created_at TIMESTAMP NOT NULL, completed_at TIMESTAMP,
+                     expires_at TIMESTAMP NOT NULL, PRIMARY KEY (scope, idempotency_key));
+                 CREATE INDEX floor_keys_expires_at ON floor_keys (expires_at);
+                 CREATE TABLE bare_keys (scope TEXT NOT NULL, idempotency_key TEXT NOT NULL, request_hash TEXT NOT NULL,
                      status TEXT NOT NULL, response TEXT, created_at TIMESTAMP NOT NULL, completed_at TIMESTAMP,
                      expires_at TIMESTAMP NOT NULL);",
             )

@@ -44,6 +44,45 @@ fn database(schema: &str) -> anyhow::Result<SqliteConnection> {
     Ok(conn)
 }
 
+/// Why placing an order failed: the shop's own error, which wraps the
+/// crate's errors with `From` so that `?` works inside the operation for both
+/// the domain's database writes and the outbox.
+#[derive(Debug)]
+enum ShopError {
+    Database(diesel::result::Error),
+    Outbox(outbox::Error),
+}
+
+impl From<diesel::result::Error> for ShopError {
+    fn from(error: diesel::result::Error) -> Self {
+        ShopError::Database(error)
+    }
+}
+
+impl From<outbox::Error> for ShopError {
+    fn from(error: outbox::Error) -> Self {
+        ShopError::Outbox(error)
+    }
+}
+
+impl std::fmt::Display for ShopError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ShopError::Database(_) => f.write_str("the order could not be saved"),
+            ShopError::Outbox(_) => f.write_str("the receipt could not be queued"),
+        }
+    }
+}
+
+impl std::error::Error for ShopError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ShopError::Database(error) => Some(error),
+            ShopError::Outbox(error) => Some(error),
+        }
+    }
+}
+
 /// The shop's endpoint: the order and its receipt message commit together.
 fn place_order(shop: &mut SqliteConnection, key: &str, request: &PlaceOrder) -> anyhow::Result<Outcome<i64>> {
     let outcome = run_idempotent(shop, "web-shop", key, request, |tx| {
@@ -60,7 +99,7 @@ fn place_order(shop: &mut SqliteConnection, key: &str, request: &PlaceOrder) -> 
                 email: request.email.to_owned(),
             },
         )?;
-        Ok::<_, outbox::Error>(order_id)
+        Ok::<_, ShopError>(order_id)
     })?;
     Ok(outcome)
 }
@@ -126,7 +165,7 @@ fn main() -> anyhow::Result<()> {
     // Once the lease has run out, the next relay delivers it again with the
     // same key, and the mailer answers from its own records.
     clock.advance(Duration::seconds(30));
-    let batch = relay.run_once(&mut shop, |message| {
+    let report = relay.run_once(&mut shop, |message| {
         let sent = send_receipt(&mut mailer, message)?;
         println!(
             "attempt {}: replayed: {} (key {})",
@@ -136,8 +175,8 @@ fn main() -> anyhow::Result<()> {
         );
         Ok::<_, anyhow::Error>(())
     })?;
-    println!("redelivery recorded: {} delivered", batch.delivered);
-    anyhow::ensure!(batch.claimed == 1, "the client's retry enqueued no second message");
+    println!("redelivery recorded: {} delivered", report.delivered);
+    anyhow::ensure!(report.claimed == 1, "the client's retry enqueued no second message");
 
     let receipts: Count = diesel::sql_query("SELECT count(*) AS n FROM sent_receipts").get_result(&mut mailer)?;
     let orders: Count = diesel::sql_query("SELECT count(*) AS n FROM orders").get_result(&mut shop)?;

@@ -192,6 +192,23 @@ impl<E> Report<E> {
 
 /// Why a run could not start. Failures of single items never end a run; they
 /// are collected in [`Report::failed`].
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::r2d2::{ConnectionManager, Pool};
+/// use diesel::SqliteConnection;
+/// use idempotency::batch::{RunError, Runner};
+///
+/// # let dir = tempfile::tempdir()?;
+/// # let url = dir.path().join("jobs.db").to_str().ok_or("path is not utf-8")?.to_owned();
+/// let pool = Pool::builder().max_size(1).build(ConnectionManager::<SqliteConnection>::new(&url))?;
+/// let runner = Runner::new(pool).scope("billing run");
+/// let refused = runner.run("job-1", [1_i64, 2, 3], |_tx, _item| Ok::<_, std::convert::Infallible>(()));
+/// assert!(matches!(refused, Err(RunError::InvalidScope(_))));
+/// assert_eq!(refused.unwrap_err().to_string(), "invalid batch scope: byte 7 is not visible ascii");
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum RunError {
@@ -213,7 +230,8 @@ impl fmt::Display for RunError {
 impl std::error::Error for RunError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            RunError::InvalidScope(reason) => Some(reason),
+            // The reason is part of the message already.
+            RunError::InvalidScope(_) => None,
             RunError::Pool(error) => Some(error),
         }
     }
@@ -309,6 +327,25 @@ where
     /// The policy of the items' idempotent calls (default
     /// [`Config::default()`]). Its retention bounds how long after a crash a
     /// rerun still replays.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::Duration;
+    /// use diesel::r2d2::{ConnectionManager, Pool};
+    /// use diesel::SqliteConnection;
+    /// use idempotency::{batch::Runner, Config};
+    ///
+    /// # let dir = tempfile::tempdir()?;
+    /// # let url = dir.path().join("jobs.db").to_str().ok_or("path is not utf-8")?.to_owned();
+    /// # let pool = Pool::builder().max_size(1).build(ConnectionManager::<SqliteConnection>::new(&url))?;
+    /// # idempotency::run_migrations(&mut pool.get()?)?;
+    /// // A monthly job may be rerun weeks after a crash: keep its keys for 90 days.
+    /// let runner = Runner::new(pool).config(Config::default().retention(Duration::days(90)));
+    /// let report = runner.run("invoices-2026-11", 1..=3_i64, |_tx, _customer| Ok::<_, std::convert::Infallible>(()))?;
+    /// assert_eq!(report.executed, 3);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn config(mut self, config: Config) -> Self {
         self.config = config;
         self

@@ -31,6 +31,16 @@ pub enum InFlight {
     /// after it, fail with [`Error::InProgress`]. Waits beyond about 24.8
     /// days (`i32::MAX` milliseconds, the most either backend takes) are
     /// shortened to that.
+    ///
+    /// ```
+    /// use chrono::Duration;
+    /// use idempotency::{Config, InFlight};
+    ///
+    /// // A duplicate that arrives while the first request runs waits for
+    /// // its result, up to the client's own timeout.
+    /// let config = Config::default().in_flight(InFlight::Wait(Duration::seconds(30)));
+    /// # let _ = config;
+    /// ```
     Wait(Duration),
     /// Fail with [`Error::InProgress`] at once while another transaction holds
     /// the key.

@@ -17,7 +17,42 @@ use std::fmt;
 /// decodes, and it stays spent.
 ///
 /// [`status_code`](Error::status_code) maps each variant to the HTTP status
-/// that the IETF `Idempotency-Key` header draft prescribes.
+/// that the IETF `Idempotency-Key` header draft prescribes. A handler maps
+/// its own operation errors and lets the rest follow the draft:
+///
+/// ```
+/// use idempotency::{run_idempotent, Error};
+///
+/// #[derive(Debug)]
+/// enum OrderError { OutOfStock }
+///
+/// impl std::fmt::Display for OrderError {
+///     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+///         f.write_str("out of stock")
+///     }
+/// }
+///
+/// /// The status and body a handler answers with.
+/// fn respond(result: Result<idempotency::Outcome<u64>, Error<OrderError>>) -> (u16, String) {
+///     match result {
+///         Ok(outcome) => (201, format!("order {}", outcome.into_inner())),
+///         Err(Error::Operation(error @ OrderError::OutOfStock)) => (409, error.to_string()),
+///         // Storage and codec failures are logged, not shown to the client.
+///         Err(error @ (Error::Storage(_) | Error::Codec(_))) => (error.status_code(), "internal error".into()),
+///         Err(error) => (error.status_code(), error.to_string()),
+///     }
+/// }
+///
+/// let mut conn = idempotency::testing::sqlite_memory();
+/// let mut place = |conn: &mut _, quantity: u64| {
+///     respond(run_idempotent(conn, "shop", "order-1", &quantity, |_| {
+///         if quantity > 10 { Err(OrderError::OutOfStock) } else { Ok(1) }
+///     }))
+/// };
+/// assert_eq!(place(&mut conn, 50), (409, "out of stock".into()));
+/// assert_eq!(place(&mut conn, 2), (201, "order 1".into()));
+/// assert_eq!(place(&mut conn, 3).0, 422, "the key was used for another request");
+/// ```
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Error<E = Infallible> {
@@ -110,6 +145,16 @@ where
 
 /// Why a key or scope was refused. The message never repeats the value,
 /// which may be sensitive.
+///
+/// ```
+/// use idempotency::{run_idempotent, Error, KeyError};
+///
+/// let mut conn = idempotency::testing::sqlite_memory();
+/// let refused = run_idempotent(&mut conn, "shop", "order 1", &1, |_| Ok::<_, std::convert::Infallible>(1));
+/// let Err(Error::InvalidKey(reason)) = refused else { panic!("a key with a space is refused") };
+/// assert_eq!(reason, KeyError::InvalidCharacter { position: 5 });
+/// assert_eq!(reason.to_string(), "byte 5 is not visible ascii");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum KeyError {

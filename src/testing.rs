@@ -122,6 +122,17 @@ impl ManualClock {
     }
 
     /// A clock standing at `start`.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::{TimeZone, Utc};
+    /// use idempotency::testing::ManualClock;
+    ///
+    /// let new_year = Utc.with_ymd_and_hms(2031, 1, 1, 0, 0, 0).single().ok_or("a valid date")?;
+    /// assert_eq!(ManualClock::at(new_year).now(), new_year);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn at(start: DateTime<Utc>) -> Self {
         ManualClock {
             now: Arc::new(Mutex::new(start)),
@@ -138,7 +149,21 @@ impl ManualClock {
         *self.now.lock().unwrap_or_else(PoisonError::into_inner) += by;
     }
 
-    /// Sets the clock to `to`.
+    /// Sets the clock to `to`, forward or back: clones see the new time.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::{TimeZone, Utc};
+    /// use idempotency::testing::ManualClock;
+    ///
+    /// let clock = ManualClock::new();
+    /// let shared = clock.clone();
+    /// let leap_day = Utc.with_ymd_and_hms(2032, 2, 29, 12, 0, 0).single().ok_or("a valid date")?;
+    /// clock.set(leap_day);
+    /// assert_eq!(shared.now(), leap_day);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn set(&self, to: DateTime<Utc>) {
         *self.now.lock().unwrap_or_else(PoisonError::into_inner) = to;
     }
@@ -157,13 +182,16 @@ impl ManualClock {
 /// connection). The directory is removed when this value is dropped.
 ///
 /// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use idempotency::testing::SqliteFile;
 ///
 /// let db = SqliteFile::new();
 /// let (mut a, mut b) = (db.conn(), db.conn());
-/// idempotency::run_idempotent(&mut a, "tests", "k1", &1, |_| Ok::<_, std::convert::Infallible>(1)).unwrap();
-/// let again = idempotency::run_idempotent(&mut b, "tests", "k1", &1, |_| Ok::<_, std::convert::Infallible>(1));
-/// assert!(again.unwrap().is_replayed());
+/// idempotency::run_idempotent(&mut a, "tests", "k1", &1, |_| Ok::<_, std::convert::Infallible>(1))?;
+/// let again = idempotency::run_idempotent(&mut b, "tests", "k1", &1, |_| Ok::<_, std::convert::Infallible>(1))?;
+/// assert!(again.is_replayed());
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Debug)]
 pub struct SqliteFile {
@@ -200,6 +228,21 @@ impl SqliteFile {
     ///
     /// If the directory or the database cannot be created, or a migration
     /// fails.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use diesel::prelude::*;
+    /// use diesel_migrations::{embed_migrations, EmbeddedMigrations};
+    /// use idempotency::testing::SqliteFile;
+    ///
+    /// // Your application's migrations, usually `embed_migrations!("migrations")`.
+    /// const MIGRATIONS: EmbeddedMigrations = embed_migrations!("tests/migrations");
+    ///
+    /// let db = SqliteFile::with_migrations(MIGRATIONS);
+    /// diesel::sql_query("INSERT INTO orders (item, quantity) VALUES ('book', 1)").execute(&mut db.conn())?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn with_migrations<M: MigrationSource<Sqlite>>(migrations: M) -> Self {
         let db = Self::new();
         db.conn()
@@ -208,7 +251,22 @@ impl SqliteFile {
         db
     }
 
-    /// The database file.
+    /// The database file, for connections of your own (an r2d2 pool, a
+    /// child process).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use diesel::r2d2::{ConnectionManager, Pool};
+    /// use diesel::SqliteConnection;
+    /// use idempotency::testing::SqliteFile;
+    ///
+    /// let db = SqliteFile::new();
+    /// let url = db.path().to_str().ok_or("path is not utf-8")?;
+    /// let pool = Pool::builder().max_size(4).build(ConnectionManager::<SqliteConnection>::new(url))?;
+    /// idempotency::run_idempotent(&mut pool.get()?, "tests", "k1", &1, |_| Ok::<_, std::convert::Infallible>(1))?;
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn path(&self) -> &Path {
         &self.path
     }

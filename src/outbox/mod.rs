@@ -56,23 +56,42 @@
 //!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! use diesel::prelude::*;
 //! use idempotency::outbox::{self, Relay};
 //! use idempotency::run_idempotent;
 //!
+//! // The application's own error wraps the crate's, so that `?` works in the
+//! // operation for its database writes and its messages alike.
+//! #[derive(Debug)]
+//! enum ShopError {
+//!     Database(diesel::result::Error),
+//!     Outbox(outbox::Error),
+//! }
+//!
+//! impl From<diesel::result::Error> for ShopError {
+//!     fn from(error: diesel::result::Error) -> Self { ShopError::Database(error) }
+//! }
+//!
+//! impl From<outbox::Error> for ShopError {
+//!     fn from(error: outbox::Error) -> Self { ShopError::Outbox(error) }
+//! }
+//!
 //! let mut conn = idempotency::testing::sqlite_memory();
-//! run_idempotent(&mut conn, "shop", "order-5d1e", &"one book", |tx| {
-//!     // ... insert the order on `tx` ...
+//! diesel::sql_query("CREATE TABLE orders (id INTEGER PRIMARY KEY, item TEXT NOT NULL)").execute(&mut conn)?;
+//! let placed = run_idempotent(&mut conn, "shop", "order-5d1e", &"one book", |tx| {
+//!     diesel::sql_query("INSERT INTO orders (item) VALUES ('one book')").execute(tx)?;
 //!     outbox::enqueue(tx, "receipts", &serde_json::json!({ "order": 1, "email": "ada@example.com" }))?;
-//!     Ok::<_, outbox::Error>(1)
-//! })?;
+//!     Ok::<_, ShopError>(1)
+//! });
+//! assert!(placed.is_ok());
 //!
 //! let mut sent = Vec::new();
-//! let batch = Relay::default().run_once(&mut conn, |message| {
+//! let report = Relay::default().run_once(&mut conn, |message| {
 //!     // e.g. POST to the mailer with `Idempotency-Key: {message.key}`
 //!     sent.push((message.topic.clone(), message.key.clone()));
 //!     Ok::<_, std::convert::Infallible>(())
 //! })?;
-//! assert_eq!(batch.delivered, 1);
+//! assert_eq!(report.delivered, 1);
 //! assert_eq!(sent[0].0, "receipts");
 //! # Ok(())
 //! # }
