@@ -238,7 +238,7 @@ impl Config {
         // One fixed cut-off, so the loop ends even while records keep
         // expiring under it.
         let cutoff = self.clock.now(conn)?;
-        let purged = store::purge_in_batches(batch_size, |limit| {
+        let purged = store::purge_in_batches("idempotency_keys", batch_size, |limit| {
             conn.write(self.in_flight, |conn| conn.purge_batch(cutoff, limit))
         })?;
         Ok(purged)

@@ -110,10 +110,13 @@ pub mod key;
 mod migrate;
 pub mod outbox;
 mod outcome;
+mod purger;
 mod repository;
 mod run;
 mod schema;
+mod shutdown;
 mod store;
+mod telemetry;
 #[cfg(feature = "sqlite")]
 pub mod testing;
 
@@ -121,8 +124,10 @@ pub use config::{Config, InFlight};
 pub use error::{Error, KeyError};
 pub use migrate::{MIGRATIONS, Migrations, run_migrations};
 pub use outcome::{Outcome, Recorded};
+pub use purger::{Purged, Purger};
 pub use repository::Idempotent;
 pub use run::run_idempotent;
+pub use shutdown::Shutdown;
 pub use store::StoreConnection;
 
 #[cfg(not(any(feature = "sqlite", feature = "postgres")))]

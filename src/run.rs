@@ -12,6 +12,7 @@ use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::{Outcome, Recorded};
 use crate::store::{self, COMPLETED, Hold, KeyStore, PROCESSING, Read, Record, StoreConnection, Stored};
+use crate::telemetry::CallTrace;
 use crate::{codec, fingerprint, key};
 
 /// Runs `op` at most once for `(scope, key)` with [`Config::default()`]; see
@@ -185,10 +186,44 @@ impl Config {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut C::Raw) -> Result<R, E>,
     {
+        let trace = CallTrace::start(scope, key, C::Raw::BACKEND);
+        let result = trace
+            .span()
+            .in_scope(|| self.decide(conn.raw(), scope, key, request, op, &trace));
+        trace.finish(&result);
+        result
+    }
+
+    /// Everything a call does, inside its span.
+    fn decide<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        op: F,
+        trace: &CallTrace,
+    ) -> Result<Recorded<R>, Error<E>>
+    where
+        C: KeyStore,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: FnOnce(&mut C) -> Result<R, E>,
+    {
         key::validate_scope(scope, self.max_key_len).map_err(Error::InvalidScope)?;
         key::validate_key(key, self.max_key_len).map_err(Error::InvalidKey)?;
         let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
-        let conn = conn.raw();
+        // The record this call writes if it executes, claimed as of `now`.
+        let claim = |now: NaiveDateTime| Record {
+            scope,
+            idempotency_key: key,
+            request_hash: &request_hash,
+            status: PROCESSING,
+            response: None,
+            created_at: now,
+            completed_at: None,
+            expires_at: now + self.retention,
+        };
         let recorded = match conn.read(scope, key) {
             Ok(Read { record, now }) => {
                 let now = self.clock.or_database(now);
@@ -196,20 +231,20 @@ impl Config {
                     Some(stored) if stored.status == COMPLETED && stored.expires_at > now => {
                         replay(stored, &request_hash)
                     }
-                    _ => self.execute(conn, scope, key, &request_hash, now, op),
+                    _ => self.execute(conn, claim(now), op, trace),
                 }
             }
             // A reader kept out by a writer (SQLite outside WAL mode) takes
             // the write path, which waits as the in-flight policy allows and
             // reads again once it holds the lock.
-            Err(error) if C::Raw::is_in_flight_timeout(&error) => {
+            Err(error) if C::is_in_flight_timeout(&error) => {
                 let now = self.clock.now(conn)?;
-                self.execute(conn, scope, key, &request_hash, now, op)
+                self.execute(conn, claim(now), op, trace)
             }
             Err(error) => Err(Error::Storage(error)),
         };
         recorded.map_err(|error| match error {
-            Error::Storage(ref storage) if C::Raw::is_in_flight_timeout(storage) => Error::InProgress,
+            Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
             other => other,
         })
     }
@@ -219,40 +254,34 @@ impl Config {
     fn execute<C, R, E, F>(
         &self,
         conn: &mut C,
-        scope: &str,
-        key: &str,
-        request_hash: &str,
-        now: NaiveDateTime,
+        record: Record<'_>,
         op: F,
+        trace: &CallTrace,
     ) -> Result<Recorded<R>, Error<E>>
     where
         C: KeyStore,
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut C) -> Result<R, E>,
     {
+        let (scope, key) = (record.scope, record.idempotency_key);
         // An enclosing call on this connection that executes the same key
         // has written nothing yet for a nested call to find.
         let Some(_executing) = Executing::enter(conn, scope, key) else {
             return Err(Error::InProgress);
-        };
-        let record = Record {
-            scope,
-            idempotency_key: key,
-            request_hash,
-            status: PROCESSING,
-            response: None,
-            created_at: now,
-            completed_at: None,
-            expires_at: now + self.retention,
         };
         let started = Instant::now();
         // A panic in `op` is carried out of the transaction, so that it
         // rolls back before the panic goes on.
         let mut panicked = None;
         let result = conn.key_transaction(scope, key, self.in_flight, |tx| {
+            trace.waited(started.elapsed());
             let hold = match tx.hold(&record)? {
-                Hold::Taken(stored) => return replay(stored, request_hash),
+                Hold::Taken(stored) => return replay(stored, record.request_hash),
                 Hold::Busy => return Err(Error::InProgress),
+                Hold::Expired => {
+                    trace.took_over();
+                    Hold::Expired
+                }
                 hold => hold,
             };
             let depth = store::transaction_depth(tx)?;
@@ -275,7 +304,7 @@ impl Config {
                 &Record {
                     status: COMPLETED,
                     response: Some(&response),
-                    completed_at: Some(now + elapsed),
+                    completed_at: Some(record.created_at + elapsed),
                     ..record
                 },
             )?;
@@ -287,6 +316,9 @@ impl Config {
         });
         if let Some(payload) = panicked {
             panic::resume_unwind(payload);
+        }
+        if matches!(&result, Err(Error::Storage(error)) if C::is_in_flight_timeout(error)) {
+            trace.waited(started.elapsed());
         }
         result
     }

@@ -100,7 +100,7 @@
 use std::fmt;
 use std::ops::AddAssign;
 
-use chrono::NaiveDateTime;
+use chrono::{DateTime, NaiveDateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -115,7 +115,7 @@ mod relay;
 mod sqlite;
 mod store;
 
-pub use relay::Relay;
+pub use relay::{Relay, Summary};
 pub(crate) use store::OutboxStore;
 use store::{NewMessage, Settlement};
 
@@ -170,6 +170,49 @@ where
     C: StoreConnection,
     P: Serialize + ?Sized,
 {
+    write(conn, topic, payload, None)
+}
+
+/// [`enqueue`]s a message that no relay delivers before `not_before`: a
+/// reminder, a retry of the application's own, a delayed webhook.
+///
+/// Relays compare `not_before` with the database's clock (or the clock
+/// injected into the [`Relay`]).
+///
+/// # Errors
+///
+/// As [`enqueue`].
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use chrono::Duration;
+/// use idempotency::outbox::{self, Relay};
+/// use idempotency::testing::ManualClock;
+///
+/// let mut conn = idempotency::testing::sqlite_memory();
+/// let clock = ManualClock::new();
+/// let relay = Relay::default().clock(clock.source());
+/// outbox::enqueue_at(&mut conn, "reminders", &"invoice 7 is due", clock.now() + Duration::days(3))?;
+///
+/// assert_eq!(relay.run_once(&mut conn, |_| Ok::<_, &str>(()))?.claimed, 0, "not yet");
+/// clock.advance(Duration::days(3));
+/// assert_eq!(relay.run_once(&mut conn, |_| Ok::<_, &str>(()))?.delivered, 1);
+/// # Ok(())
+/// # }
+/// ```
+pub fn enqueue_at<C, P>(conn: &mut C, topic: &str, payload: &P, not_before: DateTime<Utc>) -> Result<String, Error>
+where
+    C: StoreConnection,
+    P: Serialize + ?Sized,
+{
+    write(conn, topic, payload, Some(not_before.naive_utc()))
+}
+
+fn write<C, P>(conn: &mut C, topic: &str, payload: &P, not_before: Option<NaiveDateTime>) -> Result<String, Error>
+where
+    C: StoreConnection,
+    P: Serialize + ?Sized,
+{
     crate::key::validate_scope(topic, MAX_TOPIC_LEN).map_err(Error::InvalidTopic)?;
     let payload = crate::codec::to_readable_json(payload).map_err(Error::Codec)?;
     let id = id::new();
@@ -177,6 +220,7 @@ where
         id: &id,
         topic,
         payload: &payload,
+        not_before,
     })?;
     Ok(id)
 }
@@ -263,6 +307,9 @@ pub struct Report {
     /// this relay settled them, or whose lease ran out before the relay
     /// reached them in its batch; they are left to the next claim.
     pub lost: usize,
+    /// Messages given back unattempted because the relay was stopping; due
+    /// at once for the next claim.
+    pub released: usize,
 }
 
 impl Report {
@@ -283,7 +330,27 @@ impl AddAssign for Report {
         self.retried += other.retried;
         self.dead += other.dead;
         self.lost += other.lost;
+        self.released += other.released;
     }
+}
+
+/// The outbox's backlog, as [`Relay::stats`] reports it: what to watch and
+/// alert on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stats {
+    /// Messages not delivered yet: due, leased to a relay, or waiting for
+    /// their backoff or not-before time.
+    pub pending: u64,
+    /// How long the oldest pending message has waited since it was
+    /// enqueued; `None` without pending messages. A growing age means the
+    /// relays do not keep up, or a handler keeps failing.
+    pub oldest_pending_age: Option<chrono::Duration>,
+    /// Pending messages due now, not leased to any relay.
+    pub due_now: u64,
+    /// Messages parked after their last attempt failed, waiting for a
+    /// person ([`Relay::dead_letters`], [`Relay::requeue`]).
+    pub dead: u64,
 }
 
 /// Why an outbox call failed.

@@ -3,8 +3,14 @@
 //! another relay is claiming at that moment instead of waiting for them, and
 //! writes the lease in the same statement; once it commits, the leased rows
 //! are no longer due for anyone until the lease runs out.
+//!
+//! A trigger announces every new or requeued message on the channel
+//! `idempotency_outbox` in the transaction that writes it (see the
+//! migration), so a relay service listening there wakes within milliseconds
+//! of the commit instead of at its next poll.
 
 use chrono::NaiveDateTime;
+use diesel::connection::SimpleConnection;
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
@@ -13,6 +19,9 @@ use super::store::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
 use crate::schema::idempotency_outbox as o;
 use crate::store::postgres::timezone;
 use crate::store::sql_limit;
+
+/// The channel the migration's trigger notifies.
+const CHANNEL: &str = "idempotency_outbox";
 
 impl OutboxStore for PgConnection {
     fn claim_batch(
@@ -47,6 +56,7 @@ impl OutboxStore for PgConnection {
                 o::payload.eq(message.payload),
                 o::status.eq(PENDING),
                 o::attempts.eq(0),
+                o::available_at.eq(message.not_before),
                 o::created_at.eq(timezone("UTC", diesel::dsl::now)),
             ))
             .execute(self)?;
@@ -65,6 +75,24 @@ impl OutboxStore for PgConnection {
         .bind::<Timestamp, _>(cutoff)
         .bind::<BigInt, _>(sql_limit(batch))
         .execute(self)
+    }
+
+    fn listen(&mut self) -> QueryResult<bool> {
+        self.batch_execute(&format!("LISTEN {CHANNEL}"))?;
+        Ok(true)
+    }
+
+    fn announced(&mut self) -> QueryResult<bool> {
+        let mut any = false;
+        for notification in self.notifications_iter() {
+            notification?;
+            any = true;
+        }
+        Ok(any)
+    }
+
+    fn unlisten(&mut self) -> QueryResult<()> {
+        self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
     }
 
     super::store::shared_queries!();

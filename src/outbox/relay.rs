@@ -2,14 +2,20 @@
 //! its attempt ended.
 
 use std::fmt;
+use std::ops::AddAssign;
+use std::thread;
+use std::time::Instant;
 
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
+use diesel::r2d2::{ConnectionManager, Pool, PoolError, R2D2Connection};
 
 use super::store::{Claimed, OutboxStore, Settlement};
-use super::{DeadLetter, Error, Message, Report, id};
+use super::{DeadLetter, Error, Message, Report, Stats, id};
 use crate::clock::{Clock, Reading, assert_duration};
 use crate::config::InFlight;
-use crate::store::{self, KeyStore, StoreConnection};
+use crate::shutdown::{ErrorBackoff, Shutdown};
+use crate::store::{self, KeyStore, RawConnection, StoreConnection};
+use crate::telemetry;
 
 /// The most of a handler's error text kept on a message, in bytes.
 const MAX_ERROR_LEN: usize = 2000;
@@ -29,11 +35,15 @@ const WRITE_LOCK_WAIT: InFlight = InFlight::Wait(Duration::seconds(5));
 /// | [`backoff`](Relay::backoff) | 1 second, doubling, at most 15 minutes |
 /// | [`retention`](Relay::retention) | 7 days for delivered messages |
 /// | [`clock`](Relay::clock) | the database's clock |
+/// | [`workers`](Relay::workers) | 1 thread for [`run`](Relay::run) |
+/// | [`poll_interval`](Relay::poll_interval) | 250 ms for [`run`](Relay::run) |
 ///
-/// A relay holds no connection and no state between runs; run
-/// [`run_once`](Relay::run_once) in a loop, pausing while it claims nothing.
-/// Any number of relays, in one process or several, may run over one
-/// database; see the [module docs](crate::outbox) for what each guarantees.
+/// A relay holds no connection and no state between runs. Start it as a
+/// background service with [`run`](Relay::run), which claims while messages
+/// are due and sleeps while none are, until stopped; or call
+/// [`run_once`](Relay::run_once) from a scheduler of your own. Any number of
+/// relays, in one process or several, may run over one database; see the
+/// [module docs](crate::outbox) for what each guarantees.
 ///
 /// ```
 /// use chrono::Duration;
@@ -55,6 +65,8 @@ pub struct Relay {
     backoff_max: Duration,
     retention: Duration,
     clock: Clock,
+    workers: usize,
+    poll_interval: std::time::Duration,
 }
 
 impl Default for Relay {
@@ -67,6 +79,8 @@ impl Default for Relay {
             backoff_max: Duration::minutes(15),
             retention: Duration::days(7),
             clock: Clock::Database,
+            workers: 1,
+            poll_interval: std::time::Duration::from_millis(250),
         }
     }
 }
@@ -80,7 +94,62 @@ impl fmt::Debug for Relay {
             .field("backoff_base", &self.backoff_base)
             .field("backoff_max", &self.backoff_max)
             .field("retention", &self.retention)
+            .field("workers", &self.workers)
+            .field("poll_interval", &self.poll_interval)
             .finish_non_exhaustive()
+    }
+}
+
+/// How long a service waits for a pooled connection before it looks at its
+/// shutdown signal again.
+const CHECKOUT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How often a listening connection is asked for notifications. Asking
+/// reads the socket without a round trip.
+const LISTEN_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// How often the service's first worker refreshes the backlog gauges.
+const STATS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What [`Relay::run`] did until it was stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Summary {
+    /// Every claim's outcome, added up.
+    pub report: Report,
+    /// Database errors the service met and carried on after.
+    pub errors: usize,
+}
+
+impl AddAssign for Summary {
+    fn add_assign(&mut self, other: Summary) {
+        self.report += other.report;
+        self.errors += other.errors;
+    }
+}
+
+/// What a worker does next.
+enum Step {
+    /// It delivered a batch; more may be due.
+    Worked(Report),
+    /// Nothing is due for this long.
+    Idle(std::time::Duration),
+}
+
+/// Why a service's step failed: no connection, or the database.
+#[derive(Debug)]
+enum ServiceError {
+    Pool(PoolError),
+    Outbox(Error),
+}
+
+impl fmt::Display for ServiceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ServiceError::Pool(error) => write!(f, "no database connection: {error}"),
+            ServiceError::Outbox(Error::Storage(error)) => write!(f, "{error}"),
+            ServiceError::Outbox(error) => write!(f, "{error}"),
+        }
     }
 }
 
@@ -170,6 +239,34 @@ impl Relay {
     /// which the database's clock gives them wherever they run.
     pub fn clock(mut self, clock: impl Fn() -> DateTime<Utc> + Send + Sync + 'static) -> Self {
         self.clock = Clock::injected(clock);
+        self
+    }
+
+    /// How many threads [`run`](Relay::run) delivers on, each claiming
+    /// batches of its own on a pooled connection (default 1). One worker
+    /// keeps each topic in enqueue order; several deliver in parallel and
+    /// keep no order.
+    ///
+    /// # Panics
+    ///
+    /// If `workers` is zero.
+    pub fn workers(mut self, workers: usize) -> Self {
+        assert!(workers > 0, "workers must be positive");
+        self.workers = workers;
+        self
+    }
+
+    /// How often [`run`](Relay::run) looks for due messages while none are
+    /// (default 250 ms): the longest a new message waits on SQLite, and on
+    /// PostgreSQL when a notification was missed. A retry whose backoff
+    /// ends sooner wakes the relay at its due time instead.
+    ///
+    /// # Panics
+    ///
+    /// If `poll_interval` is zero.
+    pub fn poll_interval(mut self, poll_interval: std::time::Duration) -> Self {
+        assert!(!poll_interval.is_zero(), "poll_interval must be positive");
+        self.poll_interval = poll_interval;
         self
     }
 
@@ -282,7 +379,17 @@ impl Relay {
         E: fmt::Display,
         F: FnMut(&Message) -> Result<(), E>,
     {
-        let conn = conn.raw();
+        self.pass(conn.raw(), &mut handler, &|| false)
+    }
+
+    /// One claim and its deliveries. Once `stop` says so, the messages not
+    /// yet handed over are given back, due at once for another relay.
+    fn pass<C, E, F>(&self, conn: &mut C, handler: &mut F, stop: &dyn Fn() -> bool) -> Result<Report, Error>
+    where
+        C: RawConnection,
+        E: fmt::Display,
+        F: FnMut(&Message) -> Result<(), E>,
+    {
         let clock = self.clock.start(conn)?;
         let lease = Lease {
             token: id::new(),
@@ -291,6 +398,7 @@ impl Relay {
         let mut claimed = conn.write(WRITE_LOCK_WAIT, |tx| {
             tx.claim_batch(clock.at(), lease.until, &lease.token, self.batch_size)
         })?;
+        telemetry::relay::claimed(claimed.len(), lease.until);
         // The claim returns its rows in no particular order.
         claimed.sort_by(|a, b| a.id.cmp(&b.id));
 
@@ -300,17 +408,274 @@ impl Relay {
         };
         for row in claimed {
             let id = row.id.clone();
-            let Some(settlement) = self.attempt(row, &clock, &lease, &mut handler) else {
+            if stop() {
+                if conn.write(WRITE_LOCK_WAIT, |tx| tx.release(&id, &lease.token))? {
+                    report.released += 1;
+                }
+                continue;
+            }
+            let topic = row.topic.clone();
+            let attempt = u32::try_from(row.attempts).unwrap_or(u32::MAX);
+            let Some(settlement) = self.attempt(row, &clock, &lease, handler) else {
+                telemetry::relay::lease_lost(&id);
                 report.lost += 1;
                 continue;
             };
             if conn.write(WRITE_LOCK_WAIT, |tx| tx.settle(&id, &lease.token, &settlement))? {
+                match &settlement {
+                    Settlement::Delivered { .. } => telemetry::relay::delivered(&id, &topic, attempt),
+                    Settlement::Retry { due, .. } => telemetry::relay::retrying(&id, &topic, attempt, *due),
+                    Settlement::Dead { attempts, .. } => telemetry::relay::dead(&id, &topic, *attempts),
+                }
                 report.count(&settlement);
             } else {
+                telemetry::relay::lease_lost(&id);
                 report.lost += 1;
             }
         }
         Ok(report)
+    }
+
+    /// Delivers messages until `shutdown` is triggered: the relay as a
+    /// background service. Returns what it did.
+    ///
+    /// [`workers`](Relay::workers) threads each take a connection from
+    /// `pool` while they work and give it back while they sleep. A worker
+    /// claims as long as messages are due, then sleeps until the next one
+    /// is due, at most a [`poll_interval`](Relay::poll_interval). On
+    /// PostgreSQL a further pooled connection listens for the notification
+    /// each enqueue sends when it commits, and wakes the workers within
+    /// milliseconds (give the pool `workers + 1` connections); the
+    /// notification only wakes them, polling is what guarantees delivery.
+    ///
+    /// A database error never ends the service: it is reported (a `tracing`
+    /// event, counted in [`Summary::errors`]), and the worker tries again
+    /// after a pause that doubles from 100 ms up to 10 s, so it carries on by
+    /// itself once the database is back.
+    ///
+    /// When `shutdown` is triggered no new claim is made; a handler that is
+    /// running finishes and its outcome is recorded, and the rest of its
+    /// batch is given back, due at once for the next relay. `run` returns
+    /// when every worker has stopped.
+    ///
+    /// # Panics
+    ///
+    /// A panic in `handler` ends its worker's thread and resumes here once
+    /// the other workers have stopped (trigger `shutdown` to stop them); its
+    /// message is delivered again after the lease.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use std::sync::mpsc;
+    /// use std::thread;
+    ///
+    /// use diesel::r2d2::{ConnectionManager, Pool};
+    /// use diesel::SqliteConnection;
+    /// use idempotency::outbox::{self, Relay};
+    /// use idempotency::Shutdown;
+    ///
+    /// # let db = idempotency::testing::SqliteFile::new();
+    /// # let url = db.path().to_str().ok_or("path is not utf-8")?.to_owned();
+    /// let pool = Pool::builder().max_size(2).build(ConnectionManager::<SqliteConnection>::new(url))?;
+    /// let shutdown = Shutdown::new();
+    /// let (delivered, received) = mpsc::channel();
+    ///
+    /// let service = {
+    ///     let (pool, shutdown) = (pool.clone(), shutdown.clone());
+    ///     thread::spawn(move || {
+    ///         Relay::default().run(&pool, |message| delivered.send(message.topic.clone()), &shutdown)
+    ///     })
+    /// };
+    /// outbox::enqueue(&mut pool.get()?, "receipts", &42)?;
+    /// assert_eq!(received.recv()?, "receipts");
+    ///
+    /// shutdown.trigger();
+    /// let summary = service.join().map_err(|_| "the relay panicked")?;
+    /// assert_eq!(summary.report.delivered, 1);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn run<C, E, F>(&self, pool: &Pool<ConnectionManager<C>>, handler: F, shutdown: &Shutdown) -> Summary
+    where
+        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+        E: fmt::Display,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        let summaries: Vec<thread::Result<Summary>> = thread::scope(|scope| {
+            scope.spawn(|| self.listen(pool, shutdown));
+            let workers: Vec<_> = (0..self.workers)
+                .map(|worker| {
+                    let handler = &handler;
+                    scope.spawn(move || self.work(worker, pool, handler, shutdown))
+                })
+                .collect();
+            workers.into_iter().map(|worker| worker.join()).collect()
+        });
+        let mut total = Summary::default();
+        for summary in summaries {
+            match summary {
+                Ok(summary) => total += summary,
+                Err(payload) => std::panic::resume_unwind(payload),
+            }
+        }
+        total
+    }
+
+    /// One worker of [`run`](Relay::run).
+    fn work<C, E, F>(
+        &self,
+        worker: usize,
+        pool: &Pool<ConnectionManager<C>>,
+        handler: &F,
+        shutdown: &Shutdown,
+    ) -> Summary
+    where
+        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+        E: fmt::Display,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        let mut summary = Summary::default();
+        let mut backoff = ErrorBackoff::new();
+        let mut stats_due = Instant::now();
+        while !shutdown.is_triggered() {
+            let wakes = shutdown.wakes();
+            let step = pool
+                .get_timeout(self.poll_interval.max(CHECKOUT_WAIT))
+                .map_err(ServiceError::Pool)
+                .and_then(|mut pooled| {
+                    let conn: &mut C = &mut pooled;
+                    if worker == 0 && Instant::now() >= stats_due {
+                        // Keeps the backlog gauges current for monitoring.
+                        stats_due = Instant::now() + STATS_EVERY;
+                        self.stats(conn).map_err(ServiceError::Outbox)?;
+                    }
+                    self.step(conn, handler, shutdown).map_err(ServiceError::Outbox)
+                });
+            match step {
+                Ok(Step::Worked(report)) => {
+                    backoff.succeeded();
+                    summary.report += report;
+                }
+                Ok(Step::Idle(wait)) => {
+                    backoff.succeeded();
+                    shutdown.wait_for_wake(wakes, wait);
+                }
+                Err(error) => {
+                    summary.errors += 1;
+                    let wait = backoff.failed();
+                    telemetry::service_error("relay", &error, wait);
+                    shutdown.wait(wait);
+                }
+            }
+        }
+        summary
+    }
+
+    /// Delivers one batch if a message is due; otherwise says how long to
+    /// sleep.
+    fn step<C, E, F>(&self, conn: &mut C, handler: &F, shutdown: &Shutdown) -> Result<Step, Error>
+    where
+        C: StoreConnection,
+        E: fmt::Display,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        let conn = conn.raw();
+        let now = self.clock.now(conn)?;
+        match conn.next_due()? {
+            Some(due) if due <= now => {
+                let report = self.pass(conn, &mut |message: &Message| handler(message), &|| {
+                    shutdown.is_triggered()
+                })?;
+                Ok(if report.claimed == 0 {
+                    // Due, but another relay claimed it first.
+                    Step::Idle(self.poll_interval)
+                } else {
+                    Step::Worked(report)
+                })
+            }
+            Some(due) => {
+                let until_due = (due - now).to_std().unwrap_or_default();
+                Ok(Step::Idle(until_due.min(self.poll_interval)))
+            }
+            None => Ok(Step::Idle(self.poll_interval)),
+        }
+    }
+
+    /// Listens for announced messages and wakes the workers, on backends
+    /// that announce them; reconnects after a lost connection.
+    fn listen<C>(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown)
+    where
+        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+    {
+        let mut backoff = ErrorBackoff::new();
+        while !shutdown.is_triggered() {
+            let listened = pool
+                .get_timeout(CHECKOUT_WAIT)
+                .map_err(ServiceError::Pool)
+                .and_then(|mut pooled| {
+                    backoff.succeeded();
+                    listen_on(&mut *pooled, shutdown).map_err(ServiceError::Outbox)
+                });
+            match listened {
+                Ok(false) => return,
+                Ok(true) => {}
+                Err(error) => {
+                    let wait = backoff.failed();
+                    telemetry::service_error("relay listener", &error, wait);
+                    shutdown.wait(wait);
+                }
+            }
+        }
+    }
+
+    /// The outbox's backlog now: pending messages, the age of the oldest,
+    /// those due now, and dead ones. With the `metrics` feature it also sets
+    /// the backlog gauges (a running [`run`](Relay::run) refreshes them every
+    /// 10 seconds).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Storage`] when the query fails.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::Duration;
+    /// use idempotency::outbox::{self, Relay};
+    /// use idempotency::testing::ManualClock;
+    ///
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// let clock = ManualClock::at(chrono::Utc::now());
+    /// let relay = Relay::default().clock(clock.source()).max_attempts(1);
+    /// outbox::enqueue(&mut conn, "webhooks", &"order shipped")?;
+    /// outbox::enqueue(&mut conn, "webhooks", &"order paid")?;
+    /// clock.advance(Duration::minutes(5));
+    ///
+    /// let stats = relay.stats(&mut conn)?;
+    /// assert_eq!((stats.pending, stats.due_now, stats.dead), (2, 2, 0));
+    /// // Enqueued a moment after the clock was read: almost five minutes.
+    /// assert!(stats.oldest_pending_age > Some(Duration::minutes(4)));
+    ///
+    /// relay.run_once(&mut conn, |_| Err("410 gone"))?;
+    /// let stats = relay.stats(&mut conn)?;
+    /// assert_eq!((stats.pending, stats.dead, stats.oldest_pending_age), (0, 2, None));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn stats<C: StoreConnection>(&self, conn: &mut C) -> Result<Stats, Error> {
+        let conn = conn.raw();
+        let now = self.clock.now(conn)?;
+        let backlog = conn.backlog(now)?;
+        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        let stats = Stats {
+            pending: count(backlog.pending),
+            oldest_pending_age: backlog
+                .oldest_pending
+                .map(|oldest| (now - oldest).max(Duration::zero())),
+            due_now: count(backlog.due),
+            dead: count(backlog.dead),
+        };
+        telemetry::backlog(&stats);
+        Ok(stats)
     }
 
     /// Up to `limit` dead messages, oldest first.
@@ -423,11 +788,31 @@ impl Relay {
         let conn = conn.raw();
         // One fixed cut-off, so the loop ends while deliveries go on.
         let cutoff = self.clock.now(conn)? - self.retention;
-        let purged = store::purge_in_batches(batch_size, |limit| {
+        let purged = store::purge_in_batches("idempotency_outbox", batch_size, |limit| {
             conn.write(WRITE_LOCK_WAIT, |tx| tx.purge_delivered_batch(cutoff, limit))
         })?;
         Ok(purged)
     }
+}
+
+/// Listens on `conn` and wakes the workers at every announcement until
+/// `shutdown`; `false` at once where the backend announces nothing.
+fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown) -> Result<bool, Error> {
+    let conn = conn.raw();
+    if !conn.listen()? {
+        return Ok(false);
+    }
+    // Wakes once now: a message committed before LISTEN took effect was
+    // announced to nobody.
+    shutdown.wake();
+    while !shutdown.is_triggered() {
+        if conn.announced()? {
+            shutdown.wake();
+        }
+        shutdown.wait(LISTEN_POLL);
+    }
+    conn.unlisten()?;
+    Ok(true)
 }
 
 /// Cuts `text` to at most `MAX_ERROR_LEN` bytes on a character boundary.

@@ -42,6 +42,7 @@ impl OutboxStore for SqliteConnection {
                 o::payload.eq(message.payload),
                 o::status.eq(PENDING),
                 o::attempts.eq(0),
+                o::available_at.eq(message.not_before),
                 // SQLite's clock is this machine's.
                 o::created_at.eq(Utc::now().naive_utc()),
             ))
@@ -58,6 +59,19 @@ impl OutboxStore for SqliteConnection {
         .bind::<Timestamp, _>(cutoff)
         .bind::<BigInt, _>(sql_limit(batch))
         .execute(self)
+    }
+
+    fn listen(&mut self) -> QueryResult<bool> {
+        // Relays find new messages by polling.
+        Ok(false)
+    }
+
+    fn announced(&mut self) -> QueryResult<bool> {
+        Ok(false)
+    }
+
+    fn unlisten(&mut self) -> QueryResult<()> {
+        Ok(())
     }
 
     super::store::shared_queries!();

@@ -18,11 +18,13 @@ pub(crate) const PENDING: &str = "pending";
 pub(crate) const DELIVERED: &str = "delivered";
 pub(crate) const DEAD: &str = "dead";
 
-/// A message as `enqueue` writes it: pending, never attempted, due at once.
+/// A message as `enqueue` writes it: pending, never attempted, due at once
+/// or at `not_before`.
 pub struct NewMessage<'a> {
     pub(crate) id: &'a str,
     pub(crate) topic: &'a str,
     pub(crate) payload: &'a str,
+    pub(crate) not_before: Option<NaiveDateTime>,
 }
 
 /// A message a relay has just claimed; `attempts` counts this attempt.
@@ -44,6 +46,19 @@ pub struct DeadRow {
     pub(crate) attempts: i32,
     pub(crate) last_error: Option<String>,
     pub(crate) created_at: NaiveDateTime,
+}
+
+/// The messages by state, as `Relay::stats` reports them.
+pub struct Backlog {
+    pub(crate) pending: i64,
+    pub(crate) oldest_pending: Option<NaiveDateTime>,
+    pub(crate) due: i64,
+    pub(crate) dead: i64,
+}
+
+diesel::define_sql_function! {
+    /// SQL's `coalesce` of a nullable time and a time.
+    fn coalesce(x: diesel::sql_types::Nullable<diesel::sql_types::Timestamp>, y: diesel::sql_types::Timestamp) -> diesel::sql_types::Timestamp;
 }
 
 /// How a claimed message's attempt ended, written only while the claim's
@@ -93,6 +108,34 @@ pub trait OutboxStore: KeyStore {
     /// Deletes at most `limit` messages delivered at or before `cutoff`.
     #[doc(hidden)]
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
+
+    /// Gives a claimed message back unattempted, due at once, for a relay
+    /// that stops before handing it over; `false` when the lease was taken
+    /// over meanwhile.
+    #[doc(hidden)]
+    fn release(&mut self, id: &str, lease_token: &str) -> QueryResult<bool>;
+
+    /// When the earliest pending message is due (its lease or backoff ends,
+    /// or it was enqueued); `None` without pending messages.
+    #[doc(hidden)]
+    fn next_due(&mut self) -> QueryResult<Option<NaiveDateTime>>;
+
+    /// The counts behind `Relay::stats`, with `now` deciding what is due.
+    #[doc(hidden)]
+    fn backlog(&mut self, now: NaiveDateTime) -> QueryResult<Backlog>;
+
+    /// Starts listening for announcements of new or requeued messages on
+    /// this connection; `false` where the backend announces nothing.
+    #[doc(hidden)]
+    fn listen(&mut self) -> QueryResult<bool>;
+
+    /// Whether a message was announced since the last look; never waits.
+    #[doc(hidden)]
+    fn announced(&mut self) -> QueryResult<bool>;
+
+    /// Stops listening, so the connection goes back to a pool clean.
+    #[doc(hidden)]
+    fn unlisten(&mut self) -> QueryResult<()>;
 }
 
 /// The methods of [`OutboxStore`] whose DSL is the same on every backend,
@@ -157,6 +200,70 @@ macro_rules! shared_queries {
                     o::created_at,
                 ))
                 .load(self)
+        }
+
+        fn release(&mut self, id: &str, lease_token: &str) -> diesel::QueryResult<bool> {
+            use crate::outbox::store::PENDING;
+            use crate::schema::idempotency_outbox as o;
+            use diesel::prelude::*;
+            let released = o::table
+                .filter(o::id.eq(id))
+                .filter(o::status.eq(PENDING))
+                .filter(o::lease_token.eq(lease_token));
+            let updated = diesel::update(released)
+                .set((
+                    o::attempts.eq(o::attempts - 1),
+                    o::available_at.eq(None::<chrono::NaiveDateTime>),
+                    o::lease_token.eq(None::<String>),
+                ))
+                .execute(self)?;
+            Ok(updated == 1)
+        }
+
+        fn next_due(&mut self) -> diesel::QueryResult<Option<chrono::NaiveDateTime>> {
+            use crate::outbox::store::{PENDING, coalesce};
+            use crate::schema::idempotency_outbox as o;
+            use diesel::prelude::*;
+            // A message never attempted is due since it was enqueued.
+            o::table
+                .filter(o::status.eq(PENDING))
+                .select(diesel::dsl::min(coalesce(o::available_at, o::created_at)))
+                .get_result(self)
+        }
+
+        fn backlog(&mut self, now: chrono::NaiveDateTime) -> diesel::QueryResult<$crate::outbox::store::Backlog> {
+            use crate::outbox::store::{Backlog, DEAD, PENDING};
+            use crate::schema::idempotency_outbox as o;
+            use diesel::prelude::*;
+            let by_status: Vec<(String, i64, Option<chrono::NaiveDateTime>)> = o::table
+                .filter(o::status.eq_any([PENDING, DEAD]))
+                .group_by(o::status)
+                .select((
+                    o::status,
+                    diesel::dsl::count_star(),
+                    diesel::dsl::min(o::created_at),
+                ))
+                .load(self)?;
+            let due = o::table
+                .filter(o::status.eq(PENDING))
+                .filter(o::available_at.is_null().or(o::available_at.le(now)))
+                .count()
+                .get_result(self)?;
+            let mut backlog = Backlog {
+                pending: 0,
+                oldest_pending: None,
+                due,
+                dead: 0,
+            };
+            for (status, count, oldest) in by_status {
+                if status == PENDING {
+                    backlog.pending = count;
+                    backlog.oldest_pending = oldest;
+                } else {
+                    backlog.dead = count;
+                }
+            }
+            Ok(backlog)
         }
 
         fn requeue(&mut self, id: &str) -> diesel::QueryResult<bool> {

@@ -17,6 +17,8 @@
 //! recognised, which path a transaction takes, and how a purge batch picks
 //! its rows.
 
+use std::time::Instant;
+
 use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
@@ -25,6 +27,7 @@ use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 use crate::config::InFlight;
 use crate::outbox::OutboxStore;
 use crate::schema::idempotency_keys;
+use crate::telemetry;
 
 /// The methods of [`KeyStore`] whose DSL is the same on every backend.
 /// diesel's query types are concrete per connection, so a generic function
@@ -319,21 +322,28 @@ pub(crate) fn sql_limit(limit: usize) -> i64 {
 }
 
 /// Runs `batch` with `batch_size` until it deletes fewer rows than that, and
-/// returns the total: a purge in bounded batches.
+/// returns the total: a purge of `table` in bounded batches, each reported
+/// with the time it took.
 ///
 /// # Panics
 ///
 /// If `batch_size` is zero.
 pub(crate) fn purge_in_batches(
+    table: &'static str,
     batch_size: usize,
     mut batch: impl FnMut(usize) -> QueryResult<usize>,
 ) -> QueryResult<usize> {
     assert!(batch_size > 0, "batch_size must be positive");
-    let mut total = 0;
+    let started = Instant::now();
+    let (mut total, mut batches) = (0, 0);
     loop {
+        let batch_started = Instant::now();
         let deleted = batch(batch_size)?;
+        telemetry::purge_batch(table, deleted, batch_started.elapsed());
         total += deleted;
+        batches += 1;
         if deleted < batch_size {
+            telemetry::purged(table, total, batches, started.elapsed());
             return Ok(total);
         }
     }

@@ -1,0 +1,3 @@
+DROP TRIGGER idempotency_outbox_announce_requeue ON idempotency_outbox;
+DROP TRIGGER idempotency_outbox_announce_insert ON idempotency_outbox;
+DROP FUNCTION idempotency_outbox_announce();

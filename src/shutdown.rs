@@ -1,0 +1,151 @@
+//! Stopping the background services.
+
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Tells background services ([`Relay::run`](crate::outbox::Relay::run),
+/// [`Purger::run`](crate::Purger::run)) to stop. Clones share one signal:
+/// keep one where the application shuts down (a signal handler, the end of
+/// `main`) and give clones to the services.
+///
+/// Triggering is permanent and wakes every service at once, whatever it is
+/// waiting for.
+///
+/// ```
+/// use std::thread;
+/// use idempotency::Shutdown;
+///
+/// let shutdown = Shutdown::new();
+/// let service = {
+///     let shutdown = shutdown.clone();
+///     thread::spawn(move || {
+///         while !shutdown.is_triggered() {
+///             shutdown.wait(std::time::Duration::from_secs(60));
+///         }
+///     })
+/// };
+/// shutdown.trigger();
+/// assert!(service.join().is_ok(), "the service stopped at once, not after a minute");
+/// ```
+#[derive(Clone, Default)]
+pub struct Shutdown {
+    inner: Arc<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    triggered: bool,
+    /// How often a service was woken early: a new outbox message was
+    /// announced.
+    wakes: u64,
+}
+
+impl fmt::Debug for Shutdown {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Shutdown")
+            .field("triggered", &self.is_triggered())
+            .finish()
+    }
+}
+
+impl Shutdown {
+    /// A signal that has not been triggered.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Tells every service holding a clone to stop.
+    pub fn trigger(&self) {
+        self.state().triggered = true;
+        self.inner.changed.notify_all();
+    }
+
+    /// Whether [`trigger`](Shutdown::trigger) was called.
+    pub fn is_triggered(&self) -> bool {
+        self.state().triggered
+    }
+
+    /// Waits until the signal is triggered or `timeout` has passed; returns
+    /// whether it was triggered.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        self.wait_until(timeout, |_| false)
+    }
+
+    /// Wakes the services waiting in [`wait_for_wake`](Shutdown::wait_for_wake)
+    /// without stopping them.
+    pub(crate) fn wake(&self) {
+        self.state().wakes += 1;
+        self.inner.changed.notify_all();
+    }
+
+    /// The number of wakes so far, to wait for the next one.
+    pub(crate) fn wakes(&self) -> u64 {
+        self.state().wakes
+    }
+
+    /// Waits until the signal is triggered, a wake after `seen` arrives, or
+    /// `timeout` has passed.
+    pub(crate) fn wait_for_wake(&self, seen: u64, timeout: Duration) {
+        self.wait_until(timeout, |state| state.wakes != seen);
+    }
+
+    /// Waits until the signal is triggered, `woken` holds, or `timeout` has
+    /// passed; returns whether the signal was triggered.
+    fn wait_until(&self, timeout: Duration, woken: impl Fn(&State) -> bool) -> bool {
+        let deadline = Instant::now().checked_add(timeout);
+        let mut state = self.state();
+        while !state.triggered && !woken(&state) {
+            let left = match deadline {
+                Some(deadline) => deadline.saturating_duration_since(Instant::now()),
+                None => Duration::MAX,
+            };
+            if left.is_zero() {
+                break;
+            }
+            state = self
+                .inner
+                .changed
+                .wait_timeout(state, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        state.triggered
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// How long a service waits after a database error before it tries again:
+/// short at first, doubling up to a cap, back to short after a success.
+pub(crate) struct ErrorBackoff {
+    next: Duration,
+}
+
+impl ErrorBackoff {
+    const FIRST: Duration = Duration::from_millis(100);
+    const MAX: Duration = Duration::from_secs(10);
+
+    pub(crate) fn new() -> Self {
+        ErrorBackoff { next: Self::FIRST }
+    }
+
+    /// The wait after one more error in a row.
+    pub(crate) fn failed(&mut self) -> Duration {
+        let wait = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        wait
+    }
+
+    pub(crate) fn succeeded(&mut self) {
+        self.next = Self::FIRST;
+    }
+}

@@ -1,0 +1,195 @@
+//! What the crate tells operators: `tracing` spans and events (target
+//! `idempotency`, always on) and, with the `metrics` feature, counters,
+//! gauges and histograms through the `metrics` facade, which cost next to
+//! nothing until an application installs a recorder.
+//!
+//! Keys, scopes, topics and message ids appear as the technical identifiers
+//! they are. Request, response and payload bodies never do, and neither do
+//! texts that may quote them: JSON errors are reported by their category and
+//! position, not their message, and a handler's error text stays on the
+//! message in the database.
+
+use std::time::Duration;
+
+use tracing::field::Empty;
+use tracing::{Span, debug, error, info, warn};
+
+use crate::error::Error;
+use crate::outcome::{Outcome, Recorded};
+
+/// The target of every span and event.
+pub(crate) const TARGET: &str = "idempotency";
+
+/// The span of one idempotent call, and the decision it ended with.
+pub(crate) struct CallTrace {
+    span: Span,
+    backend: &'static str,
+    started: std::time::Instant,
+}
+
+impl CallTrace {
+    pub(crate) fn start(scope: &str, key: &str, backend: &'static str) -> CallTrace {
+        CallTrace {
+            span: tracing::debug_span!(target: TARGET, "idempotent_call", scope, key, backend, outcome = Empty),
+            backend,
+            started: std::time::Instant::now(),
+        }
+    }
+
+    pub(crate) fn span(&self) -> &Span {
+        &self.span
+    }
+
+    /// The write path waited this long for the key (another call holding
+    /// it, or SQLite's write lock).
+    pub(crate) fn waited(&self, wait: Duration) {
+        #[cfg(feature = "metrics")]
+        metrics::histogram!("idempotency_in_flight_wait_seconds", "backend" => self.backend).record(wait);
+        if wait >= Duration::from_millis(1) {
+            debug!(target: TARGET, parent: &self.span, wait_ms = millis(wait), "waited for the key");
+        }
+    }
+
+    /// An expired record is replaced by this call.
+    pub(crate) fn took_over(&self) {
+        debug!(target: TARGET, parent: &self.span, "expired record taken over");
+    }
+
+    /// Records how the call ended.
+    pub(crate) fn finish<R, E>(&self, result: &Result<Recorded<R>, Error<E>>) {
+        let span = &self.span;
+        let outcome = match result {
+            Ok(recorded) => match recorded.outcome {
+                Outcome::Executed(_) => {
+                    debug!(target: TARGET, parent: span, expires_at = %recorded.expires_at, "executed");
+                    "executed"
+                }
+                Outcome::Replayed(_) => {
+                    debug!(target: TARGET, parent: span, created_at = %recorded.created_at, "replayed");
+                    "replayed"
+                }
+            },
+            Err(Error::InvalidKey(reason)) => {
+                info!(target: TARGET, parent: span, %reason, "invalid key");
+                "invalid_key"
+            }
+            Err(Error::InvalidScope(reason)) => {
+                info!(target: TARGET, parent: span, %reason, "invalid scope");
+                "invalid_scope"
+            }
+            Err(Error::Mismatch) => {
+                info!(target: TARGET, parent: span, "key reused with a different request");
+                "mismatch"
+            }
+            Err(Error::InProgress) => {
+                info!(target: TARGET, parent: span, elapsed_ms = millis(self.started.elapsed()), "key in progress");
+                "in_progress"
+            }
+            Err(Error::Operation(_)) => {
+                debug!(target: TARGET, parent: span, "operation failed; rolled back");
+                "operation_error"
+            }
+            Err(Error::Storage(cause)) => {
+                error!(target: TARGET, parent: span, error = %cause, "storage failed; rolled back");
+                "storage_error"
+            }
+            Err(Error::Codec(cause)) => {
+                error!(
+                    target: TARGET, parent: span,
+                    category = ?cause.classify(), line = cause.line(), column = cause.column(),
+                    "json encoding or decoding failed"
+                );
+                "codec_error"
+            }
+        };
+        span.record("outcome", outcome);
+        #[cfg(feature = "metrics")]
+        {
+            let labels = [("outcome", outcome), ("backend", self.backend)];
+            metrics::counter!("idempotency_calls_total", &labels).increment(1);
+            metrics::histogram!("idempotency_call_duration_seconds", &labels).record(self.started.elapsed());
+        }
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Outbox deliveries and their results.
+pub(crate) mod relay {
+    use chrono::NaiveDateTime;
+    use tracing::{debug, info, warn};
+
+    use super::TARGET;
+
+    pub(crate) fn claimed(count: usize, lease_until: NaiveDateTime) {
+        if count > 0 {
+            debug!(target: TARGET, count, %lease_until, "claimed messages");
+        }
+    }
+
+    pub(crate) fn delivered(id: &str, topic: &str, attempt: u32) {
+        debug!(target: TARGET, message_id = id, topic, attempt, "delivered");
+        count("delivered");
+    }
+
+    pub(crate) fn retrying(id: &str, topic: &str, attempt: u32, due: NaiveDateTime) {
+        info!(target: TARGET, message_id = id, topic, attempt, next_due = %due, "delivery failed; retrying");
+        count("retried");
+    }
+
+    pub(crate) fn dead(id: &str, topic: &str, attempts: i32) {
+        warn!(target: TARGET, message_id = id, topic, attempts, "delivery failed for the last time; message parked as dead");
+        count("dead");
+    }
+
+    pub(crate) fn lease_lost(id: &str) {
+        warn!(target: TARGET, message_id = id, "lease lost before settling; left to the next claim");
+        count("lost");
+    }
+
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    fn count(result: &'static str) {
+        #[cfg(feature = "metrics")]
+        metrics::counter!("idempotency_outbox_deliveries_total", "result" => result).increment(1);
+    }
+}
+
+/// A purge's deleted rows, by table.
+pub(crate) fn purged(table: &'static str, rows: usize, batches: usize, elapsed: Duration) {
+    if rows > 0 {
+        info!(target: TARGET, table, rows, batches, elapsed_ms = millis(elapsed), "purged");
+    } else {
+        debug!(target: TARGET, table, "nothing to purge");
+    }
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_purged_rows_total", "table" => table).increment(rows as u64);
+}
+
+/// A purge batch, with how long it held its lock.
+pub(crate) fn purge_batch(table: &'static str, rows: usize, elapsed: Duration) {
+    debug!(target: TARGET, table, rows, elapsed_ms = millis(elapsed), "purge batch");
+}
+
+/// A background service met a database error and waits before it tries
+/// again.
+pub(crate) fn service_error(service: &'static str, cause: &dyn std::fmt::Display, retry_in: Duration) {
+    warn!(target: TARGET, service, error = %cause, retry_in_ms = millis(retry_in), "database error; retrying");
+}
+
+/// The outbox's backlog gauges.
+#[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+pub(crate) fn backlog(stats: &crate::outbox::Stats) {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::gauge!("idempotency_outbox_pending").set(stats.pending as f64);
+        metrics::gauge!("idempotency_outbox_due").set(stats.due_now as f64);
+        metrics::gauge!("idempotency_outbox_dead").set(stats.dead as f64);
+        let age = stats
+            .oldest_pending_age
+            .and_then(|age| age.to_std().ok())
+            .unwrap_or_default();
+        metrics::gauge!("idempotency_outbox_oldest_pending_age_seconds").set(age.as_secs_f64());
+    }
+}
