@@ -6,6 +6,8 @@ use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
 use tempfile::TempDir;
 
+use super::{OutboxRow, TestDb, idempotency_keys, idempotency_outbox};
+
 pub type Conn = SqliteConnection;
 pub const BACKEND: &str = "sqlite";
 
@@ -28,6 +30,31 @@ impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for Setup {
 
 impl Db {
     pub fn new() -> Db {
+        <Db as TestDb>::new()
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn conn(&self) -> Conn {
+        <Db as TestDb>::conn(self)
+    }
+
+    pub fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
+        pool_at(&self.url, size)
+    }
+}
+
+pub fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<Conn>> {
+    <Db as TestDb>::pool_at(url, size)
+}
+
+impl TestDb for Db {
+    type Conn = SqliteConnection;
+    const BACKEND: &'static str = "sqlite";
+
+    fn new() -> Db {
         let dir = tempfile::tempdir().expect("create a temporary directory");
         let url = dir.path().join("test.db").to_str().expect("utf-8 path").to_owned();
         let db = Db { url, _dir: dir };
@@ -41,27 +68,68 @@ impl Db {
         db
     }
 
-    pub fn url(&self) -> &str {
+    fn url(&self) -> &str {
         &self.url
     }
 
-    pub fn conn(&self) -> Conn {
+    fn conn(&self) -> SqliteConnection {
         let mut conn = SqliteConnection::establish(&self.url).expect("open the test database");
         Setup.on_acquire(&mut conn).expect("configure the connection");
         conn
     }
 
-    pub fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
-        pool_at(&self.url, size)
+    fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<SqliteConnection>> {
+        Pool::builder()
+            .max_size(size)
+            .connection_customizer(Box::new(Setup))
+            .build(ConnectionManager::new(url))
+            .expect("build a pool")
     }
-}
 
-/// A pool on a database that `Db::new` made, by its url: for a child process
-/// that works on its parent's database.
-pub fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<Conn>> {
-    Pool::builder()
-        .max_size(size)
-        .connection_customizer(Box::new(Setup))
-        .build(ConnectionManager::new(url))
-        .expect("build a pool")
+    fn place_order(conn: &mut SqliteConnection, item: &str, quantity: i32) -> QueryResult<i64> {
+        diesel::insert_into(super::orders::table)
+            .values((super::orders::item.eq(item), super::orders::quantity.eq(quantity)))
+            .returning(super::orders::id)
+            .get_result(conn)
+    }
+
+    fn order_count(conn: &mut SqliteConnection) -> i64 {
+        super::orders::table.count().get_result(conn).expect("count orders")
+    }
+
+    fn order_items(conn: &mut SqliteConnection) -> Vec<String> {
+        super::orders::table
+            .order(super::orders::id)
+            .select(super::orders::item)
+            .load(conn)
+            .expect("read the orders")
+    }
+
+    fn key_count(conn: &mut SqliteConnection) -> i64 {
+        idempotency_keys::table
+            .count()
+            .get_result(conn)
+            .expect("count key records")
+    }
+
+    fn request_hashes(conn: &mut SqliteConnection) -> Vec<String> {
+        idempotency_keys::table
+            .select(idempotency_keys::request_hash)
+            .load(conn)
+            .expect("read the key records")
+    }
+
+    fn outbox_messages(conn: &mut SqliteConnection) -> Vec<OutboxRow> {
+        use idempotency_outbox as o;
+        o::table
+            .order(o::id)
+            .select((o::id, o::topic, o::status, o::attempts, o::last_error))
+            .load(conn)
+            .expect("read the outbox")
+    }
+
+    fn await_order_writers(_conn: &mut SqliteConnection) {
+        // A writer's lock on the file ends with its process; what it had not
+        // committed is rolled back by the next reader.
+    }
 }
