@@ -6,12 +6,7 @@ use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
 
-use super::{OutboxRow, TestDb, idempotency_keys, idempotency_outbox};
-
-pub type Conn = PgConnection;
-pub const BACKEND: &str = "postgres";
-
-super::orders_repository!();
+use super::{OutboxRow, TestDb, idempotency_keys, idempotency_outbox, orders};
 
 pub struct Db {
     base_url: String,
@@ -27,29 +22,9 @@ pub fn database_url() -> String {
 }
 
 impl Db {
-    pub fn new() -> Db {
-        <Db as TestDb>::new()
-    }
-
-    pub fn url(&self) -> &str {
-        &self.url
-    }
-
     pub fn schema(&self) -> &str {
         &self.schema
     }
-
-    pub fn conn(&self) -> Conn {
-        <Db as TestDb>::conn(self)
-    }
-
-    pub fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
-        pool_at(&self.url, size)
-    }
-}
-
-pub fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<Conn>> {
-    <Db as TestDb>::pool_at(url, size)
 }
 
 impl TestDb for Db {
@@ -91,20 +66,20 @@ impl TestDb for Db {
     }
 
     fn place_order(conn: &mut PgConnection, item: &str, quantity: i32) -> QueryResult<i64> {
-        diesel::insert_into(super::orders::table)
-            .values((super::orders::item.eq(item), super::orders::quantity.eq(quantity)))
-            .returning(super::orders::id)
+        diesel::insert_into(orders::table)
+            .values((orders::item.eq(item), orders::quantity.eq(quantity)))
+            .returning(orders::id)
             .get_result(conn)
     }
 
     fn order_count(conn: &mut PgConnection) -> i64 {
-        super::orders::table.count().get_result(conn).expect("count orders")
+        orders::table.count().get_result(conn).expect("count orders")
     }
 
     fn order_items(conn: &mut PgConnection) -> Vec<String> {
-        super::orders::table
-            .order(super::orders::id)
-            .select(super::orders::item)
+        orders::table
+            .order(orders::id)
+            .select(orders::item)
             .load(conn)
             .expect("read the orders")
     }
