@@ -9,143 +9,159 @@ use std::sync::{Arc, Barrier, mpsc};
 use std::thread;
 
 use chrono::Duration;
-use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
+use idempotency::{Config, Error, InFlight, Outcome, StoreConnection, run_idempotent};
 
-common::backend_tests! {
-    #[test]
-    fn concurrent_retries_execute_once() {
-        const THREADS: usize = 16;
-        let db = Db::new();
-        // Smaller than the thread count: the barrier comes before checkout.
-        let pool = db.pool(8);
-        let barrier = Arc::new(Barrier::new(THREADS));
-        let calls = Arc::new(AtomicUsize::new(0));
-        let handles: Vec<_> = (0..THREADS)
-            .map(|_| {
-                let (pool, barrier, calls) = (pool.clone(), barrier.clone(), calls.clone());
-                thread::spawn(move || {
-                    barrier.wait();
-                    let mut conn = pool.get().expect("pooled connection");
-                    run_idempotent(&mut conn, "shop", "one-key", &"order", |tx| {
-                        calls.fetch_add(1, Ordering::SeqCst);
-                        // Work that keeps the key held while the others arrive.
-                        thread::sleep(std::time::Duration::from_millis(20));
-                        place_order(tx, "book", 1)
-                    })
-                    .expect("every request succeeds")
+use common::{Pooled, TestDb};
+
+common::backend_tests!(
+    concurrent_retries_execute_once,
+    overlapping_keys_execute_once_each,
+    reject_policy_fails_fast_while_the_key_is_held,
+    wait_policy_times_out_while_the_key_stays_held,
+);
+
+fn concurrent_retries_execute_once<D: TestDb>()
+where
+    Pooled<D>: StoreConnection<Raw = D::Conn>,
+{
+    const THREADS: usize = 16;
+    let db = D::new();
+    // Smaller than the thread count: the barrier comes before checkout.
+    let pool = db.pool(8);
+    let barrier = Arc::new(Barrier::new(THREADS));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let (pool, barrier, calls) = (pool.clone(), barrier.clone(), calls.clone());
+            thread::spawn(move || {
+                barrier.wait();
+                let mut conn = pool.get().expect("pooled connection");
+                run_idempotent(&mut conn, "shop", "one-key", &"order", |tx| {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    // Work that keeps the key held while the others arrive.
+                    thread::sleep(std::time::Duration::from_millis(20));
+                    D::place_order(tx, "book", 1)
                 })
+                .expect("every request succeeds")
             })
-            .collect();
-        let outcomes: Vec<Outcome<i64>> = handles.into_iter().map(|h| h.join().expect("thread")).collect();
+        })
+        .collect();
+    let outcomes: Vec<Outcome<i64>> = handles.into_iter().map(|h| h.join().expect("thread")).collect();
 
-        assert_eq!(calls.load(Ordering::SeqCst), 1, "the operation ran once");
-        assert_eq!(outcomes.iter().filter(|o| !o.is_replayed()).count(), 1, "one execution");
-        let values: Vec<i64> = outcomes.into_iter().map(Outcome::into_inner).collect();
-        assert!(values.windows(2).all(|w| w[0] == w[1]), "every caller got the same value: {values:?}");
-        assert_eq!(order_count(&mut db.conn()), 1);
-    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the operation ran once");
+    assert_eq!(outcomes.iter().filter(|o| !o.is_replayed()).count(), 1, "one execution");
+    let values: Vec<i64> = outcomes.into_iter().map(Outcome::into_inner).collect();
+    assert!(
+        values.windows(2).all(|w| w[0] == w[1]),
+        "every caller got the same value: {values:?}"
+    );
+    assert_eq!(D::order_count(&mut db.conn()), 1);
+}
 
-    #[test]
-    fn overlapping_keys_execute_once_each() {
-        const THREADS: usize = 8;
-        const KEYS: usize = 40;
-        let db = Db::new();
-        let pool = db.pool(4);
-        let barrier = Arc::new(Barrier::new(THREADS));
-        let calls: Arc<Vec<AtomicUsize>> = Arc::new((0..KEYS).map(|_| AtomicUsize::new(0)).collect());
-        let handles: Vec<_> = (0..THREADS)
-            .map(|t| {
-                let (pool, barrier, calls) = (pool.clone(), barrier.clone(), calls.clone());
-                thread::spawn(move || {
-                    barrier.wait();
-                    // Every thread visits every key, starting at a different one.
-                    (0..KEYS)
-                        .map(|i| (i + t * 5) % KEYS)
-                        .map(|k| {
-                            let mut conn = pool.get().expect("pooled connection");
-                            let outcome = run_idempotent(&mut conn, "shop", &format!("key-{k}"), &k, |tx| {
-                                calls[k].fetch_add(1, Ordering::SeqCst);
-                                place_order(tx, &format!("item-{k}"), 1)
-                            })
-                            .expect("every request succeeds");
-                            (k, outcome.into_inner())
+fn overlapping_keys_execute_once_each<D: TestDb>()
+where
+    Pooled<D>: StoreConnection<Raw = D::Conn>,
+{
+    const THREADS: usize = 8;
+    const KEYS: usize = 40;
+    let db = D::new();
+    let pool = db.pool(4);
+    let barrier = Arc::new(Barrier::new(THREADS));
+    let calls: Arc<Vec<AtomicUsize>> = Arc::new((0..KEYS).map(|_| AtomicUsize::new(0)).collect());
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (pool, barrier, calls) = (pool.clone(), barrier.clone(), calls.clone());
+            thread::spawn(move || {
+                barrier.wait();
+                // Every thread visits every key, starting at a different one.
+                (0..KEYS)
+                    .map(|i| (i + t * 5) % KEYS)
+                    .map(|k| {
+                        let mut conn = pool.get().expect("pooled connection");
+                        let outcome = run_idempotent(&mut conn, "shop", &format!("key-{k}"), &k, |tx| {
+                            calls[k].fetch_add(1, Ordering::SeqCst);
+                            D::place_order(tx, &format!("item-{k}"), 1)
                         })
-                        .collect::<Vec<_>>()
-                })
+                        .expect("every request succeeds");
+                        (k, outcome.into_inner())
+                    })
+                    .collect::<Vec<_>>()
             })
-            .collect();
-        let mut seen: HashMap<usize, i64> = HashMap::new();
-        for handle in handles {
-            for (k, value) in handle.join().expect("thread") {
-                assert_eq!(*seen.entry(k).or_insert(value), value, "key {k} answered two values");
-            }
+        })
+        .collect();
+    let mut seen: HashMap<usize, i64> = HashMap::new();
+    for handle in handles {
+        for (k, value) in handle.join().expect("thread") {
+            assert_eq!(*seen.entry(k).or_insert(value), value, "key {k} answered two values");
         }
-        for (k, count) in calls.iter().enumerate() {
-            assert_eq!(count.load(Ordering::SeqCst), 1, "key {k} executed once");
-        }
-        assert_eq!(order_count(&mut db.conn()), i64::try_from(KEYS).expect("small"));
     }
-
-    /// Holds `key` in an open transaction on its own thread until `release`
-    /// fires; returns once the key is held.
-    fn hold_key(db: &Db, key: &'static str, release: mpsc::Receiver<()>) -> thread::JoinHandle<Outcome<i64>> {
-        let mut conn = db.conn();
-        let (held_tx, held_rx) = mpsc::channel();
-        let handle = thread::spawn(move || {
-            run_idempotent(&mut conn, "shop", key, &1, |tx| {
-                let id = place_order(tx, "held", 1)?;
-                held_tx.send(()).expect("signal held");
-                release.recv().expect("release");
-                Ok::<_, diesel::result::Error>(id)
-            })
-            .expect("holder commits")
-        });
-        held_rx.recv().expect("the holder claims the key");
-        handle
+    for (k, count) in calls.iter().enumerate() {
+        assert_eq!(count.load(Ordering::SeqCst), 1, "key {k} executed once");
     }
+    assert_eq!(D::order_count(&mut db.conn()), i64::try_from(KEYS).expect("small"));
+}
 
-    #[test]
-    fn reject_policy_fails_fast_while_the_key_is_held() {
-        let db = Db::new();
-        let (release, released) = mpsc::channel();
-        let holder = hold_key(&db, "held-key", released);
+/// Holds `key` in an open transaction on its own thread until `release`
+/// fires; returns once the key is held.
+fn hold_key<D: TestDb>(db: &D, key: &'static str, release: mpsc::Receiver<()>) -> thread::JoinHandle<Outcome<i64>> {
+    let mut conn = db.conn();
+    let (held_tx, held_rx) = mpsc::channel();
+    let handle = thread::spawn(move || {
+        run_idempotent(&mut conn, "shop", key, &1, |tx| {
+            let id = D::place_order(tx, "held", 1)?;
+            held_tx.send(()).expect("signal held");
+            release.recv().expect("release");
+            Ok::<_, diesel::result::Error>(id)
+        })
+        .expect("holder commits")
+    });
+    held_rx.recv().expect("the holder claims the key");
+    handle
+}
 
-        let mut conn = db.conn();
-        let config = Config::default().in_flight(InFlight::Reject);
-        let calls = AtomicUsize::new(0);
-        let result = config.run(&mut conn, "shop", "held-key", &1, |tx| {
-            calls.fetch_add(1, Ordering::SeqCst);
-            place_order(tx, "second", 1)
-        });
-        assert!(matches!(result, Err(Error::InProgress)), "{result:?}");
-        assert_eq!(result.expect_err("in progress").status_code(), 409);
-        assert_eq!(calls.load(Ordering::SeqCst), 0);
+fn reject_policy_fails_fast_while_the_key_is_held<D: TestDb>() {
+    let db = D::new();
+    let (release, released) = mpsc::channel();
+    let holder = hold_key(&db, "held-key", released);
 
-        release.send(()).expect("release the holder");
-        let first = holder.join().expect("holder thread").into_inner();
-        // The same connection is usable and now replays the holder's result.
-        let retry = config.run(&mut conn, "shop", "held-key", &1, |tx| place_order(tx, "second", 1)).expect("retry");
-        assert_eq!(retry, Outcome::Replayed(first));
-        assert_eq!(order_count(&mut conn), 1);
-    }
+    let mut conn = db.conn();
+    let config = Config::default().in_flight(InFlight::Reject);
+    let calls = AtomicUsize::new(0);
+    let result = config.run(&mut conn, "shop", "held-key", &1, |tx| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        D::place_order(tx, "second", 1)
+    });
+    assert!(matches!(result, Err(Error::InProgress)), "{result:?}");
+    assert_eq!(result.expect_err("in progress").status_code(), 409);
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
 
-    #[test]
-    fn wait_policy_times_out_while_the_key_stays_held() {
-        let db = Db::new();
-        let (release, released) = mpsc::channel();
-        let holder = hold_key(&db, "slow-key", released);
+    release.send(()).expect("release the holder");
+    let first = holder.join().expect("holder thread").into_inner();
+    // The same connection is usable and now replays the holder's result.
+    let retry = config
+        .run(&mut conn, "shop", "held-key", &1, |tx| D::place_order(tx, "second", 1))
+        .expect("retry");
+    assert_eq!(retry, Outcome::Replayed(first));
+    assert_eq!(D::order_count(&mut conn), 1);
+}
 
-        let mut conn = db.conn();
-        let config = Config::default().in_flight(InFlight::Wait(Duration::milliseconds(200)));
-        let result = config.run(&mut conn, "shop", "slow-key", &1, |tx| place_order(tx, "second", 1));
-        assert!(matches!(result, Err(Error::InProgress)), "{result:?}");
+fn wait_policy_times_out_while_the_key_stays_held<D: TestDb>() {
+    let db = D::new();
+    let (release, released) = mpsc::channel();
+    let holder = hold_key(&db, "slow-key", released);
 
-        release.send(()).expect("release the holder");
-        holder.join().expect("holder thread");
-        let retry = config.run(&mut conn, "shop", "slow-key", &1, |tx| place_order(tx, "second", 1)).expect("retry");
-        assert!(retry.is_replayed());
-        assert_eq!(order_count(&mut conn), 1);
-    }
+    let mut conn = db.conn();
+    let config = Config::default().in_flight(InFlight::Wait(Duration::milliseconds(200)));
+    let result = config.run(&mut conn, "shop", "slow-key", &1, |tx| D::place_order(tx, "second", 1));
+    assert!(matches!(result, Err(Error::InProgress)), "{result:?}");
+
+    release.send(()).expect("release the holder");
+    holder.join().expect("holder thread");
+    let retry = config
+        .run(&mut conn, "shop", "slow-key", &1, |tx| D::place_order(tx, "second", 1))
+        .expect("retry");
+    assert!(retry.is_replayed());
+    assert_eq!(D::order_count(&mut conn), 1);
 }
 
 mod sqlite_busy_timeout {
@@ -265,7 +281,7 @@ mod sqlite_busy_timeout {
                         .map(|i| (i + t * 50) % ITEMS)
                         .filter(|&i| {
                             run_idempotent(&mut conn, "jobs", &format!("item-{i}"), &i, |tx| {
-                                crate::common::sqlite::place_order(tx, "item", 1)
+                                Db::place_order(tx, "item", 1)
                             })
                             .is_err()
                         })
@@ -276,9 +292,6 @@ mod sqlite_busy_timeout {
         let failures: usize = handles.into_iter().map(|h| h.join().expect("thread")).sum();
         assert_eq!(failures, 0);
         let mut conn = diesel::SqliteConnection::establish(&url).expect("open");
-        assert_eq!(
-            crate::common::sqlite::order_count(&mut conn),
-            i64::try_from(ITEMS).expect("small")
-        );
+        assert_eq!(Db::order_count(&mut conn), i64::try_from(ITEMS).expect("small"));
     }
 }

@@ -27,6 +27,7 @@ use idempotency::testing::ManualClock;
 use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
 
 use common::pg::*;
+use common::{TestDb, orders};
 
 const SCOPE: &str = "shop";
 const REQUEST: &str = "place one book";
@@ -52,7 +53,7 @@ fn counted<'a>(
 ) -> impl FnOnce(&mut PgConnection) -> Result<i64, DomainError> + 'a {
     move |tx| {
         calls.fetch_add(1, Ordering::SeqCst);
-        Ok(place_order(tx, item, 1)?)
+        Ok(Db::place_order(tx, item, 1)?)
     }
 }
 
@@ -101,7 +102,7 @@ impl Holder {
         let key = key.to_owned();
         let thread = thread::spawn(move || {
             let op = move |tx: &mut PgConnection| -> Result<i64, DomainError> {
-                let order_id = place_order(tx, "holder", 1)?;
+                let order_id = Db::place_order(tx, "holder", 1)?;
                 claimed_tx.send(()).expect("the test waits for the claim");
                 match release_rx.recv() {
                     Ok(Release::Commit) => Ok(order_id),
@@ -180,8 +181,8 @@ fn waiter_replays_when_the_holder_commits_within_the_wait() {
     };
     assert_eq!(waited.expect("the waiter replays"), Outcome::Replayed(order_id));
     assert_eq!(calls, 0, "the waiter's operation is never called");
-    assert_eq!(order_count(&mut conn), 1);
-    assert_eq!(key_count(&mut conn), 1);
+    assert_eq!(Db::order_count(&mut conn), 1);
+    assert_eq!(Db::key_count(&mut conn), 1);
 }
 
 #[test]
@@ -203,7 +204,7 @@ fn waiter_executes_when_the_holder_rolls_back() {
     assert_eq!(calls, 1);
     let items: Vec<String> = orders::table.select(orders::item).load(&mut conn).expect("load orders");
     assert_eq!(items, ["waiter"], "only the waiter's order exists");
-    assert_eq!(key_count(&mut conn), 1);
+    assert_eq!(Db::key_count(&mut conn), 1);
 }
 
 #[test]
@@ -224,7 +225,7 @@ fn waiter_gets_in_progress_when_the_holder_outlasts_the_wait() {
     assert!(matches!(error, Error::InProgress), "{error:?}");
     assert_eq!(error.status_code(), 409);
     assert_eq!(calls.load(Ordering::SeqCst), 0);
-    assert!(!in_transaction(&mut conn));
+    assert!(!Db::in_transaction(&mut conn));
     assert_eq!(show_lock_timeout(&mut conn), lock_timeout_before);
     let other = run_idempotent(&mut conn, SCOPE, "k-other", REQUEST, counted(&calls, "other"));
     assert!(
@@ -251,7 +252,7 @@ fn reject_policy_answers_in_progress_while_the_key_is_held() {
 
     assert!(matches!(rejected, Err(Error::InProgress)), "{rejected:?}");
     assert_eq!(calls.load(Ordering::SeqCst), 0);
-    assert!(!in_transaction(&mut conn));
+    assert!(!Db::in_transaction(&mut conn));
     assert_eq!(show_lock_timeout(&mut conn), lock_timeout_before);
     let other = rejecting.run(&mut conn, SCOPE, "k-free", REQUEST, counted(&calls, "other"));
     assert!(
@@ -266,7 +267,7 @@ fn reject_policy_answers_in_progress_while_the_key_is_held() {
             .expect("replay")
             .is_replayed()
     );
-    assert_eq!(order_count(&mut conn), 2);
+    assert_eq!(Db::order_count(&mut conn), 2);
 }
 
 #[test]
@@ -277,12 +278,12 @@ fn in_progress_inside_a_callers_transaction_leaves_that_transaction_usable() {
     let short_wait = Config::default().in_flight(InFlight::Wait(Duration::milliseconds(100)));
     let calls = AtomicUsize::new(0);
     conn.transaction(|tx| {
-        place_order(tx, "before", 1)?;
+        Db::place_order(tx, "before", 1)?;
         tx.batch_execute("SET LOCAL lock_timeout = '7s'")?;
         let waited = short_wait.run(tx, SCOPE, "k-held", REQUEST, counted(&calls, "waiter"));
         assert!(matches!(waited, Err(Error::InProgress)), "{waited:?}");
         assert_eq!(show_lock_timeout(tx), "7s", "the caller's own setting is back");
-        place_order(tx, "after", 1)?;
+        Db::place_order(tx, "after", 1)?;
         QueryResult::Ok(())
     })
     .expect("the caller's transaction commits");
@@ -345,24 +346,24 @@ fn expired_key_is_taken_over_by_exactly_one_of_many_racing_requests() {
         "every racer sees the same value"
     );
     let mut conn = db.conn();
-    assert_eq!(order_count(&mut conn), 2);
-    assert_eq!(key_count(&mut conn), 1);
+    assert_eq!(Db::order_count(&mut conn), 2);
+    assert_eq!(Db::key_count(&mut conn), 1);
 }
 
 /// Asserts that a crashed call left nothing, then that a retry executes
 /// exactly once and later retries replay it.
 fn assert_crash_left_nothing_and_retry_executes_once(db: &Db, key: &str) {
     let mut conn = db.conn();
-    assert_eq!(key_count(&mut conn), 0, "no key record is left");
-    assert_eq!(order_count(&mut conn), 0, "no domain row is left");
+    assert_eq!(Db::key_count(&mut conn), 0, "no key record is left");
+    assert_eq!(Db::order_count(&mut conn), 0, "no domain row is left");
     let calls = AtomicUsize::new(0);
     let retry = run_idempotent(&mut conn, SCOPE, key, REQUEST, counted(&calls, "retry")).expect("retry");
     assert!(!retry.is_replayed(), "the retry executes");
     let again = run_idempotent(&mut conn, SCOPE, key, REQUEST, counted(&calls, "retry")).expect("second retry");
     assert_eq!(again, Outcome::Replayed(retry.into_inner()));
     assert_eq!(calls.load(Ordering::SeqCst), 1);
-    assert_eq!(order_count(&mut conn), 1);
-    assert_eq!(key_count(&mut conn), 1);
+    assert_eq!(Db::order_count(&mut conn), 1);
+    assert_eq!(Db::key_count(&mut conn), 1);
 }
 
 #[test]
@@ -373,7 +374,7 @@ fn terminated_backend_leaves_no_key_and_no_domain_row() {
     let mut worker_conn = db.conn();
     let worker = thread::spawn(move || {
         run_idempotent(&mut worker_conn, SCOPE, "k-terminated", REQUEST, |tx| {
-            let order_id = place_order(tx, "terminated", 1)?;
+            let order_id = Db::place_order(tx, "terminated", 1)?;
             pid_tx.send(backend_pid(tx)).expect("the test waits for the pid");
             // Whatever the release says, the operation itself succeeds; the
             // storage under it is what fails.
@@ -408,7 +409,7 @@ fn panic_on_a_lost_connection_still_reaches_the_caller() {
     let mut admin = db.conn();
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         run_idempotent(&mut conn, SCOPE, "k-lost", REQUEST, |tx| {
-            place_order(tx, "lost", 1)?;
+            Db::place_order(tx, "lost", 1)?;
             // The connection dies under the operation, so rolling back after
             // the panic fails too; the panic must not turn into an error.
             diesel::sql_query("SELECT pg_terminate_backend($1, 30000)")
@@ -445,7 +446,7 @@ fn crash_child(url: &str) -> ! {
         "k-killed",
         REQUEST,
         |tx| -> Result<i64, DomainError> {
-            place_order(tx, "killed", 1)?;
+            Db::place_order(tx, "killed", 1)?;
             let mut out = std::io::stdout().lock();
             writeln!(out, "\n{CRASH_CHILD_READY}{pid}").expect("write to the parent");
             out.flush().expect("flush to the parent");
@@ -530,7 +531,7 @@ fn panic_on_a_pooled_connection_returns_it_to_the_pool_outside_a_transaction() {
             "k-pool-panic",
             REQUEST,
             |tx| -> Result<i64, DomainError> {
-                place_order(tx, "panicked", 1)?;
+                Db::place_order(tx, "panicked", 1)?;
                 panic!("worker crashed mid-operation");
             },
         );
@@ -549,7 +550,7 @@ fn panic_on_a_pooled_connection_returns_it_to_the_pool_outside_a_transaction() {
     let mut pooled = pool.get().expect("the pool's connection again");
     assert_eq!(backend_pid(&mut pooled), pid, "the pool kept the connection");
     let retry = run_idempotent(&mut pooled, SCOPE, "k-pool-panic", REQUEST, |tx| {
-        place_order(tx, "retry", 1)
+        Db::place_order(tx, "retry", 1)
     })
     .expect("retry");
     assert!(!retry.is_replayed());
@@ -559,7 +560,7 @@ fn panic_on_a_pooled_connection_returns_it_to_the_pool_outside_a_transaction() {
         .load(&mut admin)
         .expect("load orders");
     assert_eq!(items, ["retry"], "the retry committed; the panicked order did not");
-    assert_eq!(key_count(&mut admin), 1);
+    assert_eq!(Db::key_count(&mut admin), 1);
 }
 
 /// Two requests with one key, each inside a caller's transaction at
@@ -596,7 +597,7 @@ fn nested_race_executes_once(isolation: Isolation) {
         "{isolation:?}: {waited:?}"
     );
     assert_eq!(calls, 0, "the second request's operation did not run");
-    assert!(!in_transaction(&mut conn), "the caller's transaction rolled back");
+    assert!(!Db::in_transaction(&mut conn), "the caller's transaction rolled back");
 
     let retry_calls = AtomicUsize::new(0);
     let retried = in_caller_transaction(&mut conn, isolation, |tx| {
@@ -607,8 +608,8 @@ fn nested_race_executes_once(isolation: Isolation) {
         Outcome::Replayed(order_id)
     );
     assert_eq!(retry_calls.load(Ordering::SeqCst), 0);
-    assert_eq!(order_count(&mut conn), 1);
-    assert_eq!(key_count(&mut conn), 1);
+    assert_eq!(Db::order_count(&mut conn), 1);
+    assert_eq!(Db::key_count(&mut conn), 1);
 }
 
 #[test]
@@ -681,8 +682,8 @@ fn callers_racing_in_isolated_transactions_execute_each_key_once() {
         }
     }
     let mut conn = db.conn();
-    assert_eq!(order_count(&mut conn), 2 * ROUNDS as i64);
-    assert_eq!(key_count(&mut conn), 2 * ROUNDS as i64);
+    assert_eq!(Db::order_count(&mut conn), 2 * ROUNDS as i64);
+    assert_eq!(Db::key_count(&mut conn), 2 * ROUNDS as i64);
 }
 
 /// splitmix64: deterministic, so a failing run can be repeated.
@@ -741,7 +742,7 @@ fn duplicate_requests_under_load_execute_each_key_once() {
                         calls.fetch_add(1, Ordering::SeqCst);
                         // Simulated work, so that duplicates overlap.
                         thread::sleep(std::time::Duration::from_millis(*millis));
-                        place_order(tx, key, 1)
+                        Db::place_order(tx, key, 1)
                     });
                     let value = match result {
                         Ok(Outcome::Executed(value)) => {
@@ -792,7 +793,7 @@ fn duplicate_requests_under_load_execute_each_key_once() {
         );
     }
     assert_eq!(seen.values().map(Vec::len).sum::<usize>(), REQUESTS);
-    assert_eq!(key_count(&mut conn), KEYS as i64);
+    assert_eq!(Db::key_count(&mut conn), KEYS as i64);
 }
 
 /// The operation's own view of `lock_timeout`.
@@ -896,12 +897,12 @@ fn longest_in_flight_wait_is_accepted() {
     // Longer than PostgreSQL's largest lock_timeout; shortened to it.
     let config = Config::default().in_flight(InFlight::Wait(Duration::days(30)));
     let first = config.run(&mut conn, SCOPE, "k-long-wait", REQUEST, |tx| {
-        place_order(tx, "long", 1)
+        Db::place_order(tx, "long", 1)
     });
     assert!(!first.expect("the call executes").is_replayed());
-    assert!(!in_transaction(&mut conn));
+    assert!(!Db::in_transaction(&mut conn));
     let again = config.run(&mut conn, SCOPE, "k-long-wait", REQUEST, |tx| {
-        place_order(tx, "long", 1)
+        Db::place_order(tx, "long", 1)
     });
     assert!(again.expect("the connection is still usable").is_replayed());
 }

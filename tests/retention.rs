@@ -4,128 +4,160 @@
 mod common;
 
 use chrono::Duration;
+use diesel::prelude::*;
 use idempotency::testing::ManualClock;
 use idempotency::{Config, Error};
 
-common::backend_tests! {
-    use diesel::prelude::*;
+use common::TestDb;
 
-    fn config(clock: &ManualClock) -> Config {
-        Config::default().retention(Duration::hours(1)).clock(clock.source())
-    }
+common::backend_tests!(
+    key_replays_until_retention_ends,
+    expired_key_executes_again_as_new,
+    expired_key_accepts_a_different_request,
+    failed_takeover_of_an_expired_key_keeps_the_old_record_until_purged,
+    purge_deletes_only_expired_records_in_batches,
+    purge_with_exact_multiple_of_batch_size_deletes_all,
+    purge_inside_a_caller_transaction_rolls_back_with_it,
+);
 
-    #[test]
-    fn key_replays_until_retention_ends() {
-        let db = Db::new();
-        let mut conn = db.conn();
-        let clock = ManualClock::new();
-        let config = config(&clock);
-        let first = config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("first");
-        clock.advance(Duration::minutes(59) + Duration::seconds(59));
-        let retry = config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("retry");
-        assert!(retry.is_replayed());
-        assert_eq!(retry.into_inner(), first.into_inner());
-        assert_eq!(order_count(&mut conn), 1);
-    }
+fn config(clock: &ManualClock) -> Config {
+    Config::default().retention(Duration::hours(1)).clock(clock.source())
+}
 
-    #[test]
-    fn expired_key_executes_again_as_new() {
-        let db = Db::new();
-        let mut conn = db.conn();
-        let clock = ManualClock::new();
-        let config = config(&clock);
-        config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("first");
-        clock.advance(Duration::hours(1));
-        let again = config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("after expiry");
-        assert!(!again.is_replayed(), "expires_at <= now is expired");
-        assert_eq!(order_count(&mut conn), 2);
-        assert_eq!(key_count(&mut conn), 1, "the old record was replaced, not duplicated");
-        // The new record starts a new retention window.
-        clock.advance(Duration::minutes(30));
-        let retry = config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("retry");
-        assert!(retry.is_replayed());
-    }
+fn key_replays_until_retention_ends<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let config = config(&clock);
+    let first = config
+        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
+        .expect("first");
+    clock.advance(Duration::minutes(59) + Duration::seconds(59));
+    let retry = config
+        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
+        .expect("retry");
+    assert!(retry.is_replayed());
+    assert_eq!(retry.into_inner(), first.into_inner());
+    assert_eq!(D::order_count(&mut conn), 1);
+}
 
-    #[test]
-    fn expired_key_accepts_a_different_request() {
-        let db = Db::new();
-        let mut conn = db.conn();
-        let clock = ManualClock::new();
-        let config = config(&clock);
-        config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("first");
-        let early = config.run(&mut conn, "shop", "k", &2, |tx| place_order(tx, "book", 2));
-        assert!(matches!(early, Err(Error::Mismatch)));
-        clock.advance(Duration::hours(2));
-        let late = config.run(&mut conn, "shop", "k", &2, |tx| place_order(tx, "book", 2)).expect("after expiry");
-        assert!(!late.is_replayed());
-    }
+fn expired_key_executes_again_as_new<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let config = config(&clock);
+    config
+        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
+        .expect("first");
+    clock.advance(Duration::hours(1));
+    let again = config
+        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
+        .expect("after expiry");
+    assert!(!again.is_replayed(), "expires_at <= now is expired");
+    assert_eq!(D::order_count(&mut conn), 2);
+    assert_eq!(
+        D::key_count(&mut conn),
+        1,
+        "the old record was replaced, not duplicated"
+    );
+    // The new record starts a new retention window.
+    clock.advance(Duration::minutes(30));
+    let retry = config
+        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
+        .expect("retry");
+    assert!(retry.is_replayed());
+}
 
-    #[test]
-    fn failed_takeover_of_an_expired_key_keeps_the_old_record_until_purged() {
-        let db = Db::new();
-        let mut conn = db.conn();
-        let clock = ManualClock::new();
-        let config = config(&clock);
-        config.run(&mut conn, "shop", "k", &1, |tx| place_order(tx, "book", 1)).expect("first");
-        clock.advance(Duration::hours(2));
-        let failed = config.run(&mut conn, "shop", "k", &1, |_| Err::<i64, _>("declined by validation"));
-        assert!(matches!(failed, Err(Error::Operation("declined by validation"))));
-        assert_eq!(key_count(&mut conn), 1, "the rollback restored the expired record");
-        assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 1);
-    }
+fn expired_key_accepts_a_different_request<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let config = config(&clock);
+    config
+        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
+        .expect("first");
+    let early = config.run(&mut conn, "shop", "k", &2, |tx| D::place_order(tx, "book", 2));
+    assert!(matches!(early, Err(Error::Mismatch)));
+    clock.advance(Duration::hours(2));
+    let late = config
+        .run(&mut conn, "shop", "k", &2, |tx| D::place_order(tx, "book", 2))
+        .expect("after expiry");
+    assert!(!late.is_replayed());
+}
 
-    #[test]
-    fn purge_deletes_only_expired_records_in_batches() {
-        let db = Db::new();
-        let mut conn = db.conn();
-        let clock = ManualClock::new();
-        let config = config(&clock);
-        for i in 0..25 {
-            config.run(&mut conn, "shop", &format!("old-{i}"), &i, |_| Ok::<_, Error>(i)).expect("old call");
-        }
-        clock.advance(Duration::minutes(30));
-        for i in 0..5 {
-            config.run(&mut conn, "shop", &format!("new-{i}"), &i, |_| Ok::<_, Error>(i)).expect("new call");
-        }
-        clock.advance(Duration::minutes(30));
-        // The 25 old records expire now; the 5 new ones in 30 minutes.
-        assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 25);
-        assert_eq!(key_count(&mut conn), 5);
-        assert_eq!(config.purge_expired(&mut conn, 10).expect("second purge"), 0);
-        let kept = config.run(&mut conn, "shop", "new-3", &3, |_| Ok::<_, Error>(-1)).expect("retry");
-        assert!(kept.is_replayed(), "unexpired records survive the purge");
-    }
+fn failed_takeover_of_an_expired_key_keeps_the_old_record_until_purged<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let config = config(&clock);
+    config
+        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
+        .expect("first");
+    clock.advance(Duration::hours(2));
+    let failed = config.run(&mut conn, "shop", "k", &1, |_| Err::<i64, _>("declined by validation"));
+    assert!(matches!(failed, Err(Error::Operation("declined by validation"))));
+    assert_eq!(D::key_count(&mut conn), 1, "the rollback restored the expired record");
+    assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 1);
+}
 
-    #[test]
-    fn purge_with_exact_multiple_of_batch_size_deletes_all() {
-        let db = Db::new();
-        let mut conn = db.conn();
-        let clock = ManualClock::new();
-        let config = config(&clock);
-        for i in 0..20 {
-            config.run(&mut conn, "shop", &format!("k-{i}"), &i, |_| Ok::<_, Error>(i)).expect("call");
-        }
-        clock.advance(Duration::days(1));
-        assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 20);
-        assert_eq!(config.purge_expired(&mut conn, 1).expect("purge of nothing"), 0);
-        assert_eq!(key_count(&mut conn), 0);
+fn purge_deletes_only_expired_records_in_batches<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let config = config(&clock);
+    for i in 0..25 {
+        config
+            .run(&mut conn, "shop", &format!("old-{i}"), &i, |_| Ok::<_, Error>(i))
+            .expect("old call");
     }
+    clock.advance(Duration::minutes(30));
+    for i in 0..5 {
+        config
+            .run(&mut conn, "shop", &format!("new-{i}"), &i, |_| Ok::<_, Error>(i))
+            .expect("new call");
+    }
+    clock.advance(Duration::minutes(30));
+    // The 25 old records expire now; the 5 new ones in 30 minutes.
+    assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 25);
+    assert_eq!(D::key_count(&mut conn), 5);
+    assert_eq!(config.purge_expired(&mut conn, 10).expect("second purge"), 0);
+    let kept = config
+        .run(&mut conn, "shop", "new-3", &3, |_| Ok::<_, Error>(-1))
+        .expect("retry");
+    assert!(kept.is_replayed(), "unexpired records survive the purge");
+}
 
-    #[test]
-    fn purge_inside_a_caller_transaction_rolls_back_with_it() {
-        let db = Db::new();
-        let mut conn = db.conn();
-        let clock = ManualClock::new();
-        let config = config(&clock);
-        config.run(&mut conn, "shop", "k", &1, |_| Ok::<_, Error>(1)).expect("call");
-        clock.advance(Duration::days(1));
-        let rolled_back = conn.transaction(|tx| {
-            assert_eq!(config.purge_expired(tx, 10).expect("purge"), 1);
-            Err::<(), _>(diesel::result::Error::RollbackTransaction)
-        });
-        assert!(rolled_back.is_err());
-        assert_eq!(key_count(&mut conn), 1);
+fn purge_with_exact_multiple_of_batch_size_deletes_all<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let config = config(&clock);
+    for i in 0..20 {
+        config
+            .run(&mut conn, "shop", &format!("k-{i}"), &i, |_| Ok::<_, Error>(i))
+            .expect("call");
     }
+    clock.advance(Duration::days(1));
+    assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 20);
+    assert_eq!(config.purge_expired(&mut conn, 1).expect("purge of nothing"), 0);
+    assert_eq!(D::key_count(&mut conn), 0);
+}
+
+fn purge_inside_a_caller_transaction_rolls_back_with_it<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let config = config(&clock);
+    config
+        .run(&mut conn, "shop", "k", &1, |_| Ok::<_, Error>(1))
+        .expect("call");
+    clock.advance(Duration::days(1));
+    let rolled_back = conn.transaction(|tx| {
+        assert_eq!(config.purge_expired(tx, 10).expect("purge"), 1);
+        Err::<(), _>(diesel::result::Error::RollbackTransaction)
+    });
+    assert!(rolled_back.is_err());
+    assert_eq!(D::key_count(&mut conn), 1);
 }
 
 #[test]

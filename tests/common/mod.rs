@@ -1,93 +1,163 @@
 //! The test harness: one test body, run against every backend.
 //!
-//! `backend_tests! { ... }` expands the tests it is given twice, into a
-//! `sqlite` module (a file database in a temporary directory) and, with the
-//! `postgres` feature, a `postgres` module (a schema of its own in the
-//! database named by `DATABASE_URL`, dropped afterwards). Inside, the names
-//! `Conn`, `Db`, `place_order` and `order_count` refer to that backend.
+//! A test body is an ordinary generic function, `fn name<D: TestDb>()`, at
+//! the top level of its file, where rustfmt and clippy see it. It reaches the
+//! database only through `D`: `D::new()` makes a database of its own for the
+//! test, and the associated functions of [`TestDb`] read and write the
+//! tables of the tests. The crate itself is called as an application calls
+//! it, generically over `C: StoreConnection`.
+//!
+//! `backend_tests!(name, ...)` then emits, per backend, a module of `#[test]`
+//! shims that call `name::<Db>()`: `sqlite::name` (a file database in a
+//! temporary directory) and, with the `postgres` feature, `postgres::name`
+//! (a schema of its own in the database named by `DATABASE_URL`, dropped
+//! afterwards). A new backend implements [`TestDb`] in a module of its own
+//! and adds one line to the macro.
 
 // Each test binary uses a different part of the harness.
 #![allow(dead_code, unused_macros, unused_imports)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use diesel::QueryResult;
+use diesel::connection::{AnsiTransactionManager, Connection, TransactionManager};
+use diesel::r2d2::{ConnectionManager, Pool, PooledConnection, R2D2Connection};
+use idempotency::StoreConnection;
+
 #[cfg(feature = "postgres")]
 pub mod pg;
 pub mod sqlite;
 
+/// Emits a `#[test]` per backend for each generic test body named: a module
+/// per backend, named as [`TestDb::BACKEND`], whose `name` runs
+/// `super::name::<Db>()`.
 macro_rules! backend_tests {
-    ($($body:tt)*) => {
-        mod sqlite {
-            #[allow(unused_imports)]
-            use super::*;
-            #[allow(unused_imports)]
-            use crate::common::sqlite::*;
-            $($body)*
-        }
+    ($($test:ident),+ $(,)?) => {
+        $crate::common::backend_tests!(@backend sqlite, $crate::common::sqlite::Db, $($test),+);
         #[cfg(feature = "postgres")]
-        mod postgres {
-            #[allow(unused_imports)]
-            use super::*;
-            #[allow(unused_imports)]
-            use crate::common::pg::*;
-            $($body)*
+        $crate::common::backend_tests!(@backend postgres, $crate::common::pg::Db, $($test),+);
+    };
+    (@backend $backend:ident, $db:ty, $($test:ident),+) => {
+        mod $backend {
+            $(
+                #[test]
+                fn $test() {
+                    super::$test::<$db>()
+                }
+            )+
         }
     };
 }
 pub(crate) use backend_tests;
 
-/// The domain table of the tests and the repository functions on it, the
-/// same on both backends once `Conn` names the connection.
-macro_rules! orders_repository {
-    () => {
-        diesel::table! {
-            orders (id) {
-                id -> BigInt,
-                item -> Text,
-                quantity -> Integer,
-            }
-        }
-
-        /// Inserts an order and returns its id.
-        pub fn place_order(conn: &mut Conn, item: &str, quantity: i32) -> diesel::QueryResult<i64> {
-            use diesel::prelude::*;
-            diesel::insert_into(orders::table)
-                .values((orders::item.eq(item), orders::quantity.eq(quantity)))
-                .returning(orders::id)
-                .get_result(conn)
-        }
-
-        /// How many orders there are.
-        pub fn order_count(conn: &mut Conn) -> i64 {
-            use diesel::prelude::*;
-            orders::table.count().get_result(conn).expect("count orders")
-        }
-
-        /// Whether the connection is inside a transaction.
-        pub fn in_transaction(conn: &mut Conn) -> bool {
-            use diesel::connection::{AnsiTransactionManager, TransactionManager};
-            AnsiTransactionManager::transaction_manager_status_mut(conn)
-                .transaction_depth()
-                .expect("a healthy transaction manager")
-                .is_some()
-        }
-
-        /// How many key records there are.
-        pub fn key_count(conn: &mut Conn) -> i64 {
-            use diesel::prelude::*;
-            #[derive(QueryableByName)]
-            struct Count {
-                #[diesel(sql_type = diesel::sql_types::BigInt)]
-                n: i64,
-            }
-            diesel::sql_query("SELECT count(*) AS n FROM idempotency_keys")
-                .get_result::<Count>(conn)
-                .expect("count key records")
-                .n
-        }
-    };
+diesel::table! {
+    /// The domain table of the tests.
+    orders (id) {
+        id -> BigInt,
+        item -> Text,
+        quantity -> Integer,
+    }
 }
-pub(crate) use orders_repository;
+
+diesel::table! {
+    /// The crate's key records, the columns the tests read.
+    idempotency_keys (scope, idempotency_key) {
+        scope -> Text,
+        idempotency_key -> Text,
+        request_hash -> Text,
+    }
+}
+
+diesel::table! {
+    /// The crate's outbox table, the columns the tests read.
+    idempotency_outbox (id) {
+        id -> Text,
+        topic -> Text,
+        status -> Text,
+        attempts -> Integer,
+        last_error -> Nullable<Text>,
+    }
+}
+
+/// An outbox message as (id, topic, status, attempts, last error).
+pub type OutboxRow = (String, String, String, i32, Option<String>);
+
+/// A database for one test on one backend, with the crate's migrations and
+/// the `orders` table, and the queries the tests check it with.
+pub trait TestDb: Sized + Sync {
+    /// The backend's diesel connection. It is its own `Raw`: the operation
+    /// of a call on it, plain or pooled, receives this type.
+    type Conn: StoreConnection<Raw = Self::Conn>
+        + Connection<TransactionManager = AnsiTransactionManager>
+        + R2D2Connection
+        + 'static;
+
+    /// The name of the backend, which is also the name of its module of
+    /// tests (`sqlite::name`).
+    const BACKEND: &'static str;
+
+    /// A new, empty database of its own, migrated; gone when dropped.
+    fn new() -> Self;
+
+    /// The url that reaches this database, for a child process.
+    fn url(&self) -> &str;
+
+    /// A new connection to this database.
+    fn conn(&self) -> Self::Conn;
+
+    /// A pool of `size` connections to this database.
+    fn pool(&self, size: u32) -> Pool<ConnectionManager<Self::Conn>> {
+        Self::pool_at(self.url(), size)
+    }
+
+    /// A pool on a database that `new` made, by its url: for a child process
+    /// that works on its parent's database.
+    fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<Self::Conn>>;
+
+    /// Inserts an order and returns its id.
+    fn place_order(conn: &mut Self::Conn, item: &str, quantity: i32) -> QueryResult<i64>;
+
+    /// How many orders there are.
+    fn order_count(conn: &mut Self::Conn) -> i64;
+
+    /// The items of all orders, in the order they were placed.
+    fn order_items(conn: &mut Self::Conn) -> Vec<String>;
+
+    /// How many key records there are.
+    fn key_count(conn: &mut Self::Conn) -> i64;
+
+    /// The stored request fingerprints of all key records.
+    fn request_hashes(conn: &mut Self::Conn) -> Vec<String>;
+
+    /// The outbox messages, in id order.
+    fn outbox_messages(conn: &mut Self::Conn) -> Vec<OutboxRow>;
+
+    /// Returns once every transaction that wrote orders has ended, also one
+    /// whose client died while the server was still committing it.
+    fn await_order_writers(conn: &mut Self::Conn);
+
+    /// Whether the connection is inside a transaction.
+    fn in_transaction(conn: &mut Self::Conn) -> bool {
+        AnsiTransactionManager::transaction_manager_status_mut(conn)
+            .transaction_depth()
+            .expect("a healthy transaction manager")
+            .is_some()
+    }
+}
+
+/// A connection of a pool of `D`.
+///
+/// The crate implements `StoreConnection` for it only where `D::Conn`
+/// implements the crate's unnameable `RawConnection`, which the bounds of
+/// `TestDb::Conn` do not imply; a generic test that calls the crate on a
+/// pooled connection says `where Pooled<D>: StoreConnection<Raw = D::Conn>`.
+pub type Pooled<D> = PooledConnection<ConnectionManager<<D as TestDb>::Conn>>;
+
+/// The name of test `name` of backend `D`, as the test harness knows it: for
+/// a test that runs itself again in a child process.
+pub fn test_name<D: TestDb>(name: &str) -> String {
+    format!("{}::{name}", D::BACKEND)
+}
 
 /// A name no other test, in this process or another, is using.
 pub fn unique_name(prefix: &str) -> String {

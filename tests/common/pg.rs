@@ -6,10 +6,7 @@ use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
 
-pub type Conn = PgConnection;
-pub const BACKEND: &str = "postgres";
-
-super::orders_repository!();
+use super::{OutboxRow, TestDb, idempotency_keys, idempotency_outbox, orders};
 
 pub struct Db {
     base_url: String,
@@ -25,7 +22,16 @@ pub fn database_url() -> String {
 }
 
 impl Db {
-    pub fn new() -> Db {
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+}
+
+impl TestDb for Db {
+    type Conn = PgConnection;
+    const BACKEND: &'static str = "postgres";
+
+    fn new() -> Db {
         let base_url = database_url();
         let schema = super::unique_name("idem_test");
         let separator = if base_url.contains('?') { '&' } else { '?' };
@@ -44,20 +50,69 @@ impl Db {
         db
     }
 
-    pub fn url(&self) -> &str {
+    fn url(&self) -> &str {
         &self.url
     }
 
-    pub fn schema(&self) -> &str {
-        &self.schema
-    }
-
-    pub fn conn(&self) -> Conn {
+    fn conn(&self) -> PgConnection {
         PgConnection::establish(&self.url).expect("connect to the test schema")
     }
 
-    pub fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
-        pool_at(&self.url, size)
+    fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<PgConnection>> {
+        Pool::builder()
+            .max_size(size)
+            .build(ConnectionManager::new(url))
+            .expect("build a pool")
+    }
+
+    fn place_order(conn: &mut PgConnection, item: &str, quantity: i32) -> QueryResult<i64> {
+        diesel::insert_into(orders::table)
+            .values((orders::item.eq(item), orders::quantity.eq(quantity)))
+            .returning(orders::id)
+            .get_result(conn)
+    }
+
+    fn order_count(conn: &mut PgConnection) -> i64 {
+        orders::table.count().get_result(conn).expect("count orders")
+    }
+
+    fn order_items(conn: &mut PgConnection) -> Vec<String> {
+        orders::table
+            .order(orders::id)
+            .select(orders::item)
+            .load(conn)
+            .expect("read the orders")
+    }
+
+    fn key_count(conn: &mut PgConnection) -> i64 {
+        idempotency_keys::table
+            .count()
+            .get_result(conn)
+            .expect("count key records")
+    }
+
+    fn request_hashes(conn: &mut PgConnection) -> Vec<String> {
+        idempotency_keys::table
+            .select(idempotency_keys::request_hash)
+            .load(conn)
+            .expect("read the key records")
+    }
+
+    fn outbox_messages(conn: &mut PgConnection) -> Vec<OutboxRow> {
+        use idempotency_outbox as o;
+        o::table
+            .order(o::id)
+            .select((o::id, o::topic, o::status, o::attempts, o::last_error))
+            .load(conn)
+            .expect("read the outbox")
+    }
+
+    fn await_order_writers(conn: &mut PgConnection) {
+        // A COMMIT a client sent just before it died may still be in the
+        // server's hands; this lock waits for every transaction that wrote
+        // orders to end.
+        conn.transaction(|tx| diesel::sql_query("LOCK TABLE orders IN SHARE MODE").execute(tx))
+            .expect("wait for the transactions that wrote orders");
     }
 }
 
@@ -69,17 +124,8 @@ impl Drop for Db {
     }
 }
 
-/// A pool on a schema that `Db::new` made, by its url: for a child process
-/// that works on its parent's database.
-pub fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<Conn>> {
-    Pool::builder()
-        .max_size(size)
-        .build(ConnectionManager::new(url))
-        .expect("build a pool")
-}
-
 /// The server process serving `conn`.
-pub fn backend_pid(conn: &mut Conn) -> i32 {
+pub fn backend_pid(conn: &mut PgConnection) -> i32 {
     #[derive(QueryableByName)]
     struct Pid {
         #[diesel(sql_type = diesel::sql_types::Integer)]
@@ -92,7 +138,7 @@ pub fn backend_pid(conn: &mut Conn) -> i32 {
 }
 
 /// The session's `lock_timeout` as `SHOW` reports it.
-pub fn show_lock_timeout(conn: &mut Conn) -> String {
+pub fn show_lock_timeout(conn: &mut PgConnection) -> String {
     #[derive(QueryableByName)]
     struct Setting {
         #[diesel(sql_type = diesel::sql_types::Text)]
@@ -111,7 +157,7 @@ const SERVER_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 /// Polls the server through `admin` until `condition` holds. The server
 /// changes these states on its own, so there is nothing to wait on but the
 /// server's view.
-fn poll_server(admin: &mut Conn, what: &str, mut condition: impl FnMut(&mut Conn) -> bool) {
+fn poll_server(admin: &mut PgConnection, what: &str, mut condition: impl FnMut(&mut PgConnection) -> bool) {
     let deadline = std::time::Instant::now() + SERVER_PATIENCE;
     while !condition(admin) {
         assert!(std::time::Instant::now() < deadline, "the server did not report {what}");
@@ -127,7 +173,7 @@ struct Count {
 
 /// Waits until the session `pid` waits for a lock, such as the index entry
 /// of a key another transaction has claimed.
-pub fn wait_until_waiting_for_lock(admin: &mut Conn, pid: i32) {
+pub fn wait_until_waiting_for_lock(admin: &mut PgConnection, pid: i32) {
     poll_server(admin, &format!("backend {pid} waiting for a lock"), |admin| {
         diesel::sql_query("SELECT count(*) AS n FROM pg_locks WHERE pid = $1 AND NOT granted")
             .bind::<diesel::sql_types::Integer, _>(pid)
@@ -139,7 +185,7 @@ pub fn wait_until_waiting_for_lock(admin: &mut Conn, pid: i32) {
 }
 
 /// Waits until the server has ended the session `pid`.
-pub fn wait_until_backend_gone(admin: &mut Conn, pid: i32) {
+pub fn wait_until_backend_gone(admin: &mut PgConnection, pid: i32) {
     poll_server(admin, &format!("backend {pid} gone"), |admin| {
         diesel::sql_query("SELECT count(*) AS n FROM pg_stat_activity WHERE pid = $1")
             .bind::<diesel::sql_types::Integer, _>(pid)
@@ -152,7 +198,7 @@ pub fn wait_until_backend_gone(admin: &mut Conn, pid: i32) {
 
 /// The state of session `pid` in `pg_stat_activity` (`idle`, `idle in
 /// transaction`, ...); `None` once the session has ended.
-pub fn backend_state(admin: &mut Conn, pid: i32) -> Option<String> {
+pub fn backend_state(admin: &mut PgConnection, pid: i32) -> Option<String> {
     #[derive(QueryableByName)]
     struct State {
         #[diesel(sql_type = diesel::sql_types::Text)]

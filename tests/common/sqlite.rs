@@ -6,10 +6,7 @@ use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
 use tempfile::TempDir;
 
-pub type Conn = SqliteConnection;
-pub const BACKEND: &str = "sqlite";
-
-super::orders_repository!();
+use super::{OutboxRow, TestDb, idempotency_keys, idempotency_outbox, orders};
 
 pub struct Db {
     url: String,
@@ -26,8 +23,11 @@ impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for Setup {
     }
 }
 
-impl Db {
-    pub fn new() -> Db {
+impl TestDb for Db {
+    type Conn = SqliteConnection;
+    const BACKEND: &'static str = "sqlite";
+
+    fn new() -> Db {
         let dir = tempfile::tempdir().expect("create a temporary directory");
         let url = dir.path().join("test.db").to_str().expect("utf-8 path").to_owned();
         let db = Db { url, _dir: dir };
@@ -41,27 +41,68 @@ impl Db {
         db
     }
 
-    pub fn url(&self) -> &str {
+    fn url(&self) -> &str {
         &self.url
     }
 
-    pub fn conn(&self) -> Conn {
+    fn conn(&self) -> SqliteConnection {
         let mut conn = SqliteConnection::establish(&self.url).expect("open the test database");
         Setup.on_acquire(&mut conn).expect("configure the connection");
         conn
     }
 
-    pub fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
-        pool_at(&self.url, size)
+    fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<SqliteConnection>> {
+        Pool::builder()
+            .max_size(size)
+            .connection_customizer(Box::new(Setup))
+            .build(ConnectionManager::new(url))
+            .expect("build a pool")
     }
-}
 
-/// A pool on a database that `Db::new` made, by its url: for a child process
-/// that works on its parent's database.
-pub fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<Conn>> {
-    Pool::builder()
-        .max_size(size)
-        .connection_customizer(Box::new(Setup))
-        .build(ConnectionManager::new(url))
-        .expect("build a pool")
+    fn place_order(conn: &mut SqliteConnection, item: &str, quantity: i32) -> QueryResult<i64> {
+        diesel::insert_into(orders::table)
+            .values((orders::item.eq(item), orders::quantity.eq(quantity)))
+            .returning(orders::id)
+            .get_result(conn)
+    }
+
+    fn order_count(conn: &mut SqliteConnection) -> i64 {
+        orders::table.count().get_result(conn).expect("count orders")
+    }
+
+    fn order_items(conn: &mut SqliteConnection) -> Vec<String> {
+        orders::table
+            .order(orders::id)
+            .select(orders::item)
+            .load(conn)
+            .expect("read the orders")
+    }
+
+    fn key_count(conn: &mut SqliteConnection) -> i64 {
+        idempotency_keys::table
+            .count()
+            .get_result(conn)
+            .expect("count key records")
+    }
+
+    fn request_hashes(conn: &mut SqliteConnection) -> Vec<String> {
+        idempotency_keys::table
+            .select(idempotency_keys::request_hash)
+            .load(conn)
+            .expect("read the key records")
+    }
+
+    fn outbox_messages(conn: &mut SqliteConnection) -> Vec<OutboxRow> {
+        use idempotency_outbox as o;
+        o::table
+            .order(o::id)
+            .select((o::id, o::topic, o::status, o::attempts, o::last_error))
+            .load(conn)
+            .expect("read the outbox")
+    }
+
+    fn await_order_writers(_conn: &mut SqliteConnection) {
+        // A writer's lock on the file ends with its process; what it had not
+        // committed is rolled back by the next reader.
+    }
 }
