@@ -23,6 +23,7 @@ pub(crate) const TARGET: &str = "idempotency";
 /// The span of one idempotent call, and the decision it ended with.
 pub(crate) struct CallTrace {
     span: Span,
+    #[cfg(feature = "metrics")]
     backend: &'static str,
     started: std::time::Instant,
 }
@@ -31,6 +32,7 @@ impl CallTrace {
     pub(crate) fn start(scope: &str, key: &str, backend: &'static str) -> CallTrace {
         CallTrace {
             span: tracing::debug_span!(target: TARGET, "idempotent_call", scope, key, backend, outcome = Empty),
+            #[cfg(feature = "metrics")]
             backend,
             started: std::time::Instant::now(),
         }

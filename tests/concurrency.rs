@@ -9,9 +9,9 @@ use std::sync::{Arc, Barrier, mpsc};
 use std::thread;
 
 use chrono::Duration;
-use idempotency::{Config, Error, InFlight, Outcome, StoreConnection, run_idempotent};
+use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
 
-use common::{Pooled, TestDb};
+use common::TestDb;
 
 common::backend_tests!(
     concurrent_retries_execute_once,
@@ -20,10 +20,7 @@ common::backend_tests!(
     wait_policy_times_out_while_the_key_stays_held,
 );
 
-fn concurrent_retries_execute_once<D: TestDb>()
-where
-    Pooled<D>: StoreConnection<Raw = D::Conn>,
-{
+fn concurrent_retries_execute_once<D: TestDb>() {
     const THREADS: usize = 16;
     let db = D::new();
     // Smaller than the thread count: the barrier comes before checkout.
@@ -58,10 +55,7 @@ where
     assert_eq!(D::order_count(&mut db.conn()), 1);
 }
 
-fn overlapping_keys_execute_once_each<D: TestDb>()
-where
-    Pooled<D>: StoreConnection<Raw = D::Conn>,
-{
+fn overlapping_keys_execute_once_each<D: TestDb>() {
     const THREADS: usize = 8;
     const KEYS: usize = 40;
     let db = D::new();

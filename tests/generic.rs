@@ -8,7 +8,7 @@ use std::convert::Infallible;
 use idempotency::outbox::{self, Relay};
 use idempotency::{Error, Outcome, StoreConnection, run_idempotent};
 
-use common::{Pooled, TestDb};
+use common::TestDb;
 
 common::backend_tests!(
     generic_call_executes_replays_and_delivers_once_on_a_plain_connection,
@@ -64,10 +64,7 @@ fn generic_call_executes_replays_and_delivers_once_on_a_plain_connection<D: Test
     assert_eq!(D::key_count(&mut conn), 1);
 }
 
-fn generic_call_executes_replays_and_delivers_once_on_a_pooled_connection<D: TestDb>()
-where
-    Pooled<D>: StoreConnection<Raw = D::Conn>,
-{
+fn generic_call_executes_replays_and_delivers_once_on_a_pooled_connection<D: TestDb>() {
     let db = D::new();
     let pool = db.pool(1);
     let mut pooled = pool.get().expect("pooled connection");
@@ -83,10 +80,7 @@ fn generic_nested_call_runs_on_a_plain_connection<D: TestDb>() {
     assert!(!D::in_transaction(&mut conn));
 }
 
-fn generic_nested_call_runs_on_a_pooled_connection<D: TestDb>()
-where
-    Pooled<D>: StoreConnection<Raw = D::Conn>,
-{
+fn generic_nested_call_runs_on_a_pooled_connection<D: TestDb>() {
     let db = D::new();
     let pool = db.pool(1);
     let mut pooled = pool.get().expect("pooled connection");

@@ -4,10 +4,10 @@
 mod common;
 
 use diesel::prelude::*;
-use idempotency::{Config, Error, Idempotent, KeyError, Outcome, StoreConnection};
+use idempotency::{Config, Error, Idempotent, KeyError, Outcome};
 use serde::Serialize;
 
-use common::{Pooled, TestDb};
+use common::TestDb;
 
 #[derive(Serialize)]
 struct NewOrder {
@@ -69,10 +69,7 @@ fn wrapped_function_executes_once_and_replays<D: TestDb>() {
     assert_eq!(D::order_count(&mut conn), 1);
 }
 
-fn wrapped_function_runs_on_a_pooled_connection<D: TestDb>()
-where
-    Pooled<D>: StoreConnection<Raw = D::Conn>,
-{
+fn wrapped_function_runs_on_a_pooled_connection<D: TestDb>() {
     let db = D::new();
     let pool = db.pool(2);
     let mut pooled = pool.get().expect("pooled connection");

@@ -5,10 +5,10 @@ mod common;
 use std::convert::Infallible;
 
 use diesel::prelude::*;
-use idempotency::{Config, Error, Outcome, StoreConnection, run_idempotent};
+use idempotency::{Config, Error, Outcome, run_idempotent};
 use serde::{Deserialize, Serialize};
 
-use common::{Pooled, TestDb};
+use common::TestDb;
 
 #[derive(Serialize)]
 struct PlaceOrder<'a> {
@@ -252,10 +252,7 @@ fn panic_inside_a_nested_transaction_of_the_operation_unwinds_it_too<D: TestDb>(
     assert_eq!(D::order_count(&mut db.conn()), 1);
 }
 
-fn pooled_connection_runs_repository_functions_on_the_raw_connection<D: TestDb>()
-where
-    Pooled<D>: StoreConnection<Raw = D::Conn>,
-{
+fn pooled_connection_runs_repository_functions_on_the_raw_connection<D: TestDb>() {
     let db = D::new();
     let pool = db.pool(2);
     let mut pooled = pool.get().expect("pooled connection");
@@ -271,10 +268,7 @@ where
     assert_eq!(D::order_count(&mut pooled), 1);
 }
 
-fn panicking_operation_on_a_pooled_connection_does_not_poison_the_pool<D: TestDb>()
-where
-    Pooled<D>: StoreConnection<Raw = D::Conn>,
-{
+fn panicking_operation_on_a_pooled_connection_does_not_poison_the_pool<D: TestDb>() {
     let db = D::new();
     let pool = db.pool(1);
     let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

@@ -143,17 +143,17 @@ pub trait RawConnection: StoreConnection<Raw = Self> + KeyStore + OutboxStore {}
 
 impl<C> StoreConnection for PooledConnection<ConnectionManager<C>>
 where
-    C: RawConnection + R2D2Connection + Send + 'static,
+    C: StoreConnection + R2D2Connection + Send + 'static,
 {
-    type Raw = C;
+    type Raw = C::Raw;
 
-    fn raw(&mut self) -> &mut C {
-        self
+    fn raw(&mut self) -> &mut C::Raw {
+        (**self).raw()
     }
 }
 
 impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
-    C: RawConnection + R2D2Connection + Send + 'static
+    C: StoreConnection + R2D2Connection + Send + 'static
 {
 }
 

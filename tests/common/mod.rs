@@ -145,14 +145,6 @@ pub trait TestDb: Sized + Sync {
     }
 }
 
-/// A connection of a pool of `D`.
-///
-/// The crate implements `StoreConnection` for it only where `D::Conn`
-/// implements the crate's unnameable `RawConnection`, which the bounds of
-/// `TestDb::Conn` do not imply; a generic test that calls the crate on a
-/// pooled connection says `where Pooled<D>: StoreConnection<Raw = D::Conn>`.
-pub type Pooled<D> = PooledConnection<ConnectionManager<<D as TestDb>::Conn>>;
-
 /// The name of test `name` of backend `D`, as the test harness knows it: for
 /// a test that runs itself again in a child process.
 pub fn test_name<D: TestDb>(name: &str) -> String {
