@@ -52,11 +52,7 @@ impl Clock {
     /// asking the database again: the database's time moves on with this
     /// process's monotonic clock.
     pub(crate) fn start<C: KeyStore>(&self, conn: &mut C) -> QueryResult<Reading> {
-        Ok(Reading {
-            clock: self.clone(),
-            at: self.now(conn)?,
-            taken: Instant::now(),
-        })
+        Ok(Reading::new(self, self.now(conn)?))
     }
 }
 
@@ -69,6 +65,15 @@ pub(crate) struct Reading {
 }
 
 impl Reading {
+    /// A reading of `clock` that says `at` now.
+    pub(crate) fn new(clock: &Clock, at: NaiveDateTime) -> Reading {
+        Reading {
+            clock: clock.clone(),
+            at,
+            taken: Instant::now(),
+        }
+    }
+
     /// The time of the reading itself.
     pub(crate) fn at(&self) -> NaiveDateTime {
         self.at

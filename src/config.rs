@@ -7,6 +7,7 @@ use chrono::{DateTime, Duration, Utc};
 
 use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
+use crate::phased::PhaseStore;
 use crate::store::{self, KeyStore, StoreConnection};
 
 /// What a request does when another transaction holds the same key.
@@ -200,6 +201,7 @@ impl Config {
     }
 
     /// Deletes every record whose retention has ended (`expires_at <= now`),
+    /// key records and completed [phased operations](crate::phased) alike,
     /// `batch_size` rows per statement, each statement its own short
     /// transaction, so it can run beside live traffic. Returns how many rows
     /// were deleted in all.
@@ -238,9 +240,12 @@ impl Config {
         // One fixed cut-off, so the loop ends even while records keep
         // expiring under it.
         let cutoff = self.clock.now(conn)?;
-        let purged = store::purge_in_batches("idempotency_keys", batch_size, |limit| {
+        let keys = store::purge_in_batches("idempotency_keys", batch_size, |limit| {
             conn.write(self.in_flight, |conn| conn.purge_batch(cutoff, limit))
         })?;
-        Ok(purged)
+        let operations = store::purge_in_batches("idempotency_phases", batch_size, |limit| {
+            conn.write(self.in_flight, |conn| conn.purge_operations_batch(cutoff, limit))
+        })?;
+        Ok(keys + operations)
     }
 }

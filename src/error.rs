@@ -85,6 +85,24 @@ pub enum Error<E = Infallible> {
     /// decodes into the caller's type on a replay (the operation is never run
     /// again for it). HTTP 500.
     Codec(serde_json::Error),
+    /// A [phased operation](crate::phased) was given up and waits for a
+    /// person: a foreign call past its provider horizon, an interrupted call
+    /// that may not be repeated, or too many attempts. Retries keep getting
+    /// this until someone requeues it
+    /// ([`Completer::requeue`](crate::phased::Completer::requeue)). HTTP 500.
+    Parked,
+    /// A step of a [phased operation](crate::phased) has another name than
+    /// the one recorded at its position by an earlier attempt: the
+    /// operation's code changed while it was in flight. Nothing was run or
+    /// written. HTTP 500.
+    PhaseRenamed {
+        /// The step's position, from 0.
+        position: usize,
+        /// The name recorded at that position.
+        recorded: String,
+        /// The name the code gave the step now.
+        found: String,
+    },
 }
 
 impl<E> Error<E> {
@@ -102,7 +120,9 @@ impl<E> Error<E> {
             Error::InvalidKey(_) | Error::InvalidScope(_) => 400,
             Error::Mismatch => 422,
             Error::InProgress => 409,
-            Error::Operation(_) | Error::Storage(_) | Error::Codec(_) => 500,
+            Error::Operation(_) | Error::Storage(_) | Error::Codec(_) | Error::Parked | Error::PhaseRenamed { .. } => {
+                500
+            }
         }
     }
 }
@@ -123,6 +143,15 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             Error::Operation(error) => error.fmt(f),
             Error::Storage(_) => f.write_str("idempotency storage failed"),
             Error::Codec(_) => f.write_str("json encoding or decoding failed"),
+            Error::Parked => f.write_str("the operation was parked and waits for a person"),
+            Error::PhaseRenamed {
+                position,
+                recorded,
+                found,
+            } => write!(
+                f,
+                "step {position} of the operation is named {found} but was recorded as {recorded}"
+            ),
         }
     }
 }
@@ -138,7 +167,12 @@ where
             Error::Operation(error) => error.source(),
             Error::Storage(error) => Some(error),
             Error::Codec(error) => Some(error),
-            Error::InvalidKey(_) | Error::InvalidScope(_) | Error::Mismatch | Error::InProgress => None,
+            Error::InvalidKey(_)
+            | Error::InvalidScope(_)
+            | Error::Mismatch
+            | Error::InProgress
+            | Error::Parked
+            | Error::PhaseRenamed { .. } => None,
         }
     }
 }

@@ -106,10 +106,12 @@ mod codec;
 mod config;
 mod error;
 mod fingerprint;
+mod id;
 pub mod key;
 mod migrate;
 pub mod outbox;
 mod outcome;
+pub mod phased;
 mod purger;
 mod repository;
 mod run;
@@ -128,7 +130,7 @@ pub use purger::{Purged, Purger};
 pub use repository::Idempotent;
 pub use run::run_idempotent;
 pub use shutdown::Shutdown;
-pub use store::StoreConnection;
+pub use store::{RawConnection, StoreConnection};
 
 #[cfg(not(any(feature = "sqlite", feature = "postgres")))]
 compile_error!("enable at least one backend feature: `sqlite` (the default) or `postgres`");

@@ -11,21 +11,23 @@ use crate::shutdown::{ErrorBackoff, Shutdown};
 use crate::store::StoreConnection;
 use crate::telemetry;
 
-/// Deletes expired key records and delivered outbox messages in the
-/// background until stopped, so that a service starts it once at boot and
+/// Deletes expired key records, completed phased operations past their
+/// retention and delivered outbox messages in the background until
+/// stopped, so that a service starts it once at boot and
 /// never thinks about retention again. Built with consuming builder methods:
 ///
 /// | setting | default |
 /// | --- | --- |
 /// | [`interval`](Purger::interval) | 1 minute between rounds |
 /// | [`batch_size`](Purger::batch_size) | 1,000 rows per statement |
-/// | [`config`](Purger::config) | [`Config::default()`]: its clock decides what has expired |
+/// | [`config`](Purger::config) | [`Config::default()`]: its clock decides which keys and operations have expired |
 /// | [`relay`](Purger::relay) | [`Relay::default()`]: its retention decides which delivered messages go |
 ///
-/// Each round is [`Config::purge_expired`] and then
+/// Each round is [`Config::purge_expired`] (key records and completed
+/// [phased operations](crate::phased)) and then
 /// [`Relay::purge_delivered`], in batches that are short transactions of
-/// their own, so it runs beside live traffic. For a cron job, call those
-/// two directly.
+/// their own, so it runs beside live traffic. Running and parked phased
+/// operations are never purged. For a cron job, call those two directly.
 ///
 /// ```
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -76,7 +78,7 @@ impl Default for Purger {
 pub struct Purged {
     /// Rounds completed.
     pub rounds: usize,
-    /// Expired key records deleted.
+    /// Expired key records and completed phased operations deleted.
     pub keys: usize,
     /// Delivered outbox messages deleted.
     pub messages: usize,

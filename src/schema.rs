@@ -28,4 +28,26 @@ diesel::table! {
     }
 }
 
-diesel::allow_tables_to_appear_in_same_query!(idempotency_keys, idempotency_outbox,);
+diesel::table! {
+    idempotency_phases (scope, idempotency_key) {
+        scope -> Text,
+        idempotency_key -> Text,
+        operation -> Text,
+        request_hash -> Text,
+        request -> Nullable<Text>,
+        op_id -> Text,
+        status -> Text,
+        points -> Text,
+        response -> Nullable<Text>,
+        lease_token -> Nullable<Text>,
+        lease_until -> Nullable<Timestamp>,
+        attempts -> Integer,
+        completer_until -> Nullable<Timestamp>,
+        last_error -> Nullable<Text>,
+        created_at -> Timestamp,
+        updated_at -> Timestamp,
+        expires_at -> Nullable<Timestamp>,
+    }
+}
+
+diesel::allow_tables_to_appear_in_same_query!(idempotency_keys, idempotency_outbox, idempotency_phases,);

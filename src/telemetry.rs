@@ -95,6 +95,14 @@ impl CallTrace {
                 error!(target: TARGET, parent: span, error = %cause, "storage failed; rolled back");
                 "storage_error"
             }
+            Err(Error::Parked) => {
+                warn!(target: TARGET, parent: span, "operation parked");
+                "parked"
+            }
+            Err(Error::PhaseRenamed { position, .. }) => {
+                error!(target: TARGET, parent: span, position, "a step was renamed");
+                "phase_renamed"
+            }
             Err(Error::Codec(cause)) => {
                 error!(
                     target: TARGET, parent: span,

@@ -107,7 +107,6 @@ use serde::de::DeserializeOwned;
 use crate::error::KeyError;
 use crate::store::StoreConnection;
 
-mod id;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod relay;
@@ -215,7 +214,7 @@ where
 {
     crate::key::validate_scope(topic, MAX_TOPIC_LEN).map_err(Error::InvalidTopic)?;
     let payload = crate::codec::to_readable_json(payload).map_err(Error::Codec)?;
-    let id = id::new();
+    let id = crate::id::new();
     conn.raw().insert_message(&NewMessage {
         id: &id,
         topic,

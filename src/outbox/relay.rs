@@ -10,9 +10,10 @@ use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use diesel::r2d2::{ConnectionManager, Pool, PoolError, R2D2Connection};
 
 use super::store::{Claimed, OutboxStore, Settlement};
-use super::{DeadLetter, Error, Message, Report, Stats, id};
+use super::{DeadLetter, Error, Message, Report, Stats};
 use crate::clock::{Clock, Reading, assert_duration};
 use crate::config::InFlight;
+use crate::id;
 use crate::shutdown::{ErrorBackoff, Shutdown};
 use crate::store::{self, KeyStore, RawConnection, StoreConnection};
 use crate::telemetry;

@@ -26,6 +26,7 @@ use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 
 use crate::config::InFlight;
 use crate::outbox::OutboxStore;
+use crate::phased::PhaseStore;
 use crate::schema::idempotency_keys;
 use crate::telemetry;
 
@@ -136,10 +137,13 @@ pub trait StoreConnection: sealed::Sealed {
     fn raw(&mut self) -> &mut Self::Raw;
 }
 
-/// A plain diesel connection of a backend this crate stores keys on: every
-/// statement the crate needs, per backend. Implemented by the crate for
-/// `SqliteConnection` and `PgConnection` only.
-pub trait RawConnection: StoreConnection<Raw = Self> + KeyStore + OutboxStore {}
+/// A plain diesel connection of a backend this crate stores keys on:
+/// `SqliteConnection` or `PgConnection`, what an operation receives as
+/// [`StoreConnection::Raw`]. Sealed like [`StoreConnection`]: name it in
+/// bounds where code is generic over the plain connection itself (a
+/// [`Completer`](crate::phased::Completer) of it, say); only the crate
+/// implements it.
+pub trait RawConnection: StoreConnection<Raw = Self> + KeyStore + OutboxStore + PhaseStore {}
 
 impl<C> StoreConnection for PooledConnection<ConnectionManager<C>>
 where

@@ -93,14 +93,14 @@ fn lock_key(scope: &str, key: &str) -> (i32, i32) {
     (int(&digest[..4]), int(&digest[4..8]))
 }
 
-/// The first column of a [`RecordWith`] query.
-trait Head: 'static {
+/// The first column of a [`RowWith`] query.
+pub(crate) trait Head: 'static {
     const SQL: &'static str;
     type SqlType: SingleValue;
 }
 
 /// The database's time, in UTC.
-struct DatabaseNow;
+pub(crate) struct DatabaseNow;
 
 impl Head for DatabaseNow {
     const SQL: &'static str = "timezone('UTC', now())";
@@ -115,24 +115,22 @@ impl Head for Isolation {
     type SqlType = Text;
 }
 
-/// `SELECT head, record FROM (SELECT 1) LEFT JOIN idempotency_keys`: one
-/// row whether or not the record exists, so the head arrives with a miss
-/// too. diesel's DSL joins declared tables only; this is the statement as a
-/// query type of its own, so that diesel prepares it once per connection.
-struct RecordWith<'a, H> {
-    scope: &'a str,
-    key: &'a str,
-    head: PhantomData<H>,
+/// The row a [`RowWith`] query looks up by `(scope, idempotency_key)`: its
+/// table, the columns it reads (all nullable, as a left join makes them),
+/// and their SQL types.
+pub(crate) trait Lookup: 'static {
+    const TABLE: &'static str;
+    const COLUMNS: &'static str;
+    type SqlType;
 }
 
-impl<H: Head> QueryId for RecordWith<'_, H> {
-    type QueryId = RecordWith<'static, H>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
+/// The columns of a key record that a replay needs.
+struct KeyRecord;
 
-impl<H: Head> Query for RecordWith<'_, H> {
+impl Lookup for KeyRecord {
+    const TABLE: &'static str = "idempotency_keys";
+    const COLUMNS: &'static str = "r.request_hash, r.status, r.response, r.created_at, r.expires_at";
     type SqlType = (
-        H::SqlType,
         Nullable<Text>,
         Nullable<Text>,
         Nullable<Text>,
@@ -141,26 +139,59 @@ impl<H: Head> Query for RecordWith<'_, H> {
     );
 }
 
-impl<H: Head> QueryFragment<Pg> for RecordWith<'_, H> {
+/// `SELECT head, columns FROM (SELECT 1) LEFT JOIN table`: one row whether
+/// or not the looked-up row exists, so the head arrives with a miss too.
+/// diesel's DSL joins declared tables only; this is the statement as a
+/// query type of its own, so that diesel prepares it once per connection.
+pub(crate) struct RowWith<'a, H, L> {
+    scope: &'a str,
+    key: &'a str,
+    parts: PhantomData<(H, L)>,
+}
+
+impl<H: Head, L: Lookup> QueryId for RowWith<'_, H, L> {
+    type QueryId = RowWith<'static, H, L>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl<H: Head, L: Lookup> Query for RowWith<'_, H, L> {
+    type SqlType = (H::SqlType, L::SqlType);
+}
+
+impl<H: Head, L: Lookup> QueryFragment<Pg> for RowWith<'_, H, L> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
         out.push_sql("SELECT ");
         out.push_sql(H::SQL);
-        out.push_sql(
-            ", k.request_hash, k.status, k.response, k.created_at, k.expires_at \
-             FROM (SELECT 1) AS one LEFT JOIN idempotency_keys AS k \
-             ON k.scope = ",
-        );
+        out.push_sql(", ");
+        out.push_sql(L::COLUMNS);
+        out.push_sql(" FROM (SELECT 1) AS one LEFT JOIN ");
+        out.push_sql(L::TABLE);
+        out.push_sql(" AS r ON r.scope = ");
         out.push_bind_param::<Text, _>(&self.scope)?;
-        out.push_sql(" AND k.idempotency_key = ");
+        out.push_sql(" AND r.idempotency_key = ");
         out.push_bind_param::<Text, _>(&self.key)?;
         Ok(())
     }
 }
 
-impl<H> RunQueryDsl<PgConnection> for RecordWith<'_, H> {}
+impl<H, L> RunQueryDsl<PgConnection> for RowWith<'_, H, L> {}
 
-type RecordRow<T> = (
-    T,
+/// The head and the columns of the row of `(scope, key)`, as `Row`.
+pub(crate) fn row_with<H, L, Row>(conn: &mut PgConnection, scope: &str, key: &str) -> QueryResult<Row>
+where
+    H: Head,
+    L: Lookup,
+    for<'a> RowWith<'a, H, L>: LoadQuery<'a, PgConnection, Row>,
+{
+    RowWith::<H, L> {
+        scope,
+        key,
+        parts: PhantomData,
+    }
+    .get_result(conn)
+}
+
+type KeyRecordRow = (
     Option<String>,
     Option<String>,
     Option<String>,
@@ -168,20 +199,15 @@ type RecordRow<T> = (
     Option<NaiveDateTime>,
 );
 
-/// The head and the record, if any, of `(scope, key)`.
+/// The head and the key record, if any, of `(scope, key)`.
 fn record_with<H, T>(conn: &mut PgConnection, scope: &str, key: &str) -> QueryResult<(T, Option<Stored>)>
 where
     H: Head,
-    for<'a> RecordWith<'a, H>: LoadQuery<'a, PgConnection, RecordRow<T>>,
+    for<'a> RowWith<'a, H, KeyRecord>: LoadQuery<'a, PgConnection, (T, KeyRecordRow)>,
 {
-    let row: RecordRow<T> = RecordWith::<H> {
-        scope,
-        key,
-        head: PhantomData,
-    }
-    .get_result(conn)?;
+    let (head, row) = row_with::<H, KeyRecord, (T, KeyRecordRow)>(conn, scope, key)?;
     let stored = match row {
-        (_, Some(request_hash), Some(status), response, Some(created_at), Some(expires_at)) => Some(Stored {
+        (Some(request_hash), Some(status), response, Some(created_at), Some(expires_at)) => Some(Stored {
             request_hash,
             status,
             response,
@@ -190,7 +216,7 @@ where
         }),
         _ => None,
     };
-    Ok((row.0, stored))
+    Ok((head, stored))
 }
 
 impl KeyStore for PgConnection {

@@ -1,4 +1,5 @@
-//! Message ids: UUIDs in the version 7 layout (RFC 9562), so that their text
+//! Ids made by this crate (outbox messages, leases, operations in phases):
+//! UUIDs in the version 7 layout (RFC 9562), so that their text
 //! sorts in the order they were made.
 //!
 //! 48 bits of Unix milliseconds, then a 12-bit counter that keeps ids made in

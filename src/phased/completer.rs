@@ -1,0 +1,407 @@
+//! The completer: finishes phased operations whose clients went away.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::ops::AddAssign;
+
+use chrono::{DateTime, Duration, Utc};
+use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
+use serde::de::DeserializeOwned;
+
+use super::store::ParkedRow;
+use crate::clock::{Clock, assert_duration};
+use crate::config::InFlight;
+use crate::error::Error;
+use crate::shutdown::{ErrorBackoff, Shutdown};
+use crate::store::{RawConnection, StoreConnection};
+use crate::telemetry;
+
+/// How long other completers pass over an operation one has picked.
+const PICK_HOLD: Duration = Duration::minutes(5);
+
+/// How long the completer's own writes wait for SQLite's write lock.
+const WRITE_LOCK_WAIT: InFlight = InFlight::Wait(Duration::seconds(5));
+
+/// How a resumed operation ended, whatever its types.
+enum Resumed {
+    Completed,
+    /// A client's retry holds it: left alone.
+    Held,
+    Parked,
+    Failed,
+}
+
+type Resume<C> = Box<dyn Fn(&mut C, &str, &str, &str) -> Result<Resumed, String> + Send + Sync>;
+
+/// Finishes [phased operations](super) whose clients went away, and parks
+/// those it cannot: the crate's equivalent of a background job that
+/// retries on the client's behalf. Built with consuming builder methods:
+///
+/// | setting | default |
+/// | --- | --- |
+/// | [`operation`](Completer::operation) | none: register every operation it may finish |
+/// | [`grace`](Completer::grace) | 5 minutes idle before an operation counts as abandoned |
+/// | [`max_attempts`](Completer::max_attempts) | 5 attempts, then parked |
+/// | [`batch_size`](Completer::batch_size) | 10 operations per pass |
+/// | [`poll_interval`](Completer::poll_interval) | 30 seconds between passes of [`run`](Completer::run) |
+/// | [`clock`](Completer::clock) | the database's clock |
+///
+/// An operation is abandoned when it is running, no attempt holds its
+/// lease, and nothing was committed for it during the grace period. The
+/// completer runs the registered function on the stored request (so the
+/// operation needs [`store_requests`](super::Phased::store_requests)),
+/// which resumes it like a client's retry would: a completer and a client
+/// racing for one operation finish it once, through its lease. Completers
+/// on several machines pass over what another has picked (`FOR UPDATE SKIP
+/// LOCKED` on PostgreSQL).
+///
+/// `C` is the diesel connection the registered functions take, such as
+/// `PgConnection`.
+pub struct Completer<C> {
+    operations: BTreeMap<String, Resume<C>>,
+    grace: Duration,
+    max_attempts: u32,
+    batch_size: usize,
+    poll_interval: std::time::Duration,
+    clock: Clock,
+}
+
+impl<C> fmt::Debug for Completer<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Completer")
+            .field("operations", &self.operations.keys().collect::<Vec<_>>())
+            .field("grace", &self.grace)
+            .field("max_attempts", &self.max_attempts)
+            .field("batch_size", &self.batch_size)
+            .field("poll_interval", &self.poll_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<C> Default for Completer<C> {
+    fn default() -> Self {
+        Completer {
+            operations: BTreeMap::new(),
+            grace: Duration::minutes(5),
+            max_attempts: 5,
+            batch_size: 10,
+            poll_interval: std::time::Duration::from_secs(30),
+            clock: Clock::Database,
+        }
+    }
+}
+
+/// What a completer did: one [`Completer::run_once`], or all of them added
+/// up.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Report {
+    /// Abandoned operations picked.
+    pub picked: usize,
+    /// Operations the completer finished.
+    pub completed: usize,
+    /// Picked operations whose attempt failed; tried again after the grace
+    /// period, until their maximum of attempts.
+    pub failed: usize,
+    /// Picked operations a client's retry had taken over meanwhile.
+    pub skipped: usize,
+    /// Operations parked: out of attempts, without a stored request, or
+    /// parked by their own attempt.
+    pub parked: usize,
+    /// Database errors met by [`Completer::run`]; it carried on after each.
+    pub errors: usize,
+}
+
+impl AddAssign for Report {
+    fn add_assign(&mut self, other: Report) {
+        self.picked += other.picked;
+        self.completed += other.completed;
+        self.failed += other.failed;
+        self.skipped += other.skipped;
+        self.parked += other.parked;
+        self.errors += other.errors;
+    }
+}
+
+/// A parked operation, waiting for a person, as
+/// [`Completer::abandoned`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Parked {
+    /// The operation's scope.
+    pub scope: String,
+    /// Its idempotency key.
+    pub key: String,
+    /// The [`Phased`](super::Phased) name.
+    pub operation: String,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Why it was parked, or why its last attempt failed.
+    pub reason: Option<String>,
+    /// When its first commit was made (UTC).
+    pub created_at: DateTime<Utc>,
+    /// When it was parked (UTC).
+    pub parked_at: DateTime<Utc>,
+}
+
+impl From<ParkedRow> for Parked {
+    fn from(row: ParkedRow) -> Self {
+        Parked {
+            scope: row.scope,
+            key: row.idempotency_key,
+            operation: row.operation,
+            attempts: u32::try_from(row.attempts).unwrap_or(0),
+            reason: row.last_error,
+            created_at: row.created_at.and_utc(),
+            parked_at: row.updated_at.and_utc(),
+        }
+    }
+}
+
+impl<C> Completer<C>
+where
+    C: RawConnection + 'static,
+{
+    /// A completer with no operations and the defaults in the table above.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `finish` as the way to resume the operations named `name`:
+    /// called with a connection, the operation's scope and key, and its
+    /// stored request decoded into `Q`. It should make the same call the
+    /// client's handler makes (`Phased::new(name).run(conn, scope, key,
+    /// &request, ..)`).
+    pub fn operation<Q, T, E, F>(mut self, name: impl Into<String>, finish: F) -> Self
+    where
+        Q: DeserializeOwned,
+        F: Fn(&mut C, &str, &str, Q) -> Result<T, Error<E>> + Send + Sync + 'static,
+    {
+        let resume = move |conn: &mut C, scope: &str, key: &str, request: &str| {
+            let request: Q = serde_json::from_str(request)
+                .map_err(|error| format!("the stored request does not decode ({:?})", error.classify()))?;
+            Ok(match finish(conn, scope, key, request) {
+                Ok(_) => Resumed::Completed,
+                Err(Error::InProgress) => Resumed::Held,
+                Err(Error::Parked) => Resumed::Parked,
+                Err(_) => Resumed::Failed,
+            })
+        };
+        self.operations.insert(name.into(), Box::new(resume));
+        self
+    }
+
+    /// How long an operation must have been idle, with its lease free,
+    /// before the completer takes it up (default 5 minutes): clients that
+    /// retry by themselves get there first.
+    ///
+    /// # Panics
+    ///
+    /// If `grace` is not positive or longer than 100 years.
+    pub fn grace(mut self, grace: Duration) -> Self {
+        assert_duration(grace, "grace");
+        self.grace = grace;
+        self
+    }
+
+    /// After how many attempts (the client's and the completer's) an
+    /// operation is parked instead of tried again (default 5).
+    ///
+    /// # Panics
+    ///
+    /// If `max_attempts` is zero.
+    pub fn max_attempts(mut self, max_attempts: u32) -> Self {
+        assert!(max_attempts > 0, "max_attempts must be positive");
+        self.max_attempts = max_attempts;
+        self
+    }
+
+    /// How many operations one pass picks at most (default 10).
+    ///
+    /// # Panics
+    ///
+    /// If `batch_size` is zero.
+    pub fn batch_size(mut self, batch_size: usize) -> Self {
+        assert!(batch_size > 0, "batch_size must be positive");
+        self.batch_size = batch_size;
+        self
+    }
+
+    /// The pause between passes of [`run`](Completer::run) (default 30
+    /// seconds).
+    ///
+    /// # Panics
+    ///
+    /// If `poll_interval` is zero.
+    pub fn poll_interval(mut self, poll_interval: std::time::Duration) -> Self {
+        assert!(!poll_interval.is_zero(), "poll_interval must be positive");
+        self.poll_interval = poll_interval;
+        self
+    }
+
+    /// The time source for the grace period (default: the database's
+    /// clock). Tests inject a [`ManualClock`](crate::testing::ManualClock);
+    /// give the operations' [`Config`](crate::Config) the same one.
+    pub fn clock(mut self, clock: impl Fn() -> DateTime<Utc> + Send + Sync + 'static) -> Self {
+        self.clock = Clock::injected(clock);
+        self
+    }
+
+    /// One pass: parks the registered operations that are out of attempts,
+    /// then picks up to [`batch_size`](Completer::batch_size) abandoned ones
+    /// and resumes each.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Storage`] when parking or picking fails. A resumed
+    /// operation's own failure is counted in [`Report::failed`], not
+    /// returned.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::Duration;
+    /// use diesel::SqliteConnection;
+    /// use idempotency::phased::{Completer, Phased};
+    /// use idempotency::{testing::ManualClock, Config, Error};
+    ///
+    /// let clock = ManualClock::new();
+    /// let config = Config::default().clock(clock.source());
+    /// let phased = Phased::new("greet").config(config).store_requests(true);
+    /// let greet = move |conn: &mut SqliteConnection, scope: &str, key: &str, name: String, fail: bool| {
+    ///     phased.run(conn, scope, key, &name, |s| {
+    ///         let greeting = s.phase("greeting", |_| Ok::<_, String>(format!("hello {name}")))?;
+    ///         if fail {
+    ///             return Err(Error::Operation(String::from("the client went away")));
+    ///         }
+    ///         s.finish(|_| Ok::<_, String>(greeting))
+    ///     })
+    /// };
+    ///
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// assert!(greet(&mut conn, "shop", "greet-1", "ada".into(), true).is_err());
+    ///
+    /// let completer = Completer::new()
+    ///     .clock(clock.source())
+    ///     .operation("greet", move |conn, scope, key, name: String| greet(conn, scope, key, name, false));
+    /// assert_eq!(completer.run_once(&mut conn)?.picked, 0, "within the grace period");
+    /// clock.advance(Duration::minutes(5));
+    /// assert_eq!(completer.run_once(&mut conn)?.completed, 1);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn run_once<S>(&self, conn: &mut S) -> Result<Report, Error>
+    where
+        S: StoreConnection<Raw = C>,
+    {
+        let conn = conn.raw();
+        let names: Vec<&str> = self.operations.keys().map(String::as_str).collect();
+        let now = self.clock.now(conn)?;
+        let idle_since = now - self.grace;
+        let max_attempts = i32::try_from(self.max_attempts).unwrap_or(i32::MAX);
+        let mut report = Report {
+            parked: conn.write(WRITE_LOCK_WAIT, |tx| {
+                tx.park_exhausted(&names, max_attempts, now, idle_since)
+            })?,
+            ..Report::default()
+        };
+        if report.parked > 0 {
+            tracing::warn!(target: telemetry::TARGET, count = report.parked, "operations parked after their last attempt");
+        }
+        let picked = conn.write(WRITE_LOCK_WAIT, |tx| {
+            tx.pick_abandoned(&names, now, idle_since, now + PICK_HOLD, self.batch_size)
+        })?;
+        report.picked = picked.len();
+        for row in picked {
+            let resumed = match (row.request.as_deref(), self.operations.get(&row.operation)) {
+                (Some(request), Some(resume)) => resume(conn, &row.scope, &row.idempotency_key, request),
+                (None, _) => Err(String::from("no stored request to resume with")),
+                (_, None) => Err(String::from("no function registered for the operation")),
+            };
+            match resumed {
+                Ok(Resumed::Completed) => report.completed += 1,
+                Ok(Resumed::Held) => report.skipped += 1,
+                Ok(Resumed::Parked) => report.parked += 1,
+                Ok(Resumed::Failed) => report.failed += 1,
+                Err(reason) => {
+                    let now = self.clock.now(conn)?;
+                    if conn.write(WRITE_LOCK_WAIT, |tx| {
+                        tx.park_unheld(&row.scope, &row.idempotency_key, &reason, now)
+                    })? {
+                        tracing::warn!(target: telemetry::TARGET, scope = %row.scope, key = %row.idempotency_key, %reason, "operation parked");
+                        report.parked += 1;
+                    }
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// Passes until `shutdown` is triggered, one every
+    /// [`poll_interval`](Completer::poll_interval) (at once again after a
+    /// full batch): the completer as a background service. A database
+    /// error is reported and counted in [`Report::errors`], and the
+    /// completer carries on after a pause that doubles from 100 ms up to
+    /// 10 s. An operation being resumed when `shutdown` is triggered
+    /// finishes first.
+    pub fn run(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown) -> Report
+    where
+        C: R2D2Connection + Send,
+    {
+        let mut total = Report::default();
+        let mut backoff = ErrorBackoff::new();
+        while !shutdown.is_triggered() {
+            let pass = pool
+                .get()
+                .map_err(|error| error.to_string())
+                .and_then(|mut conn| self.run_once(&mut *conn).map_err(|error| error.to_string()));
+            match pass {
+                Ok(report) => {
+                    backoff.succeeded();
+                    total += report;
+                    if report.picked < self.batch_size {
+                        shutdown.wait(self.poll_interval);
+                    }
+                }
+                Err(error) => {
+                    total.errors += 1;
+                    let wait = backoff.failed();
+                    telemetry::service_error("completer", &error, wait);
+                    shutdown.wait(wait);
+                }
+            }
+        }
+        total
+    }
+
+    /// Up to `limit` parked operations, oldest first: what waits for a
+    /// person.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Storage`] when the query fails.
+    pub fn abandoned<S>(&self, conn: &mut S, limit: usize) -> Result<Vec<Parked>, Error>
+    where
+        S: StoreConnection<Raw = C>,
+    {
+        let rows = conn.raw().parked_operations(limit)?;
+        Ok(rows.into_iter().map(Parked::from).collect())
+    }
+
+    /// Makes a parked operation running again with fresh attempts, for its
+    /// client's next retry or the next pass of a completer; returns `false`
+    /// when `(scope, key)` names no parked operation. Requeue only once the
+    /// reason it was parked is dealt with: a call past its provider horizon
+    /// will be made again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Storage`] when the update fails.
+    pub fn requeue<S>(&self, conn: &mut S, scope: &str, key: &str) -> Result<bool, Error>
+    where
+        S: StoreConnection<Raw = C>,
+    {
+        let conn = conn.raw();
+        let now = self.clock.now(conn)?;
+        Ok(conn.write(WRITE_LOCK_WAIT, |tx| tx.requeue_operation(scope, key, now))?)
+    }
+}

@@ -1,0 +1,49 @@
+//! SQLite: every write of an operation takes the database's write lock, so
+//! a completer's pick needs no row locking.
+
+use chrono::{NaiveDateTime, Utc};
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Text, Timestamp};
+use diesel::sqlite::SqliteConnection;
+
+use super::store::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
+use crate::schema::idempotency_phases as p;
+use crate::store::sql_limit;
+
+impl PhaseStore for SqliteConnection {
+    fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
+        let row = p::table
+            .find((scope, key))
+            .select(OperationRow::as_select())
+            .get_result(self)
+            .optional()?;
+        // SQLite's clock is this machine's: the database runs in-process.
+        Ok((row, Utc::now().naive_utc()))
+    }
+
+    fn pick_abandoned(
+        &mut self,
+        operations: &[&str],
+        now: NaiveDateTime,
+        idle_since: NaiveDateTime,
+        until: NaiveDateTime,
+        limit: usize,
+    ) -> QueryResult<Vec<PickedRow>> {
+        pick_abandoned!(self, operations, now, idle_since, until, limit)
+    }
+
+    fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+        // diesel's DSL cannot delete through a limited subquery.
+        diesel::sql_query(
+            "DELETE FROM idempotency_phases WHERE (scope, idempotency_key) IN \
+             (SELECT scope, idempotency_key FROM idempotency_phases \
+              WHERE status = ? AND expires_at <= ? LIMIT ?)",
+        )
+        .bind::<Text, _>(COMPLETED)
+        .bind::<Timestamp, _>(cutoff)
+        .bind::<BigInt, _>(sql_limit(limit))
+        .execute(self)
+    }
+
+    super::store::shared_queries!();
+}

@@ -1,0 +1,464 @@
+//! Where operations in phases live, per backend.
+//!
+//! Every write of an attempt is guarded by its lease token, so an attempt
+//! whose lease was taken over changes nothing. The statements are the same
+//! DSL on every backend (`shared_queries!`), except the read that brings
+//! the database's time along, the completer's pick of abandoned operations
+//! (`SKIP LOCKED` where the backend has it) and the purge.
+
+use chrono::NaiveDateTime;
+use diesel::QueryResult;
+use diesel::prelude::*;
+
+use crate::schema::idempotency_phases;
+use crate::store::KeyStore;
+
+pub(crate) const RUNNING: &str = "running";
+pub(crate) const COMPLETED: &str = "completed";
+pub(crate) const PARKED: &str = "parked";
+
+/// An operation as its first commit writes it.
+#[derive(Insertable)]
+#[diesel(table_name = idempotency_phases)]
+pub struct NewOperation<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) idempotency_key: &'a str,
+    pub(crate) operation: &'a str,
+    pub(crate) request_hash: &'a str,
+    pub(crate) request: Option<&'a str>,
+    pub(crate) op_id: &'a str,
+    pub(crate) status: &'a str,
+    pub(crate) points: &'a str,
+    pub(crate) lease_token: &'a str,
+    pub(crate) lease_until: NaiveDateTime,
+    pub(crate) attempts: i32,
+    pub(crate) created_at: NaiveDateTime,
+    pub(crate) updated_at: NaiveDateTime,
+}
+
+/// An operation as an attempt reads it.
+#[derive(Queryable, Selectable, Debug)]
+#[diesel(table_name = idempotency_phases)]
+pub struct OperationRow {
+    pub(crate) request_hash: String,
+    pub(crate) op_id: String,
+    pub(crate) status: String,
+    pub(crate) points: String,
+    pub(crate) response: Option<String>,
+    pub(crate) lease_until: Option<NaiveDateTime>,
+    pub(crate) expires_at: Option<NaiveDateTime>,
+}
+
+/// An attempt's hold on an operation: its key and lease token.
+#[derive(Clone, Copy)]
+pub struct Lease<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) key: &'a str,
+    pub(crate) token: &'a str,
+}
+
+/// An operation a completer picked.
+#[derive(Queryable, Debug)]
+pub struct PickedRow {
+    pub(crate) scope: String,
+    pub(crate) idempotency_key: String,
+    pub(crate) operation: String,
+    pub(crate) request: Option<String>,
+}
+
+/// A parked operation, as listed.
+#[derive(Queryable, Debug)]
+pub struct ParkedRow {
+    pub(crate) scope: String,
+    pub(crate) idempotency_key: String,
+    pub(crate) operation: String,
+    pub(crate) attempts: i32,
+    pub(crate) last_error: Option<String>,
+    pub(crate) created_at: NaiveDateTime,
+    pub(crate) updated_at: NaiveDateTime,
+}
+
+/// The statements of operations in phases, implemented by the diesel
+/// connection types only.
+pub trait PhaseStore: KeyStore {
+    /// The operation for `(scope, key)` and the database's time, in one
+    /// statement.
+    #[doc(hidden)]
+    fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)>;
+
+    /// Writes a new operation; `false` when one with its key exists.
+    #[doc(hidden)]
+    fn insert_operation(&mut self, operation: &NewOperation<'_>) -> QueryResult<bool>;
+
+    /// Deletes the completed operation of `(scope, key)` if its retention
+    /// ended at `now`, so that the key can start anew.
+    #[doc(hidden)]
+    fn delete_expired_operation(&mut self, scope: &str, key: &str, now: NaiveDateTime) -> QueryResult<usize>;
+
+    /// Gives the lease of a running operation whose lease is free at `now`
+    /// to `lease`, counting an attempt; `false` when another attempt holds
+    /// it or it is no longer running.
+    #[doc(hidden)]
+    fn take_over(&mut self, lease: Lease<'_>, until: NaiveDateTime, now: NaiveDateTime) -> QueryResult<bool>;
+
+    /// Stores the recovery points and renews the lease.
+    #[doc(hidden)]
+    fn save_points(
+        &mut self,
+        lease: Lease<'_>,
+        points: &str,
+        until: NaiveDateTime,
+        now: NaiveDateTime,
+    ) -> QueryResult<bool>;
+
+    /// Completes the operation with its response.
+    #[doc(hidden)]
+    fn complete_operation(
+        &mut self,
+        lease: Lease<'_>,
+        points: &str,
+        response: &str,
+        expires_at: NaiveDateTime,
+        now: NaiveDateTime,
+    ) -> QueryResult<bool>;
+
+    /// Frees the lease at once after a failed attempt, noting why.
+    #[doc(hidden)]
+    fn release_operation(&mut self, lease: Lease<'_>, error: &str, now: NaiveDateTime) -> QueryResult<bool>;
+
+    /// Parks a running operation for a person, noting why.
+    #[doc(hidden)]
+    fn park_operation(&mut self, lease: Lease<'_>, reason: &str, now: NaiveDateTime) -> QueryResult<bool>;
+
+    /// Picks up to `limit` running operations of `operations` whose lease
+    /// is free at `now`, idle since `idle_since` and not taken by another
+    /// completer, oldest first, and marks them this completer's until
+    /// `until`, atomically; where the backend can, rows another completer is
+    /// picking are skipped rather than waited for.
+    #[doc(hidden)]
+    fn pick_abandoned(
+        &mut self,
+        operations: &[&str],
+        now: NaiveDateTime,
+        idle_since: NaiveDateTime,
+        until: NaiveDateTime,
+        limit: usize,
+    ) -> QueryResult<Vec<PickedRow>>;
+
+    /// Parks a running operation that no attempt holds, noting why: one the
+    /// completer cannot resume.
+    #[doc(hidden)]
+    fn park_unheld(&mut self, scope: &str, key: &str, reason: &str, now: NaiveDateTime) -> QueryResult<bool>;
+
+    /// Parks the running operations of `operations` that had `max_attempts`
+    /// attempts and are idle with a free lease.
+    #[doc(hidden)]
+    fn park_exhausted(
+        &mut self,
+        operations: &[&str],
+        max_attempts: i32,
+        now: NaiveDateTime,
+        idle_since: NaiveDateTime,
+    ) -> QueryResult<usize>;
+
+    /// Up to `limit` parked operations, oldest first.
+    #[doc(hidden)]
+    fn parked_operations(&mut self, limit: usize) -> QueryResult<Vec<ParkedRow>>;
+
+    /// Makes a parked operation running again with fresh attempts and a
+    /// free lease.
+    #[doc(hidden)]
+    fn requeue_operation(&mut self, scope: &str, key: &str, now: NaiveDateTime) -> QueryResult<bool>;
+
+    /// Deletes at most `limit` completed operations expired at `cutoff`.
+    #[doc(hidden)]
+    fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
+}
+
+/// The methods of [`PhaseStore`] whose DSL is the same on every backend,
+/// expanded into each backend's impl (see `crate::store::shared_queries`
+/// for why a macro rather than generic functions).
+macro_rules! shared_queries {
+    () => {
+        fn insert_operation(
+            &mut self,
+            operation: &$crate::phased::store::NewOperation<'_>,
+        ) -> diesel::QueryResult<bool> {
+            use crate::schema::idempotency_phases as p;
+            use diesel::prelude::*;
+            let inserted = diesel::insert_into(p::table)
+                .values(operation)
+                .on_conflict_do_nothing()
+                .execute(self)?;
+            Ok(inserted == 1)
+        }
+
+        fn delete_expired_operation(
+            &mut self,
+            scope: &str,
+            key: &str,
+            now: chrono::NaiveDateTime,
+        ) -> diesel::QueryResult<usize> {
+            use crate::phased::store::COMPLETED;
+            use crate::schema::idempotency_phases as p;
+            use diesel::prelude::*;
+            diesel::delete(
+                p::table
+                    .find((scope, key))
+                    .filter(p::status.eq(COMPLETED))
+                    .filter(p::expires_at.le(now)),
+            )
+            .execute(self)
+        }
+
+        fn take_over(
+            &mut self,
+            lease: $crate::phased::store::Lease<'_>,
+            until: chrono::NaiveDateTime,
+            now: chrono::NaiveDateTime,
+        ) -> diesel::QueryResult<bool> {
+            use crate::phased::store::RUNNING;
+            use crate::schema::idempotency_phases as p;
+            use diesel::prelude::*;
+            let free = p::table
+                .find((lease.scope, lease.key))
+                .filter(p::status.eq(RUNNING))
+                .filter(p::lease_until.is_null().or(p::lease_until.le(now)));
+            let updated = diesel::update(free)
+                .set((
+                    p::lease_token.eq(lease.token),
+                    p::lease_until.eq(until),
+                    p::attempts.eq(p::attempts + 1),
+                    p::updated_at.eq(now),
+                ))
+                .execute(self)?;
+            Ok(updated == 1)
+        }
+
+        fn save_points(
+            &mut self,
+            lease: $crate::phased::store::Lease<'_>,
+            points: &str,
+            until: chrono::NaiveDateTime,
+            now: chrono::NaiveDateTime,
+        ) -> diesel::QueryResult<bool> {
+            use crate::phased::store::RUNNING;
+            use crate::schema::idempotency_phases as p;
+            use diesel::prelude::*;
+            let held = p::table
+                .find((lease.scope, lease.key))
+                .filter(p::status.eq(RUNNING))
+                .filter(p::lease_token.eq(lease.token));
+            let updated = diesel::update(held)
+                .set((
+                    p::points.eq(points),
+                    p::lease_until.eq(until),
+                    p::updated_at.eq(now),
+                ))
+                .execute(self)?;
+            Ok(updated == 1)
+        }
+
+        fn complete_operation(
+            &mut self,
+            lease: $crate::phased::store::Lease<'_>,
+            points: &str,
+            response: &str,
+            expires_at: chrono::NaiveDateTime,
+            now: chrono::NaiveDateTime,
+        ) -> diesel::QueryResult<bool> {
+            use crate::phased::store::{COMPLETED, RUNNING};
+            use crate::schema::idempotency_phases as p;
+            use diesel::prelude::*;
+            let held = p::table
+                .find((lease.scope, lease.key))
+                .filter(p::status.eq(RUNNING))
+                .filter(p::lease_token.eq(lease.token));
+            let updated = diesel::update(held)
+                .set((
+                    p::status.eq(COMPLETED),
+                    p::points.eq(points),
+                    p::response.eq(response),
+                    p::lease_token.eq(None::<String>),
+                    p::lease_until.eq(None::<chrono::NaiveDateTime>),
+                    p::updated_at.eq(now),
+                    p::expires_at.eq(expires_at),
+                ))
+                .execute(self)?;
+            Ok(updated == 1)
+        }
+
+        fn release_operation(
+            &mut self,
+            lease: $crate::phased::store::Lease<'_>,
+            error: &str,
+            now: chrono::NaiveDateTime,
+        ) -> diesel::QueryResult<bool> {
+            use crate::phased::store::RUNNING;
+            use crate::schema::idempotency_phases as p;
+            use diesel::prelude::*;
+            let held = p::table
+                .find((lease.scope, lease.key))
+                .filter(p::status.eq(RUNNING))
+                .filter(p::lease_token.eq(lease.token));
+            let updated = diesel::update(held)
+                .set((
+                    p::lease_token.eq(None::<String>),
+                    p::lease_until.eq(now),
+                    p::last_error.eq(error),
+                    p::updated_at.eq(now),
+                ))
+                .execute(self)?;
+            Ok(updated == 1)
+        }
+
+        fn park_operation(
+            &mut self,
+            lease: $crate::phased::store::Lease<'_>,
+            reason: &str,
+            now: chrono::NaiveDateTime,
+        ) -> diesel::QueryResult<bool> {
+            use crate::phased::store::{PARKED, RUNNING};
+            use crate::schema::idempotency_phases as p;
+            use diesel::prelude::*;
+            let held = p::table
+                .find((lease.scope, lease.key))
+                .filter(p::status.eq(RUNNING))
+                .filter(p::lease_token.eq(lease.token));
+            let updated = diesel::update(held)
+                .set((
+                    p::status.eq(PARKED),
+                    p::lease_token.eq(None::<String>),
+                    p::lease_until.eq(None::<chrono::NaiveDateTime>),
+                    p::last_error.eq(reason),
+                    p::updated_at.eq(now),
+                ))
+                .execute(self)?;
+            Ok(updated == 1)
+        }
+
+        fn park_unheld(
+            &mut self,
+            scope: &str,
+            key: &str,
+            reason: &str,
+            now: chrono::NaiveDateTime,
+        ) -> diesel::QueryResult<bool> {
+            use crate::phased::store::{PARKED, RUNNING};
+            use crate::schema::idempotency_phases as p;
+            use diesel::prelude::*;
+            let unheld = p::table
+                .find((scope, key))
+                .filter(p::status.eq(RUNNING))
+                .filter(p::lease_until.is_null().or(p::lease_until.le(now)));
+            let updated = diesel::update(unheld)
+                .set((
+                    p::status.eq(PARKED),
+                    p::lease_token.eq(None::<String>),
+                    p::last_error.eq(reason),
+                    p::updated_at.eq(now),
+                ))
+                .execute(self)?;
+            Ok(updated == 1)
+        }
+
+        fn park_exhausted(
+            &mut self,
+            operations: &[&str],
+            max_attempts: i32,
+            now: chrono::NaiveDateTime,
+            idle_since: chrono::NaiveDateTime,
+        ) -> diesel::QueryResult<usize> {
+            use crate::phased::store::{PARKED, RUNNING};
+            use crate::schema::idempotency_phases as p;
+            use diesel::prelude::*;
+            let exhausted = p::table
+                .filter(p::status.eq(RUNNING))
+                .filter(p::operation.eq_any(operations))
+                .filter(p::attempts.ge(max_attempts))
+                .filter(p::lease_until.is_null().or(p::lease_until.le(now)))
+                .filter(p::updated_at.le(idle_since));
+            diesel::update(exhausted)
+                .set((
+                    p::status.eq(PARKED),
+                    p::lease_token.eq(None::<String>),
+                    p::lease_until.eq(None::<chrono::NaiveDateTime>),
+                    p::last_error.eq(format!("gave up after {max_attempts} attempts")),
+                    p::updated_at.eq(now),
+                ))
+                .execute(self)
+        }
+
+        fn parked_operations(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::phased::store::ParkedRow>> {
+            use crate::phased::store::PARKED;
+            use crate::schema::idempotency_phases as p;
+            use diesel::prelude::*;
+            p::table
+                .filter(p::status.eq(PARKED))
+                .order(p::updated_at)
+                .limit($crate::store::sql_limit(limit))
+                .select((
+                    p::scope,
+                    p::idempotency_key,
+                    p::operation,
+                    p::attempts,
+                    p::last_error,
+                    p::created_at,
+                    p::updated_at,
+                ))
+                .load(self)
+        }
+
+        fn requeue_operation(
+            &mut self,
+            scope: &str,
+            key: &str,
+            now: chrono::NaiveDateTime,
+        ) -> diesel::QueryResult<bool> {
+            use crate::phased::store::{PARKED, RUNNING};
+            use crate::schema::idempotency_phases as p;
+            use diesel::prelude::*;
+            let updated = diesel::update(p::table.find((scope, key)).filter(p::status.eq(PARKED)))
+                .set((
+                    p::status.eq(RUNNING),
+                    p::attempts.eq(0),
+                    p::lease_token.eq(None::<String>),
+                    p::lease_until.eq(None::<chrono::NaiveDateTime>),
+                    p::completer_until.eq(None::<chrono::NaiveDateTime>),
+                    p::updated_at.eq(now),
+                ))
+                .execute(self)?;
+            Ok(updated == 1)
+        }
+    };
+}
+pub(crate) use shared_queries;
+
+/// The DSL of the completer's pick, but for its row locking, which differs
+/// per backend: the `$lock` methods are applied to the select. Runs in the
+/// caller's transaction.
+macro_rules! pick_abandoned {
+    ($conn:expr, $operations:expr, $now:expr, $idle_since:expr, $until:expr, $limit:expr $(, $lock:ident)*) => {{
+        use crate::phased::store::{PickedRow, RUNNING};
+        use crate::schema::idempotency_phases as p;
+        use diesel::prelude::*;
+        let picked: Vec<PickedRow> = p::table
+            .filter(p::status.eq(RUNNING))
+            .filter(p::operation.eq_any($operations))
+            .filter(p::lease_until.is_null().or(p::lease_until.le($now)))
+            .filter(p::updated_at.le($idle_since))
+            .filter(p::completer_until.is_null().or(p::completer_until.le($now)))
+            .order(p::updated_at)
+            .limit($crate::store::sql_limit($limit))
+            .select((p::scope, p::idempotency_key, p::operation, p::request))
+            $(.$lock())*
+            .load($conn)?;
+        for row in &picked {
+            diesel::update(p::table.find((&row.scope, &row.idempotency_key)))
+                .set(p::completer_until.eq($until))
+                .execute($conn)?;
+        }
+        Ok(picked)
+    }};
+}
+pub(crate) use pick_abandoned;
