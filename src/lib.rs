@@ -101,6 +101,8 @@ pub mod batch;
 mod config;
 mod error;
 mod fingerprint;
+#[cfg(feature = "axum")]
+pub mod http;
 pub mod key;
 mod migrate;
 pub mod outbox;
