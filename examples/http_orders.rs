@@ -377,7 +377,13 @@ impl Service {
     }
 }
 
-fn service_on<C: OrderStore>(pool: Pool<ConnectionManager<C>>, settings: Settings) -> anyhow::Result<Service> {
+/// The service on `pool`: creates the orders table and applies the
+/// idempotency migrations.
+///
+/// # Errors
+///
+/// When the database cannot be prepared.
+pub fn service_on<C: OrderStore>(pool: Pool<ConnectionManager<C>>, settings: Settings) -> anyhow::Result<Service> {
     let mut conn = pool.get().context("connect to the database")?;
     conn.create_orders_table().context("create the orders table")?;
     idempotency::run_migrations(&mut *conn)
@@ -419,13 +425,20 @@ impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for SqliteSetup 
     }
 }
 
-/// The service on `database`: a `postgres://` URL (with the `postgres`
-/// feature) or the path of a SQLite file, created if missing.
+/// The connection pool of a database of either backend.
+pub enum Database {
+    Sqlite(Pool<ConnectionManager<SqliteConnection>>),
+    #[cfg(feature = "postgres")]
+    Postgres(Pool<ConnectionManager<PgConnection>>),
+}
+
+/// Opens `database`: a `postgres://` URL (with the `postgres` feature) or
+/// the path of a SQLite file, created if missing.
 ///
 /// # Errors
 ///
-/// When the database cannot be opened or prepared.
-pub fn service(database: &str, settings: Settings) -> anyhow::Result<Service> {
+/// When the database cannot be opened.
+pub fn open(database: &str) -> anyhow::Result<Database> {
     if database.starts_with("postgres://") || database.starts_with("postgresql://") {
         #[cfg(feature = "postgres")]
         {
@@ -434,7 +447,7 @@ pub fn service(database: &str, settings: Settings) -> anyhow::Result<Service> {
                 .min_idle(Some(2))
                 .build(ConnectionManager::<PgConnection>::new(database))
                 .context("connect to PostgreSQL")?;
-            return service_on(pool, settings);
+            return Ok(Database::Postgres(pool));
         }
         #[cfg(not(feature = "postgres"))]
         anyhow::bail!("this build has no PostgreSQL: build with --features axum,postgres");
@@ -449,7 +462,20 @@ pub fn service(database: &str, settings: Settings) -> anyhow::Result<Service> {
         .connection_customizer(Box::new(SqliteSetup))
         .build(ConnectionManager::<SqliteConnection>::new(database))
         .with_context(|| format!("open {database}"))?;
-    service_on(pool, settings)
+    Ok(Database::Sqlite(pool))
+}
+
+/// The service on `database`; see [`open`].
+///
+/// # Errors
+///
+/// When the database cannot be opened or prepared.
+pub fn service(database: &str, settings: Settings) -> anyhow::Result<Service> {
+    match open(database)? {
+        Database::Sqlite(pool) => service_on(pool, settings),
+        #[cfg(feature = "postgres")]
+        Database::Postgres(pool) => service_on(pool, settings),
+    }
 }
 
 /// The command line.
