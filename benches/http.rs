@@ -27,6 +27,8 @@
 //! process. `--quick` shrinks every count so that a run takes seconds: CI
 //! uses it to keep the bench working, not to judge speed.
 
+// The service under measurement is the example's; its `main`, command line
+// and read routes are unused here.
 #[allow(dead_code)]
 #[path = "../examples/http_orders.rs"]
 mod http_orders;
