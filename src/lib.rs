@@ -106,6 +106,8 @@ mod codec;
 mod config;
 mod error;
 mod fingerprint;
+#[cfg(feature = "axum")]
+pub mod http;
 mod id;
 pub mod key;
 mod migrate;

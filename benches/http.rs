@@ -1,0 +1,414 @@
+//! What the HTTP layer adds per request: the order service's `POST /orders`
+//! against the same handler without idempotency, driven over keep-alive
+//! connections on 127.0.0.1 by 1 and by 16 concurrent clients.
+//!
+//! ```text
+//! cargo bench --features axum --bench http -- --backend sqlite [--quick]
+//! DATABASE_URL=postgres://... cargo bench --features axum,postgres --bench http -- --backend postgres [--quick]
+//! ```
+//!
+//! Scenarios, all on one database and one server:
+//!
+//! - `plain`: the handler without idempotency: authentication, the JSON
+//!   body, a pooled connection on the blocking pool, the order inserted in
+//!   a transaction, `201` with `Location` and the order.
+//! - `core`: the same handler calling `Config::run` itself, the key read
+//!   from the header by hand: what the idempotent call costs.
+//! - `http`: the example's `POST /orders` on `idempotency::http`: the
+//!   extractor, `http::run`, `StoredResponse`: what the whole layer costs.
+//! - `replay`: `http` with a key it already answered.
+//!
+//! Every request but the replays has a key of its own. In each round every
+//! scenario sends one batch, the scenarios' order rotating, so a
+//! disturbance on the machine lands on all of them alike; requests per
+//! second are the median over rounds of each batch's rate, latencies the
+//! percentiles of all requests of a scenario. The server runs on a tokio
+//! runtime of two workers, the clients on another runtime in the same
+//! process. `--quick` shrinks every count so that a run takes seconds: CI
+//! uses it to keep the bench working, not to judge speed.
+
+// The service under measurement is the example's; its `main`, command line
+// and read routes are unused here.
+#[allow(dead_code)]
+#[path = "../examples/http_orders.rs"]
+mod http_orders;
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::{Json, Router};
+use diesel::prelude::*;
+use diesel::r2d2::{ConnectionManager, Pool};
+use http_orders::{Account, Body, Database, NewOrder, Order, OrderStore, Settings};
+use idempotency::http::{Caller, IDEMPOTENT_REPLAYED};
+use idempotency::{Config, Outcome};
+
+const SCENARIOS: [&str; 4] = ["plain", "core", "http", "replay"];
+const CLIENTS: [usize; 2] = [1, 16];
+const BODY: &str = r#"{"item": "book", "quantity": 1}"#;
+
+#[derive(Debug, Clone, Copy)]
+struct Sizes {
+    /// Measured rounds; one more runs first as a warm-up.
+    rounds: usize,
+    /// Requests of one scenario in one round, per client.
+    per_client: usize,
+}
+
+const FULL: Sizes = Sizes {
+    rounds: 15,
+    per_client: 100,
+};
+const QUICK: Sizes = Sizes {
+    rounds: 2,
+    per_client: 10,
+};
+
+/// A transaction as a careful plain handler opens it: on SQLite one that
+/// takes the write lock at once, so that concurrent writers wait for each
+/// other instead of failing.
+trait Begin: OrderStore {
+    fn write<T>(&mut self, f: impl FnOnce(&mut Self) -> QueryResult<T>) -> QueryResult<T>;
+}
+
+impl Begin for SqliteConnection {
+    fn write<T>(&mut self, f: impl FnOnce(&mut Self) -> QueryResult<T>) -> QueryResult<T> {
+        self.immediate_transaction(f)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Begin for PgConnection {
+    fn write<T>(&mut self, f: impl FnOnce(&mut Self) -> QueryResult<T>) -> QueryResult<T> {
+        self.transaction(f)
+    }
+}
+
+struct Plain<C: Begin> {
+    pool: Pool<ConnectionManager<C>>,
+    config: Config,
+}
+
+impl<C: Begin> Clone for Plain<C> {
+    fn clone(&self) -> Self {
+        Plain {
+            pool: self.pool.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+fn created(order: Order, replayed: bool) -> Response {
+    let location = HeaderValue::try_from(format!("/orders/{}", order.id)).expect("a path of digits");
+    let mut response = (StatusCode::CREATED, [(header::LOCATION, location)], Json(order)).into_response();
+    if replayed {
+        response
+            .headers_mut()
+            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    response
+}
+
+async fn plain_order<C: Begin>(State(app): State<Plain<C>>, account: Account, Body(order): Body<NewOrder>) -> Response {
+    let scope = account.scope().into_owned();
+    let placed = tokio::task::spawn_blocking(move || {
+        let mut conn = app.pool.get().map_err(|error| error.to_string())?;
+        conn.write(|tx| tx.insert_order(&scope, &order))
+            .map_err(|error| error.to_string())
+    });
+    match placed.await {
+        Ok(Ok(order)) => created(order, false),
+        _ => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+async fn core_order<C: Begin>(
+    State(app): State<Plain<C>>,
+    account: Account,
+    headers: HeaderMap,
+    Body(order): Body<NewOrder>,
+) -> Response {
+    let Some(key) = headers.get("idempotency-key").and_then(|v| v.to_str().ok()) else {
+        return StatusCode::BAD_REQUEST.into_response();
+    };
+    let (scope, key) = (account.scope().into_owned(), key.to_owned());
+    let placed = tokio::task::spawn_blocking(move || {
+        let mut conn = app.pool.get().map_err(|_| 503_u16)?;
+        app.config
+            .run(&mut *conn, &scope, &key, &order, |tx| tx.insert_order(&scope, &order))
+            .map_err(|error| error.status_code())
+    });
+    match placed.await {
+        Ok(Ok(Outcome::Executed(order))) => created(order, false),
+        Ok(Ok(Outcome::Replayed(order))) => created(order, true),
+        Ok(Err(status)) => StatusCode::from_u16(status)
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+            .into_response(),
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+/// The example's service at `/orders`, the plain and core handlers beside
+/// it on the same pool.
+fn router<C: Begin>(pool: Pool<ConnectionManager<C>>) -> anyhow::Result<Router> {
+    let service = http_orders::service_on(pool.clone(), Settings::default())?;
+    let plain = Router::new()
+        .route("/plain/orders", post(plain_order::<C>))
+        .route("/core/orders", post(core_order::<C>))
+        .with_state(Plain {
+            pool,
+            config: Config::default(),
+        });
+    Ok(service.router.merge(plain))
+}
+
+struct Args {
+    backend: String,
+    quick: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut backend = None;
+    let mut quick = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--backend" => backend = Some(args.next().ok_or("--backend needs sqlite or postgres")?),
+            "--quick" => quick = true,
+            // cargo bench passes --bench to every bench binary.
+            "--bench" => {}
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    let backend = backend.ok_or("usage: http --backend sqlite|postgres [--quick]")?;
+    Ok(Args { backend, quick })
+}
+
+/// The database the bench runs on, removed at the end.
+enum Scratch {
+    Sqlite {
+        _dir: tempfile::TempDir,
+    },
+    #[cfg(feature = "postgres")]
+    Postgres {
+        base_url: String,
+        schema: String,
+    },
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        #[cfg(feature = "postgres")]
+        if let Scratch::Postgres { base_url, schema } = self {
+            use diesel::connection::SimpleConnection;
+            if let Ok(mut admin) = PgConnection::establish(base_url) {
+                let _ = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
+            }
+        }
+    }
+}
+
+fn database(backend: &str) -> anyhow::Result<(Scratch, String)> {
+    match backend {
+        "sqlite" => {
+            let dir = tempfile::tempdir()?;
+            let path = dir.path().join("bench.db").to_str().expect("utf-8 path").to_owned();
+            Ok((Scratch::Sqlite { _dir: dir }, path))
+        }
+        #[cfg(feature = "postgres")]
+        "postgres" => {
+            use diesel::connection::SimpleConnection;
+            let base_url = std::env::var("DATABASE_URL").map_err(|_| anyhow::anyhow!("set DATABASE_URL"))?;
+            let schema = format!("idem_http_bench_{}", std::process::id());
+            PgConnection::establish(&base_url)?.batch_execute(&format!("CREATE SCHEMA {schema}"))?;
+            let separator = if base_url.contains('?') { '&' } else { '?' };
+            let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
+            Ok((Scratch::Postgres { base_url, schema }, url))
+        }
+        other => anyhow::bail!("unknown backend {other}: sqlite, or postgres with the postgres feature"),
+    }
+}
+
+/// Starts the server on its own runtime; returns its address and the
+/// runtime, which serves until dropped.
+fn serve(router: Router) -> anyhow::Result<(SocketAddr, tokio::runtime::Runtime)> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+    let addr = listener.local_addr()?;
+    runtime.spawn(async move { axum::serve(listener, router).await });
+    Ok((addr, runtime))
+}
+
+/// Per-request latencies and batch rates of one scenario at one client count.
+#[derive(Default)]
+struct Figures {
+    latencies: Vec<Duration>,
+    rates: Vec<f64>,
+}
+
+impl Figures {
+    fn percentile(&self, p: f64) -> Duration {
+        let mut sorted = self.latencies.clone();
+        sorted.sort();
+        let index = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+        sorted[index]
+    }
+
+    fn rate(&self) -> f64 {
+        let mut rates = self.rates.clone();
+        rates.sort_by(f64::total_cmp);
+        rates[rates.len() / 2]
+    }
+}
+
+/// One batch: every client sends `per_client` requests one after another;
+/// returns every latency and the batch's wall time.
+async fn batch(
+    clients: &[reqwest::Client],
+    base: &str,
+    scenario: &str,
+    round: usize,
+    per_client: usize,
+) -> anyhow::Result<(Vec<Duration>, Duration)> {
+    let started = Instant::now();
+    // Keys name the client count too: both counts share one database.
+    let count = clients.len();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (c, client) in clients.iter().enumerate() {
+        let client = client.clone();
+        let path = match scenario {
+            "plain" => "/plain/orders",
+            "core" => "/core/orders",
+            _ => "/orders",
+        };
+        let url = format!("{base}{path}");
+        let scenario = scenario.to_owned();
+        tasks.spawn(async move {
+            let mut latencies = Vec::with_capacity(per_client);
+            for i in 0..per_client {
+                let key = match scenario.as_str() {
+                    "replay" => format!("replay-{count}-{c}"),
+                    _ => format!("{scenario}-{count}-{round}-{c}-{i}"),
+                };
+                let sent = Instant::now();
+                let response = client
+                    .post(&url)
+                    .bearer_auth("bench")
+                    .header("idempotency-key", key)
+                    .header("content-type", "application/json")
+                    .body(BODY)
+                    .send()
+                    .await?;
+                let status = response.status();
+                response.bytes().await?;
+                latencies.push(sent.elapsed());
+                anyhow::ensure!(status == StatusCode::CREATED, "{scenario}: {status}");
+            }
+            Ok::<_, anyhow::Error>(latencies)
+        });
+    }
+    let mut latencies = Vec::new();
+    for result in tasks.join_all().await {
+        latencies.extend(result?);
+    }
+    Ok((latencies, started.elapsed()))
+}
+
+fn run(args: &Args) -> anyhow::Result<()> {
+    let sizes = if args.quick { QUICK } else { FULL };
+    let (_scratch, url) = database(&args.backend)?;
+    let router = match http_orders::open(&url)? {
+        Database::Sqlite(pool) => router(pool)?,
+        #[cfg(feature = "postgres")]
+        Database::Postgres(pool) => router(pool)?,
+    };
+    let (addr, _server) = serve(router)?;
+    let base = format!("http://{addr}");
+    let client_runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+
+    println!(
+        "backend {}, {} measured rounds, {} requests per client per batch{}",
+        args.backend,
+        sizes.rounds,
+        sizes.per_client,
+        if args.quick { " (quick)" } else { "" }
+    );
+    for clients in CLIENTS {
+        let per_client = sizes.per_client * if clients == 1 { 4 } else { 1 };
+        let pool: Vec<reqwest::Client> = (0..clients)
+            .map(|_| reqwest::Client::builder().no_proxy().pool_max_idle_per_host(1).build())
+            .collect::<Result<_, _>>()?;
+        let mut figures: Vec<Figures> = SCENARIOS.iter().map(|_| Figures::default()).collect();
+        client_runtime.block_on(async {
+            // The replayed keys are answered once before the rounds.
+            batch(&pool, &base, "replay", 0, 1).await?;
+            for round in 0..=sizes.rounds {
+                for turn in 0..SCENARIOS.len() {
+                    let index = (round + turn) % SCENARIOS.len();
+                    let (latencies, wall) = batch(&pool, &base, SCENARIOS[index], round, per_client).await?;
+                    if round > 0 {
+                        figures[index].rates.push(latencies.len() as f64 / wall.as_secs_f64());
+                        figures[index].latencies.extend(latencies);
+                    }
+                }
+            }
+            Ok::<_, anyhow::Error>(())
+        })?;
+        report(clients, &figures);
+    }
+    Ok(())
+}
+
+fn micros(duration: Duration) -> String {
+    format!("{:.0} µs", duration.as_secs_f64() * 1e6)
+}
+
+fn report(clients: usize, figures: &[Figures]) {
+    println!("\n{clients} client(s), keep-alive");
+    println!("| scenario | requests/s | p50 | p99 |");
+    println!("| --- | ---: | ---: | ---: |");
+    for (name, figures) in SCENARIOS.iter().zip(figures) {
+        println!(
+            "| {name} | {:.0} | {} | {} |",
+            figures.rate(),
+            micros(figures.percentile(0.5)),
+            micros(figures.percentile(0.99))
+        );
+    }
+    let [plain, core, http, replay] = [&figures[0], &figures[1], &figures[2], &figures[3]];
+    let p50 = |f: &Figures| f.percentile(0.5).as_secs_f64() * 1e6;
+    println!(
+        "http / plain: throughput × {:.2}, p50 {:+.0} µs; http / core: throughput × {:.2}, p50 {:+.0} µs; \
+         replay / plain: throughput × {:.2}",
+        http.rate() / plain.rate(),
+        p50(http) - p50(plain),
+        http.rate() / core.rate(),
+        p50(http) - p50(core),
+        replay.rate() / plain.rate(),
+    );
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("{message}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("http bench: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

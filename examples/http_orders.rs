@@ -1,0 +1,594 @@
+//! An order service over HTTP, on `idempotency::http`: a client that lost
+//! the response to `POST /orders` retries it with the same
+//! `Idempotency-Key` and gets the first response back, and no second order
+//! is placed.
+//!
+//! ```text
+//! cargo run --example http_orders --features axum -- --addr 127.0.0.1:8080 [--database orders.db] [--in-flight-wait MS]
+//! cargo run --example http_orders --features axum,postgres -- --database postgres://localhost/orders
+//! ```
+//!
+//! | request | answer |
+//! | --- | --- |
+//! | `POST /orders` with `Authorization: Bearer <account>`, `Idempotency-Key` and `{"item": string, "quantity": integer}` | `201 Created`, `Location: /orders/{id}`, `{"id", "item", "quantity"}` |
+//! | `GET /orders/{id}` | the account's order, or 404 |
+//! | `GET /orders` | the account's orders |
+//!
+//! The bearer token stands in for a real credential: it is the account id,
+//! and the account is the scope of its idempotency keys. Errors are RFC 9457
+//! problems. When ready the service prints one line to stdout,
+//! `listening on http://HOST:PORT`; Ctrl-C or SIGTERM stop it after the
+//! requests in progress. A background thread purges expired keys.
+
+use std::borrow::Cow;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::{Arc, mpsc};
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
+use axum::http::{HeaderValue, StatusCode, header, request::Parts};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Extension, Json, Router};
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool, R2D2Connection};
+use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, Problems, StoredResponse};
+use idempotency::{Config, InFlight, Outcome, StoreConnection};
+use serde::{Deserialize, Serialize};
+
+diesel::table! {
+    orders (id) {
+        id -> BigInt,
+        account -> Text,
+        item -> Text,
+        quantity -> Integer,
+    }
+}
+
+/// Where the problems of this API are documented: each `type` is this
+/// followed by the problem's name.
+const PROBLEMS: &str = "https://orders.example/problems/";
+
+/// How often the background thread purges expired keys.
+const PURGE_EVERY: Duration = Duration::from_secs(60);
+
+/// The body of `POST /orders`. Unknown fields are refused rather than
+/// ignored: an ignored field would not be part of the fingerprint, and a
+/// retry that changed it would replay instead of being told it differs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewOrder {
+    pub item: String,
+    pub quantity: i32,
+}
+
+/// An order as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Queryable)]
+pub struct Order {
+    pub id: i64,
+    pub item: String,
+    pub quantity: i32,
+}
+
+/// The order table's statements, the same on both backends.
+pub trait OrderStore: StoreConnection<Raw = Self> + R2D2Connection + Send + 'static {
+    /// Creates the orders table if it is missing.
+    fn create_orders_table(&mut self) -> QueryResult<()>;
+
+    /// Inserts an order of `account`.
+    fn insert_order(&mut self, account: &str, order: &NewOrder) -> QueryResult<Order>;
+
+    /// The order `id` if it belongs to `account`.
+    fn find_order(&mut self, account: &str, id: i64) -> QueryResult<Option<Order>>;
+
+    /// The orders of `account`, oldest first.
+    fn list_orders(&mut self, account: &str) -> QueryResult<Vec<Order>>;
+}
+
+/// diesel's query types are concrete per connection; the bodies are written
+/// once here and expanded into each backend's impl.
+macro_rules! order_queries {
+    () => {
+        fn insert_order(&mut self, account: &str, order: &NewOrder) -> QueryResult<Order> {
+            diesel::insert_into(orders::table)
+                .values((
+                    orders::account.eq(account),
+                    orders::item.eq(&order.item),
+                    orders::quantity.eq(order.quantity),
+                ))
+                .returning((orders::id, orders::item, orders::quantity))
+                .get_result(self)
+        }
+
+        fn find_order(&mut self, account: &str, id: i64) -> QueryResult<Option<Order>> {
+            orders::table
+                .filter(orders::id.eq(id).and(orders::account.eq(account)))
+                .select((orders::id, orders::item, orders::quantity))
+                .first(self)
+                .optional()
+        }
+
+        fn list_orders(&mut self, account: &str) -> QueryResult<Vec<Order>> {
+            orders::table
+                .filter(orders::account.eq(account))
+                .order(orders::id)
+                .select((orders::id, orders::item, orders::quantity))
+                .load(self)
+        }
+    };
+}
+
+impl OrderStore for SqliteConnection {
+    fn create_orders_table(&mut self) -> QueryResult<()> {
+        self.batch_execute(
+            "CREATE TABLE IF NOT EXISTS orders (
+                 id INTEGER PRIMARY KEY AUTOINCREMENT,
+                 account TEXT NOT NULL,
+                 item TEXT NOT NULL,
+                 quantity INTEGER NOT NULL
+             );
+             CREATE INDEX IF NOT EXISTS orders_account ON orders (account, id);",
+        )
+    }
+
+    order_queries!();
+}
+
+#[cfg(feature = "postgres")]
+impl OrderStore for PgConnection {
+    fn create_orders_table(&mut self) -> QueryResult<()> {
+        self.batch_execute(
+            "CREATE TABLE IF NOT EXISTS orders (
+                 id BIGSERIAL PRIMARY KEY,
+                 account TEXT NOT NULL,
+                 item TEXT NOT NULL,
+                 quantity INTEGER NOT NULL
+             );
+             CREATE INDEX IF NOT EXISTS orders_account ON orders (account, id);",
+        )
+    }
+
+    order_queries!();
+}
+
+/// The authenticated account: the bearer token, which stands in for a real
+/// credential. It is the scope of the account's idempotency keys.
+#[derive(Debug, Clone)]
+pub struct Account(String);
+
+impl<S: Sync> FromRequestParts<S> for Account {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Response> {
+        let mut values = parts.headers.get_all(header::AUTHORIZATION).iter();
+        let token = match (values.next(), values.next()) {
+            (Some(value), None) => value.to_str().ok().and_then(bearer_token),
+            _ => None,
+        };
+        // A token the key rules would refuse as a scope is no account of ours.
+        match token {
+            Some(token) if token.len() <= 255 && token.bytes().all(|b| b.is_ascii_graphic()) => {
+                Ok(Account(token.to_owned()))
+            }
+            _ => {
+                let problem = problem(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized")
+                    .with_detail("send Authorization: Bearer <account token>");
+                Err(([(header::WWW_AUTHENTICATE, "Bearer")], problem).into_response())
+            }
+        }
+    }
+}
+
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    let token = token.trim_start_matches(' ');
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
+}
+
+impl Caller for Account {
+    fn scope(&self) -> Cow<'_, str> {
+        Cow::Borrowed(&self.0)
+    }
+}
+
+/// A problem of this API.
+fn problem(status: StatusCode, name: &str, title: &str) -> Problem {
+    Problem::new(status, title).with_type(format!("{PROBLEMS}{name}"))
+}
+
+/// The JSON body of a request, with problems for what is wrong with it.
+/// They never quote the body: a parser's message would.
+pub struct Body<T>(pub T);
+
+impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for Body<T> {
+    type Rejection = Problem;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, Problem> {
+        match Json::<T>::from_request(request, state).await {
+            Ok(Json(body)) => Ok(Body(body)),
+            Err(rejection) => {
+                let detail = match &rejection {
+                    JsonRejection::JsonDataError(_) => {
+                        "the body does not have the expected fields and types: item (string), quantity (integer)"
+                    }
+                    JsonRejection::JsonSyntaxError(_) => "the body is not valid JSON",
+                    JsonRejection::MissingJsonContentType(_) => "send the body as Content-Type: application/json",
+                    _ if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => "the body is too large",
+                    _ => "the body could not be read",
+                };
+                Err(problem(rejection.status(), "invalid-body", "Invalid request body").with_detail(detail))
+            }
+        }
+    }
+}
+
+/// Why an order was not placed. An `Err` of the operation: nothing is
+/// stored and the key stays free for the corrected request.
+#[derive(Debug)]
+pub enum OrderError {
+    InvalidQuantity,
+    Database(diesel::result::Error),
+}
+
+impl From<diesel::result::Error> for OrderError {
+    fn from(error: diesel::result::Error) -> Self {
+        OrderError::Database(error)
+    }
+}
+
+impl IntoResponse for OrderError {
+    fn into_response(self) -> Response {
+        match self {
+            OrderError::InvalidQuantity => problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-order", "Invalid order")
+                .with_detail("quantity must be at least 1")
+                .into_response(),
+            OrderError::Database(error) => {
+                eprintln!("placing an order failed: {error}");
+                internal_error().into_response()
+            }
+        }
+    }
+}
+
+fn internal_error() -> Problem {
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "internal-error",
+        "Internal server error",
+    )
+    .with_detail("the server could not complete the request")
+}
+
+/// What the service can be told besides its database.
+#[derive(Clone, Default)]
+pub struct Settings {
+    /// What a request does while another holds its key.
+    pub in_flight: InFlight,
+    /// Called inside an order's transaction after the order is written,
+    /// before the commit. Tests hold transactions open with it; the
+    /// service has none.
+    pub before_commit: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+struct App<C: R2D2Connection + 'static> {
+    pool: Pool<ConnectionManager<C>>,
+    config: Config,
+    before_commit: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+impl<C: R2D2Connection + 'static> Clone for App<C> {
+    fn clone(&self) -> Self {
+        App {
+            pool: self.pool.clone(),
+            config: self.config.clone(),
+            before_commit: self.before_commit.clone(),
+        }
+    }
+}
+
+async fn place_order<C: OrderStore>(
+    State(app): State<App<C>>,
+    key: IdempotencyKey<Account>,
+    Body(order): Body<NewOrder>,
+) -> Result<Outcome<StoredResponse<Order>>, Failure<OrderError>> {
+    let account = key.caller().clone();
+    let before_commit = app.before_commit.clone();
+    let outcome = http::run(&app.pool, &app.config, &key, order, move |conn, order| {
+        if order.quantity < 1 {
+            return Err(OrderError::InvalidQuantity);
+        }
+        let placed = conn.insert_order(&account.0, order)?;
+        if let Some(hook) = &before_commit {
+            hook();
+        }
+        let location = HeaderValue::try_from(format!("/orders/{}", placed.id)).expect("a path of digits");
+        Ok(StoredResponse::new(StatusCode::CREATED, placed).with_header(header::LOCATION, location))
+    })
+    .await;
+    if let Err(Failure::Failed { cause, .. }) = &outcome {
+        // The key is a technical identifier and may be logged; the body not.
+        eprintln!("POST /orders, key {:?}: {cause}", key.key());
+    }
+    outcome
+}
+
+/// Runs sync diesel work on the blocking pool with a pooled connection.
+async fn blocking<C, T>(
+    pool: &Pool<ConnectionManager<C>>,
+    work: impl FnOnce(&mut C) -> QueryResult<T> + Send + 'static,
+) -> Result<T, Problem>
+where
+    C: R2D2Connection + 'static,
+    T: Send + 'static,
+{
+    let pool = pool.clone();
+    let task = tokio::task::spawn_blocking(move || {
+        let mut conn = pool.get().map_err(|error| error.to_string())?;
+        work(&mut conn).map_err(|error| error.to_string())
+    });
+    match task.await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => {
+            eprintln!("reading orders failed: {error}");
+            Err(internal_error())
+        }
+        Err(error) => {
+            eprintln!("reading orders failed: {error}");
+            Err(internal_error())
+        }
+    }
+}
+
+async fn get_order<C: OrderStore>(
+    State(app): State<App<C>>,
+    account: Account,
+    Path(id): Path<String>,
+) -> Result<Json<Order>, Problem> {
+    let not_found = || problem(StatusCode::NOT_FOUND, "order-not-found", "Order not found");
+    let id: i64 = id.parse().map_err(|_| not_found())?;
+    let order = blocking(&app.pool, move |conn| conn.find_order(&account.0, id)).await?;
+    order.map(Json).ok_or_else(not_found)
+}
+
+async fn list_orders<C: OrderStore>(State(app): State<App<C>>, account: Account) -> Result<Json<Vec<Order>>, Problem> {
+    let orders = blocking(&app.pool, move |conn| conn.list_orders(&account.0)).await?;
+    Ok(Json(orders))
+}
+
+/// The service on one database: its routes, and the purge of expired keys
+/// for a background thread.
+pub struct Service {
+    pub router: Router,
+    purge: Box<dyn Fn() -> anyhow::Result<usize> + Send + Sync>,
+}
+
+impl Service {
+    /// Deletes the expired keys; returns how many.
+    ///
+    /// # Errors
+    ///
+    /// When no connection is free or the purge fails.
+    pub fn purge_expired(&self) -> anyhow::Result<usize> {
+        (self.purge)()
+    }
+}
+
+/// The service on `pool`: creates the orders table and applies the
+/// idempotency migrations.
+///
+/// # Errors
+///
+/// When the database cannot be prepared.
+pub fn service_on<C: OrderStore>(pool: Pool<ConnectionManager<C>>, settings: Settings) -> anyhow::Result<Service> {
+    let mut conn = pool.get().context("connect to the database")?;
+    conn.create_orders_table().context("create the orders table")?;
+    idempotency::run_migrations(&mut *conn)
+        .map_err(|error| anyhow::anyhow!("{error}"))
+        .context("apply the idempotency migrations")?;
+    drop(conn);
+
+    let config = Config::default().in_flight(settings.in_flight);
+    let app = App {
+        pool: pool.clone(),
+        config: config.clone(),
+        before_commit: settings.before_commit,
+    };
+    let router = Router::new()
+        .route("/orders", get(list_orders::<C>).post(place_order::<C>))
+        .route("/orders/{id}", get(get_order::<C>))
+        .layer(Extension(Problems::documented_at(PROBLEMS)))
+        .with_state(app);
+    let purge = move || {
+        let mut conn = pool.get()?;
+        Ok(config.purge_expired(&mut *conn, 500)?)
+    };
+    Ok(Service {
+        router,
+        purge: Box::new(purge),
+    })
+}
+
+/// SQLite connections: wait up to 5 s for the write lock outside
+/// idempotent calls (which set their own wait), and make every commit
+/// durable.
+#[derive(Debug)]
+struct SqliteSetup;
+
+impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for SqliteSetup {
+    fn on_acquire(&self, conn: &mut SqliteConnection) -> Result<(), diesel::r2d2::Error> {
+        conn.batch_execute("PRAGMA busy_timeout = 5000; PRAGMA synchronous = FULL;")
+            .map_err(diesel::r2d2::Error::QueryError)
+    }
+}
+
+/// The connection pool of a database of either backend.
+pub enum Database {
+    Sqlite(Pool<ConnectionManager<SqliteConnection>>),
+    #[cfg(feature = "postgres")]
+    Postgres(Pool<ConnectionManager<PgConnection>>),
+}
+
+/// Opens `database`: a `postgres://` URL (with the `postgres` feature) or
+/// the path of a SQLite file, created if missing.
+///
+/// # Errors
+///
+/// When the database cannot be opened.
+pub fn open(database: &str) -> anyhow::Result<Database> {
+    if database.starts_with("postgres://") || database.starts_with("postgresql://") {
+        #[cfg(feature = "postgres")]
+        {
+            let pool = Pool::builder()
+                .max_size(16)
+                .min_idle(Some(2))
+                .build(ConnectionManager::<PgConnection>::new(database))
+                .context("connect to PostgreSQL")?;
+            return Ok(Database::Postgres(pool));
+        }
+        #[cfg(not(feature = "postgres"))]
+        anyhow::bail!("this build has no PostgreSQL: build with --features axum,postgres");
+    }
+    // WAL: readers, such as replays, do not wait for the writer.
+    SqliteConnection::establish(database)
+        .with_context(|| format!("open {database}"))?
+        .batch_execute("PRAGMA journal_mode = WAL")
+        .context("enable WAL")?;
+    let pool = Pool::builder()
+        .max_size(8)
+        .connection_customizer(Box::new(SqliteSetup))
+        .build(ConnectionManager::<SqliteConnection>::new(database))
+        .with_context(|| format!("open {database}"))?;
+    Ok(Database::Sqlite(pool))
+}
+
+/// The service on `database`; see [`open`].
+///
+/// # Errors
+///
+/// When the database cannot be opened or prepared.
+pub fn service(database: &str, settings: Settings) -> anyhow::Result<Service> {
+    match open(database)? {
+        Database::Sqlite(pool) => service_on(pool, settings),
+        #[cfg(feature = "postgres")]
+        Database::Postgres(pool) => service_on(pool, settings),
+    }
+}
+
+/// The command line.
+#[derive(Debug)]
+pub struct Args {
+    pub addr: SocketAddr,
+    pub database: String,
+    pub in_flight: InFlight,
+}
+
+const USAGE: &str = "usage: http_orders [--addr HOST:PORT] [--database PATH|postgres://...] [--in-flight-wait MS]";
+
+/// Parses the arguments after the program name.
+///
+/// # Errors
+///
+/// A message for an unknown argument or a missing or malformed value.
+pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
+    let mut parsed = Args {
+        addr: SocketAddr::from(([127, 0, 0, 1], 8080)),
+        database: String::from("http_orders.db"),
+        in_flight: InFlight::Wait(chrono::Duration::milliseconds(5000)),
+    };
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{arg} needs a value\n{USAGE}"));
+        match arg.as_str() {
+            "--addr" => parsed.addr = value()?.parse().map_err(|error| format!("--addr: {error}"))?,
+            "--database" => parsed.database = value()?,
+            "--in-flight-wait" => {
+                let millis: u32 = value()?.parse().map_err(|error| format!("--in-flight-wait: {error}"))?;
+                parsed.in_flight = match millis {
+                    0 => InFlight::Reject,
+                    millis => InFlight::Wait(chrono::Duration::milliseconds(millis.into())),
+                };
+            }
+            "--help" | "-h" => return Err(USAGE.to_owned()),
+            other => return Err(format!("unknown argument {other}\n{USAGE}")),
+        }
+    }
+    Ok(parsed)
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = parse_args(std::env::args().skip(1)).map_err(|message| anyhow::anyhow!(message))?;
+    let service = Arc::new(service(
+        &args.database,
+        Settings {
+            in_flight: args.in_flight,
+            before_commit: None,
+        },
+    )?);
+
+    // The purger sleeps on a channel, so that dropping the sender at
+    // shutdown wakes it at once.
+    let (stop_purger, stopped) = mpsc::channel::<()>();
+    let purger = {
+        let service = service.clone();
+        std::thread::spawn(move || {
+            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(PURGE_EVERY) {
+                match service.purge_expired() {
+                    Ok(0) => {}
+                    Ok(purged) => eprintln!("purged {purged} expired keys"),
+                    Err(error) => eprintln!("purging expired keys failed: {error:#}"),
+                }
+            }
+        })
+    };
+
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind(args.addr)
+            .await
+            .with_context(|| format!("listen on {}", args.addr))?;
+        let addr = listener.local_addr()?;
+        let mut stdout = std::io::stdout().lock();
+        writeln!(stdout, "listening on http://{addr}")?;
+        stdout.flush()?;
+        drop(stdout);
+        axum::serve(listener, service.router.clone())
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+            .context("serve")
+    })?;
+    // Dropping the runtime waits for the blocking tasks, so transactions in
+    // progress finish before the process ends.
+    drop(runtime);
+    drop(stop_purger);
+    purger.join().map_err(|_| anyhow::anyhow!("the purger panicked"))?;
+    eprintln!("stopped");
+    Ok(())
+}

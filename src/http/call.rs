@@ -1,0 +1,315 @@
+//! The idempotent call from an async handler: the sync diesel work on
+//! tokio's blocking pool, its errors as HTTP responses.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+use axum::response::{IntoResponse, Response};
+use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::{IdempotencyKey, Problem, ProblemKind, Problems};
+use crate::phased::{Finished, Phased, Steps};
+use crate::{Config, Error, Outcome, RawConnection, StoreConnection};
+
+/// Why [`run`] gave no outcome, and the response that says so.
+///
+/// Nothing was committed in any case: the key is free, except after a
+/// [`Failed`](Failure::Failed) replay whose stored response no longer
+/// decodes. As a response: the operation's own error through its
+/// `IntoResponse`, the application's mapping; every other failure as its
+/// problem.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Failure<E> {
+    /// The operation returned this error ([`Error::Operation`]). Everything
+    /// it wrote was rolled back and the key is still free, so the client may
+    /// correct the request and retry with the same key.
+    Operation(E),
+    /// The request was refused: the key breaks the key rules (400), was
+    /// used with another request (422), or is held by a request in progress
+    /// (409, with `Retry-After`).
+    Refused(Problem),
+    /// The call could not be completed: no pooled connection in time (503,
+    /// with `Retry-After`), storage or JSON failed, or the operation
+    /// panicked (500). `cause` is for the server's log; the problem says
+    /// nothing about it.
+    Failed {
+        /// What the client is told.
+        problem: Problem,
+        /// What went wrong.
+        cause: Box<dyn StdError + Send + Sync>,
+    },
+}
+
+impl<E: IntoResponse> IntoResponse for Failure<E> {
+    fn into_response(self) -> Response {
+        match self {
+            Failure::Operation(error) => error.into_response(),
+            Failure::Refused(problem) | Failure::Failed { problem, .. } => problem.into_response(),
+        }
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for Failure<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Operation(error) => error.fmt(f),
+            Failure::Refused(problem) | Failure::Failed { problem, .. } => {
+                f.write_str(problem.detail().unwrap_or(problem.title()))
+            }
+        }
+    }
+}
+
+impl<E: StdError + 'static> StdError for Failure<E> {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        match self {
+            // Shown as this error itself, so its chain goes on with its own source.
+            Failure::Operation(error) => error.source(),
+            Failure::Refused(_) => None,
+            Failure::Failed { cause, .. } => Some(&**cause),
+        }
+    }
+}
+
+/// Runs `op` at most once for the key, as [`Config::run`] does, from an
+/// async handler: a connection is checked out of `pool` and the call made
+/// on tokio's blocking pool, and the result comes back as something a
+/// handler returns.
+///
+/// `op` gets the connection, inside the transaction that also holds the
+/// key record, and the request, which is what the key is bound to (its
+/// fingerprint). Return the response to store, usually a
+/// [`StoredResponse`](super::StoredResponse); an `Err` rolls everything
+/// back and leaves the key free.
+///
+/// How it behaves, and why:
+///
+/// - **No async worker blocks.** Checkout, the transaction and any wait
+///   for a request in progress with the same key (the
+///   [`InFlight`](crate::InFlight) policy of `config`) all happen on a
+///   blocking thread, the pattern of axum's diesel example.
+/// - **A client that goes away changes nothing.** The blocking task is not
+///   cancelled when the handler's future is dropped: the transaction commits
+///   or rolls back as a whole, and the client's retry replays the result.
+/// - **A panic in `op`** rolls the transaction back (nothing is committed,
+///   the key stays free) and becomes a 500.
+/// - **Errors** become [`Failure`]: `op`'s own error as
+///   [`Failure::Operation`], answered through `E`'s `IntoResponse`; the
+///   others as problems described by the [`Problems`] that came with the key.
+///   An invalid scope is the application's mistake, so it is a 500 and not
+///   the 400 of [`Error::status_code`].
+///
+/// # Errors
+///
+/// | failure | status | when |
+/// | --- | --- | --- |
+/// | [`Failure::Operation`] | `E`'s | `op` returned `Err` |
+/// | [`Failure::Refused`] | 400 | the key breaks the key rules of `config` |
+/// | [`Failure::Refused`] | 422 | the key was used with a different request |
+/// | [`Failure::Refused`] | 409 + `Retry-After` | a request with the key is in progress beyond the in-flight wait |
+/// | [`Failure::Failed`] | 503 + `Retry-After` | no connection from `pool` within its connection timeout |
+/// | [`Failure::Failed`] | 500 | storage or JSON failed, an invalid scope, or `op` panicked |
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # tokio::runtime::Runtime::new()?.block_on(async {
+/// use std::borrow::Cow;
+/// use axum::extract::FromRequestParts;
+/// use axum::http::{request::Parts, Request, StatusCode};
+/// use axum::response::IntoResponse;
+/// use diesel::prelude::*;
+/// use diesel::r2d2::{ConnectionManager, Pool};
+/// use idempotency::http::{self, Caller, IdempotencyKey, Problem, StoredResponse};
+/// use idempotency::Config;
+///
+/// # struct Anyone;
+/// # impl<S: Sync> FromRequestParts<S> for Anyone {
+/// #     type Rejection = StatusCode;
+/// #     async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, StatusCode> { Ok(Anyone) }
+/// # }
+/// # impl Caller for Anyone { fn scope(&self) -> Cow<'_, str> { Cow::Borrowed("public") } }
+/// let db = idempotency::testing::SqliteFile::new();
+/// let pool = Pool::new(ConnectionManager::<SqliteConnection>::new(db.path().to_str().ok_or("utf-8 path")?))?;
+/// let config = Config::default();
+/// let (mut parts, ()) = Request::post("/charges").header("Idempotency-Key", "c-1").body(())?.into_parts();
+/// let Ok(key) = IdempotencyKey::<Anyone>::from_request_parts(&mut parts, &()).await else {
+///     return Err("the key was refused".into());
+/// };
+///
+/// let charge = |cents: u32| {
+///     http::run(&pool, &config, &key, cents, |_conn, cents| {
+///         if *cents == 0 {
+///             return Err(Problem::new(StatusCode::UNPROCESSABLE_ENTITY, "Unprocessable Entity"));
+///         }
+///         Ok(StoredResponse::new(StatusCode::CREATED, format!("charged {cents}")))
+///     })
+/// };
+///
+/// // Refused by the operation: nothing stored, the key stays free.
+/// assert_eq!(charge(0).await.into_response().status(), StatusCode::UNPROCESSABLE_ENTITY);
+///
+/// let first = charge(500).await.into_response();
+/// assert_eq!(first.status(), StatusCode::CREATED);
+/// let retry = charge(500).await.into_response();
+/// assert_eq!(retry.status(), StatusCode::CREATED);
+/// assert_eq!(retry.headers()["idempotent-replayed"], "true");
+///
+/// // The same key with another request.
+/// assert_eq!(charge(900).await.into_response().status(), StatusCode::UNPROCESSABLE_ENTITY);
+/// # Ok(())
+/// # })
+/// # }
+/// ```
+pub async fn run<A, C, Q, R, E, F>(
+    pool: &Pool<ConnectionManager<C>>,
+    config: &Config,
+    key: &IdempotencyKey<A>,
+    request: Q,
+    op: F,
+) -> Result<Outcome<R>, Failure<E>>
+where
+    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+    Q: Serialize + Send + 'static,
+    R: Serialize + DeserializeOwned + Send + 'static,
+    E: Send + 'static,
+    F: FnOnce(&mut C, &Q) -> Result<R, E> + Send + 'static,
+{
+    let config = config.clone();
+    blocking(pool, key, move |conn, scope, key| {
+        config.run(conn, scope, key, &request, |tx| op(tx, &request))
+    })
+    .await
+}
+
+/// Runs a [phased operation](crate::phased) for the key from an async
+/// handler, as [`run`] does for a single call: checkout and every step on
+/// tokio's blocking pool, the failures as responses. `body` gets the
+/// [`Steps`] and the request.
+///
+/// A phased operation's foreign call blocks its blocking thread while it
+/// runs, never an async worker. A client that goes away changes nothing:
+/// the attempt goes on and commits its recovery points.
+///
+/// # Errors
+///
+/// As [`run`], and [`Error::Parked`] and [`Error::PhaseRenamed`] as 500
+/// problems. [`Failure::Operation`] after the operation's first commit
+/// keeps its recovery point: the client retries the same request.
+pub async fn run_phased<A, C, Q, R, E, F>(
+    pool: &Pool<ConnectionManager<C>>,
+    phased: &Phased,
+    key: &IdempotencyKey<A>,
+    request: Q,
+    body: F,
+) -> Result<Outcome<R>, Failure<E>>
+where
+    C: RawConnection + R2D2Connection + Send + 'static,
+    Q: Serialize + Send + 'static,
+    R: Serialize + DeserializeOwned + Send + 'static,
+    E: Send + 'static,
+    F: FnOnce(&mut Steps<'_, C>, &Q) -> Result<Finished<R>, Error<E>> + Send + 'static,
+{
+    let phased = phased.clone();
+    blocking(pool, key, move |conn, scope, key| {
+        phased.run(conn, scope, key, &request, |steps| body(steps, &request))
+    })
+    .await
+}
+
+/// Checks a connection out of `pool` and makes `call` with it and the key on
+/// tokio's blocking pool; the failures as responses.
+async fn blocking<A, C, R, E, F>(
+    pool: &Pool<ConnectionManager<C>>,
+    key: &IdempotencyKey<A>,
+    call: F,
+) -> Result<Outcome<R>, Failure<E>>
+where
+    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+    R: Send + 'static,
+    E: Send + 'static,
+    F: FnOnce(&mut C, &str, &str) -> Result<Outcome<R>, Error<E>> + Send + 'static,
+{
+    let pool = pool.clone();
+    let (scope, idempotency_key) = (key.scope().to_owned(), key.key().to_owned());
+    let task = tokio::task::spawn_blocking(move || {
+        let mut conn = pool.get().map_err(Blocked::Checkout)?;
+        call(&mut conn, &scope, &idempotency_key).map_err(Blocked::Call)
+    });
+    let problems = key.problems();
+    match task.await {
+        Ok(Ok(outcome)) => Ok(outcome),
+        Ok(Err(Blocked::Call(error))) => Err(failure(error, problems)),
+        Ok(Err(Blocked::Checkout(cause))) => Err(Failure::Failed {
+            problem: problems
+                .problem(ProblemKind::Unavailable)
+                .with_detail("the server is busy; nothing was done, retry later"),
+            cause: Box::new(cause),
+        }),
+        // A panic in the operation, or a runtime shutting down before the
+        // task started: either way nothing was committed.
+        Err(cause) => Err(internal(problems, Box::new(cause))),
+    }
+}
+
+/// What went wrong on the blocking thread.
+enum Blocked<E> {
+    Checkout(r2d2::Error),
+    Call(Error<E>),
+}
+
+fn failure<E>(error: Error<E>, problems: &Problems) -> Failure<E> {
+    let cause: Error = match error {
+        Error::Operation(error) => return Failure::Operation(error),
+        Error::InvalidKey(reason) => {
+            let problem = problems
+                .problem(ProblemKind::InvalidKey)
+                .with_detail(format!("the idempotency key {reason}"));
+            return Failure::Refused(problem);
+        }
+        Error::Mismatch => {
+            let problem = problems
+                .problem(ProblemKind::KeyReused)
+                .with_detail("this idempotency key was first used with a different request");
+            return Failure::Refused(problem);
+        }
+        Error::InProgress => {
+            let problem = problems
+                .problem(ProblemKind::InProgress)
+                .with_detail("a request with this idempotency key is still being processed; retry later");
+            return Failure::Refused(problem);
+        }
+        Error::Parked => {
+            return Failure::Failed {
+                problem: problems.problem(ProblemKind::Internal).with_detail(
+                    "the operation was stopped and waits for the service's operators; retrying does not help",
+                ),
+                cause: Box::new(Error::<std::convert::Infallible>::Parked),
+            };
+        }
+        Error::InvalidScope(reason) => Error::InvalidScope(reason),
+        Error::Storage(error) => Error::Storage(error),
+        Error::Codec(error) => Error::Codec(error),
+        Error::PhaseRenamed {
+            position,
+            recorded,
+            found,
+        } => Error::PhaseRenamed {
+            position,
+            recorded,
+            found,
+        },
+    };
+    internal(problems, Box::new(cause))
+}
+
+fn internal<E>(problems: &Problems, cause: Box<dyn StdError + Send + Sync>) -> Failure<E> {
+    Failure::Failed {
+        problem: problems
+            .problem(ProblemKind::Internal)
+            .with_detail("the server could not complete the request"),
+        cause,
+    }
+}

@@ -1,0 +1,147 @@
+//! The `Idempotency-Key` header end to end, for axum (feature `axum`).
+//!
+//! A client that lost a response retries its POST with the same
+//! `Idempotency-Key` header and must get the first response back. This
+//! module is the HTTP half of that, following the IETF draft
+//! (draft-ietf-httpapi-idempotency-key-header) where it rules and Stripe's
+//! API where clients expect it:
+//!
+//! | piece | what it does |
+//! | --- | --- |
+//! | [`IdempotencyKey<A>`](IdempotencyKey) | extractor: the header as an sf-string or a bare token, paired with the scope of the caller that the authentication extractor `A` resolved ([`Caller`]) |
+//! | [`run`] | one async call: pool checkout, [`Config::run`](crate::Config::run) on tokio's blocking pool, join; the failures as responses ([`Failure`]) |
+//! | [`run_phased`] | the same for a [phased operation](crate::phased) with a foreign call in the middle |
+//! | [`StoredResponse<T>`](StoredResponse) | what an operation returns: status, kept headers, JSON body; stored, and replayed as it was |
+//! | `Outcome<R>` as a response | `R`'s response, plus `Idempotent-Replayed: true` on a replay |
+//! | [`Problem`], [`Problems`] | RFC 9457 `application/problem+json` bodies, with `type` and `title` per API |
+//!
+//! The answers, by case:
+//!
+//! | case | status |
+//! | --- | --- |
+//! | first request | the operation's (`201` with `Location`, say) |
+//! | retry with the same key and request | the first response, with `Idempotent-Replayed: true` |
+//! | no `Idempotency-Key` where one is required | 400 problem |
+//! | two `Idempotency-Key` headers, an unparsable value, a key breaking the key rules | 400 problem |
+//! | same key, different request | 422 problem |
+//! | a request with the same key still in progress after the in-flight wait | 409 problem, `Retry-After` |
+//! | the operation's own error | the application's response for it; the key stays free |
+//! | no database connection in time | 503 problem, `Retry-After` |
+//! | storage or JSON failure, a panic in the operation | 500 problem, nothing committed |
+//!
+//! No problem carries the request body, nor the key.
+//!
+//! ```
+//! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! # tokio::runtime::Runtime::new()?.block_on(async {
+//! use std::borrow::Cow;
+//!
+//! use axum::extract::{FromRequestParts, State};
+//! use axum::http::{header, request::Parts, HeaderValue, Request, StatusCode};
+//! use axum::{routing::post, Json, Router};
+//! use diesel::prelude::*;
+//! use diesel::r2d2::{ConnectionManager, Pool};
+//! use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, StoredResponse};
+//! use idempotency::{Config, Outcome};
+//! use serde::{Deserialize, Serialize};
+//! use tower::ServiceExt;
+//!
+//! /// The caller, from the credential: here the bearer token names the account.
+//! struct Account(String);
+//!
+//! impl<S: Sync> FromRequestParts<S> for Account {
+//!     type Rejection = Problem;
+//!
+//!     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Problem> {
+//!         parts.headers.get(header::AUTHORIZATION)
+//!             .and_then(|value| value.to_str().ok()?.strip_prefix("Bearer "))
+//!             .map(|token| Account(token.to_owned()))
+//!             .ok_or_else(|| Problem::new(StatusCode::UNAUTHORIZED, "Unauthorized"))
+//!     }
+//! }
+//!
+//! impl Caller for Account {
+//!     fn scope(&self) -> Cow<'_, str> {
+//!         Cow::Borrowed(&self.0)
+//!     }
+//! }
+//!
+//! #[derive(Clone)]
+//! struct App {
+//!     pool: Pool<ConnectionManager<SqliteConnection>>,
+//!     config: Config,
+//! }
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct NewOrder { item: String }
+//!
+//! #[derive(Serialize, Deserialize)]
+//! struct Order { id: i64, item: String }
+//!
+//! #[derive(QueryableByName)]
+//! struct Id { #[diesel(sql_type = diesel::sql_types::BigInt)] id: i64 }
+//!
+//! async fn place_order(
+//!     State(app): State<App>,
+//!     key: IdempotencyKey<Account>,
+//!     Json(order): Json<NewOrder>,
+//! ) -> Result<Outcome<StoredResponse<Order>>, Failure<Problem>> {
+//!     http::run(&app.pool, &app.config, &key, order, |conn, order| {
+//!         let Id { id } = diesel::sql_query("INSERT INTO orders (item) VALUES (?) RETURNING id")
+//!             .bind::<diesel::sql_types::Text, _>(&order.item)
+//!             .get_result(conn)
+//!             .map_err(|_| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"))?;
+//!         let location = HeaderValue::try_from(format!("/orders/{id}")).expect("a path of digits");
+//!         Ok(StoredResponse::new(StatusCode::CREATED, Order { id, item: order.item.clone() })
+//!             .with_header(header::LOCATION, location))
+//!     })
+//!     .await
+//! }
+//!
+//! let db = idempotency::testing::SqliteFile::new();
+//! diesel::sql_query("CREATE TABLE orders (id INTEGER PRIMARY KEY, item TEXT NOT NULL)").execute(&mut db.conn())?;
+//! let pool = Pool::new(ConnectionManager::new(db.path().to_str().ok_or("utf-8 path")?))?;
+//! let app = Router::new()
+//!     .route("/orders", post(place_order))
+//!     .with_state(App { pool, config: Config::default() });
+//!
+//! let post_order = |key: &str| {
+//!     Request::post("/orders")
+//!         .header("authorization", "Bearer acct-1")
+//!         .header("idempotency-key", key)
+//!         .header("content-type", "application/json")
+//!         .body(axum::body::Body::from(r#"{"item": "book"}"#))
+//! };
+//! let first = app.clone().oneshot(post_order(r#""8e03978e""#)?).await?;
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! assert_eq!(first.headers()["location"], "/orders/1");
+//!
+//! // The response was lost; the client retries with the same key, bare this time.
+//! let retry = app.clone().oneshot(post_order("8e03978e")?).await?;
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["location"], "/orders/1");
+//! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! # Ok(())
+//! # })
+//! # }
+//! ```
+
+use axum::http::HeaderName;
+
+mod call;
+mod header;
+mod key;
+mod problem;
+mod response;
+
+pub use call::{Failure, run, run_phased};
+pub use key::{Caller, IdempotencyKey};
+pub use problem::{Problem, ProblemKind, Problems};
+pub use response::StoredResponse;
+
+/// `Idempotency-Key`, the request header of the IETF draft.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// `Idempotent-Replayed`, the response header that marks a replay (`true`),
+/// as Stripe's API sends it.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");

@@ -1,0 +1,331 @@
+//! RFC 9457 problem details: the body of every error response of the HTTP
+//! layer, and how an API names and documents its problem types.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+
+/// The media type of a problem details body.
+const PROBLEM_JSON: &str = "application/problem+json";
+
+/// An error response as RFC 9457 describes it: `application/problem+json`
+/// with `type`, `title`, `status` and, where it helps, `detail`, plus a
+/// `Retry-After` header when retrying later can succeed.
+///
+/// The HTTP layer builds its problems from [`Problems`]; applications build
+/// their own with [`Problem::new`] so that every error of an API has one
+/// shape. A problem never carries a request body: an error built from a
+/// parser's message could echo what the client sent, so `detail` is written
+/// by the application.
+///
+/// ```
+/// use axum::http::StatusCode;
+/// use axum::response::IntoResponse;
+/// use idempotency::http::Problem;
+///
+/// let problem = Problem::new(StatusCode::NOT_FOUND, "Order not found")
+///     .with_type("https://docs.example.com/problems/order-not-found")
+///     .with_detail("there is no order 42 in this account");
+/// let response = problem.into_response();
+/// assert_eq!(response.status(), StatusCode::NOT_FOUND);
+/// assert_eq!(response.headers()["content-type"], "application/problem+json");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    type_uri: String,
+    title: String,
+    #[serde(serialize_with = "status_number")]
+    status: StatusCode,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<String>,
+    #[serde(skip)]
+    retry_after: Option<Duration>,
+}
+
+impl Problem {
+    /// A problem with type `about:blank`, so the title should be the
+    /// status's reason phrase (RFC 9457 §4.2.1) unless a type is set with
+    /// [`with_type`](Problem::with_type).
+    pub fn new(status: StatusCode, title: impl Into<String>) -> Self {
+        Problem {
+            type_uri: String::from("about:blank"),
+            title: title.into(),
+            status,
+            detail: None,
+            retry_after: None,
+        }
+    }
+
+    /// Sets the `type` URI, which identifies the kind of problem and
+    /// usually points to its documentation.
+    pub fn with_type(mut self, type_uri: impl Into<String>) -> Self {
+        self.type_uri = type_uri.into();
+        self
+    }
+
+    /// Sets `detail`, the explanation of this occurrence for the client's
+    /// developer. Never put the request body or values copied from it here.
+    pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
+        self.detail = Some(detail.into());
+        self
+    }
+
+    /// Answers with `Retry-After` in whole seconds (rounded up), telling the
+    /// client when a retry may succeed.
+    pub fn with_retry_after(mut self, after: Duration) -> Self {
+        self.retry_after = Some(after);
+        self
+    }
+
+    /// The `type` URI.
+    pub fn type_uri(&self) -> &str {
+        &self.type_uri
+    }
+
+    /// The `title`.
+    pub fn title(&self) -> &str {
+        &self.title
+    }
+
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The `detail`, if any.
+    pub fn detail(&self) -> Option<&str> {
+        self.detail.as_deref()
+    }
+
+    /// The `Retry-After`, if any.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let status = self.status;
+        let retry_after = self.retry_after;
+        let mut response = (status, axum::Json(self)).into_response();
+        let headers = response.headers_mut();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if let Some(after) = retry_after {
+            let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
+
+fn status_number<S: serde::Serializer>(status: &StatusCode, serializer: S) -> Result<S::Ok, S::Error> {
+    serializer.serialize_u16(status.as_u16())
+}
+
+/// The problems the HTTP layer itself answers with, each with its status.
+/// [`Problems`] gives each its `type` and `title`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ProblemKind {
+    /// 400: the endpoint requires an `Idempotency-Key` header and the
+    /// request has none (draft §2.7).
+    MissingKey,
+    /// 400: two `Idempotency-Key` headers, a value that does not parse, or a
+    /// key that breaks the key rules.
+    InvalidKey,
+    /// 422: the key was first used with a different request (draft §2.7).
+    KeyReused,
+    /// 409: a request with the same key is still being processed (draft
+    /// §2.7); answered with `Retry-After`.
+    InProgress,
+    /// 503: no database connection was free in time; nothing ran. Answered
+    /// with `Retry-After`.
+    Unavailable,
+    /// 500: storage failed, a stored response no longer decodes, or the
+    /// operation panicked. Nothing about the cause is sent.
+    Internal,
+}
+
+impl ProblemKind {
+    /// The HTTP status of this kind of problem.
+    pub fn status(self) -> StatusCode {
+        match self {
+            ProblemKind::MissingKey | ProblemKind::InvalidKey => StatusCode::BAD_REQUEST,
+            ProblemKind::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            ProblemKind::InProgress => StatusCode::CONFLICT,
+            ProblemKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The last segment of the `type` URI under a documentation base.
+    fn slug(self) -> &'static str {
+        match self {
+            ProblemKind::MissingKey => "idempotency-key-missing",
+            ProblemKind::InvalidKey => "idempotency-key-invalid",
+            ProblemKind::KeyReused => "idempotency-key-reused",
+            ProblemKind::InProgress => "idempotency-key-in-progress",
+            ProblemKind::Unavailable => "service-unavailable",
+            ProblemKind::Internal => "internal-error",
+        }
+    }
+
+    /// The title of this kind under a documentation base.
+    fn specific_title(self) -> &'static str {
+        match self {
+            ProblemKind::MissingKey => "Idempotency-Key header missing",
+            ProblemKind::InvalidKey => "Invalid Idempotency-Key header",
+            ProblemKind::KeyReused => "Idempotency key reused with a different request",
+            ProblemKind::InProgress => "Request with this idempotency key in progress",
+            ProblemKind::Unavailable => "Service unavailable",
+            ProblemKind::Internal => "Internal server error",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Settings {
+    base: Option<String>,
+    titles: HashMap<ProblemKind, String>,
+    retry_after: Duration,
+}
+
+/// How the HTTP layer describes its own problems: the `type` URI and
+/// `title` of each [`ProblemKind`], and the `Retry-After` of a 409 or 503.
+///
+/// | setting | default |
+/// | --- | --- |
+/// | `type` | `about:blank`, titled with the status's reason phrase, as RFC 9457 §4.2.1 asks |
+/// | [`documented_at`](Problems::documented_at) | `type` = base + a fixed name per kind, with a specific title |
+/// | [`title`](Problems::title) | per kind, overrides the above |
+/// | [`retry_after`](Problems::retry_after) | 1 second |
+///
+/// The names under a documentation base are `idempotency-key-missing`,
+/// `idempotency-key-invalid`, `idempotency-key-reused`,
+/// `idempotency-key-in-progress`, `service-unavailable` and
+/// `internal-error`.
+///
+/// An API sets its `Problems` once, as a request extension for its routes
+/// (`router.layer(axum::Extension(problems))`);
+/// [`IdempotencyKey`](super::IdempotencyKey) picks it up there (or uses the
+/// default when there is none) and [`run`](super::run) answers with it, so
+/// the key's rejection and the call's failures share one description. A
+/// clone is cheap.
+///
+/// ```
+/// use std::time::Duration;
+/// use axum::http::StatusCode;
+/// use idempotency::http::{ProblemKind, Problems};
+///
+/// let problems = Problems::documented_at("https://docs.example.com/problems/")
+///     .title(ProblemKind::KeyReused, "Key already used")
+///     .retry_after(Duration::from_secs(2));
+///
+/// let problem = problems.problem(ProblemKind::InProgress);
+/// assert_eq!(problem.status(), StatusCode::CONFLICT);
+/// assert_eq!(problem.type_uri(), "https://docs.example.com/problems/idempotency-key-in-progress");
+/// assert_eq!(problem.retry_after(), Some(Duration::from_secs(2)));
+/// assert_eq!(problems.problem(ProblemKind::KeyReused).title(), "Key already used");
+///
+/// let plain = Problems::default().problem(ProblemKind::KeyReused);
+/// assert_eq!((plain.type_uri(), plain.title()), ("about:blank", "Unprocessable Entity"));
+/// ```
+#[derive(Debug, Clone)]
+pub struct Problems {
+    settings: Arc<Settings>,
+}
+
+impl Default for Problems {
+    fn default() -> Self {
+        Problems {
+            settings: Arc::new(Settings {
+                base: None,
+                titles: HashMap::new(),
+                retry_after: Duration::from_secs(1),
+            }),
+        }
+    }
+}
+
+impl Problems {
+    /// Problems whose `type` is `base` followed by the kind's name, such as
+    /// `https://docs.example.com/problems/idempotency-key-reused`; `base`
+    /// usually ends with `/`.
+    pub fn documented_at(base: impl Into<String>) -> Self {
+        let mut problems = Problems::default();
+        Arc::make_mut(&mut problems.settings).base = Some(base.into());
+        problems
+    }
+
+    /// Sets the `title` of one kind of problem.
+    pub fn title(mut self, kind: ProblemKind, title: impl Into<String>) -> Self {
+        Arc::make_mut(&mut self.settings).titles.insert(kind, title.into());
+        self
+    }
+
+    /// Sets the `Retry-After` of a 409 (key in progress) and a 503 (no
+    /// connection free); default 1 second. Match it to how long your
+    /// operations take.
+    pub fn retry_after(mut self, after: Duration) -> Self {
+        Arc::make_mut(&mut self.settings).retry_after = after;
+        self
+    }
+
+    /// The problem of `kind`, without `detail`.
+    pub fn problem(&self, kind: ProblemKind) -> Problem {
+        let settings = &*self.settings;
+        let status = kind.status();
+        let title = match (settings.titles.get(&kind), &settings.base) {
+            (Some(title), _) => title.clone(),
+            (None, Some(_)) => kind.specific_title().to_owned(),
+            (None, None) => status.canonical_reason().unwrap_or_default().to_owned(),
+        };
+        let mut problem = Problem::new(status, title);
+        if let Some(base) = &settings.base {
+            problem = problem.with_type(format!("{base}{}", kind.slug()));
+        }
+        match kind {
+            ProblemKind::InProgress | ProblemKind::Unavailable => problem.with_retry_after(settings.retry_after),
+            _ => problem,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_is_rounded_up_to_whole_seconds() {
+        let response = Problem::new(StatusCode::CONFLICT, "Conflict")
+            .with_retry_after(Duration::from_millis(1500))
+            .into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "2");
+    }
+
+    #[test]
+    fn only_in_progress_and_unavailable_ask_for_a_retry() {
+        let problems = Problems::default();
+        assert!(problems.problem(ProblemKind::InProgress).retry_after().is_some());
+        assert!(problems.problem(ProblemKind::Unavailable).retry_after().is_some());
+        assert!(problems.problem(ProblemKind::KeyReused).retry_after().is_none());
+        assert!(problems.problem(ProblemKind::Internal).retry_after().is_none());
+    }
+
+    #[test]
+    fn body_has_the_rfc_9457_members_only() {
+        let problem = Problem::new(StatusCode::BAD_REQUEST, "Bad Request")
+            .with_detail("why")
+            .with_retry_after(Duration::from_secs(1));
+        let body = serde_json::to_value(&problem).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"type": "about:blank", "title": "Bad Request", "status": 400, "detail": "why"})
+        );
+    }
+}

@@ -1,0 +1,773 @@
+//! The HTTP layer driven by a real client over TCP on 127.0.0.1: the order
+//! service of `examples/http_orders.rs` served in this process on each
+//! backend, the compiled example binary end to end, and the parts of
+//! `idempotency::http` the service does not use.
+//!
+//! Most tests serve the example's router in the test process: they can then
+//! hold an order's transaction open (a hook the binary does not set) and
+//! watch the handler being dropped. The binary tests run the program that
+//! `cargo test` builds next to this test, with the same features, so that
+//! what users start is tested too.
+
+// The binary's `main` and command line are unused here but for one test.
+#[allow(dead_code)]
+#[path = "../examples/http_orders.rs"]
+mod http_orders;
+mod http_support;
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use axum::extract::{FromRequestParts, State};
+use axum::http::{Request, StatusCode, request::Parts};
+use axum::middleware::Next;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::{Extension, Router};
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use diesel::r2d2::{ConnectionManager, Pool};
+use http_orders::Settings;
+use http_support::*;
+use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse};
+use idempotency::{Config, InFlight, Outcome};
+use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::mpsc;
+use tower::ServiceExt;
+
+const BODY: &str = r#"{"item": "book", "quantity": 2}"#;
+
+/// Expands each named test body (an `async fn(Backend)` below) into a test
+/// per backend: `sqlite::name` and, with the `postgres` feature,
+/// `postgres::name`.
+macro_rules! on_every_backend {
+    ($($test:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(super::Backend::Sqlite).await;
+                }
+            )*
+        }
+        #[cfg(feature = "postgres")]
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(super::Backend::Postgres).await;
+                }
+            )*
+        }
+    };
+}
+
+on_every_backend!(
+    lost_response_is_replayed_with_the_first_status_body_and_location,
+    concurrent_posts_with_one_key_place_one_order,
+    duplicate_in_progress_is_409_with_retry_after_then_replays,
+    client_gone_mid_request_commits_once_and_the_retry_replays,
+    panic_in_the_operation_is_500_and_commits_nothing,
+    missing_key_is_400,
+    two_key_headers_are_400,
+    malformed_keys_and_keys_breaking_the_rules_are_400,
+    quoted_and_bare_keys_are_one_key,
+    reuse_with_another_body_is_422,
+    missing_or_malformed_credentials_are_401,
+    accounts_neither_see_nor_replay_each_other,
+    validation_failure_leaves_the_key_free,
+    bad_bodies_are_refused_without_echo_and_leave_the_key_free,
+    example_binary_serves_the_lost_response_story_and_stops_on_sigterm,
+);
+
+async fn lost_response_is_replayed_with_the_first_status_body_and_location(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let (proxy, lost) = losing_proxy(server.addr()).await;
+
+    let sent = post_order(&client, &format!("http://{proxy}"), "acct-1", &[r#""lost-1""#], BODY)
+        .send()
+        .await;
+    assert!(sent.is_err(), "the response was lost on its way: {sent:?}");
+    let first = lost.await.expect("the proxy saw the response");
+    assert_eq!(first.status, 201);
+    assert_eq!(first.header("idempotent-replayed"), None);
+
+    let retry = send(post_order(&client, &server.url(""), "acct-1", &[r#""lost-1""#], BODY)).await;
+    assert_eq!(retry.status, first.status);
+    assert_eq!(retry.location.as_deref(), first.header("location"));
+    assert_eq!(retry.content_type.as_deref(), first.header("content-type"));
+    let first_body: Value = serde_json::from_slice(&first.body).expect("a JSON body");
+    assert_eq!(retry.body, first_body);
+    assert_eq!(retry.replayed.as_deref(), Some("true"));
+    let id = &retry.body["id"];
+    assert_eq!(retry.body, json!({"id": id, "item": "book", "quantity": 2}));
+    assert_eq!(retry.location, Some(format!("/orders/{id}")));
+    assert_eq!(db.order_count().await, 1);
+}
+
+async fn concurrent_posts_with_one_key_place_one_order(backend: Backend) {
+    const CLIENTS: usize = 32;
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let barrier = Arc::new(tokio::sync::Barrier::new(CLIENTS));
+    let mut requests = tokio::task::JoinSet::new();
+    for _ in 0..CLIENTS {
+        let request = post_order(&client, &server.url(""), "acct-1", &["race-1"], BODY);
+        let barrier = barrier.clone();
+        requests.spawn(async move {
+            barrier.wait().await;
+            send(request).await
+        });
+    }
+    let answers = requests.join_all().await;
+
+    for answer in &answers {
+        assert_eq!(answer.status, 201, "{answer:?}");
+        assert_eq!(answer.body, answers[0].body);
+        assert_eq!(answer.location, answers[0].location);
+    }
+    let executed = answers.iter().filter(|a| a.replayed.is_none()).count();
+    assert_eq!(executed, 1, "one request executed, the others replayed");
+    assert_eq!(db.order_count().await, 1);
+}
+
+async fn duplicate_in_progress_is_409_with_retry_after_then_replays(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let (mut gate, hook) = Gate::new();
+    let settings = Settings {
+        in_flight: InFlight::Reject,
+        before_commit: Some(hook),
+    };
+    let server = Server::start(&db, settings).await;
+    let client = client();
+    let post = || post_order(&client, &server.url(""), "acct-1", &["slow-1"], BODY);
+
+    let first = tokio::spawn(send(post()));
+    gate.wait_entered().await;
+    let duplicate = send(post()).await.assert_problem(409);
+    assert_eq!(duplicate.retry_after.as_deref(), Some("1"));
+    assert!(
+        duplicate.body["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("/idempotency-key-in-progress")
+    );
+
+    gate.release();
+    let first = first.await.expect("the first request");
+    assert_eq!((first.status, first.replayed.as_deref()), (201, None));
+    let later = send(post()).await;
+    assert_eq!((later.status, later.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(later.body, first.body);
+    assert_eq!(db.order_count().await, 1);
+}
+
+/// Sends a message when dropped unless disarmed: tells whether a handler's
+/// future ran to its end.
+struct DroppedEarly(Option<mpsc::UnboundedSender<()>>);
+
+impl DroppedEarly {
+    /// The future ran to its end.
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for DroppedEarly {
+    fn drop(&mut self) {
+        if let Some(dropped) = self.0.take() {
+            let _ = dropped.send(());
+        }
+    }
+}
+
+async fn client_gone_mid_request_commits_once_and_the_retry_replays(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let (mut gate, hook) = Gate::new();
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
+    let watch_handlers = move |router: Router| {
+        router.layer(axum::middleware::from_fn(move |request, next: Next| {
+            let mut guard = DroppedEarly(Some(dropped_tx.clone()));
+            async move {
+                let response = next.run(request).await;
+                guard.disarm();
+                response
+            }
+        }))
+    };
+    let settings = Settings {
+        before_commit: Some(hook),
+        ..Settings::default()
+    };
+    let server = Server::start_with(&db, settings, watch_handlers).await;
+
+    let mut connection = tokio::net::TcpStream::connect(server.addr()).await.expect("connect");
+    let request = format!(
+        "POST /orders HTTP/1.1\r\nhost: {}\r\nauthorization: Bearer acct-1\r\nidempotency-key: gone-1\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{BODY}",
+        server.addr(),
+        BODY.len()
+    );
+    connection
+        .write_all(request.as_bytes())
+        .await
+        .expect("send the request");
+    gate.wait_entered().await;
+    drop(connection);
+    tokio::time::timeout(PATIENCE, dropped.recv())
+        .await
+        .expect("the server dropped the handler of the departed client");
+
+    // Only now may the transaction commit: its handler is gone.
+    gate.release();
+    let client = client();
+    let retry = send(post_order(&client, &server.url(""), "acct-1", &["gone-1"], BODY)).await;
+    assert_eq!((retry.status, retry.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(db.order_count().await, 1);
+    assert_eq!(db.key_count().await, 1);
+}
+
+async fn panic_in_the_operation_is_500_and_commits_nothing(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let panicked = Arc::new(AtomicBool::new(false));
+    let hook = {
+        let panicked = panicked.clone();
+        move || {
+            if !panicked.swap(true, Ordering::SeqCst) {
+                panic!("the operation fails after writing the order");
+            }
+        }
+    };
+    let settings = Settings {
+        before_commit: Some(Arc::new(hook)),
+        ..Settings::default()
+    };
+    let server = Server::start(&db, settings).await;
+    let client = client();
+    let post = || post_order(&client, &server.url(""), "acct-1", &["panic-1"], BODY);
+
+    let failed = send(post()).await.assert_problem(500);
+    assert!(!failed.body.to_string().contains("fails after"), "{failed:?}");
+    assert_eq!(db.order_count().await, 0);
+    assert_eq!(db.key_count().await, 0);
+
+    let retry = send(post()).await;
+    assert_eq!((retry.status, retry.replayed.as_deref()), (201, None));
+    assert_eq!(db.order_count().await, 1);
+}
+
+async fn missing_key_is_400(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let answer = send(post_order(&client(), &server.url(""), "acct-1", &[], BODY))
+        .await
+        .assert_problem(400);
+    assert_eq!(
+        answer.body["type"],
+        "https://orders.example/problems/idempotency-key-missing"
+    );
+    assert_eq!(db.order_count().await, 0);
+}
+
+async fn two_key_headers_are_400(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    for keys in [["a-1", "a-2"], ["a-1", "a-1"]] {
+        let answer = send(post_order(&client, &server.url(""), "acct-1", &keys, BODY))
+            .await
+            .assert_problem(400);
+        assert_eq!(
+            answer.body["type"],
+            "https://orders.example/problems/idempotency-key-invalid"
+        );
+    }
+    assert_eq!(db.order_count().await, 0);
+}
+
+async fn malformed_keys_and_keys_breaking_the_rules_are_400(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let too_long = "k".repeat(256);
+    for key in [
+        r#""unterminated"#,
+        r#""bad \n escape""#,
+        r#""k-1";Bad=1"#,
+        r#""k-1" trailing"#,
+        "two words",
+        r#""""#,
+        r#""with space""#,
+        "4111111111111111",
+        &too_long,
+    ] {
+        let answer = send(post_order(&client, &server.url(""), "acct-1", &[key], BODY))
+            .await
+            .assert_problem(400);
+        let detail = answer.body["detail"].as_str().expect("a detail");
+        let bare = key.trim_matches('"');
+        assert!(
+            bare.is_empty() || !detail.contains(bare),
+            "the key is not echoed: {detail}"
+        );
+    }
+    assert_eq!(db.order_count().await, 0);
+    assert_eq!(db.key_count().await, 0);
+}
+
+async fn quoted_and_bare_keys_are_one_key(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let first = send(post_order(&client, &server.url(""), "acct-1", &[r#""k-7""#], BODY)).await;
+    assert_eq!((first.status, first.replayed.as_deref()), (201, None));
+    for spelling in ["k-7", r#""k-7";v=1"#, r#" "k-7" "#] {
+        let again = send(post_order(&client, &server.url(""), "acct-1", &[spelling], BODY)).await;
+        assert_eq!(again.replayed.as_deref(), Some("true"), "{spelling}");
+        assert_eq!((again.status, &again.body), (201, &first.body), "{spelling}");
+    }
+    assert_eq!(db.order_count().await, 1);
+}
+
+async fn reuse_with_another_body_is_422(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let first = send(post_order(&client, &server.url(""), "acct-1", &["k-8"], BODY)).await;
+    assert_eq!(first.status, 201);
+
+    let other = r#"{"item": "book", "quantity": 3}"#;
+    let reused = send(post_order(&client, &server.url(""), "acct-1", &["k-8"], other))
+        .await
+        .assert_problem(422);
+    assert_eq!(
+        reused.body["type"],
+        "https://orders.example/problems/idempotency-key-reused"
+    );
+    assert!(!reused.body.to_string().contains("book"), "{reused:?}");
+
+    // The first result stays replayable.
+    let again = send(post_order(&client, &server.url(""), "acct-1", &["k-8"], BODY)).await;
+    assert_eq!((again.status, again.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(db.order_count().await, 1);
+}
+
+async fn missing_or_malformed_credentials_are_401(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let without = client
+        .post(server.url("/orders"))
+        .header("idempotency-key", "k-9")
+        .header("content-type", "application/json")
+        .body(BODY);
+    let answer = Answer::of(without.send().await.expect("send"))
+        .await
+        .assert_problem(401);
+    assert_eq!(answer.body["type"], "https://orders.example/problems/unauthorized");
+    for authorization in ["Basic YWxhZGRpbjpvcGVuc2VzYW1l", "Bearer", "Bearer ", "bearer a b"] {
+        let request = client
+            .post(server.url("/orders"))
+            .header("authorization", authorization)
+            .header("idempotency-key", "k-9")
+            .header("content-type", "application/json")
+            .body(BODY);
+        let response = request.send().await.expect("send");
+        assert_eq!(response.headers()["www-authenticate"], "Bearer", "{authorization}");
+        Answer::of(response).await.assert_problem(401);
+    }
+    let listing = client.get(server.url("/orders")).send().await.expect("send");
+    Answer::of(listing).await.assert_problem(401);
+    assert_eq!(db.order_count().await, 0);
+}
+
+async fn accounts_neither_see_nor_replay_each_other(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let alice = send(post_order(&client, &server.url(""), "alice", &["shared-1"], BODY)).await;
+    assert_eq!(alice.status, 201);
+
+    // Same key, same body, another account: its own order, not a replay.
+    let bob = send(post_order(&client, &server.url(""), "bob", &["shared-1"], BODY)).await;
+    assert_eq!((bob.status, bob.replayed.as_deref()), (201, None));
+    assert_ne!(bob.body["id"], alice.body["id"]);
+    // Same key, another body: no mismatch with alice's request either.
+    let other = r#"{"item": "pen", "quantity": 1}"#;
+    let bob_again = send(post_order(&client, &server.url(""), "mallory", &["shared-1"], other)).await;
+    assert_eq!((bob_again.status, bob_again.replayed.as_deref()), (201, None));
+
+    let alice_order = alice.location.as_deref().expect("a location");
+    let peek = client.get(server.url(alice_order)).bearer_auth("bob");
+    send(peek).await.assert_problem(404);
+    let own = send(client.get(server.url(alice_order)).bearer_auth("alice")).await;
+    assert_eq!((own.status, &own.body), (200, &alice.body));
+    let listed = send(client.get(server.url("/orders")).bearer_auth("bob")).await;
+    assert_eq!(listed.body, json!([bob.body]));
+    send(client.get(server.url("/orders/not-a-number")).bearer_auth("bob"))
+        .await
+        .assert_problem(404);
+    assert_eq!(db.order_count().await, 3);
+}
+
+async fn validation_failure_leaves_the_key_free(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let zero = r#"{"item": "book", "quantity": 0}"#;
+    let refused = send(post_order(&client, &server.url(""), "acct-1", &["fix-1"], zero))
+        .await
+        .assert_problem(422);
+    assert_eq!(refused.body["type"], "https://orders.example/problems/invalid-order");
+    assert_eq!(db.order_count().await, 0);
+    assert_eq!(db.key_count().await, 0);
+
+    let corrected = send(post_order(&client, &server.url(""), "acct-1", &["fix-1"], BODY)).await;
+    assert_eq!((corrected.status, corrected.replayed.as_deref()), (201, None));
+    assert_eq!(corrected.body["quantity"], 2);
+    assert_eq!(db.order_count().await, 1);
+}
+
+async fn bad_bodies_are_refused_without_echo_and_leave_the_key_free(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let nested = format!(
+        r#"{{"item": {}"secret-123"{}, "quantity": 1}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    let cases = [
+        (r#"{"item": "secret-123", "quantity": "#.to_owned(), 400),
+        (r#"{"item": "secret-123"}"#.to_owned(), 422),
+        (r#"{"item": "x", "quantity": "secret-123"}"#.to_owned(), 422),
+        (
+            r#"{"item": "x", "quantity": 1.5, "note": "secret-123"}"#.to_owned(),
+            422,
+        ),
+        (r#"{"item": "x", "quantity": 1, "note": "secret-123"}"#.to_owned(), 422),
+        (nested, 422),
+        (
+            format!(r#"{{"item": "secret-123{}", "quantity": 1}}"#, "x".repeat(10 << 20)),
+            413,
+        ),
+    ];
+    for (body, status) in cases {
+        let answer = send(post_order(&client, &server.url(""), "acct-1", &["body-1"], &body))
+            .await
+            .assert_problem(status);
+        assert!(!answer.body.to_string().contains("secret-123"), "{answer:?}");
+    }
+    let no_type = client
+        .post(server.url("/orders"))
+        .bearer_auth("acct-1")
+        .header("idempotency-key", "body-1")
+        .body(BODY);
+    send(no_type).await.assert_problem(415);
+    assert_eq!(db.order_count().await, 0);
+    assert_eq!(db.key_count().await, 0);
+
+    let corrected = send(post_order(&client, &server.url(""), "acct-1", &["body-1"], BODY)).await;
+    assert_eq!((corrected.status, corrected.replayed.as_deref()), (201, None));
+}
+
+async fn example_binary_serves_the_lost_response_story_and_stops_on_sigterm(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let args = [
+        "--addr",
+        "127.0.0.1:0",
+        "--database",
+        db.database(),
+        "--in-flight-wait",
+        "2000",
+    ];
+    let service = ExampleProcess::start(args.iter().map(|arg| arg.to_string()).collect()).await;
+    let client = client();
+
+    let (proxy, lost) = losing_proxy(service.addr()).await;
+    let sent = post_order(&client, &format!("http://{proxy}"), "acct-1", &["bin-1"], BODY)
+        .send()
+        .await;
+    assert!(sent.is_err(), "the response was lost on its way: {sent:?}");
+    let first = lost.await.expect("the proxy saw the response");
+    assert_eq!(first.status, 201);
+
+    let retry = send(post_order(&client, &service.base, "acct-1", &["bin-1"], BODY)).await;
+    assert_eq!((retry.status, retry.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(retry.location.as_deref(), first.header("location"));
+    assert_eq!(retry.body, serde_json::from_slice::<Value>(&first.body).expect("JSON"));
+    let other = r#"{"item": "book", "quantity": 5}"#;
+    send(post_order(&client, &service.base, "acct-1", &["bin-1"], other))
+        .await
+        .assert_problem(422);
+    send(client.get(format!("{}/orders", service.base)))
+        .await
+        .assert_problem(401);
+
+    let (success, more_output) = service.terminate().await;
+    assert!(success, "the service exits with success on SIGTERM");
+    assert_eq!(more_output, "", "one line on stdout, no more");
+    assert_eq!(db.order_count().await, 1);
+}
+
+#[test]
+fn in_flight_wait_zero_rejects_at_once() {
+    let args = |list: &[&str]| http_orders::parse_args(list.iter().map(|arg| arg.to_string()));
+    assert_eq!(
+        args(&["--in-flight-wait", "0"]).expect("parse").in_flight,
+        InFlight::Reject
+    );
+    assert_eq!(
+        args(&[]).expect("parse").in_flight,
+        InFlight::Wait(chrono::Duration::seconds(5))
+    );
+    assert!(args(&["--in-flight-wait", "-1"]).is_err());
+    assert!(args(&["--port", "80"]).is_err());
+}
+
+/// The parts of `idempotency::http` that the service leaves out, on a
+/// small router of their own.
+mod library {
+    use super::*;
+
+    /// Anyone is one caller, the `public` scope.
+    struct Anyone;
+
+    impl<S: Sync> FromRequestParts<S> for Anyone {
+        type Rejection = StatusCode;
+
+        async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+            Ok(Anyone)
+        }
+    }
+
+    impl Caller for Anyone {
+        fn scope(&self) -> Cow<'_, str> {
+            Cow::Borrowed("public")
+        }
+    }
+
+    #[derive(Clone)]
+    struct Notes {
+        pool: SqlitePool,
+        config: Config,
+    }
+
+    type NoteResponse = Result<Outcome<StoredResponse<i64>>, Failure<Problem>>;
+
+    fn add_note(conn: &mut SqliteConnection) -> Result<StoredResponse<i64>, Problem> {
+        diesel::sql_query("INSERT INTO notes DEFAULT VALUES")
+            .execute(conn)
+            .map_err(|_| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"))?;
+        let count = diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM notes")
+            .get_result(conn)
+            .map_err(|_| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"))?;
+        Ok(StoredResponse::new(StatusCode::CREATED, count))
+    }
+
+    /// Idempotent with a key, plain without one.
+    async fn post_note(State(notes): State<Notes>, key: Option<IdempotencyKey<Anyone>>) -> axum::response::Response {
+        match key {
+            Some(key) => {
+                let outcome: NoteResponse =
+                    http::run(&notes.pool, &notes.config, &key, (), |conn, ()| add_note(conn)).await;
+                outcome.into_response()
+            }
+            None => {
+                let pool = notes.pool.clone();
+                let added = tokio::task::spawn_blocking(move || add_note(&mut pool.get().expect("a connection")));
+                added.await.expect("no panic").into_response()
+            }
+        }
+    }
+
+    type SqlitePool = Pool<ConnectionManager<SqliteConnection>>;
+
+    fn notes_app(db: &idempotency::testing::SqliteFile, pool_size: u32, config: Config) -> (Router, SqlitePool) {
+        db.conn()
+            .batch_execute("CREATE TABLE IF NOT EXISTS notes (id INTEGER PRIMARY KEY)")
+            .expect("create notes");
+        let pool = Pool::builder()
+            .max_size(pool_size)
+            .connection_timeout(Duration::from_millis(200))
+            .build(ConnectionManager::new(db.path().to_str().expect("utf-8 path")))
+            .expect("a pool");
+        let app = Router::new().route("/notes", post(post_note)).with_state(Notes {
+            pool: pool.clone(),
+            config,
+        });
+        (app, pool)
+    }
+
+    fn note(key: Option<&str>) -> Request<axum::body::Body> {
+        let mut request = Request::post("/notes");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        request.body(axum::body::Body::empty()).expect("a request")
+    }
+
+    async fn answer(app: &Router, request: Request<axum::body::Body>) -> (StatusCode, Option<String>, Value) {
+        let response = app.clone().oneshot(request).await.expect("infallible");
+        let status = response.status();
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .map(|v| v.to_str().expect("ascii").to_owned())
+        };
+        let extra = header("idempotent-replayed").or_else(|| header("retry-after"));
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("a body");
+        (status, extra, serde_json::from_slice(&body).expect("JSON"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn optional_key_runs_plain_without_and_idempotent_with_it() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, _) = notes_app(&db, 2, Config::default());
+        assert_eq!(answer(&app, note(None)).await, (StatusCode::CREATED, None, json!(1)));
+        assert_eq!(answer(&app, note(None)).await, (StatusCode::CREATED, None, json!(2)));
+        assert_eq!(
+            answer(&app, note(Some("n-1"))).await,
+            (StatusCode::CREATED, None, json!(3))
+        );
+        let replay = answer(&app, note(Some("n-1"))).await;
+        assert_eq!(replay, (StatusCode::CREATED, Some("true".to_owned()), json!(3)));
+        // Present but broken is refused, not taken for absent.
+        assert_eq!(answer(&app, note(Some(r#""n-1"#))).await.0, StatusCode::BAD_REQUEST);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn problems_follow_the_settings_of_the_api() {
+        let db = idempotency::testing::SqliteFile::new();
+        let problems = Problems::documented_at("https://api.example/errors/")
+            .title(ProblemKind::InProgress, "Busy with this key")
+            .retry_after(Duration::from_secs(3));
+        let (app, _) = notes_app(&db, 2, Config::default().in_flight(InFlight::Reject));
+        let app = app.layer(Extension(problems));
+
+        let (status, _, body) = answer(&app, note(Some(""))).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(body["type"], "https://api.example/errors/idempotency-key-invalid");
+        assert_eq!(body["title"], "Invalid Idempotency-Key header");
+
+        // Another connection holds SQLite's write lock: the key cannot be
+        // claimed, and the policy rejects at once.
+        let mut holder = db.conn();
+        holder.batch_execute("BEGIN IMMEDIATE").expect("take the write lock");
+        let (status, retry_after, body) = answer(&app, note(Some("n-2"))).await;
+        holder.batch_execute("ROLLBACK").expect("release the write lock");
+        assert_eq!(status, StatusCode::CONFLICT);
+        assert_eq!(retry_after.as_deref(), Some("3"));
+        assert_eq!(body["type"], "https://api.example/errors/idempotency-key-in-progress");
+        assert_eq!(body["title"], "Busy with this key");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_free_connection_is_503_with_retry_after() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, pool) = notes_app(&db, 1, Config::default());
+        let held = pool.get().expect("the pool's one connection");
+        let (status, retry_after, body) = answer(&app, note(Some("n-3"))).await;
+        drop(held);
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(retry_after.as_deref(), Some("1"));
+        assert_eq!(body["type"], "about:blank");
+        assert_eq!(body["title"], "Service Unavailable");
+        assert_eq!(answer(&app, note(Some("n-3"))).await.0, StatusCode::CREATED);
+    }
+
+    /// A payment provider that deduplicates on its key, fails its first
+    /// call when told to, and records every key it applied.
+    #[derive(Clone, Default)]
+    struct Provider {
+        fail_first: Arc<AtomicBool>,
+        applied: Arc<std::sync::Mutex<Vec<String>>>,
+    }
+
+    impl Provider {
+        fn charge(&self, provider_key: &str) -> Result<String, Problem> {
+            if self.fail_first.swap(false, Ordering::SeqCst) {
+                return Err(Problem::new(StatusCode::BAD_GATEWAY, "Bad Gateway"));
+            }
+            let mut applied = self.applied.lock().expect("no panic while locked");
+            if !applied.iter().any(|key| key == provider_key) {
+                applied.push(provider_key.to_owned());
+            }
+            Ok(format!("ch_{}", &provider_key[..12]))
+        }
+    }
+
+    #[derive(Clone)]
+    struct Charges {
+        pool: SqlitePool,
+        provider: Provider,
+    }
+
+    async fn post_charge(State(charges): State<Charges>, key: IdempotencyKey<Anyone>) -> axum::response::Response {
+        let provider = charges.provider.clone();
+        let phased = idempotency::phased::Phased::new("charge");
+        let outcome: Result<Outcome<StoredResponse<(i64, String)>>, Failure<Problem>> =
+            http::run_phased(&charges.pool, &phased, &key, 20_00, move |s, _cents| {
+                let note = s.phase("noted", |tx| add_note(tx).map(|response| *response.body()))?;
+                let charge = s.call("charged", |provider_key| provider.charge(provider_key))?;
+                s.finish(|_| Ok(StoredResponse::new(StatusCode::CREATED, (note, charge))))
+            })
+            .await;
+        outcome.into_response()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn phased_operation_resumes_and_replays_over_http() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (_, pool) = notes_app(&db, 2, Config::default());
+        let provider = Provider::default();
+        provider.fail_first.store(true, Ordering::SeqCst);
+        let app = Router::new().route("/charges", post(post_charge)).with_state(Charges {
+            pool,
+            provider: provider.clone(),
+        });
+        let charge = || {
+            Request::post("/charges")
+                .header("idempotency-key", "charge-1")
+                .body(axum::body::Body::empty())
+                .expect("a request")
+        };
+
+        // The provider fails: the operation's own error, its first phase kept.
+        let (status, _, _) = answer(&app, charge()).await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+        // The retry resumes after the first phase and calls again.
+        let (status, replayed, first) = answer(&app, charge()).await;
+        assert_eq!((status, replayed), (StatusCode::CREATED, None));
+        assert_eq!(first[0], json!(1), "the first phase ran once");
+        let (status, replayed, again) = answer(&app, charge()).await;
+        assert_eq!(
+            (status, replayed.as_deref(), &again),
+            (StatusCode::CREATED, Some("true"), &first)
+        );
+        assert_eq!(
+            provider.applied.lock().expect("no panic").len(),
+            1,
+            "one charge applied"
+        );
+        let notes: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM notes")
+            .get_result(&mut db.conn())
+            .expect("count notes");
+        assert_eq!(notes, 1);
+    }
+
+    #[test]
+    fn failure_is_an_error_that_crosses_threads() {
+        fn assert_error<E: std::error::Error + Send + Sync + 'static>() {}
+        assert_error::<Failure<std::io::Error>>();
+    }
+}

@@ -1,0 +1,494 @@
+//! What the HTTP tests stand on: a database per test on either backend, the
+//! order service served on 127.0.0.1, a client, a proxy that loses
+//! responses, the compiled example binary, and a gate that holds an order's
+//! transaction open.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+#[cfg(feature = "postgres")]
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+#[cfg(feature = "postgres")]
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::http_orders::{self, Settings};
+
+/// How long a test waits for something that a healthy run does in
+/// milliseconds; only a hanging test reaches it.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    #[cfg(feature = "postgres")]
+    Postgres,
+}
+
+/// A database of one test: a SQLite file in a temporary directory, or a
+/// PostgreSQL schema of its own in the database of `DATABASE_URL`, reached
+/// through `search_path` and dropped afterwards.
+pub enum TestDb {
+    Sqlite {
+        _dir: tempfile::TempDir,
+        path: String,
+    },
+    #[cfg(feature = "postgres")]
+    Postgres {
+        base_url: String,
+        schema: String,
+        url: String,
+    },
+}
+
+/// A name no other test, in this process or another, is using.
+#[cfg(feature = "postgres")]
+fn unique_name(prefix: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!(
+        "{prefix}_{}_{}_{nanos}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl TestDb {
+    pub async fn new(backend: Backend) -> TestDb {
+        tokio::task::spawn_blocking(move || TestDb::create(backend))
+            .await
+            .expect("create the test database")
+    }
+
+    fn create(backend: Backend) -> TestDb {
+        match backend {
+            Backend::Sqlite => {
+                let dir = tempfile::tempdir().expect("create a temporary directory");
+                let path = dir.path().join("orders.db").to_str().expect("utf-8 path").to_owned();
+                TestDb::Sqlite { _dir: dir, path }
+            }
+            #[cfg(feature = "postgres")]
+            Backend::Postgres => {
+                let base_url = std::env::var("DATABASE_URL").expect(
+                    "the postgres tests need DATABASE_URL, e.g. \
+                     DATABASE_URL=postgres://postgres@127.0.0.1:5432/test cargo test --features axum,postgres",
+                );
+                let schema = unique_name("idem_http");
+                let separator = if base_url.contains('?') { '&' } else { '?' };
+                let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
+                PgConnection::establish(&base_url)
+                    .expect("connect to DATABASE_URL")
+                    .batch_execute(&format!("CREATE SCHEMA {schema}"))
+                    .expect("create the test schema");
+                TestDb::Postgres { base_url, schema, url }
+            }
+        }
+    }
+
+    /// What the service's `--database` takes.
+    pub fn database(&self) -> &str {
+        match self {
+            TestDb::Sqlite { path, .. } => path,
+            #[cfg(feature = "postgres")]
+            TestDb::Postgres { url, .. } => url,
+        }
+    }
+
+    /// How many rows `table` has, all accounts together.
+    pub async fn count(&self, table: &'static str) -> i64 {
+        #[derive(QueryableByName)]
+        struct Count {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        let query = diesel::sql_query(format!("SELECT count(*) AS n FROM {table}"));
+        let database = self.database().to_owned();
+        let count = match self {
+            TestDb::Sqlite { .. } => tokio::task::spawn_blocking(move || {
+                let mut conn = SqliteConnection::establish(&database).expect("open the test database");
+                query.get_result::<Count>(&mut conn).expect("count rows")
+            }),
+            #[cfg(feature = "postgres")]
+            TestDb::Postgres { .. } => tokio::task::spawn_blocking(move || {
+                let mut conn = PgConnection::establish(&database).expect("connect to the test schema");
+                query.get_result::<Count>(&mut conn).expect("count rows")
+            }),
+        };
+        count.await.expect("count rows").n
+    }
+
+    pub async fn order_count(&self) -> i64 {
+        self.count("orders").await
+    }
+
+    pub async fn key_count(&self) -> i64 {
+        self.count("idempotency_keys").await
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        #[cfg(feature = "postgres")]
+        if let TestDb::Postgres { base_url, schema, .. } = self {
+            if let Ok(mut admin) = PgConnection::establish(base_url) {
+                let _ = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
+            }
+        }
+    }
+}
+
+/// The order service, served in this process on 127.0.0.1 on a free port.
+pub struct Server {
+    addr: SocketAddr,
+    _stop: oneshot::Sender<()>,
+}
+
+impl Server {
+    pub async fn start(db: &TestDb, settings: Settings) -> Server {
+        Server::start_with(db, settings, |router| router).await
+    }
+
+    /// Serves the service's routes as `wrap` changes them.
+    pub async fn start_with(db: &TestDb, settings: Settings, wrap: impl FnOnce(Router) -> Router) -> Server {
+        let database = db.database().to_owned();
+        let service = tokio::task::spawn_blocking(move || http_orders::service(&database, settings))
+            .await
+            .expect("start the service")
+            .expect("open the service's database");
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("listen on a free port");
+        let addr = listener.local_addr().expect("the listening address");
+        let (stop, stopped) = oneshot::channel::<()>();
+        let router = wrap(service.router);
+        tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async {
+                    let _ = stopped.await;
+                })
+                .await
+                .expect("serve");
+        });
+        Server { addr, _stop: stop }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+}
+
+/// A client over keep-alive connections, without proxies from the
+/// environment.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(PATIENCE)
+        .build()
+        .expect("build a client")
+}
+
+/// `POST /orders` as `account` with the given `Idempotency-Key` fields and
+/// a JSON body.
+pub fn post_order(
+    client: &reqwest::Client,
+    base: &str,
+    account: &str,
+    keys: &[&str],
+    body: &str,
+) -> reqwest::RequestBuilder {
+    let mut request = client
+        .post(format!("{base}/orders"))
+        .bearer_auth(account)
+        .header("content-type", "application/json")
+        .body(body.to_owned());
+    for key in keys {
+        request = request.header("idempotency-key", *key);
+    }
+    request
+}
+
+/// A response as the tests compare them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answer {
+    pub status: u16,
+    pub location: Option<String>,
+    pub content_type: Option<String>,
+    pub replayed: Option<String>,
+    pub retry_after: Option<String>,
+    pub body: serde_json::Value,
+}
+
+impl Answer {
+    pub async fn of(response: reqwest::Response) -> Answer {
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .map(|value| value.to_str().expect("an ascii header").to_owned())
+        };
+        let (location, content_type) = (header("location"), header("content-type"));
+        let (replayed, retry_after) = (header("idempotent-replayed"), header("retry-after"));
+        let status = response.status().as_u16();
+        let text = response.text().await.expect("read the body");
+        let body = if text.is_empty() {
+            serde_json::Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or_else(|error| panic!("a JSON body, got {text:?}: {error}"))
+        };
+        Answer {
+            status,
+            location,
+            content_type,
+            replayed,
+            retry_after,
+            body,
+        }
+    }
+
+    /// Asserts a problem+json answer of `status` and returns it.
+    pub fn assert_problem(self, status: u16) -> Answer {
+        assert_eq!(self.status, status, "{self:?}");
+        assert_eq!(
+            self.content_type.as_deref(),
+            Some("application/problem+json"),
+            "{self:?}"
+        );
+        assert_eq!(self.body["status"], status, "{self:?}");
+        assert!(
+            self.body["type"].is_string() && self.body["title"].is_string(),
+            "{self:?}"
+        );
+        self
+    }
+}
+
+/// Sends `request` and reads the answer.
+pub async fn send(request: reqwest::RequestBuilder) -> Answer {
+    Answer::of(request.send().await.expect("send the request")).await
+}
+
+/// A response as a proxy saw it on the wire.
+#[derive(Debug)]
+pub struct RawResponse {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl RawResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Reads one HTTP/1.1 message with a `Content-Length` body from `stream`:
+/// its head and its body.
+async fn read_message(stream: &mut TcpStream) -> (String, Vec<u8>) {
+    let mut buffer = Vec::new();
+    let mut chunk = [0u8; 8192];
+    let head_end = loop {
+        if let Some(at) = buffer.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at + 4;
+        }
+        let n = stream.read(&mut chunk).await.expect("read a message");
+        assert!(n > 0, "the peer closed before the end of the message head");
+        buffer.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8(buffer[..head_end].to_vec()).expect("an ascii head");
+    let length: usize = head
+        .lines()
+        .find_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse().expect("a content length"))
+        })
+        .unwrap_or(0);
+    let mut body = buffer[head_end..].to_vec();
+    while body.len() < length {
+        let n = stream.read(&mut chunk).await.expect("read a body");
+        assert!(n > 0, "the peer closed before the end of the body");
+        body.extend_from_slice(&chunk[..n]);
+    }
+    (head, body)
+}
+
+/// A proxy on 127.0.0.1 for one request: it forwards the request to
+/// `upstream`, reads the whole response, and closes the client's connection
+/// without sending any of it. The task returns the lost response.
+pub async fn losing_proxy(upstream: SocketAddr) -> (SocketAddr, tokio::task::JoinHandle<RawResponse>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("listen for the proxy");
+    let addr = listener.local_addr().expect("the proxy's address");
+    let task = tokio::spawn(async move {
+        let (mut client, _) = listener.accept().await.expect("accept the client");
+        let (head, body) = read_message(&mut client).await;
+        let mut server = TcpStream::connect(upstream).await.expect("connect to the service");
+        server.write_all(head.as_bytes()).await.expect("forward the head");
+        server.write_all(&body).await.expect("forward the body");
+        let (head, body) = read_message(&mut server).await;
+        drop(client);
+        let mut lines = head.lines();
+        let status = lines
+            .next()
+            .and_then(|line| line.split(' ').nth(1))
+            .and_then(|code| code.parse().ok())
+            .expect("a status line");
+        let headers = lines
+            .filter_map(|line| line.split_once(':'))
+            .map(|(n, v)| (n.to_owned(), v.trim().to_owned()))
+            .collect();
+        RawResponse { status, headers, body }
+    });
+    (addr, task)
+}
+
+/// A `before_commit` hook that holds the first order's transaction open:
+/// it reports that the order is written, then waits until released. Later
+/// orders pass.
+pub struct Gate {
+    pub entered: mpsc::UnboundedReceiver<()>,
+    release: mpsc::UnboundedSender<()>,
+}
+
+impl Gate {
+    pub fn new() -> (Gate, Arc<dyn Fn() + Send + Sync>) {
+        let (entered_tx, entered) = mpsc::unbounded_channel();
+        let (release, release_rx) = mpsc::unbounded_channel::<()>();
+        let release_rx = Mutex::new(release_rx);
+        let calls = AtomicUsize::new(0);
+        let hook = move || {
+            if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                entered_tx.send(()).expect("the test waits for the order");
+                // A blocking-pool thread: waiting here blocks no async worker.
+                release_rx.lock().expect("one holder").blocking_recv();
+            }
+        };
+        (Gate { entered, release }, Arc::new(hook))
+    }
+
+    /// Waits until the first order is written and its transaction held.
+    pub async fn wait_entered(&mut self) {
+        tokio::time::timeout(PATIENCE, self.entered.recv())
+            .await
+            .expect("the order's operation started")
+            .expect("the hook is alive");
+    }
+
+    /// Lets the held transaction go on to commit.
+    pub fn release(&self) {
+        let _ = self.release.send(());
+    }
+}
+
+/// The example binary that `cargo test` built next to this test binary
+/// (`target/<profile>/examples/`), with the same features.
+fn example_binary() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("the test binary lives in target/<profile>/deps");
+    let binary = profile_dir
+        .join("examples")
+        .join(format!("http_orders{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        binary.exists(),
+        "{} is missing: cargo test builds it along with the tests (cargo test --features axum); \
+         a run limited to this test needs `cargo build --example http_orders --features axum` first",
+        binary.display()
+    );
+    binary
+}
+
+/// The example binary running as a child process; killed if the test ends
+/// without stopping it.
+pub struct ExampleProcess {
+    child: Child,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    pub base: String,
+}
+
+impl ExampleProcess {
+    /// Starts the binary with `args` and waits for its one line on stdout.
+    pub async fn start(args: Vec<String>) -> ExampleProcess {
+        tokio::task::spawn_blocking(move || {
+            use std::io::BufRead;
+            let mut child = Command::new(example_binary())
+                .args(&args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("start the example");
+            let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped stdout"));
+            let mut line = String::new();
+            stdout.read_line(&mut line).expect("read the first line");
+            let base = line
+                .strip_prefix("listening on ")
+                .and_then(|rest| rest.strip_suffix('\n'))
+                .unwrap_or_else(|| panic!("the first line announces the address, got {line:?}"))
+                .to_owned();
+            ExampleProcess { child, stdout, base }
+        })
+        .await
+        .expect("start the example")
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.base
+            .strip_prefix("http://")
+            .and_then(|addr| addr.parse().ok())
+            .expect("http://HOST:PORT")
+    }
+
+    /// Sends SIGTERM and waits for the process to end; returns whether it
+    /// exited with success, and what it printed to stdout after the first
+    /// line.
+    pub async fn terminate(mut self) -> (bool, String) {
+        let pid = self.child.id().to_string();
+        tokio::task::spawn_blocking(move || {
+            use std::io::Read;
+            let sent = Command::new("kill").args(["-TERM", &pid]).status().expect("run kill");
+            assert!(sent.success(), "kill -TERM {pid}");
+            let deadline = std::time::Instant::now() + PATIENCE;
+            let status = loop {
+                if let Some(status) = self.child.try_wait().expect("poll the example") {
+                    break status;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the example did not stop on SIGTERM"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            let mut rest = String::new();
+            self.stdout.read_to_string(&mut rest).expect("read stdout to the end");
+            (status.success(), rest)
+        })
+        .await
+        .expect("stop the example")
+    }
+}
+
+impl Drop for ExampleProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
