@@ -2,6 +2,10 @@
 
 use std::error::Error as _;
 
+use diesel::SqliteConnection;
+use diesel::r2d2::{ConnectionManager, Pool};
+use idempotency::batch::Runner;
+use idempotency::outbox;
 use idempotency::{Error, KeyError};
 
 fn assert_send_sync_static<T: Send + Sync + 'static>() {}
@@ -12,11 +16,13 @@ fn error_is_send_sync_and_static() {
     assert_send_sync_static::<Error<std::io::Error>>();
     assert_send_sync_static::<Error<anyhow::Error>>();
     assert_send_sync_static::<KeyError>();
+    assert_send_sync_static::<outbox::Error>();
+    assert_send_sync_static::<idempotency::batch::RunError>();
 }
 
 #[test]
 fn status_codes_follow_the_idempotency_key_draft() {
-    let cases: [(Error<std::io::Error>, u16); 7] = [
+    let cases: [(Error<std::io::Error>, u16); 9] = [
         (Error::InvalidKey(KeyError::Empty), 400),
         (Error::InvalidScope(KeyError::Empty), 400),
         (Error::Mismatch, 422),
@@ -25,6 +31,15 @@ fn status_codes_follow_the_idempotency_key_draft() {
         (Error::Storage(diesel::result::Error::NotFound), 500),
         (
             Error::Codec(serde_json::from_str::<u8>("x").expect_err("not json")),
+            500,
+        ),
+        (Error::Parked, 500),
+        (
+            Error::PhaseRenamed {
+                position: 1,
+                recorded: "charged".into(),
+                found: "paid".into(),
+            },
             500,
         ),
     ];
@@ -42,6 +57,12 @@ fn messages_are_lowercase_without_trailing_punctuation() {
         Error::InProgress,
         Error::Storage(diesel::result::Error::NotFound),
         Error::Codec(serde_json::from_str::<u8>("x").expect_err("not json")),
+        Error::Parked,
+        Error::PhaseRenamed {
+            position: 0,
+            recorded: "ride_created".into(),
+            found: "ride_booked".into(),
+        },
     ];
     for error in errors {
         let message = error.to_string();
@@ -93,4 +114,61 @@ fn an_error_converts_into_anyhow() {
         error.downcast_ref::<Error<std::io::Error>>(),
         Some(Error::InProgress)
     ));
+}
+
+/// Every error the crate returns, with a cause where it has one.
+fn every_error() -> Vec<Box<dyn std::error::Error + Send + Sync>> {
+    let mut conn = idempotency::testing::sqlite_memory();
+    let not_json = || serde_json::from_str::<u8>("x").expect_err("not json");
+    let mut errors: Vec<Box<dyn std::error::Error + Send + Sync>> = vec![
+        Box::new(Error::<std::io::Error>::InvalidKey(KeyError::Empty)),
+        Box::new(Error::<std::io::Error>::InvalidScope(KeyError::TooLong {
+            len: 9,
+            max: 8,
+        })),
+        Box::new(Error::<std::io::Error>::Storage(diesel::result::Error::NotFound)),
+        Box::new(Error::<std::io::Error>::Codec(not_json())),
+        Box::new(Error::Operation(std::io::Error::other("disk full"))),
+        Box::new(KeyError::LooksLikeCardNumber),
+        Box::new(outbox::Error::Codec(not_json())),
+        Box::new(outbox::Error::Storage(diesel::result::Error::NotFound)),
+    ];
+    errors.push(Box::new(
+        outbox::enqueue(&mut conn, "", &1).expect_err("an empty topic is refused"),
+    ));
+    let db = idempotency::testing::SqliteFile::new();
+    let url = db.path().to_str().expect("utf-8 path").to_owned();
+    let pool = Pool::builder()
+        .max_size(1)
+        .build(ConnectionManager::<SqliteConnection>::new(url))
+        .expect("a pool");
+    let run = Runner::new(pool)
+        .scope("")
+        .run("job", [1_i64], |_, _| Ok::<_, std::io::Error>(()));
+    errors.push(Box::new(run.expect_err("an empty scope is refused")));
+    errors
+}
+
+#[test]
+fn no_error_states_its_cause_twice() {
+    for error in every_error() {
+        let message = error.to_string();
+        let mut source = error.source();
+        while let Some(cause) = source {
+            let cause_message = cause.to_string();
+            assert!(
+                !message.contains(&cause_message),
+                "{message:?} repeats its cause {cause_message:?}"
+            );
+            source = cause.source();
+        }
+    }
+}
+
+#[test]
+fn an_invalid_topic_says_why_once() {
+    let mut conn = idempotency::testing::sqlite_memory();
+    let error = outbox::enqueue(&mut conn, "", &1).expect_err("an empty topic is refused");
+    assert_eq!(error.to_string(), "invalid outbox topic: must not be empty");
+    assert!(error.source().is_none());
 }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex, mpsc};
 
 use chrono::{Duration, Utc};
-use diesel::prelude::*;
+use diesel::Connection;
 use idempotency::outbox::{self, Message, Relay};
 use idempotency::testing::ManualClock;
 use idempotency::{Error, Outcome, run_idempotent};
@@ -37,6 +37,7 @@ impl Drop for ChildGuard {
 }
 
 common::backend_tests!(
+    relay_beside_live_writers_sees_no_errors_and_delivers_each_message_once,
     message_commits_with_the_domain_write_and_a_replay_enqueues_nothing,
     failed_operation_leaves_no_message,
     panicking_operation_leaves_no_message,
@@ -738,4 +739,63 @@ fn delivered_messages_are_purged_after_retention_in_batches<D: TestDb>() {
         ]
     );
     assert_eq!(D::outbox_messages(&mut conn)[2].0, pending);
+}
+
+/// A relay on a plain connection (SQLite's busy timeout is 0 on one) loops
+/// beside writers whose calls hold the database's write lock in turn: every
+/// claim and every settlement waits for the lock as calls do, so no pass
+/// fails and no delivered message is delivered again.
+fn relay_beside_live_writers_sees_no_errors_and_delivers_each_message_once<D: TestDb>() {
+    const WRITERS: usize = 2;
+    let run_for = std::time::Duration::from_secs(3);
+    let db = D::new();
+    let barrier = Barrier::new(WRITERS + 1);
+    let enqueued = AtomicUsize::new(0);
+    let deliveries: Mutex<HashMap<String, usize>> = Mutex::new(HashMap::new());
+    let record = |message: &Message| {
+        *deliveries
+            .lock()
+            .expect("no panic while locked")
+            .entry(message.id.clone())
+            .or_default() += 1;
+        Ok::<_, std::convert::Infallible>(())
+    };
+    let relay = Relay::default();
+    std::thread::scope(|s| {
+        for writer in 0..WRITERS {
+            let (barrier, enqueued, url) = (&barrier, &enqueued, db.url());
+            s.spawn(move || {
+                let mut conn = D::Conn::establish(url).expect("a plain connection");
+                barrier.wait();
+                let started = std::time::Instant::now();
+                let mut n = 0;
+                while started.elapsed() < run_for {
+                    run_idempotent(&mut conn, "shop", &format!("w{writer}-{n}"), &n, |tx| {
+                        D::place_order(tx, "book", 1).map_err(outbox::Error::Storage)?;
+                        outbox::enqueue(tx, "receipts", &n)?;
+                        Ok::<_, outbox::Error>(n)
+                    })
+                    .expect("no writer's call fails");
+                    enqueued.fetch_add(1, Ordering::SeqCst);
+                    n += 1;
+                }
+            });
+        }
+        let mut conn = D::Conn::establish(db.url()).expect("a plain connection");
+        barrier.wait();
+        let started = std::time::Instant::now();
+        while started.elapsed() < run_for {
+            relay.run_once(&mut conn, record).expect("no relay pass fails");
+        }
+    });
+    let mut conn = db.conn();
+    while relay.run_once(&mut conn, record).expect("the rest").claimed > 0 {}
+
+    let deliveries = deliveries.into_inner().expect("no panic while locked");
+    let enqueued = enqueued.into_inner();
+    assert!(enqueued > 0, "the writers wrote");
+    assert_eq!(deliveries.len(), enqueued, "every message delivered");
+    let repeated: Vec<_> = deliveries.iter().filter(|(_, count)| **count > 1).collect();
+    assert!(repeated.is_empty(), "delivered more than once: {repeated:?}");
+    assert_eq!(status_count::<D>(&mut conn, "delivered"), enqueued);
 }

@@ -59,8 +59,20 @@ fn counted<'a>(
 
 #[derive(Clone, Copy, Debug)]
 enum Isolation {
+    ReadCommitted,
     RepeatableRead,
     Serializable,
+}
+
+impl Isolation {
+    /// How PostgreSQL names the level.
+    fn name(self) -> &'static str {
+        match self {
+            Isolation::ReadCommitted => "read committed",
+            Isolation::RepeatableRead => "repeatable read",
+            Isolation::Serializable => "serializable",
+        }
+    }
 }
 
 /// Runs `f` in a transaction of the caller's at `isolation`.
@@ -73,9 +85,35 @@ where
     E: From<DieselError>,
 {
     match isolation {
+        Isolation::ReadCommitted => conn.build_transaction().read_committed().run(f),
         Isolation::RepeatableRead => conn.build_transaction().repeatable_read().run(f),
         Isolation::Serializable => conn.build_transaction().serializable().run(f),
     }
+}
+
+/// A connection whose session runs its transactions at `isolation`.
+fn session_at(db: &Db, isolation: Isolation) -> PgConnection {
+    let mut conn = db.conn();
+    conn.batch_execute(&format!(
+        "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL {}",
+        isolation.name()
+    ))
+    .expect("set the session's isolation level");
+    conn
+}
+
+/// The isolation level of the transaction `conn` is in.
+fn transaction_isolation(conn: &mut PgConnection) -> QueryResult<String> {
+    #[derive(QueryableByName)]
+    struct Level {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        level: String,
+    }
+    Ok(
+        diesel::sql_query("SELECT current_setting('transaction_isolation') AS level")
+            .get_result::<Level>(conn)?
+            .level,
+    )
 }
 
 /// How a holder's operation ends once released.
@@ -905,4 +943,130 @@ fn longest_in_flight_wait_is_accepted() {
         Db::place_order(tx, "long", 1)
     });
     assert!(again.expect("the connection is still usable").is_replayed());
+}
+
+#[test]
+fn operation_runs_at_the_sessions_own_isolation_level() {
+    let db = Db::new();
+    for isolation in [
+        Isolation::ReadCommitted,
+        Isolation::RepeatableRead,
+        Isolation::Serializable,
+    ] {
+        let mut conn = session_at(&db, isolation);
+        let key = format!("k-{isolation:?}");
+        let seen = run_idempotent(&mut conn, SCOPE, &key, REQUEST, transaction_isolation).expect("executes");
+        assert_eq!(seen, Outcome::Executed(isolation.name().to_owned()), "never weakened");
+        let again = run_idempotent(&mut conn, SCOPE, &key, REQUEST, transaction_isolation).expect("replays");
+        assert!(again.is_replayed());
+    }
+}
+
+/// Two top-level calls with one key from sessions at `REPEATABLE READ` or
+/// `SERIALIZABLE`, released together round after round. Their reads cannot
+/// see a concurrent commit, so they claim the key before the operation: the
+/// loser replays, or fails with a serialization failure before its
+/// operation runs and replays on its retry. The operation runs once.
+#[test]
+fn racing_calls_from_isolated_sessions_execute_each_key_once() {
+    const ROUNDS: usize = 20;
+    let db = Db::new();
+    for isolation in [Isolation::RepeatableRead, Isolation::Serializable] {
+        let barrier = Barrier::new(2);
+        let calls: Vec<AtomicUsize> = (0..ROUNDS).map(|_| AtomicUsize::new(0)).collect();
+        let values: Vec<Vec<i64>> = thread::scope(|s| {
+            let racers: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut conn = session_at(&db, isolation);
+                        (0..ROUNDS)
+                            .map(|round| {
+                                let key = format!("k-{isolation:?}-{round}");
+                                barrier.wait();
+                                let call = |conn: &mut PgConnection| {
+                                    run_idempotent(conn, SCOPE, &key, REQUEST, counted(&calls[round], "racer"))
+                                };
+                                match call(&mut conn) {
+                                    Ok(outcome) => outcome.into_inner(),
+                                    Err(Error::Storage(DieselError::DatabaseError(
+                                        DatabaseErrorKind::SerializationFailure,
+                                        _,
+                                    ))) => call(&mut conn).expect("the retry").into_inner(),
+                                    Err(error) => panic!("{isolation:?} round {round}: {error:?}"),
+                                }
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            racers
+                .into_iter()
+                .map(|racer| racer.join().expect("racer does not panic"))
+                .collect()
+        });
+        for round in 0..ROUNDS {
+            assert_eq!(calls[round].load(Ordering::SeqCst), 1, "{isolation:?} round {round}");
+            assert_eq!(values[0][round], values[1][round], "{isolation:?} round {round}");
+        }
+    }
+    let mut conn = db.conn();
+    assert_eq!(Db::order_count(&mut conn), 2 * ROUNDS as i64);
+}
+
+#[test]
+fn top_level_holder_and_nested_waiter_serialize_on_one_lock() {
+    let db = Db::new();
+    let mut admin = db.conn();
+    let holder = Holder::claim(&db, "k-mixed", None);
+    let waiter = Waiter::start(&db, "k-mixed", long_wait(), Some(Isolation::ReadCommitted));
+    wait_until_waiting_for_lock(&mut admin, waiter.pid);
+
+    let held = holder.finish(Release::Commit).expect("the holder commits").into_inner();
+    let (mut conn, waited, calls) = waiter.join();
+    assert_eq!(waited.expect("the nested waiter replays"), Outcome::Replayed(held));
+    assert_eq!(calls, 0, "the waiter's operation never ran");
+    assert_eq!(Db::order_count(&mut conn), 1);
+}
+
+#[test]
+fn nested_holder_and_top_level_waiter_serialize_on_one_lock() {
+    let db = Db::new();
+    let mut admin = db.conn();
+    let holder = Holder::claim(&db, "k-mixed", Some(Isolation::ReadCommitted));
+    let waiter = Waiter::start(&db, "k-mixed", long_wait(), None);
+    wait_until_waiting_for_lock(&mut admin, waiter.pid);
+
+    let held = holder.finish(Release::Commit).expect("the holder commits").into_inner();
+    let (mut conn, waited, calls) = waiter.join();
+    assert_eq!(waited.expect("the top-level waiter replays"), Outcome::Replayed(held));
+    assert_eq!(calls, 0, "the waiter's operation never ran");
+    assert_eq!(Db::order_count(&mut conn), 1);
+}
+
+/// The crate locks keys in PostgreSQL's two-integer advisory key space;
+/// an application's `bigint` advisory locks, even on the very same 64 bits,
+/// never hold a call up.
+#[test]
+fn applications_bigint_advisory_locks_never_meet_the_crates() {
+    use sha2::{Digest, Sha256};
+    let db = Db::new();
+    let mut application = db.conn();
+    let mut hasher = Sha256::new();
+    for part in [SCOPE, "k-locked"] {
+        hasher.update((part.len() as u64).to_be_bytes());
+        hasher.update(part.as_bytes());
+    }
+    let digest = hasher.finalize();
+    let same_bits = i64::from_be_bytes(digest[..8].try_into().expect("eight bytes"));
+    diesel::sql_query("SELECT pg_advisory_lock($1)")
+        .bind::<diesel::sql_types::BigInt, _>(same_bits)
+        .execute(&mut application)
+        .expect("the application's lock");
+
+    let mut conn = db.conn();
+    let reject = Config::default().in_flight(InFlight::Reject);
+    let calls = AtomicUsize::new(0);
+    let outcome = reject.run(&mut conn, SCOPE, "k-locked", REQUEST, counted(&calls, "call"));
+    assert!(!outcome.expect("not held up").is_replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
