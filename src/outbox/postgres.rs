@@ -95,5 +95,5 @@ impl OutboxStore for PgConnection {
         self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
     }
 
-    super::store::shared_queries!();
+    super::store::shared_queries!(crate::schema);
 }

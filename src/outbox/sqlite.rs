@@ -74,5 +74,5 @@ impl OutboxStore for SqliteConnection {
         Ok(())
     }
 
-    super::store::shared_queries!();
+    super::store::shared_queries!(crate::schema);
 }

@@ -139,10 +139,11 @@ pub trait OutboxStore: KeyStore {
 }
 
 /// The methods of [`OutboxStore`] whose DSL is the same on every backend,
-/// expanded into each backend's impl (see `crate::store::shared_queries`
-/// for why a macro rather than generic functions).
+/// expanded into each backend's impl against its schema module (see
+/// `crate::store::shared_queries` for why a macro rather than generic
+/// functions).
 macro_rules! shared_queries {
-    () => {
+    ($($schema:tt)+) => {
         fn settle(
             &mut self,
             id: &str,
@@ -150,7 +151,7 @@ macro_rules! shared_queries {
             settlement: &$crate::outbox::store::Settlement,
         ) -> diesel::QueryResult<bool> {
             use crate::outbox::store::{DEAD, DELIVERED, PENDING, Settlement};
-            use crate::schema::idempotency_outbox as o;
+            use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             let held = o::table
                 .filter(o::id.eq(id))
@@ -185,7 +186,7 @@ macro_rules! shared_queries {
 
         fn dead_messages(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::outbox::store::DeadRow>> {
             use crate::outbox::store::DEAD;
-            use crate::schema::idempotency_outbox as o;
+            use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             o::table
                 .filter(o::status.eq(DEAD))
@@ -204,7 +205,7 @@ macro_rules! shared_queries {
 
         fn release(&mut self, id: &str, lease_token: &str) -> diesel::QueryResult<bool> {
             use crate::outbox::store::PENDING;
-            use crate::schema::idempotency_outbox as o;
+            use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             let released = o::table
                 .filter(o::id.eq(id))
@@ -222,7 +223,7 @@ macro_rules! shared_queries {
 
         fn next_due(&mut self) -> diesel::QueryResult<Option<chrono::NaiveDateTime>> {
             use crate::outbox::store::{PENDING, coalesce};
-            use crate::schema::idempotency_outbox as o;
+            use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             // A message never attempted is due since it was enqueued.
             o::table
@@ -233,7 +234,7 @@ macro_rules! shared_queries {
 
         fn backlog(&mut self, now: chrono::NaiveDateTime) -> diesel::QueryResult<$crate::outbox::store::Backlog> {
             use crate::outbox::store::{Backlog, DEAD, PENDING};
-            use crate::schema::idempotency_outbox as o;
+            use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             let by_status: Vec<(String, i64, Option<chrono::NaiveDateTime>)> = o::table
                 .filter(o::status.eq_any([PENDING, DEAD]))
@@ -268,7 +269,7 @@ macro_rules! shared_queries {
 
         fn requeue(&mut self, id: &str) -> diesel::QueryResult<bool> {
             use crate::outbox::store::{DEAD, PENDING};
-            use crate::schema::idempotency_outbox as o;
+            use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             let updated = diesel::update(o::table.filter(o::id.eq(id)).filter(o::status.eq(DEAD)))
                 .set((

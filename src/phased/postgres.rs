@@ -69,7 +69,19 @@ impl PhaseStore for PgConnection {
         limit: usize,
     ) -> QueryResult<Vec<PickedRow>> {
         // Locks taken by the pick are held until its transaction commits.
-        self.transaction(|tx| pick_abandoned!(tx, operations, now, idle_since, until, limit, for_update, skip_locked))
+        self.transaction(|tx| {
+            pick_abandoned!(
+                [crate::schema::idempotency_phases],
+                tx,
+                operations,
+                now,
+                idle_since,
+                until,
+                limit,
+                for_update,
+                skip_locked
+            )
+        })
     }
 
     fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
@@ -86,5 +98,5 @@ impl PhaseStore for PgConnection {
         .execute(self)
     }
 
-    super::store::shared_queries!();
+    super::store::shared_queries!(crate::schema);
 }

@@ -29,7 +29,15 @@ impl PhaseStore for SqliteConnection {
         until: NaiveDateTime,
         limit: usize,
     ) -> QueryResult<Vec<PickedRow>> {
-        pick_abandoned!(self, operations, now, idle_since, until, limit)
+        pick_abandoned!(
+            [crate::schema::idempotency_phases],
+            self,
+            operations,
+            now,
+            idle_since,
+            until,
+            limit
+        )
     }
 
     fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
@@ -45,5 +53,5 @@ impl PhaseStore for SqliteConnection {
         .execute(self)
     }
 
-    super::store::shared_queries!();
+    super::store::shared_queries!(crate::schema);
 }

@@ -18,8 +18,6 @@ pub(crate) const COMPLETED: &str = "completed";
 pub(crate) const PARKED: &str = "parked";
 
 /// An operation as its first commit writes it.
-#[derive(Insertable)]
-#[diesel(table_name = idempotency_phases)]
 pub struct NewOperation<'a> {
     pub(crate) scope: &'a str,
     pub(crate) idempotency_key: &'a str,
@@ -176,18 +174,33 @@ pub trait PhaseStore: KeyStore {
 }
 
 /// The methods of [`PhaseStore`] whose DSL is the same on every backend,
-/// expanded into each backend's impl (see `crate::store::shared_queries`
-/// for why a macro rather than generic functions).
+/// expanded into each backend's impl against its schema module (see
+/// `crate::store::shared_queries` for why a macro rather than generic
+/// functions).
 macro_rules! shared_queries {
-    () => {
+    ($($schema:tt)+) => {
         fn insert_operation(
             &mut self,
             operation: &$crate::phased::store::NewOperation<'_>,
         ) -> diesel::QueryResult<bool> {
-            use crate::schema::idempotency_phases as p;
+            use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let inserted = diesel::insert_into(p::table)
-                .values(operation)
+                .values((
+                    p::scope.eq(operation.scope),
+                    p::idempotency_key.eq(operation.idempotency_key),
+                    p::operation.eq(operation.operation),
+                    p::request_hash.eq(operation.request_hash),
+                    p::request.eq(operation.request),
+                    p::op_id.eq(operation.op_id),
+                    p::status.eq(operation.status),
+                    p::points.eq(operation.points),
+                    p::lease_token.eq(operation.lease_token),
+                    p::lease_until.eq(operation.lease_until),
+                    p::attempts.eq(operation.attempts),
+                    p::created_at.eq(operation.created_at),
+                    p::updated_at.eq(operation.updated_at),
+                ))
                 .on_conflict_do_nothing()
                 .execute(self)?;
             Ok(inserted == 1)
@@ -200,7 +213,7 @@ macro_rules! shared_queries {
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<usize> {
             use crate::phased::store::COMPLETED;
-            use crate::schema::idempotency_phases as p;
+            use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             diesel::delete(
                 p::table
@@ -218,7 +231,7 @@ macro_rules! shared_queries {
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
             use crate::phased::store::RUNNING;
-            use crate::schema::idempotency_phases as p;
+            use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let free = p::table
                 .find((lease.scope, lease.key))
@@ -243,7 +256,7 @@ macro_rules! shared_queries {
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
             use crate::phased::store::RUNNING;
-            use crate::schema::idempotency_phases as p;
+            use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let held = p::table
                 .find((lease.scope, lease.key))
@@ -268,7 +281,7 @@ macro_rules! shared_queries {
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
             use crate::phased::store::{COMPLETED, RUNNING};
-            use crate::schema::idempotency_phases as p;
+            use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let held = p::table
                 .find((lease.scope, lease.key))
@@ -295,7 +308,7 @@ macro_rules! shared_queries {
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
             use crate::phased::store::RUNNING;
-            use crate::schema::idempotency_phases as p;
+            use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let held = p::table
                 .find((lease.scope, lease.key))
@@ -319,7 +332,7 @@ macro_rules! shared_queries {
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
             use crate::phased::store::{PARKED, RUNNING};
-            use crate::schema::idempotency_phases as p;
+            use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let held = p::table
                 .find((lease.scope, lease.key))
@@ -345,7 +358,7 @@ macro_rules! shared_queries {
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
             use crate::phased::store::{PARKED, RUNNING};
-            use crate::schema::idempotency_phases as p;
+            use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let unheld = p::table
                 .find((scope, key))
@@ -370,7 +383,7 @@ macro_rules! shared_queries {
             idle_since: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<usize> {
             use crate::phased::store::{PARKED, RUNNING};
-            use crate::schema::idempotency_phases as p;
+            use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let exhausted = p::table
                 .filter(p::status.eq(RUNNING))
@@ -391,7 +404,7 @@ macro_rules! shared_queries {
 
         fn parked_operations(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::phased::store::ParkedRow>> {
             use crate::phased::store::PARKED;
-            use crate::schema::idempotency_phases as p;
+            use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             p::table
                 .filter(p::status.eq(PARKED))
@@ -416,7 +429,7 @@ macro_rules! shared_queries {
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
             use crate::phased::store::{PARKED, RUNNING};
-            use crate::schema::idempotency_phases as p;
+            use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let updated = diesel::update(p::table.find((scope, key)).filter(p::status.eq(PARKED)))
                 .set((
@@ -435,12 +448,12 @@ macro_rules! shared_queries {
 pub(crate) use shared_queries;
 
 /// The DSL of the completer's pick, but for its row locking, which differs
-/// per backend: the `$lock` methods are applied to the select. Runs in the
-/// caller's transaction.
+/// per backend: the `$lock` methods are applied to the select, on the
+/// backend's table `[$table]`. Runs in the caller's transaction.
 macro_rules! pick_abandoned {
-    ($conn:expr, $operations:expr, $now:expr, $idle_since:expr, $until:expr, $limit:expr $(, $lock:ident)*) => {{
+    ([$($table:tt)+], $conn:expr, $operations:expr, $now:expr, $idle_since:expr, $until:expr, $limit:expr $(, $lock:ident)*) => {{
         use crate::phased::store::{PickedRow, RUNNING};
-        use crate::schema::idempotency_phases as p;
+        use $($table)+ as p;
         use diesel::prelude::*;
         let picked: Vec<PickedRow> = p::table
             .filter(p::status.eq(RUNNING))

@@ -33,30 +33,46 @@ use crate::telemetry;
 /// The methods of [`KeyStore`] whose DSL is the same on every backend.
 /// diesel's query types are concrete per connection, so a generic function
 /// would need a bound for every intermediate query type; the bodies are
-/// written once here and expanded into each backend's impl instead.
+/// written once here and expanded into each backend's impl instead, against
+/// the backend's schema module (`crate::schema`, or MySQL's own, whose time
+/// columns have another SQL type).
 macro_rules! shared_queries {
-    () => {
+    ($($schema:tt)+) => {
         fn find(&mut self, scope: &str, key: &str) -> diesel::QueryResult<Option<$crate::store::Stored>> {
-            use crate::schema::idempotency_keys as k;
+            use $($schema)+::idempotency_keys as k;
             use diesel::prelude::*;
             // A primary key lookup needs no LIMIT; a bound LIMIT would make
             // SQLite prepare the statement again on every call.
             k::table
                 .find((scope, key))
-                .select($crate::store::Stored::as_select())
+                .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at))
                 .get_result(self)
                 .optional()
         }
 
-        fn store(&mut self, hold: $crate::store::Hold, record: &$crate::store::Record<'_>) -> diesel::QueryResult<()> {
-            use crate::schema::idempotency_keys as k;
+        fn store(
+            &mut self,
+            hold: $crate::store::Hold,
+            record: &$crate::store::Record<'_>,
+        ) -> diesel::QueryResult<()> {
+            use $($schema)+::idempotency_keys as k;
             use crate::store::Hold;
             use diesel::prelude::*;
+            let completed = (
+                k::request_hash.eq(record.request_hash),
+                k::status.eq(record.status),
+                k::response.eq(record.response),
+                k::created_at.eq(record.created_at),
+                k::completed_at.eq(record.completed_at),
+                k::expires_at.eq(record.expires_at),
+            );
             let stored = match hold {
-                Hold::Free => diesel::insert_into(k::table).values(record).execute(self)?,
+                Hold::Free => diesel::insert_into(k::table)
+                    .values((k::scope.eq(record.scope), k::idempotency_key.eq(record.idempotency_key), completed))
+                    .execute(self)?,
                 Hold::Expired => diesel::update(k::table.find((record.scope, record.idempotency_key)))
                     .filter(k::expires_at.le(record.created_at))
-                    .set(record)
+                    .set(completed)
                     .execute(self)?,
                 Hold::Claimed => diesel::update(k::table.find((record.scope, record.idempotency_key)))
                     .set((
@@ -181,8 +197,7 @@ pub struct Record<'a> {
 }
 
 /// What a replay needs of a stored record.
-#[derive(Queryable, Selectable, Debug)]
-#[diesel(table_name = idempotency_keys)]
+#[derive(Queryable, Debug)]
 pub struct Stored {
     pub(crate) request_hash: String,
     pub(crate) status: String,

@@ -334,7 +334,7 @@ impl KeyStore for PgConnection {
         .execute(self)
     }
 
-    super::shared_queries!();
+    super::shared_queries!(crate::schema);
 }
 
 #[cfg(test)]

@@ -210,5 +210,5 @@ impl KeyStore for SqliteConnection {
         .execute(self)
     }
 
-    super::shared_queries!();
+    super::shared_queries!(crate::schema);
 }
