@@ -161,12 +161,20 @@ fn run_idempotent_under(fault: Fault, schema_name: &str) {
     let requests = requests_with_duplicates(KEYS);
     let config = Config::default();
 
-    let (traffic, fault_run) = drive(&formation, &pool, &CLIENTS, fault, KEYS, &requests, |conn, attempt| {
-        let request = order_request(attempt.key);
-        config.run(conn, SCOPE, &key_name(attempt.key), &request, |tx| {
-            place_order(tx, attempt)
-        })
-    });
+    let (traffic, fault_run) = drive(
+        &formation,
+        &schema,
+        &pool,
+        &CLIENTS,
+        fault,
+        &requests,
+        |conn, attempt| {
+            let request = order_request(attempt.key);
+            config.run(conn, SCOPE, &key_name(attempt.key), &request, |tx| {
+                place_order(tx, attempt)
+            })
+        },
+    );
 
     let mut conn = schema.conn();
     let stored = Stored {
@@ -298,12 +306,20 @@ fn outbox_under(fault: Fault, schema_name: &str) {
             scope.spawn(|| relay_until(&stop, &relay_pool, &relay, &receiver, &relay_errors));
         }
         let _stop = StopOnDrop(&stop);
-        let run = drive(&formation, &pool, &CLIENTS, fault, KEYS, &requests, |conn, attempt| {
-            let request = order_request(attempt.key);
-            idempotency::run_idempotent(conn, SCOPE, &key_name(attempt.key), &request, |tx| {
-                place_order_with_receipt(tx, attempt)
-            })
-        });
+        let run = drive(
+            &formation,
+            &schema,
+            &pool,
+            &CLIENTS,
+            fault,
+            &requests,
+            |conn, attempt| {
+                let request = order_request(attempt.key);
+                idempotency::run_idempotent(conn, SCOPE, &key_name(attempt.key), &request, |tx| {
+                    place_order_with_receipt(tx, attempt)
+                })
+            },
+        );
         wait_until_all_delivered(&relay_pool);
         run
     });

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt::{self, Debug, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -163,6 +163,7 @@ impl Formation {
         let mut conn = PgConnection::establish(&url).expect("connect to the test schema");
         idempotency::run_migrations(&mut conn).expect("migrate the test schema");
         conn.batch_execute(setup).expect("create the test tables");
+        conn.batch_execute(PROBE_TABLE).expect("create the probe table");
         Schema {
             admin_url: self.url.clone(),
             name: schema,
@@ -170,6 +171,9 @@ impl Formation {
         }
     }
 }
+
+/// Where the write probe of `drive` writes.
+const PROBE_TABLE: &str = "CREATE TABLE ha_probe (id BIGSERIAL PRIMARY KEY)";
 
 pub struct Schema {
     admin_url: String,
@@ -190,6 +194,10 @@ impl Schema {
             .connection_timeout(Duration::from_secs(2))
             .build(ConnectionManager::new(&self.url))
             .expect("build a pool on the formation")
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
     }
 
     pub fn conn(&self) -> PgConnection {
@@ -333,6 +341,8 @@ pub struct Traffic<A> {
     pub answers: Vec<Answer<A>>,
     /// When each call that executed returned, in no particular order.
     pub commits: Vec<Instant>,
+    /// When each write of the probe committed, in order.
+    pub probe_commits: Vec<Instant>,
     pub errors: BTreeMap<String, usize>,
     pub unknown: Vec<Unknown<A>>,
     /// How often the operation started, per key.
@@ -340,17 +350,36 @@ pub struct Traffic<A> {
     pub last_answer: Instant,
 }
 
-impl<A> Traffic<A> {
-    /// The longest time between two successful commits, and when it began.
-    pub fn longest_commit_gap(&self) -> (Duration, Instant) {
-        let mut commits = self.commits.clone();
-        commits.sort();
-        commits
-            .windows(2)
-            .map(|pair| (pair[1] - pair[0], pair[0]))
-            .max_by_key(|(gap, _)| *gap)
-            .unwrap_or((Duration::ZERO, self.began))
+/// The longest time between two of `instants`, and when it began.
+fn longest_gap(instants: &[Instant], began: Instant) -> (Duration, Instant) {
+    let mut instants = instants.to_vec();
+    instants.sort();
+    instants
+        .windows(2)
+        .map(|pair| (pair[1] - pair[0], pair[0]))
+        .max_by_key(|(gap, _)| *gap)
+        .unwrap_or((Duration::ZERO, began))
+}
+
+/// Writes one row every 50 ms through a connection of its own, made anew
+/// through the url whenever a write fails, until `done`: how long the
+/// database itself took no writes, without a pool's reconnection delays.
+fn probe_writes(url: &str, done: &AtomicBool) -> Vec<Instant> {
+    let mut commits = Vec::new();
+    let mut conn: Option<PgConnection> = None;
+    while !done.load(Ordering::SeqCst) {
+        if conn.is_none() {
+            conn = PgConnection::establish(url).ok();
+        }
+        if let Some(open) = conn.as_mut() {
+            match diesel::sql_query("INSERT INTO ha_probe DEFAULT VALUES").execute(open) {
+                Ok(_) => commits.push(Instant::now()),
+                Err(_) => conn = None,
+            }
+        }
+        thread::sleep(Duration::from_millis(50));
     }
+    commits
 }
 
 /// The requests of a run: every key once, every fourth key a second time at
@@ -392,16 +421,17 @@ fn locked<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Runs `requests` through `clients.threads` threads, each retrying every
-/// error with the same key and request until it gets an answer, while
-/// `fault` is injected once `clients.fault_after` requests are answered.
-/// `keys` is the number of distinct keys.
+/// Runs `requests` (key numbers from zero) through `clients.threads`
+/// threads over `pool`, each retrying every error with the same key and
+/// request until it gets an answer, while `fault` is injected once
+/// `clients.fault_after` requests are answered, and a probe writes to
+/// `schema` beside them.
 pub fn drive<A, E>(
     formation: &Formation,
+    schema: &Schema,
     pool: &PgPool,
     clients: &Clients,
     fault: Fault,
-    keys: usize,
     requests: &[usize],
     call: impl Fn(&mut Pooled, &Attempt<'_, A>) -> Result<Outcome<A>, Error<E>> + Sync,
 ) -> (Traffic<A>, FaultRun)
@@ -410,6 +440,8 @@ where
     E: Label,
 {
     let began = Instant::now();
+    let keys = requests.iter().max().map_or(0, |last| last + 1);
+    let clients_done = AtomicBool::new(false);
     let next_request = AtomicUsize::new(0);
     let next_attempt = AtomicI64::new(1);
     let answered = AtomicUsize::new(0);
@@ -423,7 +455,8 @@ where
     let (trigger, triggered) = mpsc::channel::<()>();
     let trigger = Mutex::new(Some(trigger));
 
-    let fault_run = thread::scope(|scope| {
+    let (fault_run, probe_commits) = thread::scope(|scope| {
+        let probe = scope.spawn(|| probe_writes(schema.url(), &clients_done));
         let fault_thread = scope.spawn(move || {
             // Clients that all end before the trigger drop the sender; the
             // fault is skipped then, and the run fails below.
@@ -454,12 +487,14 @@ where
         let ends: Vec<_> = workers.into_iter().map(|worker| worker.join()).collect();
         locked(&trigger).take();
         let fault_run = fault_thread.join().expect("the fault thread does not panic");
+        clients_done.store(true, Ordering::SeqCst);
+        let probe_commits = probe.join().expect("the probe does not panic");
         for end in ends {
             if let Err(panic) = end {
                 std::panic::resume_unwind(panic);
             }
         }
-        fault_run
+        (fault_run, probe_commits)
     });
     let fault_run = fault_run.expect("the fault was injected: the clients answered enough requests to trigger it");
 
@@ -471,6 +506,7 @@ where
             began,
             answers: answers.into_iter().map(|(_, _, answer)| answer).collect(),
             commits: seen.commits.into_inner().unwrap_or_else(PoisonError::into_inner),
+            probe_commits,
             errors: seen.errors.into_inner(),
             unknown: seen.unknown.into_inner().unwrap_or_else(PoisonError::into_inner),
             op_runs: op_runs.iter().map(|runs| runs.load(Ordering::SeqCst)).collect(),
@@ -625,7 +661,8 @@ pub fn report<A: Debug>(
     extra: &[(String, BTreeMap<String, usize>)],
 ) {
     let began = traffic.began;
-    let (gap, gap_start) = traffic.longest_commit_gap();
+    let (gap, gap_start) = longest_gap(&traffic.commits, began);
+    let (probe_gap, probe_gap_start) = longest_gap(&traffic.probe_commits, began);
     let keys = traffic.op_runs.len();
     let runs: u32 = traffic.op_runs.iter().sum();
     let mut out = String::new();
@@ -652,6 +689,12 @@ pub fn report<A: Debug>(
         "writes unavailable: {} (longest gap between two successful commits, from {})",
         seconds(gap),
         at(began, gap_start)
+    );
+    let _ = writeln!(
+        out,
+        "  the database itself: {} (longest gap between the writes of a probe every 50 ms, from {})",
+        seconds(probe_gap),
+        at(began, probe_gap_start)
     );
     let errors: usize = traffic.errors.values().sum();
     let most_attempts = traffic.answers.iter().map(|answer| answer.attempts).max().unwrap_or(0);
