@@ -37,8 +37,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use harness::{
-    Attempt, Clients, ErrorCounts, Fault, Formation, Label, PgPool, Stored, assert_no_loss_no_double, drive, judge,
-    report, requests_with_duplicates,
+    Attempt, Clients, ErrorCounts, Fault, Formation, Label, PgPool, SetOnDrop, Stored, assert_no_loss_no_double, drive,
+    judge, report, requests_with_duplicates,
 };
 
 const KEYS: usize = 1_000;
@@ -258,15 +258,6 @@ fn relay_until(stop: &AtomicBool, pool: &PgPool, relay: &Relay, receiver: &Recei
     }
 }
 
-/// Stops the relays however the run ends, so the thread scope can close.
-struct StopOnDrop<'a>(&'a AtomicBool);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.store(true, Ordering::SeqCst);
-    }
-}
-
 /// How many messages are not delivered yet; `None` while the database
 /// cannot be asked.
 fn undelivered(pool: &PgPool) -> Option<i64> {
@@ -305,7 +296,7 @@ fn outbox_under(fault: Fault, schema_name: &str) {
         for _ in 0..2 {
             scope.spawn(|| relay_until(&stop, &relay_pool, &relay, &receiver, &relay_errors));
         }
-        let _stop = StopOnDrop(&stop);
+        let _stop = SetOnDrop(&stop);
         let run = drive(
             &formation,
             &schema,

@@ -409,6 +409,16 @@ pub struct Clients {
     pub fault_after: usize,
 }
 
+/// Sets its flag when dropped, also by a panic, so that threads that run
+/// until the flag is set end and the thread scope can close.
+pub struct SetOnDrop<'a>(pub &'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
 /// What the clients have seen so far.
 struct Seen<A> {
     answers: Mutex<Vec<(usize, Instant, Answer<A>)>>,
@@ -456,6 +466,7 @@ where
     let trigger = Mutex::new(Some(trigger));
 
     let (fault_run, probe_commits) = thread::scope(|scope| {
+        let clients_running = SetOnDrop(&clients_done);
         let probe = scope.spawn(|| probe_writes(schema.url(), &clients_done));
         let fault_thread = scope.spawn(move || {
             // Clients that all end before the trigger drop the sender; the
@@ -485,9 +496,9 @@ where
             })
             .collect();
         let ends: Vec<_> = workers.into_iter().map(|worker| worker.join()).collect();
+        drop(clients_running);
         locked(&trigger).take();
         let fault_run = fault_thread.join().expect("the fault thread does not panic");
-        clients_done.store(true, Ordering::SeqCst);
         let probe_commits = probe.join().expect("the probe does not panic");
         for end in ends {
             if let Err(panic) = end {
