@@ -383,8 +383,8 @@ fn probe_writes(url: &str, done: &AtomicBool) -> Vec<Instant> {
 }
 
 /// The requests of a run: every key once, every fourth key a second time at
-/// once (two clients race for it) and every tenth key again forty requests
-/// later (a retry after the first call finished).
+/// once (two clients race for it) and every tenth key again about fifty
+/// requests later (a retry after the first call finished).
 pub fn requests_with_duplicates(keys: usize) -> Vec<usize> {
     let mut requests = Vec::with_capacity(keys * 4 / 3);
     for key in 0..keys {
