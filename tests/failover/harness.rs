@@ -615,6 +615,8 @@ pub struct Verdict {
     pub unknown_unresolved: usize,
     /// How each unknown outcome was resolved, in the order of `Traffic::unknown`.
     pub resolutions: Vec<&'static str>,
+    /// Each lost answer: what the client got, and what the database holds.
+    pub lost_answers: Vec<String>,
 }
 
 pub fn judge<A: PartialEq + Debug>(traffic: &Traffic<A>, requests: &[usize], stored: &Stored<A>) -> Verdict {
@@ -622,8 +624,15 @@ pub fn judge<A: PartialEq + Debug>(traffic: &Traffic<A>, requests: &[usize], sto
     for (answer, &key) in traffic.answers.iter().zip(requests) {
         assert_eq!(answer.key, key, "answers are kept in request order");
         let effect = stored.effects.get(&key).and_then(|effects| effects.first());
-        if stored.results.get(&key) != Some(&answer.value) || effect != Some(&answer.value) {
+        let result = stored.results.get(&key);
+        if result != Some(&answer.value) || effect != Some(&answer.value) {
             verdict.lost += 1;
+            verdict.lost_answers.push(format!(
+                "key {key}: the client got {:?} ({}, attempt {}); stored result {result:?}, effect {effect:?}",
+                answer.value,
+                if answer.replayed { "replayed" } else { "executed" },
+                answer.attempts
+            ));
         }
     }
     for effects in stored.effects.values() {
@@ -741,6 +750,9 @@ pub fn report<A: Debug>(
         let _ = writeln!(out, "  key {}: {} -> {resolution}", unknown.key, unknown.error);
     }
     let _ = writeln!(out, "lost results: {}", verdict.lost);
+    for lost in &verdict.lost_answers {
+        let _ = writeln!(out, "  {lost}");
+    }
     let _ = writeln!(out, "double executions: {}", verdict.double);
     print!("{out}");
 }
