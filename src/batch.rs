@@ -249,7 +249,10 @@ type ProgressCallback = Box<dyn Fn(&Progress) + Send + Sync>;
 /// | [`config`](Runner::config) | [`Config::default()`] |
 /// | [`on_progress`](Runner::on_progress) | none |
 ///
-/// Each worker keeps one pooled connection for the whole run. On SQLite all
+/// Each worker keeps one pooled connection for the whole run; when an item
+/// fails and the connection no longer answers (a failover, a restarted
+/// server), the worker takes a fresh one from the pool and runs the item
+/// once more, under the same key. On SQLite all
 /// workers write through the one database lock, so more than one worker
 /// helps only when the operation spends time outside the database; enable
 /// WAL (`PRAGMA journal_mode = WAL`) so that replays read while another
@@ -502,9 +505,19 @@ where
             let Some((index, item)) = next else { return Ok(()) };
             let id = item.id();
             let key = key::derive(&[job_id, &id]);
-            let outcome = self
-                .config
-                .run(&mut *conn, &self.scope, &key, &item, |tx| op(tx, &item));
+            let run = |conn: &mut C| self.config.run(conn, &self.scope, &key, &item, |tx| op(tx, &item));
+            let mut outcome = run(&mut conn);
+            if outcome.is_err() && conn.ping().is_err() {
+                // The connection died under the item (a failover, a restarted
+                // server), whether the crate's statements or the operation's
+                // own met it: a fresh one from the pool, and the item once
+                // more. The same key and request replay it if the lost
+                // attempt committed.
+                if let Ok(fresh) = self.pool.get() {
+                    conn = fresh;
+                    outcome = run(&mut conn);
+                }
+            }
 
             let mut tally = tally.lock().unwrap_or_else(PoisonError::into_inner);
             match outcome {

@@ -75,6 +75,7 @@ impl InFlight {
 /// | [`in_flight`](Config::in_flight) | `InFlight::Wait(5 s)` |
 /// | [`max_key_len`](Config::max_key_len) | 255 bytes |
 /// | [`clock`](Config::clock) | the database's clock |
+/// | [`durable_replays`](Config::durable_replays) | `false` |
 ///
 /// A `Config` is cheap to clone and can be shared between threads; build it
 /// once at start-up.
@@ -95,6 +96,7 @@ pub struct Config {
     pub(crate) in_flight: InFlight,
     pub(crate) max_key_len: usize,
     pub(crate) clock: Clock,
+    pub(crate) durable_replays: bool,
 }
 
 impl Default for Config {
@@ -104,6 +106,7 @@ impl Default for Config {
             in_flight: InFlight::default(),
             max_key_len: 255,
             clock: Clock::Database,
+            durable_replays: false,
         }
     }
 }
@@ -114,6 +117,7 @@ impl fmt::Debug for Config {
             .field("retention", &self.retention)
             .field("in_flight", &self.in_flight)
             .field("max_key_len", &self.max_key_len)
+            .field("durable_replays", &self.durable_replays)
             .finish_non_exhaustive()
     }
 }
@@ -192,6 +196,36 @@ impl Config {
     /// ```
     pub fn clock(mut self, clock: impl Fn() -> DateTime<Utc> + Send + Sync + 'static) -> Self {
         self.clock = Clock::injected(clock);
+        self
+    }
+
+    /// Whether a replay waits until the record it answers from is safe on
+    /// PostgreSQL's synchronous standbys (default `false`).
+    ///
+    /// A commit that waits for a synchronous standby is already visible to
+    /// sessions on a primary that crashed and restarted in place, whether
+    /// the standby got it or not; if the standby is promoted afterwards, the
+    /// record is gone. A replay read from it would acknowledge a result the
+    /// database no longer has. With durable replays, a replay is answered
+    /// only after a commit of its own that waits for the synchronous
+    /// standbys, and so for everything written before it: the replay costs a
+    /// commit and a round trip to the standby. Turn it on where PostgreSQL
+    /// runs with synchronous replication and automatic failover. It has no
+    /// effect on SQLite, which has no standby.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use idempotency::Config;
+    ///
+    /// let config = Config::default().durable_replays(true);
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// config.run(&mut conn, "shop", "k", &1, |_| Ok::<_, std::convert::Infallible>(1))?;
+    /// assert!(config.run(&mut conn, "shop", "k", &1, |_| Ok::<_, std::convert::Infallible>(1))?.is_replayed());
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn durable_replays(mut self, durable: bool) -> Self {
+        self.durable_replays = durable;
         self
     }
 

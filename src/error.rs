@@ -9,12 +9,17 @@ use std::fmt;
 /// operation (such as [`Config::purge_expired`](crate::Config::purge_expired))
 /// use the default, [`Infallible`].
 ///
-/// Which errors spend the key: none of them. Every variant means that the
-/// transaction holding the key record was rolled back (or never opened), so a
-/// retry with the same key and the same request is answered as if this call
-/// had not happened. [`Error::Codec`] on a replay is the exception in spirit:
-/// the key was spent by an earlier call whose stored response no longer
-/// decodes, and it stays spent.
+/// Which errors spend the key: none of them, with two exceptions. Every
+/// other variant means that the transaction holding the key record was
+/// rolled back (or never opened), so a retry with the same key and the same
+/// request is answered as if this call had not happened. The exceptions:
+/// [`Error::OutcomeUnknown`], where the connection was lost while the
+/// transaction committed and it may have committed (retry with the same key:
+/// the retry replays if it did); and [`Error::Codec`] on a replay, where an
+/// earlier call spent the key and its stored response no longer decodes.
+/// [`is_retryable`](Error::is_retryable) tells which errors call for a retry
+/// with the same key. A [phased operation](crate::phased) keeps its key spent
+/// after its first commit; see there.
 ///
 /// [`status_code`](Error::status_code) maps each variant to the HTTP status
 /// that the IETF `Idempotency-Key` header draft prescribes. A handler maps
@@ -72,13 +77,22 @@ pub enum Error<E = Infallible> {
     /// rolled back and the key is not spent. HTTP 500 unless the application
     /// maps its own errors.
     Operation(E),
-    /// The database failed; everything was rolled back. HTTP 500.
+    /// The database failed before the transaction committed; everything was
+    /// rolled back. HTTP 500.
     ///
     /// On PostgreSQL this includes serialization failures and deadlocks
-    /// (`DatabaseErrorKind::SerializationFailure` and friends): the
-    /// transaction did not commit, the operation's effects are gone and
-    /// retrying the whole call is safe. The crate never retries by itself.
+    /// (`DatabaseErrorKind::SerializationFailure` and friends), and a
+    /// connection lost before the commit (`ClosedConnection`,
+    /// `UnableToSendCommand`, as during a failover): the transaction did not
+    /// commit, the operation's effects are gone and retrying the whole call
+    /// is safe. The crate never retries by itself.
     Storage(diesel::result::Error),
+    /// The connection was lost while the transaction that stores the result
+    /// was committing: it may have committed or not, and nothing on this
+    /// side can tell. The operation ran. Retry with the same key and the
+    /// same request: the retry replays the stored result if the commit went
+    /// through, and executes if it did not; never both. HTTP 503.
+    OutcomeUnknown(diesel::result::Error),
     /// A value could not be converted to or from JSON: the request while
     /// fingerprinting it, or the operation's result while storing it (both
     /// rolled back, key not spent), or a stored response that no longer
@@ -107,7 +121,8 @@ pub enum Error<E = Infallible> {
 
 impl<E> Error<E> {
     /// The HTTP status for this error: 400 for an invalid key or scope, 422
-    /// for a mismatched request, 409 for a key in progress, 500 otherwise.
+    /// for a mismatched request, 409 for a key in progress, 503 for an
+    /// unknown outcome (retry later, with the same key), 500 otherwise.
     ///
     /// ```
     /// use idempotency::Error;
@@ -120,9 +135,46 @@ impl<E> Error<E> {
             Error::InvalidKey(_) | Error::InvalidScope(_) => 400,
             Error::Mismatch => 422,
             Error::InProgress => 409,
+            Error::OutcomeUnknown(_) => 503,
             Error::Operation(_) | Error::Storage(_) | Error::Codec(_) | Error::Parked | Error::PhaseRenamed { .. } => {
                 500
             }
+        }
+    }
+
+    /// Whether the right next step is to send the same request again with
+    /// the same key, after a pause: another request holds the key
+    /// ([`InProgress`](Error::InProgress)), the outcome is unknown
+    /// ([`OutcomeUnknown`](Error::OutcomeUnknown)), or the database failed
+    /// for a reason of the moment ([`Storage`](Error::Storage) with a lost
+    /// connection, a serialization failure or a deadlock). The retry replays
+    /// or executes, never both. Other errors need another request (an
+    /// invalid key, a mismatch), a fix (the operation's own error, a codec
+    /// failure) or a person.
+    ///
+    /// ```
+    /// use diesel::result::{DatabaseErrorKind, Error as DieselError};
+    /// use idempotency::Error;
+    ///
+    /// let lost = DieselError::DatabaseError(DatabaseErrorKind::ClosedConnection, Box::new(String::from("server closed the connection unexpectedly")));
+    /// assert!(Error::<()>::OutcomeUnknown(lost).is_retryable());
+    /// assert!(Error::<()>::InProgress.is_retryable());
+    /// assert!(!Error::<()>::Mismatch.is_retryable());
+    /// ```
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::InProgress | Error::OutcomeUnknown(_) => true,
+            Error::Storage(error) => {
+                crate::store::is_connection_lost(error)
+                    || matches!(
+                        error,
+                        diesel::result::Error::DatabaseError(
+                            diesel::result::DatabaseErrorKind::SerializationFailure,
+                            _
+                        )
+                    )
+            }
+            _ => false,
         }
     }
 }
@@ -142,6 +194,9 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             Error::InProgress => f.write_str("a request with this idempotency key is in progress"),
             Error::Operation(error) => error.fmt(f),
             Error::Storage(_) => f.write_str("idempotency storage failed"),
+            Error::OutcomeUnknown(_) => f.write_str(
+                "the connection was lost while the result was committing; retry with the same key to learn the outcome",
+            ),
             Error::Codec(_) => f.write_str("json encoding or decoding failed"),
             Error::Parked => f.write_str("the operation was parked and waits for a person"),
             Error::PhaseRenamed {
@@ -165,7 +220,7 @@ where
             // The operation's error is shown as this error itself, so its
             // chain continues with its own source.
             Error::Operation(error) => error.source(),
-            Error::Storage(error) => Some(error),
+            Error::Storage(error) | Error::OutcomeUnknown(error) => Some(error),
             Error::Codec(error) => Some(error),
             Error::InvalidKey(_)
             | Error::InvalidScope(_)

@@ -229,6 +229,9 @@ impl Config {
                 let now = self.clock.or_database(now);
                 match record {
                     Some(stored) if stored.status == COMPLETED && stored.expires_at > now => {
+                        if self.durable_replays {
+                            conn.await_replication()?;
+                        }
                         replay(stored, &request_hash)
                     }
                     _ => self.execute(conn, claim(now), op, trace),
@@ -270,13 +273,23 @@ impl Config {
             return Err(Error::InProgress);
         };
         let started = Instant::now();
+        // Whether this call's own transaction commits the record: then a
+        // connection lost at the commit leaves the outcome unknown. (A
+        // nested call's savepoint commits nothing by itself.)
+        let commits = store::transaction_depth(conn)? == 0;
+        let mut committing = false;
         // A panic in `op` is carried out of the transaction, so that it
         // rolls back before the panic goes on.
         let mut panicked = None;
         let result = conn.key_transaction(scope, key, self.in_flight, |tx| {
             trace.waited(started.elapsed());
             let hold = match tx.hold(&record)? {
-                Hold::Taken(stored) => return replay(stored, record.request_hash),
+                Hold::Taken(stored) => {
+                    if self.durable_replays {
+                        tx.await_replication()?;
+                    }
+                    return replay(stored, record.request_hash);
+                }
                 Hold::Busy => return Err(Error::InProgress),
                 Hold::Expired => {
                     trace.took_over();
@@ -308,6 +321,7 @@ impl Config {
                     ..record
                 },
             )?;
+            committing = true;
             Ok(Recorded::new(
                 Outcome::Executed(value),
                 record.created_at,
@@ -317,6 +331,12 @@ impl Config {
         if let Some(payload) = panicked {
             panic::resume_unwind(payload);
         }
+        let result = match result {
+            Err(Error::Storage(error)) if commits && committing && store::is_connection_lost(&error) => {
+                Err(Error::OutcomeUnknown(error))
+            }
+            other => other,
+        };
         if matches!(&result, Err(Error::Storage(error)) if C::is_in_flight_timeout(error)) {
             trace.waited(started.elapsed());
         }

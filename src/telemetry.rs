@@ -95,6 +95,10 @@ impl CallTrace {
                 error!(target: TARGET, parent: span, error = %cause, "storage failed; rolled back");
                 "storage_error"
             }
+            Err(Error::OutcomeUnknown(cause)) => {
+                warn!(target: TARGET, parent: span, error = %cause, "connection lost while committing; outcome unknown");
+                "outcome_unknown"
+            }
             Err(Error::Parked) => {
                 warn!(target: TARGET, parent: span, "operation parked");
                 "parked"

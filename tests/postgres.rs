@@ -1070,3 +1070,42 @@ fn applications_bigint_advisory_locks_never_meet_the_crates() {
     assert!(!outcome.expect("not held up").is_replayed());
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// A durable replay answers only after a commit of its own, which waits for
+/// the synchronous standbys where there are any (the failover suite shows
+/// the effect; here, the commit is there and the answers are the same).
+#[test]
+fn durable_replays_commit_before_they_answer() {
+    use diesel::connection::{Connection as _, InstrumentationEvent};
+
+    let db = Db::new();
+    let mut conn = db.conn();
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let recorder = Arc::clone(&sent);
+    conn.set_instrumentation(move |event: InstrumentationEvent<'_>| {
+        if let InstrumentationEvent::StartQuery { query, .. } = event {
+            recorder.lock().expect("no panic while locked").push(query.to_string());
+        }
+    });
+    let durable = Config::default().durable_replays(true);
+    let calls = AtomicUsize::new(0);
+    let first = durable
+        .run(&mut conn, SCOPE, "k-durable", REQUEST, counted(&calls, "first"))
+        .expect("executes");
+    let confirmations = |sent: &Mutex<Vec<String>>| {
+        sent.lock()
+            .expect("no panic while locked")
+            .iter()
+            .filter(|sql| sql.contains("txid_current()"))
+            .count()
+    };
+    assert_eq!(confirmations(&sent), 0, "an execution commits its own record");
+
+    let replay = durable
+        .run(&mut conn, SCOPE, "k-durable", REQUEST, counted(&calls, "replay"))
+        .expect("replays");
+    assert_eq!(replay, Outcome::Replayed(first.into_inner()));
+    assert_eq!(confirmations(&sent), 1, "the replay waited for a commit of its own");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert!(!Db::in_transaction(&mut conn));
+}

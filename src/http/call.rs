@@ -281,6 +281,14 @@ fn failure<E>(error: Error<E>, problems: &Problems) -> Failure<E> {
                 .with_detail("a request with this idempotency key is still being processed; retry later");
             return Failure::Refused(problem);
         }
+        Error::OutcomeUnknown(cause) => {
+            return Failure::Failed {
+                problem: problems.problem(ProblemKind::Unavailable).with_detail(
+                    "the request may or may not have been carried out; retry it with the same Idempotency-Key to learn which",
+                ),
+                cause: Box::new(Error::<std::convert::Infallible>::OutcomeUnknown(cause)),
+            };
+        }
         Error::Parked => {
             return Failure::Failed {
                 problem: problems.problem(ProblemKind::Internal).with_detail(

@@ -297,6 +297,13 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     #[doc(hidden)]
     fn is_in_flight_timeout(error: &diesel::result::Error) -> bool;
 
+    /// Returns once everything this connection has seen is safe on the
+    /// database's synchronous standbys: outside a transaction by a commit
+    /// of its own that waits for them; inside one by making the enclosing
+    /// commit such a commit. Nothing to do on a backend without standbys.
+    #[doc(hidden)]
+    fn await_replication(&mut self) -> QueryResult<()>;
+
     /// Deletes at most `limit` records expired at `cutoff`.
     #[doc(hidden)]
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
@@ -332,6 +339,24 @@ pub(crate) fn hold_by_claiming<C: KeyStore>(conn: &mut C, record: &Record<'_>) -
         // Purged between the claim and this read, so free now.
         None if conn.claim(record)? => Ok(Hold::Claimed),
         None => Ok(Hold::Busy),
+    }
+}
+
+/// Whether `error` says that the connection to the server was lost (or
+/// could not carry the statement): a crash, a failover, a killed session.
+/// diesel reports PostgreSQL's as `ClosedConnection` or
+/// `UnableToSendCommand`; MySQL's arrive as unknown errors with the client
+/// library's text.
+pub(crate) fn is_connection_lost(error: &diesel::result::Error) -> bool {
+    use diesel::result::{DatabaseErrorKind, Error};
+    match error {
+        Error::DatabaseError(DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand, _) => true,
+        Error::DatabaseError(DatabaseErrorKind::Unknown, info) => {
+            let message = info.message();
+            message.contains("Lost connection to") || message.contains("server has gone away")
+        }
+        Error::RollbackErrorOnCommit { commit_error, .. } => is_connection_lost(commit_error),
+        _ => false,
     }
 }
 

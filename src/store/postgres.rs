@@ -322,6 +322,17 @@ impl KeyStore for PgConnection {
             if info.message().contains("lock timeout"))
     }
 
+    fn await_replication(&mut self) -> QueryResult<()> {
+        // A transaction with an id writes a commit record, and a commit
+        // waits for the synchronous standbys to flush the log up to it: up
+        // to every commit this session could see, too.
+        if transaction_depth(self)? == 0 {
+            self.batch_execute("BEGIN; SELECT txid_current(); COMMIT")
+        } else {
+            self.batch_execute("SELECT txid_current()")
+        }
+    }
+
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
         // SKIP LOCKED: a record that a live request is taking over right now
         // is not worth waiting for; it is no longer expired once that commits.

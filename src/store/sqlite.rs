@@ -199,6 +199,10 @@ impl KeyStore for SqliteConnection {
             if info.message().contains("database is locked"))
     }
 
+    fn await_replication(&mut self) -> QueryResult<()> {
+        Ok(())
+    }
+
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
         // diesel's DSL cannot delete through a limited subquery.
         diesel::sql_query(

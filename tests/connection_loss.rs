@@ -1,0 +1,214 @@
+//! A connection lost at each moment of a call, on PostgreSQL: before the
+//! commit (the transaction rolled back: `Storage`, and a retry executes) and
+//! at the commit (it may or may not have committed: `OutcomeUnknown`, and a
+//! retry replays or executes). The connection runs through a TCP proxy in
+//! the test that cuts both directions when the client sends a chosen
+//! statement, before or after passing it on; everything else is checked on
+//! a direct connection.
+
+#![cfg(feature = "postgres")]
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread;
+
+use diesel::pg::PgConnection;
+use diesel::{Connection, RunQueryDsl};
+use idempotency::batch::Runner;
+use idempotency::{Error, Outcome, run_idempotent};
+
+use common::TestDb;
+use common::pg::{Db, database_url};
+
+/// Whether the proxy passes the statement it cuts at on to the server.
+#[derive(Clone, Copy)]
+enum Cut {
+    /// The server receives it (and, for a COMMIT, commits); its answer never
+    /// comes back.
+    AfterSending,
+    /// The server never receives it.
+    BeforeSending,
+}
+
+/// Proxies one connection to the test server, cutting it at the first
+/// client message that contains `needle`.
+struct Proxy {
+    addr: SocketAddr,
+    pump: thread::JoinHandle<()>,
+}
+
+/// The `host:port` of the server named by `DATABASE_URL`.
+fn server_address() -> String {
+    let url = database_url();
+    let rest = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest);
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+    if host.contains(':') {
+        host.to_owned()
+    } else {
+        format!("{host}:5432")
+    }
+}
+
+impl Proxy {
+    fn start(needle: &'static [u8], cut: Cut) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a port for the proxy");
+        let addr = listener.local_addr().expect("the proxy's address");
+        let upstream = server_address();
+        let pump = thread::spawn(move || {
+            let (client, _) = listener.accept().expect("the client connects");
+            let server = TcpStream::connect(&upstream).expect("the proxy reaches the server");
+            let (mut from_server, mut to_client) =
+                (server.try_clone().expect("clone"), client.try_clone().expect("clone"));
+            let backwards = thread::spawn(move || {
+                let _ = std::io::copy(&mut from_server, &mut to_client);
+            });
+            let (mut from_client, mut to_server) = (client, server);
+            let mut buffer = vec![0; 64 * 1024];
+            loop {
+                let read = match from_client.read(&mut buffer) {
+                    Ok(0) | Err(_) => break,
+                    Ok(read) => read,
+                };
+                let chunk = &buffer[..read];
+                let cut_here = chunk.windows(needle.len()).any(|window| window == needle);
+                if !cut_here || matches!(cut, Cut::AfterSending) {
+                    if to_server.write_all(chunk).is_err() {
+                        break;
+                    }
+                }
+                if cut_here {
+                    // Both directions at once: the client hears nothing more.
+                    let _ = from_client.shutdown(Shutdown::Both);
+                    let _ = to_server.shutdown(Shutdown::Both);
+                    break;
+                }
+            }
+            let _ = backwards.join();
+        });
+        Proxy { addr, pump }
+    }
+
+    /// A url that reaches `db`'s schema through the proxy.
+    fn url(&self, db: &Db) -> String {
+        let server = server_address();
+        let through = db.url().replacen(&server, &self.addr.to_string(), 1);
+        // An encrypted session would hide the statements from the proxy.
+        format!("{through}&sslmode=disable")
+    }
+
+    fn finish(self) {
+        self.pump.join().expect("the proxy's threads end");
+    }
+}
+
+const COMMIT: &[u8] = b"COMMIT\0";
+const KEY_INSERT: &[u8] = b"INSERT INTO \"idempotency_keys\"";
+
+/// One call through a proxy that cuts at `needle`; returns its result and
+/// how often its operation ran.
+fn call_through(
+    db: &Db,
+    needle: &'static [u8],
+    cut: Cut,
+) -> (Result<Outcome<i64>, Error<diesel::result::Error>>, usize) {
+    let proxy = Proxy::start(needle, cut);
+    let mut conn = PgConnection::establish(&proxy.url(db)).expect("connect through the proxy");
+    let calls = AtomicUsize::new(0);
+    let result = run_idempotent(&mut conn, "shop", "order-1", &"one book", |tx| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        Db::place_order(tx, "book", 1)
+    });
+    drop(conn);
+    proxy.finish();
+    (result, calls.into_inner())
+}
+
+/// A retry on a direct connection, as the client's next attempt.
+fn retry(db: &Db) -> Outcome<i64> {
+    run_idempotent(&mut db.conn(), "shop", "order-1", &"one book", |tx| {
+        Db::place_order(tx, "retry", 1)
+    })
+    .expect("the retry answers")
+}
+
+#[test]
+fn commit_whose_answer_is_lost_is_an_unknown_outcome_and_the_retry_replays() {
+    let db = Db::new();
+    let (result, calls) = call_through(&db, COMMIT, Cut::AfterSending);
+    assert_eq!(calls, 1);
+    let Err(error) = result else {
+        panic!("the call cannot know: {result:?}")
+    };
+    assert!(matches!(error, Error::OutcomeUnknown(_)), "{error:?}");
+    assert!(error.is_retryable());
+    assert_eq!(error.status_code(), 503);
+
+    let mut conn = db.conn();
+    assert_eq!(Db::key_count(&mut conn), 1, "the server committed");
+    let retried = retry(&db);
+    assert!(retried.is_replayed(), "the retry replays: {retried:?}");
+    assert_eq!(Db::order_items(&mut conn), ["book"], "executed once");
+}
+
+#[test]
+fn commit_that_never_arrived_is_an_unknown_outcome_and_the_retry_executes() {
+    let db = Db::new();
+    let (result, calls) = call_through(&db, COMMIT, Cut::BeforeSending);
+    assert_eq!(calls, 1);
+    // The crate cannot tell this case from the one above.
+    assert!(matches!(result, Err(Error::OutcomeUnknown(_))), "{result:?}");
+
+    let mut conn = db.conn();
+    Db::await_order_writers(&mut conn);
+    assert_eq!(Db::key_count(&mut conn), 0, "nothing committed");
+    let retried = retry(&db);
+    assert!(!retried.is_replayed(), "the retry executes: {retried:?}");
+    assert_eq!(Db::order_items(&mut conn), ["retry"], "executed once, by the retry");
+}
+
+#[test]
+fn connection_lost_before_the_commit_is_a_storage_error_and_the_retry_executes() {
+    let db = Db::new();
+    let (result, calls) = call_through(&db, KEY_INSERT, Cut::AfterSending);
+    assert_eq!(calls, 1);
+    let Err(error) = result else {
+        panic!("the call fails: {result:?}")
+    };
+    assert!(
+        matches!(error, Error::Storage(_)),
+        "rolled back, not unknown: {error:?}"
+    );
+    assert!(error.is_retryable());
+
+    let mut conn = db.conn();
+    Db::await_order_writers(&mut conn);
+    assert_eq!(Db::key_count(&mut conn), 0);
+    assert!(!retry(&db).is_replayed());
+    assert_eq!(Db::order_items(&mut conn), ["retry"]);
+}
+
+/// An item's connection dies under it (the operation ends its own session,
+/// as a failover would): the worker takes a fresh connection from the pool
+/// and runs the item once more; no item fails and each executes once.
+#[test]
+fn batch_worker_replaces_a_lost_connection_and_runs_the_item_again() {
+    let db = Db::new();
+    let attempts = AtomicUsize::new(0);
+    let runner = Runner::new(db.pool(2)).workers(2);
+    let report = runner
+        .run("job-1", 1..=20_i64, |tx, item| {
+            if *item == 7 && attempts.fetch_add(1, Ordering::SeqCst) == 0 {
+                diesel::sql_query("SELECT pg_terminate_backend(pg_backend_pid())").execute(tx)?;
+            }
+            Db::place_order(tx, &item.to_string(), 1)
+        })
+        .expect("the run");
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    assert_eq!(report.executed, 20);
+    assert_eq!(attempts.into_inner(), 2, "item 7 ran again on a fresh connection");
+    assert_eq!(Db::order_count(&mut db.conn()), 20);
+}
