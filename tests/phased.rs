@@ -15,7 +15,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::marker::PhantomData;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex, mpsc};
 use std::time::Instant;
 
@@ -57,6 +57,7 @@ common::backend_tests!(
     provider_timing_out_after_charging_gives_the_retry_the_same_charge,
     concurrent_retries_during_a_blocked_call_charge_once,
     attempt_whose_lease_ran_out_mid_call_is_fenced_out,
+    retry_taking_over_after_another_attempt_progressed_resumes_from_its_progress,
     completer_finishes_an_abandoned_operation,
     completer_racing_client_retries_finishes_each_operation_once,
     completer_skips_operations_in_their_grace_period_or_under_lease,
@@ -921,6 +922,66 @@ fn attempt_whose_lease_ran_out_mid_call_is_fenced_out<D: RideDb>() {
         );
         assert_charged_once::<D>(&mut conn, &reply, 2);
     });
+}
+
+fn retry_taking_over_after_another_attempt_progressed_resumes_from_its_progress<D: RideDb>() {
+    let db = ride_db::<D>();
+    let clock = ManualClock::new();
+    let plain = Phased::new(OPERATION).config(config(&clock));
+    // A clock that holds its first reading after it is armed: the reading
+    // an attempt takes right after it read the operation, before it takes
+    // it over.
+    let armed = Arc::new(AtomicBool::new(false));
+    let (read_tx, read) = mpsc::channel();
+    let (go, go_rx) = mpsc::channel::<()>();
+    let pausing = {
+        let (clock, armed, go_rx) = (clock.clone(), Arc::clone(&armed), Mutex::new(go_rx));
+        Phased::new(OPERATION).config(Config::default().clock(move || {
+            if armed.swap(false, Ordering::SeqCst) {
+                read_tx.send(()).expect("the test waits for the read");
+                go_rx.lock().expect("the gate").recv().expect("the test lets it go");
+            }
+            clock.now()
+        }))
+    };
+    // Books the ride and queues its receipt in two phases; an attempt with
+    // `give_up_after` returns an error after that many.
+    let attempt = |phased: &Phased, give_up_after: Option<usize>| {
+        phased.run(&mut db.conn(), SCOPE, KEY, &ada(), |s| {
+            let ride = s.phase("ride_created", |tx| {
+                let id = common::unique_name("ride");
+                D::insert_ride(tx, &id, &ada())?;
+                Ok::<_, RideError>(id)
+            })?;
+            if give_up_after == Some(1) {
+                return Err(Error::Operation(RideError::GaveUp));
+            }
+            s.phase("receipt_queued", |tx| {
+                outbox::enqueue(tx, RECEIPTS, &ride)?;
+                Ok::<_, RideError>(())
+            })?;
+            if give_up_after == Some(2) {
+                return Err(Error::Operation(RideError::GaveUp));
+            }
+            s.finish(|_| Ok::<_, RideError>(ride))
+        })
+    };
+    assert!(attempt(&plain, Some(1)).is_err());
+    armed.store(true, Ordering::SeqCst);
+    std::thread::scope(|s| {
+        let late = s.spawn(|| attempt(&pausing, None));
+        read.recv().expect("the late attempt read the operation");
+        assert!(
+            attempt(&plain, Some(2)).is_err(),
+            "another attempt queued the receipt and gave up"
+        );
+        go.send(()).expect("let the late attempt go on");
+        let late = late.join().expect("the late attempt");
+        assert!(matches!(late, Ok(Outcome::Executed(_))), "{late:?}");
+    });
+    let mut conn = db.conn();
+    assert_eq!(D::rides(&mut conn).len(), 1);
+    assert_eq!(D::receipts(&mut conn).len(), 1, "the committed phase ran once");
 }
 
 // --- The completer ---

@@ -240,8 +240,16 @@ impl Phased {
             }
             if row.lease_until.is_none_or(|until| until <= now) {
                 let lease = Lease { scope, key, token };
-                let taken = conn.write(self.config.in_flight, |tx| tx.take_over(lease, now + self.lease, now))?;
-                if taken {
+                // The recovery points are read again once the lease is this
+                // attempt's: since the read above, another attempt may have
+                // taken the operation over, committed steps and let go.
+                let taken = conn.write(self.config.in_flight, |tx| {
+                    if !tx.take_over(lease, now + self.lease, now)? {
+                        return Ok(None);
+                    }
+                    tx.read_operation(scope, key).map(|(row, _)| row)
+                })?;
+                if let Some(row) = taken {
                     tracing::info!(target: telemetry::TARGET, "resuming from the last recovery point");
                     let held = Held::resumed(row).map_err(Error::Codec)?;
                     return Ok(Begin::Attempt(held, clock));
