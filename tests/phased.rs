@@ -63,6 +63,8 @@ common::backend_tests!(
     completer_skips_operations_in_their_grace_period_or_under_lease,
     completer_parks_after_max_attempts_and_requeue_brings_it_back,
     provider_horizon_parks_the_operation_for_a_person,
+    requeued_operation_past_its_horizon_makes_the_call_again,
+    interrupted_at_most_once_call_parks_until_requeued,
     renamed_step_is_refused_and_runs_nothing,
     another_request_under_the_same_key_is_a_mismatch,
 );
@@ -1212,6 +1214,59 @@ fn provider_horizon_parks_the_operation_for_a_person<D: RideDb>() {
         "completers leave parked operations alone"
     );
     assert!(D::charges(&mut conn).is_empty());
+}
+
+fn requeued_operation_past_its_horizon_makes_the_call_again<D: RideDb>() {
+    let db = ride_db::<D>();
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let rides = Rides::new(&db, create_ride(&clock).provider_horizon(Duration::hours(1)));
+    rides.provider.then(Behaviour::FailBefore);
+    assert!(rides.create(&mut conn, KEY, &ada()).is_err());
+    clock.advance(Duration::hours(2));
+    assert!(matches!(rides.create(&mut conn, KEY, &ada()), Err(Error::Parked)));
+
+    // Someone checked with the provider that nothing was charged.
+    let completer = rides.completer().clock(clock.source());
+    assert!(completer.requeue(&mut conn, SCOPE, KEY).expect("requeue"));
+    let reply = executed(rides.create(&mut conn, KEY, &ada()));
+    assert_eq!(rides.provider.requests(), 2, "the call was made again");
+    assert_charged_once::<D>(&mut conn, &reply, 1);
+}
+
+fn interrupted_at_most_once_call_parks_until_requeued<D: RideDb>() {
+    let db = ride_db::<D>();
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let provider = Provider::<D>::new(db.url());
+    let phased = create_ride(&clock);
+    // A provider that does not deduplicate: its call is made at most once.
+    let pay = |conn: &mut D::Conn| {
+        phased.run(conn, SCOPE, KEY, &ada(), |s| {
+            let charge = s.call_at_most_once("charged", |provider_key| {
+                provider.charge(provider_key, ada().cents).map_err(RideError::Provider)
+            })?;
+            s.finish(|_| Ok::<_, RideError>(charge))
+        })
+    };
+    provider.then(Behaviour::FailBefore);
+    assert!(pay(&mut conn).is_err(), "the call failed: it may have been applied");
+    let parked = pay(&mut conn);
+    assert!(matches!(parked, Err(Error::Parked)), "{parked:?}");
+    assert_eq!(provider.requests(), 1, "never made twice by itself");
+
+    let completer = Completer::<D::Conn>::new().clock(clock.source());
+    let listed = completer.abandoned(&mut conn, 10).expect("the parked operations");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        listed[0].reason.as_deref(),
+        Some("call charged was interrupted and is never repeated")
+    );
+    // Someone checked with the provider that nothing was charged.
+    assert!(completer.requeue(&mut conn, SCOPE, KEY).expect("requeue"));
+    let charge = pay(&mut conn).expect("the call made again").into_inner();
+    assert_eq!(provider.requests(), 2);
+    assert_eq!(D::charges(&mut conn)[0].1, charge);
 }
 
 fn renamed_step_is_refused_and_runs_nothing<D: RideDb>() {

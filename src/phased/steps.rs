@@ -300,6 +300,19 @@ struct Point {
     since: Option<NaiveDateTime>,
 }
 
+/// The recovery points `points` (JSON) without the call at their end that
+/// was started and has no result: a requeued operation makes that call again
+/// as if for the first time.
+pub(super) fn without_unfinished_call(points: &str) -> Result<String, serde_json::Error> {
+    let mut points: Vec<Point> = serde_json::from_str(points)?;
+    // Nothing commits after a call until its result does, so an unfinished
+    // call can only be the last point.
+    if points.last().is_some_and(|point| point.output.is_none()) {
+        points.pop();
+    }
+    serde_json::to_string(&points)
+}
+
 /// What [`Steps::finish`] returns, and the only way for a phased
 /// operation's body to end with success.
 #[derive(Debug)]

@@ -165,10 +165,10 @@ pub trait PhaseStore: KeyStore {
     #[doc(hidden)]
     fn parked_operations(&mut self, limit: usize) -> QueryResult<Vec<ParkedRow>>;
 
-    /// Makes a parked operation running again with fresh attempts and a
-    /// free lease.
+    /// Makes a parked operation running again with fresh attempts, a free
+    /// lease and the recovery points `points`.
     #[doc(hidden)]
-    fn requeue_operation(&mut self, scope: &str, key: &str, now: NaiveDateTime) -> QueryResult<bool>;
+    fn requeue_operation(&mut self, scope: &str, key: &str, points: &str, now: NaiveDateTime) -> QueryResult<bool>;
 
     /// Deletes at most `limit` completed operations expired at `cutoff`.
     #[doc(hidden)]
@@ -413,6 +413,7 @@ macro_rules! shared_queries {
             &mut self,
             scope: &str,
             key: &str,
+            points: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
             use crate::phased::store::{PARKED, RUNNING};
@@ -421,6 +422,7 @@ macro_rules! shared_queries {
             let updated = diesel::update(p::table.find((scope, key)).filter(p::status.eq(PARKED)))
                 .set((
                     p::status.eq(RUNNING),
+                    p::points.eq(points),
                     p::attempts.eq(0),
                     p::lease_token.eq(None::<String>),
                     p::lease_until.eq(None::<chrono::NaiveDateTime>),
