@@ -1353,3 +1353,24 @@ fn another_request_under_the_same_key_is_a_mismatch<D: RideDb>() {
         Outcome::Replayed(reply)
     );
 }
+
+/// SQLite: taking an operation over takes the write lock, which another
+/// writer may hold; under `InFlight::Reject` that is a 409, as for every
+/// other write of an attempt.
+#[test]
+fn sqlite_takeover_kept_out_by_another_writer_is_in_progress() {
+    let db = ride_db::<common::sqlite::Db>();
+    let mut conn = db.conn();
+    let rejecting = Phased::new(OPERATION).config(Config::default().in_flight(InFlight::Reject));
+    let rides = Rides::new(&db, rejecting);
+    rides.provider.then(Behaviour::FailBefore);
+    assert!(rides.create(&mut conn, KEY, &ada()).is_err());
+
+    let mut writer = db.conn();
+    writer.batch_execute("BEGIN IMMEDIATE").expect("hold the write lock");
+    let kept_out = rides.create(&mut conn, KEY, &ada());
+    assert!(matches!(kept_out, Err(Error::InProgress)), "{kept_out:?}");
+    writer.batch_execute("ROLLBACK").expect("let the write lock go");
+    let reply = executed(rides.create(&mut conn, KEY, &ada()));
+    assert_charged_once::<common::sqlite::Db>(&mut conn, &reply, 1);
+}

@@ -243,12 +243,14 @@ impl Phased {
                 // The recovery points are read again once the lease is this
                 // attempt's: since the read above, another attempt may have
                 // taken the operation over, committed steps and let go.
-                let taken = conn.write(self.config.in_flight, |tx| {
-                    if !tx.take_over(lease, now + self.lease, now)? {
-                        return Ok(None);
-                    }
-                    tx.read_operation(scope, key).map(|(row, _)| row)
-                })?;
+                let taken = conn
+                    .write(self.config.in_flight, |tx| {
+                        if !tx.take_over(lease, now + self.lease, now)? {
+                            return Ok(None);
+                        }
+                        tx.read_operation(scope, key).map(|(row, _)| row)
+                    })
+                    .map_err(write_failed::<C, E>)?;
                 if let Some(row) = taken {
                     tracing::info!(target: telemetry::TARGET, "resuming from the last recovery point");
                     let held = Held::resumed(row).map_err(Error::Codec)?;
@@ -605,7 +607,7 @@ impl<C: PhaseStore> Steps<'_, C> {
                 Error::Parked
             }
             Ok(false) => fenced(),
-            Err(error) => Error::Storage(error),
+            Err(error) => write_failed::<C, E>(error),
         }
     }
 
@@ -637,6 +639,16 @@ enum Repeat {
 fn fenced<E>() -> Error<E> {
     tracing::info!(target: telemetry::TARGET, "lease taken over by another attempt");
     Error::InProgress
+}
+
+/// A write of an attempt that failed: a wait for the write lock that ran
+/// out under the in-flight policy is a 409, as for the steps' transactions.
+fn write_failed<C: PhaseStore, E>(error: diesel::result::Error) -> Error<E> {
+    if C::is_in_flight_timeout(&error) {
+        Error::InProgress
+    } else {
+        Error::Storage(error)
+    }
 }
 
 /// Why an attempt failed, as operators read it: never the operation's own
