@@ -1374,3 +1374,49 @@ fn sqlite_takeover_kept_out_by_another_writer_is_in_progress() {
     let reply = executed(rides.create(&mut conn, KEY, &ada()));
     assert_charged_once::<common::sqlite::Db>(&mut conn, &reply, 1);
 }
+
+/// PostgreSQL: an attempt whose lease ran out while its last transaction was
+/// open finds the operation taken over when it commits, and its writes roll
+/// back. On SQLite an open transaction holds the write lock, so no attempt
+/// can take the operation over meanwhile.
+#[cfg(feature = "postgres")]
+#[test]
+fn postgres_finish_fenced_after_its_lease_ran_out_rolls_back_its_writes() {
+    use common::pg::{self, Db};
+
+    let db = ride_db::<Db>();
+    let clock = ManualClock::new();
+    let phased = Phased::new(OPERATION)
+        .lease(Duration::minutes(1))
+        .config(config(&clock).in_flight(InFlight::Wait(Duration::seconds(30))));
+    let rides = Rides::new(&db, phased);
+    let (inside_tx, inside) = mpsc::channel();
+    let (go, go_rx) = mpsc::channel::<()>();
+    let go_rx = Mutex::new(go_rx);
+    let hold_inside_finish = |reached: Boundary| {
+        if reached == Boundary::InsideFinish {
+            inside_tx.send(()).expect("the test waits");
+            go_rx.lock().expect("the gate").recv().expect("the test lets it go");
+        }
+    };
+    let mut admin = db.conn();
+    let mut retry_conn = db.conn();
+    let retry_pid = pg::backend_pid(&mut retry_conn);
+    let reply = std::thread::scope(|s| {
+        let late = s.spawn(|| rides.create_stopping(&mut db.conn(), KEY, &ada(), &hold_inside_finish));
+        inside
+            .recv()
+            .expect("the late attempt wrote the charge and the receipt");
+        clock.advance(Duration::minutes(2));
+        let retry = s.spawn(|| rides.create(&mut retry_conn, KEY, &ada()));
+        // The retry took the operation over and waits for the key, which
+        // the late attempt's open transaction holds.
+        pg::wait_until_waiting_for_lock(&mut admin, retry_pid);
+        go.send(()).expect("let the late attempt commit");
+        let late = late.join().expect("the late attempt");
+        assert!(matches!(late, Err(Error::InProgress)), "{late:?}");
+        executed(retry.join().expect("the retry"))
+    });
+    assert_charged_once::<Db>(&mut admin, &reply, 1);
+    assert_eq!(attempts::<Db>(&mut admin, KEY), 2);
+}
