@@ -494,7 +494,8 @@ impl<D: RideDb> Rides<D> {
     /// A completer that resumes this operation with this policy.
     fn completer(&self) -> Completer<D::Conn> {
         let rides = self.clone();
-        Completer::new().operation(OPERATION, move |conn: &mut D::Conn, _scope, key, request: NewRide| {
+        Completer::new().operation(OPERATION, move |conn: &mut D::Conn, scope, key, request: NewRide| {
+            assert_eq!(scope, SCOPE, "resumed under the scope it was created in");
             rides.create(conn, key, &request)
         })
     }
