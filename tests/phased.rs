@@ -707,6 +707,12 @@ fn killed_at<D: RideDb>(boundary: Boundary, test: &str) {
         Boundary::InsideFinish | Boundary::AfterFinish => 0,
         _ => 1,
     };
+    // Without a commit there was nothing to take over; once finished,
+    // nothing to resume.
+    let attempts_made = match boundary {
+        Boundary::InsideFirstPhase | Boundary::AfterFinish => 1,
+        _ => 2,
+    };
     for by_completer in [false, true] {
         let db = ride_db::<D>();
         kill_child_at_its_boundary(&db, test);
@@ -742,6 +748,11 @@ fn killed_at<D: RideDb>(boundary: Boundary, test: &str) {
         assert_eq!(again, Outcome::Replayed(reply.clone()), "the same reply every time");
         assert_charged_once::<D>(&mut conn, &reply, requests);
         assert_eq!(rides.provider.requests(), requests_here, "requests after the kill");
+        assert_eq!(
+            attempts::<D>(&mut conn, KEY),
+            attempts_made,
+            "the killed attempt's and the resumer's"
+        );
     }
 }
 
