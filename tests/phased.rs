@@ -62,6 +62,7 @@ common::backend_tests!(
     completer_racing_client_retries_finishes_each_operation_once,
     completer_skips_operations_in_their_grace_period_or_under_lease,
     completer_parks_after_max_attempts_and_requeue_brings_it_back,
+    completer_retries_a_failed_operation_once_its_grace_ran_out,
     provider_horizon_parks_the_operation_for_a_person,
     requeued_operation_past_its_horizon_makes_the_call_again,
     interrupted_at_most_once_call_parks_until_requeued,
@@ -1181,6 +1182,29 @@ fn completer_parks_after_max_attempts_and_requeue_brings_it_back<D: RideDb>() {
     let reply = executed(rides.create(&mut conn, KEY, &ada()));
     assert_charged_once::<D>(&mut conn, &reply, 1);
     assert_eq!(attempts::<D>(&mut conn, KEY), 1, "attempts counted afresh");
+}
+
+fn completer_retries_a_failed_operation_once_its_grace_ran_out<D: RideDb>() {
+    let db = ride_db::<D>();
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let rides = Rides::new(&db, create_ride(&clock));
+    let completer = rides.completer().clock(clock.source()).grace(Duration::minutes(1));
+    rides.provider.then(Behaviour::FailBefore).then(Behaviour::FailBefore);
+    assert!(rides.create(&mut conn, KEY, &ada()).is_err(), "the client went away");
+
+    clock.advance(Duration::minutes(1));
+    let report = completer.run_once(&mut conn).expect("a pass");
+    assert_eq!(counts(&report), (1, 0, 1, 0, 0), "its attempt failed");
+    assert_eq!(
+        completer.run_once(&mut conn).expect("a pass"),
+        Report::default(),
+        "in grace"
+    );
+    clock.advance(Duration::minutes(1));
+    let report = completer.run_once(&mut conn).expect("a pass");
+    assert_eq!(counts(&report), (1, 1, 0, 0, 0), "taken up again after the grace");
+    assert_eq!(attempts::<D>(&mut conn, KEY), 3);
 }
 
 // --- Parking, renamed steps, mismatches ---

@@ -17,7 +17,8 @@ use crate::shutdown::{ErrorBackoff, Shutdown};
 use crate::store::{RawConnection, StoreConnection};
 use crate::telemetry;
 
-/// How long other completers pass over an operation one has picked.
+/// How long other completers pass over an operation one has picked, unless
+/// the attempt it makes fails sooner and frees it.
 const PICK_HOLD: Duration = Duration::minutes(5);
 
 /// How long the completer's own writes wait for SQLite's write lock.

@@ -122,7 +122,9 @@ pub trait PhaseStore: KeyStore {
         now: NaiveDateTime,
     ) -> QueryResult<bool>;
 
-    /// Frees the lease at once after a failed attempt, noting why.
+    /// Frees the lease at once after a failed attempt, noting why, and the
+    /// completer's pick if a completer made it: the attempt is over, and the
+    /// next waits only for the grace period.
     #[doc(hidden)]
     fn release_operation(&mut self, lease: Lease<'_>, error: &str, now: NaiveDateTime) -> QueryResult<bool>;
 
@@ -305,6 +307,7 @@ macro_rules! shared_queries {
                 .set((
                     p::lease_token.eq(None::<String>),
                     p::lease_until.eq(now),
+                    p::completer_until.eq(None::<chrono::NaiveDateTime>),
                     p::last_error.eq(error),
                     p::updated_at.eq(now),
                 ))
