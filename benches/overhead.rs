@@ -81,7 +81,7 @@ const QUICK: Sizes = Sizes {
 const CONTENTION_THREADS: usize = 32;
 const CONTENTION_OP: Duration = Duration::from_millis(10);
 const SCALING_THREADS: [usize; 5] = [1, 2, 4, 8, 16];
-const SCENARIOS: [&str; 7] = [
+const SCENARIOS: [&str; 8] = [
     "baseline",
     "floor",
     "bare_floor",
@@ -89,7 +89,11 @@ const SCENARIOS: [&str; 7] = [
     "two_phase",
     "replay",
     "first_outbox",
+    "phased",
 ];
+/// Commits of one operation of the `phased` scenario: the claim with its
+/// phase, the call recorded as started, the call's result, the finish.
+const PHASED_COMMITS: usize = 4;
 /// Messages a relay claims per batch in the relay throughput scenario.
 const RELAY_BATCH: usize = 100;
 
@@ -415,6 +419,15 @@ fn print_report(report: &Value, quick: bool) {
         outbox["relay"]["messages"],
         outbox["relay"]["batch_size"],
     );
+    let phased = &report["phased"];
+    println!(
+        "phased (phase, call to a provider that does nothing, finish: {} commits): {:.1} µs per operation, {:.1} µs per commit; per commit / first {:.3}, per commit / baseline {:.3}",
+        phased["commits"],
+        phased["per_operation_us"].as_f64().unwrap_or(f64::NAN),
+        phased["per_commit_us"].as_f64().unwrap_or(f64::NAN),
+        phased["per_commit_over_first"].as_f64().unwrap_or(f64::NAN),
+        phased["per_commit_over_baseline"].as_f64().unwrap_or(f64::NAN),
+    );
     if let Some(profile) = report["statement_profile"].as_array() {
         println!();
         println!(
@@ -447,11 +460,12 @@ macro_rules! scenarios {
         use diesel::prelude::*;
         use diesel::r2d2::{ConnectionManager, Pool};
         use idempotency::outbox::{self, Relay};
+        use idempotency::phased::Phased;
         use idempotency::{Config, Outcome};
         use serde_json::{Value, json};
 
         use super::{
-            BatchTimer, CONTENTION_OP, CONTENTION_THREADS, Keys, Profile, Profiler, RELAY_BATCH, SCALING_THREADS, SCENARIOS,
+            BatchTimer, CONTENTION_OP, CONTENTION_THREADS, Keys, PHASED_COMMITS, Profile, Profiler, RELAY_BATCH, SCALING_THREADS, SCENARIOS,
             Sizes,
             StatementCounter, median, percentile, round3,
         };
@@ -616,9 +630,33 @@ macro_rules! scenarios {
             Ok(id)
         }
 
+        /// A phased operation at its cheapest: the order in its first
+        /// phase, a call to a provider that does nothing, and a finish that
+        /// stores the answer. `PHASED_COMMITS` commits.
+        fn phased(conn: &mut Conn, operation: &Phased, key: &str) -> i64 {
+            let outcome = operation.run(conn, SCOPE, key, &REQUEST, |s| {
+                let id = s.phase("order_placed", place_order)?;
+                let provider_key_len = s.call("provider_called", |provider_key| {
+                    Ok::<_, diesel::result::Error>(std::hint::black_box(provider_key).len())
+                })?;
+                s.finish(|_| Ok::<_, diesel::result::Error>((id, provider_key_len)))
+            });
+            match outcome {
+                Ok(Outcome::Executed((id, _))) => id,
+                other => panic!("a fresh key must execute, got {other:?}"),
+            }
+        }
+
         /// One call of scenario `name`: `key` is fresh, `done` holds
         /// completed keys for replays.
-        fn call(conn: &mut Conn, config: &Config, name: &str, key: &str, done: &[String], next_done: &mut usize) {
+        fn call(
+            conn: &mut Conn,
+            (config, operation): (&Config, &Phased),
+            name: &str,
+            key: &str,
+            done: &[String],
+            next_done: &mut usize,
+        ) {
             match name {
                 "baseline" => {
                     std::hint::black_box(baseline(conn).expect("baseline"));
@@ -642,12 +680,16 @@ macro_rules! scenarios {
                 "first_outbox" => {
                     std::hint::black_box(first_outbox(conn, config, key));
                 }
+                "phased" => {
+                    std::hint::black_box(phased(conn, operation, key));
+                }
                 _ => unreachable!("unknown scenario {name}"),
             }
         }
 
         fn single_connection(db: &Db, sizes: Sizes, profile: bool) -> (Value, Value, Option<Profile>) {
             let config = Config::default();
+            let operation = Phased::new("bench");
             let mut conn = db.conn();
             let counter = StatementCounter::default();
             let profiler = Profiler::default();
@@ -665,7 +707,7 @@ macro_rules! scenarios {
             // Warm up: every statement prepared and cached before timing.
             for name in SCENARIOS {
                 for _ in 0..5 {
-                    call(&mut conn, &config, name, &keys.next_key(), &done, &mut next_done);
+                    call(&mut conn, (&config, &operation), name, &keys.next_key(), &done, &mut next_done);
                 }
             }
             profiler.reset();
@@ -683,7 +725,7 @@ macro_rules! scenarios {
                         profiler.enter(SCENARIOS[index]);
                         counter.take();
                         let start = Instant::now();
-                        call(&mut conn, &config, SCENARIOS[index], &key, &done, &mut next_done);
+                        call(&mut conn, (&config, &operation), SCENARIOS[index], &key, &done, &mut next_done);
                         elapsed[index] += start.elapsed().as_secs_f64();
                         statements[index] += counter.take();
                     }
@@ -924,7 +966,8 @@ macro_rules! scenarios {
             let (large_table, purge) = large_table_and_purge(sizes);
             eprintln!("outbox relay...");
             let relay = relay_throughput(&db, sizes);
-            let ratio = |a: &str, b: &str| round3(per_call[a].as_f64().unwrap_or(f64::NAN) / per_call[b].as_f64().unwrap_or(f64::NAN));
+            let per_call_of = |name: &str| per_call[name].as_f64().unwrap_or(f64::NAN);
+            let ratio = |a: &str, b: &str| round3(per_call_of(a) / per_call_of(b));
             json!({
                 "backend": BACKEND,
                 "rounds": sizes.rounds,
@@ -937,6 +980,8 @@ macro_rules! scenarios {
                     "first_over_baseline": ratio("first", "baseline"),
                     "first_over_two_phase": ratio("first", "two_phase"),
                     "replay_over_baseline": ratio("replay", "baseline"),
+                    "phased_over_first": ratio("phased", "first"),
+                    "phased_over_baseline": ratio("phased", "baseline"),
                     "large_table": large_table["ratio"],
                 },
                 "contention": contention,
@@ -950,6 +995,13 @@ macro_rules! scenarios {
                     ),
                     "first_with_enqueue_over_first": ratio("first_outbox", "first"),
                     "relay": relay,
+                },
+                "phased": {
+                    "commits": PHASED_COMMITS,
+                    "per_operation_us": per_call["phased"],
+                    "per_commit_us": round3(per_call_of("phased") / PHASED_COMMITS as f64),
+                    "per_commit_over_first": round3(per_call_of("phased") / PHASED_COMMITS as f64 / per_call_of("first")),
+                    "per_commit_over_baseline": round3(per_call_of("phased") / PHASED_COMMITS as f64 / per_call_of("baseline")),
                 },
                 "statement_profile": profile,
             })

@@ -8,7 +8,8 @@ use chrono::{DateTime, Duration, Utc};
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use serde::de::DeserializeOwned;
 
-use super::store::ParkedRow;
+use super::steps::without_unfinished_call;
+use super::store::{PARKED, ParkedRow};
 use crate::clock::{Clock, assert_duration};
 use crate::config::InFlight;
 use crate::error::Error;
@@ -16,7 +17,8 @@ use crate::shutdown::{ErrorBackoff, Shutdown};
 use crate::store::{RawConnection, StoreConnection};
 use crate::telemetry;
 
-/// How long other completers pass over an operation one has picked.
+/// How long other completers pass over an operation one has picked, unless
+/// the attempt it makes fails sooner and frees it.
 const PICK_HOLD: Duration = Duration::minutes(5);
 
 /// How long the completer's own writes wait for SQLite's write lock.
@@ -390,18 +392,28 @@ where
     /// Makes a parked operation running again with fresh attempts, for its
     /// client's next retry or the next pass of a completer; returns `false`
     /// when `(scope, key)` names no parked operation. Requeue only once the
-    /// reason it was parked is dealt with: a call past its provider horizon
-    /// will be made again.
+    /// reason it was parked is dealt with: a call that was interrupted (past
+    /// its provider horizon, or made [at most
+    /// once](super::Steps::call_at_most_once)) will be made again as if for
+    /// the first time, with the same provider key and a horizon that starts
+    /// anew.
     ///
     /// # Errors
     ///
-    /// [`Error::Storage`] when the update fails.
+    /// [`Error::Storage`] when the update fails, [`Error::Codec`] when the
+    /// stored recovery points do not read back.
     pub fn requeue<S>(&self, conn: &mut S, scope: &str, key: &str) -> Result<bool, Error>
     where
         S: StoreConnection<Raw = C>,
     {
         let conn = conn.raw();
         let now = self.clock.now(conn)?;
-        Ok(conn.write(WRITE_LOCK_WAIT, |tx| tx.requeue_operation(scope, key, now))?)
+        conn.write(WRITE_LOCK_WAIT, |tx| {
+            let Some(row) = tx.read_operation(scope, key)?.0.filter(|row| row.status == PARKED) else {
+                return Ok(false);
+            };
+            let points = without_unfinished_call(&row.points).map_err(Error::Codec)?;
+            Ok(tx.requeue_operation(scope, key, &points, now)?)
+        })
     }
 }

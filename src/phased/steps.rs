@@ -240,8 +240,18 @@ impl Phased {
             }
             if row.lease_until.is_none_or(|until| until <= now) {
                 let lease = Lease { scope, key, token };
-                let taken = conn.write(self.config.in_flight, |tx| tx.take_over(lease, now + self.lease, now))?;
-                if taken {
+                // The recovery points are read again once the lease is this
+                // attempt's: since the read above, another attempt may have
+                // taken the operation over, committed steps and let go.
+                let taken = conn
+                    .write(self.config.in_flight, |tx| {
+                        if !tx.take_over(lease, now + self.lease, now)? {
+                            return Ok(None);
+                        }
+                        tx.read_operation(scope, key).map(|(row, _)| row)
+                    })
+                    .map_err(write_failed::<C, E>)?;
+                if let Some(row) = taken {
                     tracing::info!(target: telemetry::TARGET, "resuming from the last recovery point");
                     let held = Held::resumed(row).map_err(Error::Codec)?;
                     return Ok(Begin::Attempt(held, clock));
@@ -290,6 +300,19 @@ struct Point {
     output: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     since: Option<NaiveDateTime>,
+}
+
+/// The recovery points `points` (JSON) without the call at their end that
+/// was started and has no result: a requeued operation makes that call again
+/// as if for the first time.
+pub(super) fn without_unfinished_call(points: &str) -> Result<String, serde_json::Error> {
+    let mut points: Vec<Point> = serde_json::from_str(points)?;
+    // Nothing commits after a call until its result does, so an unfinished
+    // call can only be the last point.
+    if points.last().is_some_and(|point| point.output.is_none()) {
+        points.pop();
+    }
+    serde_json::to_string(&points)
 }
 
 /// What [`Steps::finish`] returns, and the only way for a phased
@@ -584,7 +607,7 @@ impl<C: PhaseStore> Steps<'_, C> {
                 Error::Parked
             }
             Ok(false) => fenced(),
-            Err(error) => Error::Storage(error),
+            Err(error) => write_failed::<C, E>(error),
         }
     }
 
@@ -616,6 +639,16 @@ enum Repeat {
 fn fenced<E>() -> Error<E> {
     tracing::info!(target: telemetry::TARGET, "lease taken over by another attempt");
     Error::InProgress
+}
+
+/// A write of an attempt that failed: a wait for the write lock that ran
+/// out under the in-flight policy is a 409, as for the steps' transactions.
+fn write_failed<C: PhaseStore, E>(error: diesel::result::Error) -> Error<E> {
+    if C::is_in_flight_timeout(&error) {
+        Error::InProgress
+    } else {
+        Error::Storage(error)
+    }
 }
 
 /// Why an attempt failed, as operators read it: never the operation's own

@@ -120,7 +120,9 @@ pub trait PhaseStore: KeyStore {
         now: NaiveDateTime,
     ) -> QueryResult<bool>;
 
-    /// Frees the lease at once after a failed attempt, noting why.
+    /// Frees the lease at once after a failed attempt, noting why, and the
+    /// completer's pick if a completer made it: the attempt is over, and the
+    /// next waits only for the grace period.
     #[doc(hidden)]
     fn release_operation(&mut self, lease: Lease<'_>, error: &str, now: NaiveDateTime) -> QueryResult<bool>;
 
@@ -163,10 +165,10 @@ pub trait PhaseStore: KeyStore {
     #[doc(hidden)]
     fn parked_operations(&mut self, limit: usize) -> QueryResult<Vec<ParkedRow>>;
 
-    /// Makes a parked operation running again with fresh attempts and a
-    /// free lease.
+    /// Makes a parked operation running again with fresh attempts, a free
+    /// lease and the recovery points `points`.
     #[doc(hidden)]
-    fn requeue_operation(&mut self, scope: &str, key: &str, now: NaiveDateTime) -> QueryResult<bool>;
+    fn requeue_operation(&mut self, scope: &str, key: &str, points: &str, now: NaiveDateTime) -> QueryResult<bool>;
 
     /// Deletes at most `limit` completed operations expired at `cutoff`.
     #[doc(hidden)]
@@ -318,6 +320,7 @@ macro_rules! shared_queries {
                 .set((
                     p::lease_token.eq(None::<String>),
                     p::lease_until.eq(now),
+                    p::completer_until.eq(None::<chrono::NaiveDateTime>),
                     p::last_error.eq(error),
                     p::updated_at.eq(now),
                 ))
@@ -426,6 +429,7 @@ macro_rules! shared_queries {
             &mut self,
             scope: &str,
             key: &str,
+            points: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
             use crate::phased::store::{PARKED, RUNNING};
@@ -434,6 +438,7 @@ macro_rules! shared_queries {
             let updated = diesel::update(p::table.find((scope, key)).filter(p::status.eq(PARKED)))
                 .set((
                     p::status.eq(RUNNING),
+                    p::points.eq(points),
                     p::attempts.eq(0),
                     p::lease_token.eq(None::<String>),
                     p::lease_until.eq(None::<chrono::NaiveDateTime>),

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use diesel::QueryResult;
 use diesel::connection::{AnsiTransactionManager, Connection, TransactionManager};
 use diesel::r2d2::{ConnectionManager, Pool, PooledConnection, R2D2Connection};
-use idempotency::StoreConnection;
+use idempotency::{RawConnection, StoreConnection};
 
 #[cfg(feature = "postgres")]
 pub mod pg;
@@ -86,8 +86,12 @@ pub type OutboxRow = (String, String, String, i32, Option<String>);
 /// the `orders` table, and the queries the tests check it with.
 pub trait TestDb: Sized + Sync {
     /// The backend's diesel connection. It is its own `Raw`: the operation
-    /// of a call on it, plain or pooled, receives this type.
+    /// of a call on it, plain or pooled, receives this type. `RawConnection`
+    /// is stated although `Raw` implies it, because the compiler forgets
+    /// what it knows of `Raw` once it has replaced `Raw` by `Conn`: the
+    /// steps of a phased operation and a completer need it.
     type Conn: StoreConnection<Raw = Self::Conn>
+        + RawConnection
         + Connection<TransactionManager = AnsiTransactionManager>
         + R2D2Connection
         + 'static;
