@@ -75,10 +75,9 @@ impl Proxy {
                 };
                 let chunk = &buffer[..read];
                 let cut_here = chunk.windows(needle.len()).any(|window| window == needle);
-                if !cut_here || matches!(cut, Cut::AfterSending) {
-                    if to_server.write_all(chunk).is_err() {
-                        break;
-                    }
+                let pass_on = !cut_here || matches!(cut, Cut::AfterSending);
+                if pass_on && to_server.write_all(chunk).is_err() {
+                    break;
                 }
                 if cut_here {
                     // Both directions at once: the client hears nothing more.

@@ -59,6 +59,7 @@ common::backend_tests!(
     attempt_whose_lease_ran_out_mid_call_is_fenced_out,
     retry_taking_over_after_another_attempt_progressed_resumes_from_its_progress,
     completer_finishes_an_abandoned_operation,
+    completer_leaves_operations_without_a_stored_request_to_their_clients,
     completer_racing_client_retries_finishes_each_operation_once,
     completer_skips_operations_in_their_grace_period_or_under_lease,
     completer_parks_after_max_attempts_and_requeue_brings_it_back,
@@ -1027,6 +1028,24 @@ fn completer_finishes_an_abandoned_operation<D: RideDb>() {
     };
     assert_charged_once::<D>(&mut conn, &reply, 1);
     assert_eq!(completer.run_once(&mut conn).expect("a pass"), Report::default());
+}
+
+fn completer_leaves_operations_without_a_stored_request_to_their_clients<D: RideDb>() {
+    let db = ride_db::<D>();
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let rides = Rides::new(&db, create_ride(&clock).store_requests(false));
+    rides.provider.then(Behaviour::FailBefore);
+    assert!(rides.create(&mut conn, KEY, &ada()).is_err(), "the client went away");
+
+    clock.advance(Duration::minutes(10));
+    let completer = rides.completer().clock(clock.source());
+    assert_eq!(completer.run_once(&mut conn).expect("a pass"), Report::default());
+    assert!(completer.abandoned(&mut conn, 10).expect("parked ones").is_empty());
+
+    let resumed = rides.create(&mut conn, KEY, &ada()).expect("the client's retry");
+    assert!(!resumed.is_replayed(), "the client's retry finishes it");
+    assert_charged_once::<D>(&mut conn, &resumed.into_inner(), 1);
 }
 
 fn completer_racing_client_retries_finishes_each_operation_once<D: RideDb>() {

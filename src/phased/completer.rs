@@ -13,6 +13,7 @@ use super::store::{PARKED, ParkedRow};
 use crate::clock::{Clock, assert_duration};
 use crate::config::InFlight;
 use crate::error::Error;
+use crate::outcome::Outcome;
 use crate::shutdown::{ErrorBackoff, Shutdown};
 use crate::store::{RawConnection, StoreConnection};
 use crate::telemetry;
@@ -105,10 +106,11 @@ pub struct Report {
     /// Picked operations whose attempt failed; tried again after the grace
     /// period, until their maximum of attempts.
     pub failed: usize,
-    /// Picked operations a client's retry had taken over meanwhile.
+    /// Picked operations a client's retry finished or had taken over
+    /// meanwhile, or that another writer kept this completer out of.
     pub skipped: usize,
-    /// Operations parked: out of attempts, without a stored request, or
-    /// parked by their own attempt.
+    /// Operations parked: out of attempts, with a stored request that no
+    /// longer decodes, or parked by their own attempt.
     pub parked: usize,
     /// Database errors met by [`Completer::run`]; it carried on after each.
     pub errors: usize,
@@ -173,17 +175,19 @@ where
     /// called with a connection, the operation's scope and key, and its
     /// stored request decoded into `Q`. It should make the same call the
     /// client's handler makes (`Phased::new(name).run(conn, scope, key,
-    /// &request, ..)`).
+    /// &request, ..)`) and return its outcome: a replay means a client
+    /// finished the operation first.
     pub fn operation<Q, T, E, F>(mut self, name: impl Into<String>, finish: F) -> Self
     where
         Q: DeserializeOwned,
-        F: Fn(&mut C, &str, &str, Q) -> Result<T, Error<E>> + Send + Sync + 'static,
+        F: Fn(&mut C, &str, &str, Q) -> Result<Outcome<T>, Error<E>> + Send + Sync + 'static,
     {
         let resume = move |conn: &mut C, scope: &str, key: &str, request: &str| {
             let request: Q = serde_json::from_str(request)
                 .map_err(|error| format!("the stored request does not decode ({:?})", error.classify()))?;
             Ok(match finish(conn, scope, key, request) {
-                Ok(_) => Resumed::Completed,
+                Ok(Outcome::Executed(_)) => Resumed::Completed,
+                Ok(Outcome::Replayed(_)) => Resumed::Held,
                 Err(Error::InProgress) => Resumed::Held,
                 Err(Error::Parked) => Resumed::Parked,
                 Err(_) => Resumed::Failed,
@@ -314,10 +318,9 @@ where
         })?;
         report.picked = picked.len();
         for row in picked {
-            let resumed = match (row.request.as_deref(), self.operations.get(&row.operation)) {
-                (Some(request), Some(resume)) => resume(conn, &row.scope, &row.idempotency_key, request),
-                (None, _) => Err(String::from("no stored request to resume with")),
-                (_, None) => Err(String::from("no function registered for the operation")),
+            let resumed = match self.operations.get(&row.operation) {
+                Some(resume) => resume(conn, &row.scope, &row.idempotency_key, &row.request),
+                None => Err(String::from("no function registered for the operation")),
             };
             match resumed {
                 Ok(Resumed::Completed) => report.completed += 1,

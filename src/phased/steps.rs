@@ -14,7 +14,7 @@ use crate::clock::{Reading, assert_duration};
 use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::Outcome;
-use crate::store::{StoreConnection, transaction_depth};
+use crate::store::{self, StoreConnection, transaction_depth};
 use crate::{codec, fingerprint, id, key, telemetry};
 
 /// How often a retry looks again while another attempt holds the lease.
@@ -233,6 +233,9 @@ impl Phased {
                 COMPLETED => {
                     let response = row.response.unwrap_or_default();
                     let value = serde_json::from_str(&response).map_err(Error::Codec)?;
+                    if self.config.durable_replays {
+                        conn.await_replication()?;
+                    }
                     return Ok(Begin::Replay(Outcome::Replayed(value)));
                 }
                 PARKED => return Err(Error::Parked),
@@ -567,6 +570,9 @@ impl<C: PhaseStore> Steps<'_, C> {
             created_at: now,
             updated_at: now,
         });
+        // Set once `work` is done: a connection lost after it was lost while
+        // the step committed, and the step may or may not have committed.
+        let mut committing = false;
         let result = self
             .conn
             .key_transaction(self.lease.scope, self.lease.key, self.phased.config.in_flight, |tx| {
@@ -579,10 +585,15 @@ impl<C: PhaseStore> Steps<'_, C> {
                         return Err(Error::InProgress);
                     }
                 }
-                work(tx, &mut points, now)
+                let value = work(tx, &mut points, now)?;
+                committing = true;
+                Ok(value)
             })
             .map_err(|error| match error {
                 Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
+                Error::Storage(storage) if committing && store::is_connection_lost(&storage) => {
+                    Error::OutcomeUnknown(storage)
+                }
                 other => other,
             })?;
         match (&mut self.held, claim) {

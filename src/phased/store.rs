@@ -61,7 +61,7 @@ pub struct PickedRow {
     pub(crate) scope: String,
     pub(crate) idempotency_key: String,
     pub(crate) operation: String,
-    pub(crate) request: Option<String>,
+    pub(crate) request: String,
 }
 
 /// A parked operation, as listed.
@@ -463,12 +463,14 @@ macro_rules! pick_abandoned {
         let picked: Vec<PickedRow> = p::table
             .filter(p::status.eq(RUNNING))
             .filter(p::operation.eq_any($operations))
+            // Without its request an operation waits for its client's retry.
+            .filter(p::request.is_not_null())
             .filter(p::lease_until.is_null().or(p::lease_until.le($now)))
             .filter(p::updated_at.le($idle_since))
             .filter(p::completer_until.is_null().or(p::completer_until.le($now)))
             .order(p::updated_at)
             .limit($crate::store::sql_limit($limit))
-            .select((p::scope, p::idempotency_key, p::operation, p::request))
+            .select((p::scope, p::idempotency_key, p::operation, p::request.assume_not_null()))
             $(.$lock())*
             .load($conn)?;
         for row in &picked {
