@@ -17,6 +17,7 @@ use std::thread;
 use std::time::Duration as StdDuration;
 
 use chrono::{Duration, NaiveDateTime, Utc};
+use diesel::connection::SimpleConnection;
 use idempotency::Shutdown;
 use idempotency::outbox::{self, Message, Relay, Summary};
 use idempotency::testing::ManualClock;
@@ -30,6 +31,7 @@ common::backend_tests!(
     relay_sleeps_until_the_next_due_time_rather_than_its_poll_interval,
     stopping_lets_the_running_handler_finish_and_gives_the_rest_of_the_batch_back,
     stats_follow_the_backlog_through_delivery_failure_and_requeue,
+    database_error_mid_batch_keeps_the_batch_deliveries_in_the_summary,
 );
 
 /// How long a test waits for a delivery before it fails; far beyond what a
@@ -418,4 +420,55 @@ fn stats_follow_the_backlog_through_delivery_failure_and_requeue<D: TestDb>() {
         2
     );
     assert_eq!(stats(&mut conn), (0, 0, 0, None));
+}
+
+fn database_error_mid_batch_keeps_the_batch_deliveries_in_the_summary<D: TestDb>() {
+    let db = D::new();
+    let pool = db.pool(2);
+    let mut conn = db.conn();
+    let ids: Vec<String> = (0..3)
+        .map(|i| outbox::enqueue(&mut conn, "receipts", &i).expect("enqueue"))
+        .collect();
+    let relay = Relay::default().batch_size(10);
+    let shutdown = Shutdown::new();
+    let saboteur = Mutex::new(db.conn());
+    // The second handler takes the outbox table away, so recording its
+    // outcome fails, and stops the service, which then ends after that
+    // one error.
+    let handler = |message: &Message| {
+        if message.id == ids[1] {
+            saboteur
+                .lock()
+                .expect("connection")
+                .batch_execute("ALTER TABLE idempotency_outbox RENAME TO idempotency_outbox_away")
+                .map_err(|error| error.to_string())?;
+            shutdown.trigger();
+        }
+        Ok::<_, String>(())
+    };
+    let summary = thread::scope(|scope| {
+        let _stop = StopOnDrop(&shutdown);
+        scope
+            .spawn(|| relay.run(&pool, handler, &shutdown))
+            .join()
+            .expect("the relay does not panic")
+    });
+    conn.batch_execute("ALTER TABLE idempotency_outbox_away RENAME TO idempotency_outbox")
+        .expect("put the table back");
+    assert_eq!(summary.errors, 1, "{summary:?}");
+    assert_eq!(
+        (summary.report.claimed, summary.report.delivered),
+        (3, 1),
+        "the delivery before the error counts: {summary:?}"
+    );
+    let statuses: Vec<_> = D::outbox_messages(&mut conn).into_iter().map(|m| (m.2, m.3)).collect();
+    assert_eq!(
+        statuses,
+        [
+            ("delivered".to_owned(), 1),
+            ("pending".to_owned(), 1),
+            ("pending".to_owned(), 1)
+        ],
+        "the rest of the batch stays leased, for the next claim after the lease"
+    );
 }

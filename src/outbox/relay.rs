@@ -132,7 +132,7 @@ impl AddAssign for Summary {
 /// What a worker does next.
 enum Step {
     /// It delivered a batch; more may be due.
-    Worked(Report),
+    Worked,
     /// Nothing is due for this long.
     Idle(std::time::Duration),
 }
@@ -380,12 +380,22 @@ impl Relay {
         E: fmt::Display,
         F: FnMut(&Message) -> Result<(), E>,
     {
-        self.pass(conn.raw(), &mut handler, &|| false)
+        let mut report = Report::default();
+        self.pass(conn.raw(), &mut handler, &|| false, &mut report)?;
+        Ok(report)
     }
 
-    /// One claim and its deliveries. Once `stop` says so, the messages not
-    /// yet handed over are given back, due at once for another relay.
-    fn pass<C, E, F>(&self, conn: &mut C, handler: &mut F, stop: &dyn Fn() -> bool) -> Result<Report, Error>
+    /// One claim and its deliveries, counted into `report` as they are
+    /// recorded, so that an error later in the batch keeps what was done
+    /// before it. Once `stop` says so, the messages not yet handed over are
+    /// given back, due at once for another relay.
+    fn pass<C, E, F>(
+        &self,
+        conn: &mut C,
+        handler: &mut F,
+        stop: &dyn Fn() -> bool,
+        report: &mut Report,
+    ) -> Result<(), Error>
     where
         C: RawConnection,
         E: fmt::Display,
@@ -403,10 +413,7 @@ impl Relay {
         // The claim returns its rows in no particular order.
         claimed.sort_by(|a, b| a.id.cmp(&b.id));
 
-        let mut report = Report {
-            claimed: claimed.len(),
-            ..Report::default()
-        };
+        report.claimed += claimed.len();
         for row in claimed {
             let id = row.id.clone();
             if stop() {
@@ -434,7 +441,7 @@ impl Relay {
                 report.lost += 1;
             }
         }
-        Ok(report)
+        Ok(())
     }
 
     /// Delivers messages until `shutdown` is triggered: the relay as a
@@ -550,13 +557,11 @@ impl Relay {
                         stats_due = Instant::now() + STATS_EVERY;
                         self.stats(conn).map_err(ServiceError::Outbox)?;
                     }
-                    self.step(conn, handler, shutdown).map_err(ServiceError::Outbox)
+                    self.step(conn, handler, shutdown, &mut summary.report)
+                        .map_err(ServiceError::Outbox)
                 });
             match step {
-                Ok(Step::Worked(report)) => {
-                    backoff.succeeded();
-                    summary.report += report;
-                }
+                Ok(Step::Worked) => backoff.succeeded(),
                 Ok(Step::Idle(wait)) => {
                     backoff.succeeded();
                     shutdown.wait_for_wake(wakes, wait);
@@ -572,9 +577,9 @@ impl Relay {
         summary
     }
 
-    /// Delivers one batch if a message is due; otherwise says how long to
-    /// sleep.
-    fn step<C, E, F>(&self, conn: &mut C, handler: &F, shutdown: &Shutdown) -> Result<Step, Error>
+    /// Delivers one batch if a message is due, counted into `done`;
+    /// otherwise says how long to sleep.
+    fn step<C, E, F>(&self, conn: &mut C, handler: &F, shutdown: &Shutdown, done: &mut Report) -> Result<Step, Error>
     where
         C: StoreConnection,
         E: fmt::Display,
@@ -584,14 +589,20 @@ impl Relay {
         let now = self.clock.now(conn)?;
         match conn.next_due()? {
             Some(due) if due <= now => {
-                let report = self.pass(conn, &mut |message: &Message| handler(message), &|| {
-                    shutdown.is_triggered()
-                })?;
+                let mut report = Report::default();
+                let passed = self.pass(
+                    conn,
+                    &mut |message: &Message| handler(message),
+                    &|| shutdown.is_triggered(),
+                    &mut report,
+                );
+                *done += report;
+                passed?;
                 Ok(if report.claimed == 0 {
                     // Due, but another relay claimed it first.
                     Step::Idle(self.poll_interval)
                 } else {
-                    Step::Worked(report)
+                    Step::Worked
                 })
             }
             Some(due) => {
