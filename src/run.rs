@@ -186,7 +186,7 @@ impl Config {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut C::Raw) -> Result<R, E>,
     {
-        let trace = CallTrace::start(scope, key, C::Raw::BACKEND);
+        let trace = CallTrace::start(C::Raw::BACKEND);
         let result = trace
             .span()
             .in_scope(|| self.decide(conn.raw(), scope, key, request, op, &trace));
@@ -211,7 +211,9 @@ impl Config {
         F: FnOnce(&mut C) -> Result<R, E>,
     {
         key::validate_scope(scope, self.max_key_len).map_err(Error::InvalidScope)?;
+        trace.scope(scope);
         key::validate_key(key, self.max_key_len).map_err(Error::InvalidKey)?;
+        trace.key(key);
         let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
         // The record this call writes if it executes, claimed as of `now`:
         // to the microsecond, as PostgreSQL keeps times, so that the times
