@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use diesel::r2d2::{ConnectionManager, Pool, PoolError, R2D2Connection};
+use tracing::{Dispatch, Span};
 
 use super::store::{Claimed, OutboxStore, Settlement};
 use super::{DeadLetter, Error, Message, Report, Stats};
@@ -459,7 +460,9 @@ impl Relay {
     /// A database error never ends the service: it is reported (a `tracing`
     /// event, counted in [`Summary::errors`]), and the worker tries again
     /// after a pause that doubles from 100 ms up to 10 s, so it carries on by
-    /// itself once the database is back.
+    /// itself once the database is back. The service's threads send their
+    /// `tracing` events where the calling thread sends its own: to its
+    /// subscriber, inside its current span.
     ///
     /// When `shutdown` is triggered no new claim is made; a handler that is
     /// running finishes and its outcome is recorded, and the rest of its
@@ -509,12 +512,17 @@ impl Relay {
         E: fmt::Display,
         F: Fn(&Message) -> Result<(), E> + Sync,
     {
+        // The service's threads report where the caller's thread does: to
+        // its subscriber (also one set with `with_default`), inside its
+        // current span.
+        let dispatch = tracing::dispatcher::get_default(Dispatch::clone);
+        let span = Span::current();
         let summaries: Vec<thread::Result<Summary>> = thread::scope(|scope| {
-            scope.spawn(|| self.listen(pool, shutdown));
+            scope.spawn(|| traced(&dispatch, &span, || self.listen(pool, shutdown)));
             let workers: Vec<_> = (0..self.workers)
                 .map(|worker| {
-                    let handler = &handler;
-                    scope.spawn(move || self.work(worker, pool, handler, shutdown))
+                    let (handler, dispatch, span) = (&handler, &dispatch, &span);
+                    scope.spawn(move || traced(dispatch, span, || self.work(worker, pool, handler, shutdown)))
                 })
                 .collect();
             workers.into_iter().map(|worker| worker.join()).collect()
@@ -825,6 +833,11 @@ fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown) -> Result<bo
     }
     conn.unlisten()?;
     Ok(true)
+}
+
+/// Runs `f` with `dispatch` as the thread's subscriber, inside `span`.
+fn traced<T>(dispatch: &Dispatch, span: &Span, f: impl FnOnce() -> T) -> T {
+    tracing::dispatcher::with_default(dispatch, || span.in_scope(f))
 }
 
 /// Cuts `text` to at most `MAX_ERROR_LEN` bytes on a character boundary.
