@@ -168,6 +168,13 @@ pub(crate) mod relay {
         count("dead");
     }
 
+    pub(crate) fn not_listening(pool_size: u32, workers: usize) {
+        warn!(
+            target: TARGET, pool_size, workers,
+            "no pooled connection to spare for the listener (it needs workers + 1); new messages wait for the poll interval"
+        );
+    }
+
     pub(crate) fn lease_lost(id: &str) {
         warn!(target: TARGET, message_id = id, "lease lost before settling; left to the next claim");
         count("lost");

@@ -32,6 +32,7 @@ common::backend_tests!(
     stopping_lets_the_running_handler_finish_and_gives_the_rest_of_the_batch_back,
     stats_follow_the_backlog_through_delivery_failure_and_requeue,
     database_error_mid_batch_keeps_the_batch_deliveries_in_the_summary,
+    relay_on_a_pool_of_one_connection_delivers_without_errors,
 );
 
 /// How long a test waits for a delivery before it fails; far beyond what a
@@ -471,4 +472,26 @@ fn database_error_mid_batch_keeps_the_batch_deliveries_in_the_summary<D: TestDb>
         ],
         "the rest of the batch stays leased, for the next claim after the lease"
     );
+}
+
+fn relay_on_a_pool_of_one_connection_delivers_without_errors<D: TestDb>() {
+    let db = D::new();
+    // No connection to spare for a listener on PostgreSQL.
+    let pool = db.pool(1);
+    let mut conn = db.conn();
+    let relay = Relay::default().poll_interval(StdDuration::from_millis(20));
+    let shutdown = Shutdown::new();
+    let (tx, delivered) = mpsc::channel();
+    let handler = |message: &Message| tx.send(message.id.clone()).map_err(|e| e.to_string());
+    let summary = thread::scope(|scope| {
+        let _stop = StopOnDrop(&shutdown);
+        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        for i in 0..3 {
+            let id = outbox::enqueue(&mut conn, "receipts", &i).expect("enqueue");
+            assert_eq!(delivered.recv_timeout(PATIENCE).expect("delivered"), id);
+        }
+        shutdown.trigger();
+        service.join().expect("the relay does not panic")
+    });
+    assert_eq!((summary.report.delivered, summary.errors), (3, 0), "{summary:?}");
 }

@@ -35,6 +35,7 @@ common::backend_tests!(
     call_decisions_are_events_of_the_call_span_without_payload_text,
     relay_and_purge_decisions_are_events_without_payload_text,
     refused_key_that_looks_like_a_card_number_is_never_traced,
+    relay_on_a_pool_without_a_connection_to_spare_says_it_does_not_listen,
 );
 
 /// In every request, response, payload and handler error.
@@ -463,4 +464,24 @@ where
     assert_eq!(invalid_calls[0].field("scope"), "payments", "a valid scope is recorded");
     capture.assert_never_contains(card);
     capture.assert_never_contains(&huge_scope);
+}
+
+fn relay_on_a_pool_without_a_connection_to_spare_says_it_does_not_listen<D: TestDb>() {
+    let db = D::new();
+    let capture = Capture::default();
+    let shutdown = Shutdown::new();
+    shutdown.trigger();
+    let pool = db.pool(1);
+    capture.run(|| Relay::default().run(&pool, |_| Ok::<_, String>(()), &shutdown));
+    let warned = capture.events(
+        "no pooled connection to spare for the listener (it needs workers + 1); new messages wait for the poll interval",
+    );
+    // Only PostgreSQL announces messages; a SQLite relay always polls.
+    if D::BACKEND == "postgres" {
+        assert_eq!(warned.len(), 1, "{:?}", capture.all());
+        assert_eq!(warned[0].level, Level::WARN);
+        assert_eq!((warned[0].field("pool_size"), warned[0].field("workers")), ("1", "1"));
+    } else {
+        assert!(warned.is_empty(), "{warned:?}");
+    }
 }

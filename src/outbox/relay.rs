@@ -454,8 +454,11 @@ impl Relay {
     /// is due, at most a [`poll_interval`](Relay::poll_interval). On
     /// PostgreSQL a further pooled connection listens for the notification
     /// each enqueue sends when it commits, and wakes the workers within
-    /// milliseconds (give the pool `workers + 1` connections); the
-    /// notification only wakes them, polling is what guarantees delivery.
+    /// milliseconds; the notification only wakes them, polling is what
+    /// guarantees delivery. Give the pool `workers + 1` connections: the
+    /// listener keeps its own while the service runs, and on a smaller pool
+    /// the relay does not listen (it says so in a `warn` event) and finds
+    /// new messages by polling alone.
     ///
     /// A database error never ends the service: it is reported (a `tracing`
     /// event, counted in [`Summary::errors`]), and the worker tries again
@@ -517,8 +520,18 @@ impl Relay {
         // current span.
         let dispatch = tracing::dispatcher::get_default(Dispatch::clone);
         let span = Span::current();
+        // The listener keeps its connection while the service runs: on a
+        // pool that cannot spare one besides the workers' it would take the
+        // one they need, so there they find new messages by polling alone.
+        let announces = announces::<C>();
+        let listens = announces && pool.max_size() as usize > self.workers;
+        if announces && !listens {
+            telemetry::relay::not_listening(pool.max_size(), self.workers);
+        }
         let summaries: Vec<thread::Result<Summary>> = thread::scope(|scope| {
-            scope.spawn(|| traced(&dispatch, &span, || self.listen(pool, shutdown)));
+            if listens {
+                scope.spawn(|| traced(&dispatch, &span, || self.listen(pool, shutdown)));
+            }
             let workers: Vec<_> = (0..self.workers)
                 .map(|worker| {
                     let (handler, dispatch, span) = (&handler, &dispatch, &span);
@@ -833,6 +846,13 @@ fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown) -> Result<bo
     }
     conn.unlisten()?;
     Ok(true)
+}
+
+/// Whether connections of type `C` announce new messages to listeners.
+/// (Generic over any `StoreConnection`, where `C::Raw` stays a projection
+/// whose bounds the compiler knows.)
+fn announces<C: StoreConnection>() -> bool {
+    <C::Raw as OutboxStore>::ANNOUNCES
 }
 
 /// Runs `f` with `dispatch` as the thread's subscriber, inside `span`.
