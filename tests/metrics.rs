@@ -166,8 +166,10 @@ fn calls_count_by_outcome_and_time_their_duration_and_wait<D: TestDb>() {
 
     // Another call holds the key; this one waits 50 ms for it, then gives up.
     let (entered, holding) = mpsc::channel();
-    let (release, released) = mpsc::channel::<()>();
     thread::scope(|scope| {
+        // Owned here, so that a failed assertion drops it and frees the
+        // waiting thread before the scope joins it.
+        let (release, released) = mpsc::channel::<()>();
         let (db, config) = (&db, &config);
         let holder = scope.spawn(move || {
             config.run(&mut db.conn(), "shop", "k-busy", &1, |_| {

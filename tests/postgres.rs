@@ -363,8 +363,10 @@ fn purge_between_the_read_and_the_store_of_a_takeover_does_not_fail_the_call() {
     clock.advance(Duration::hours(2));
 
     let (entered, operation_running) = mpsc::channel();
-    let (resume, resumed) = mpsc::channel::<()>();
     let takeover = thread::scope(|s| {
+        // Owned here, so that a failed assertion drops it and frees the
+        // waiting thread before the scope joins it.
+        let (resume, resumed) = mpsc::channel::<()>();
         let (db, config, calls) = (&db, &config, &calls);
         let taker = s.spawn(move || {
             config.run(&mut db.conn(), SCOPE, "k-expiring", REQUEST, |tx| {

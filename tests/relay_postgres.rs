@@ -58,6 +58,16 @@ impl Drop for StopOnDrop<'_> {
     }
 }
 
+/// Stops the producer however the test ends, so that a failed assertion
+/// inside `thread::scope` does not wait forever for it.
+struct ClearOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for ClearOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+}
+
 /// Passes a delivered message's id on to the test.
 fn report(sender: &mpsc::Sender<String>, message: &Message) -> Result<(), String> {
     sender
@@ -342,6 +352,7 @@ fn relay_rides_out_a_server_restart_and_loses_no_committed_message() {
 
     let summary = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
+        let _stop_producing = ClearOnDrop(&producing);
         let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
         // Enqueues at a steady pace on a connection of its own, and
         // reconnects and carries on after its own errors. Only an enqueue

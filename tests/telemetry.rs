@@ -222,8 +222,10 @@ fn call_decisions_are_events_of_the_call_span_without_payload_text<D: TestDb>() 
 
     // Another call holds the key while this one waits for it.
     let (entered, holding) = mpsc::channel();
-    let (release, released) = mpsc::channel::<()>();
     thread::scope(|scope| {
+        // Owned here, so that a failed assertion drops it and frees the
+        // waiting thread before the scope joins it.
+        let (release, released) = mpsc::channel::<()>();
         let (db, capture, config, request, response) = (&db, &capture, &config, &request, &response);
         let holder = scope.spawn(move || {
             capture.run(|| {
