@@ -4,7 +4,7 @@ use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
 use std::time::Instant;
 
-use chrono::{Duration, NaiveDateTime};
+use chrono::{Duration, NaiveDateTime, SubsecRound};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -186,7 +186,7 @@ impl Config {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut C::Raw) -> Result<R, E>,
     {
-        let trace = CallTrace::start(scope, key, C::Raw::BACKEND);
+        let trace = CallTrace::start(C::Raw::BACKEND);
         let result = trace
             .span()
             .in_scope(|| self.decide(conn.raw(), scope, key, request, op, &trace));
@@ -211,18 +211,25 @@ impl Config {
         F: FnOnce(&mut C) -> Result<R, E>,
     {
         key::validate_scope(scope, self.max_key_len).map_err(Error::InvalidScope)?;
+        trace.scope(scope);
         key::validate_key(key, self.max_key_len).map_err(Error::InvalidKey)?;
+        trace.key(key);
         let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
-        // The record this call writes if it executes, claimed as of `now`.
-        let claim = |now: NaiveDateTime| Record {
-            scope,
-            idempotency_key: key,
-            request_hash: &request_hash,
-            status: PROCESSING,
-            response: None,
-            created_at: now,
-            completed_at: None,
-            expires_at: now + self.retention,
+        // The record this call writes if it executes, claimed as of `now`:
+        // to the microsecond, as PostgreSQL keeps times, so that the times
+        // an execution reports are the ones its replays read back.
+        let claim = |now: NaiveDateTime| {
+            let now = now.trunc_subsecs(6);
+            Record {
+                scope,
+                idempotency_key: key,
+                request_hash: &request_hash,
+                status: PROCESSING,
+                response: None,
+                created_at: now,
+                completed_at: None,
+                expires_at: now + self.retention,
+            }
         };
         let recorded = match conn.read(scope, key) {
             Ok(Read { record, now }) => {

@@ -21,6 +21,10 @@ use crate::outcome::{Outcome, Recorded};
 pub(crate) const TARGET: &str = "idempotency";
 
 /// The span of one idempotent call, and the decision it ended with.
+///
+/// The scope and the key are recorded only once they passed validation: a
+/// refused value may be what the rules keep out of logs (a card number),
+/// or megabytes long.
 pub(crate) struct CallTrace {
     span: Span,
     #[cfg(feature = "metrics")]
@@ -29,9 +33,9 @@ pub(crate) struct CallTrace {
 }
 
 impl CallTrace {
-    pub(crate) fn start(scope: &str, key: &str, backend: &'static str) -> CallTrace {
+    pub(crate) fn start(backend: &'static str) -> CallTrace {
         CallTrace {
-            span: tracing::debug_span!(target: TARGET, "idempotent_call", scope, key, backend, outcome = Empty),
+            span: tracing::debug_span!(target: TARGET, "idempotent_call", scope = Empty, key = Empty, backend, outcome = Empty),
             #[cfg(feature = "metrics")]
             backend,
             started: std::time::Instant::now(),
@@ -40,6 +44,16 @@ impl CallTrace {
 
     pub(crate) fn span(&self) -> &Span {
         &self.span
+    }
+
+    /// Records a scope that passed validation.
+    pub(crate) fn scope(&self, scope: &str) {
+        self.span.record("scope", scope);
+    }
+
+    /// Records a key that passed validation.
+    pub(crate) fn key(&self, key: &str) {
+        self.span.record("key", key);
     }
 
     /// The write path waited this long for the key (another call holding
@@ -156,6 +170,13 @@ pub(crate) mod relay {
     pub(crate) fn dead(id: &str, topic: &str, attempts: i32) {
         warn!(target: TARGET, message_id = id, topic, attempts, "delivery failed for the last time; message parked as dead");
         count("dead");
+    }
+
+    pub(crate) fn not_listening(pool_size: u32, workers: usize) {
+        warn!(
+            target: TARGET, pool_size, workers,
+            "no pooled connection to spare for the listener (it needs workers + 1); new messages wait for the poll interval"
+        );
     }
 
     pub(crate) fn lease_lost(id: &str) {

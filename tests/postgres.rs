@@ -388,6 +388,46 @@ fn expired_key_is_taken_over_by_exactly_one_of_many_racing_requests() {
     assert_eq!(Db::key_count(&mut conn), 1);
 }
 
+#[test]
+fn purge_between_the_read_and_the_store_of_a_takeover_does_not_fail_the_call() {
+    let db = Db::new();
+    let clock = ManualClock::new();
+    let config = Config::default().retention(Duration::hours(1)).clock(clock.source());
+    let mut conn = db.conn();
+    let calls = AtomicUsize::new(0);
+    config
+        .run(&mut conn, SCOPE, "k-expiring", REQUEST, counted(&calls, "first"))
+        .expect("first call");
+    clock.advance(Duration::hours(2));
+
+    let (entered, operation_running) = mpsc::channel();
+    let takeover = thread::scope(|s| {
+        // Owned here, so that a failed assertion drops it and frees the
+        // waiting thread before the scope joins it.
+        let (resume, resumed) = mpsc::channel::<()>();
+        let (db, config, calls) = (&db, &config, &calls);
+        let taker = s.spawn(move || {
+            config.run(&mut db.conn(), SCOPE, "k-expiring", REQUEST, |tx| {
+                entered.send(()).expect("the test waits");
+                resumed.recv().expect("the test resumes the operation");
+                counted(calls, "takeover")(tx)
+            })
+        });
+        operation_running.recv().expect("the takeover runs its operation");
+        // The takeover read the expired record and holds the key's lock,
+        // which the purger does not take: the record goes under it.
+        assert_eq!(config.purge_expired(&mut conn, 100).expect("purge"), 1);
+        resume.send(()).expect("the operation waits");
+        taker.join().expect("the taker does not panic")
+    });
+
+    assert!(!takeover.expect("the takeover executes").is_replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(Db::key_count(&mut conn), 1, "the takeover's record is stored");
+    let retry = config.run(&mut conn, SCOPE, "k-expiring", REQUEST, counted(&calls, "retry"));
+    assert!(retry.expect("retry").is_replayed());
+}
+
 /// Asserts that a crashed call left nothing, then that a retry executes
 /// exactly once and later retries replay it.
 fn assert_crash_left_nothing_and_retry_executes_once(db: &Db, key: &str) {

@@ -3,7 +3,7 @@
 
 mod common;
 
-use chrono::Duration;
+use chrono::{Duration, TimeZone, Utc};
 use diesel::prelude::*;
 use idempotency::testing::ManualClock;
 use idempotency::{Config, Error};
@@ -18,6 +18,8 @@ common::backend_tests!(
     purge_deletes_only_expired_records_in_batches,
     purge_with_exact_multiple_of_batch_size_deletes_all,
     purge_inside_a_caller_transaction_rolls_back_with_it,
+    recorded_times_come_with_execution_and_replay_and_a_replay_keeps_them,
+    recorded_times_by_the_database_clock_are_the_stored_ones,
 );
 
 fn config(clock: &ManualClock) -> Config {
@@ -189,4 +191,72 @@ fn negative_in_flight_wait_is_refused() {
 #[should_panic(expected = "max_key_len must be positive")]
 fn zero_key_length_is_refused() {
     let _ = Config::default().max_key_len(0);
+}
+
+fn recorded_times_come_with_execution_and_replay_and_a_replay_keeps_them<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    // Nanoseconds in the clock, finer than PostgreSQL keeps.
+    let start = Utc
+        .with_ymd_and_hms(2030, 1, 1, 0, 0, 0)
+        .single()
+        .expect("a valid date")
+        + Duration::nanoseconds(123_456_789);
+    let clock = ManualClock::at(start);
+    let retention = Duration::hours(2);
+    let config = Config::default().retention(retention).clock(clock.source());
+    let call = |conn: &mut D::Conn| {
+        config
+            .run_recorded(conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
+            .expect("call")
+    };
+
+    let first = call(&mut conn);
+    assert!(!first.outcome.is_replayed());
+    assert_eq!(first.created_at, first.expires_at - retention);
+    assert!(
+        (first.created_at - start).abs() < Duration::microseconds(1),
+        "created when the call began: {}",
+        first.created_at
+    );
+
+    clock.advance(Duration::minutes(90));
+    let replay = call(&mut conn);
+    assert!(replay.outcome.is_replayed());
+    assert_eq!(replay.outcome.clone().into_inner(), first.outcome.clone().into_inner());
+    assert_eq!(
+        (replay.created_at, replay.expires_at),
+        (first.created_at, first.expires_at),
+        "a replay tells the times of the record it replays, and does not extend them"
+    );
+
+    clock.set(first.expires_at);
+    let again = call(&mut conn);
+    assert!(!again.outcome.is_replayed(), "executes anew once expired");
+    assert_eq!(
+        (again.created_at, again.expires_at),
+        (first.expires_at, first.expires_at + retention)
+    );
+}
+
+fn recorded_times_by_the_database_clock_are_the_stored_ones<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let config = Config::default();
+    let before = Utc::now();
+    let call = |conn: &mut D::Conn| {
+        config
+            .run_recorded(conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
+            .expect("call")
+    };
+    let first = call(&mut conn);
+    // On PostgreSQL the server's clock, on the same machine.
+    assert!(first.created_at >= before - Duration::seconds(1) && first.created_at <= Utc::now() + Duration::seconds(1));
+    assert_eq!(first.expires_at - first.created_at, Duration::hours(24));
+    let replay = call(&mut conn);
+    assert!(replay.outcome.is_replayed());
+    assert_eq!(
+        (replay.created_at, replay.expires_at),
+        (first.created_at, first.expires_at)
+    );
 }

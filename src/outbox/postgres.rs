@@ -24,6 +24,8 @@ use crate::store::sql_limit;
 const CHANNEL: &str = "idempotency_outbox";
 
 impl OutboxStore for PgConnection {
+    const ANNOUNCES: bool = true;
+
     fn claim_batch(
         &mut self,
         now: NaiveDateTime,

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use diesel::r2d2::{ConnectionManager, Pool, PoolError, R2D2Connection};
+use tracing::{Dispatch, Span};
 
 use super::store::{Claimed, OutboxStore, Settlement};
 use super::{DeadLetter, Error, Message, Report, Stats};
@@ -132,7 +133,7 @@ impl AddAssign for Summary {
 /// What a worker does next.
 enum Step {
     /// It delivered a batch; more may be due.
-    Worked(Report),
+    Worked,
     /// Nothing is due for this long.
     Idle(std::time::Duration),
 }
@@ -380,12 +381,22 @@ impl Relay {
         E: fmt::Display,
         F: FnMut(&Message) -> Result<(), E>,
     {
-        self.pass(conn.raw(), &mut handler, &|| false)
+        let mut report = Report::default();
+        self.pass(conn.raw(), &mut handler, &|| false, &mut report)?;
+        Ok(report)
     }
 
-    /// One claim and its deliveries. Once `stop` says so, the messages not
-    /// yet handed over are given back, due at once for another relay.
-    fn pass<C, E, F>(&self, conn: &mut C, handler: &mut F, stop: &dyn Fn() -> bool) -> Result<Report, Error>
+    /// One claim and its deliveries, counted into `report` as they are
+    /// recorded, so that an error later in the batch keeps what was done
+    /// before it. Once `stop` says so, the messages not yet handed over are
+    /// given back, due at once for another relay.
+    fn pass<C, E, F>(
+        &self,
+        conn: &mut C,
+        handler: &mut F,
+        stop: &dyn Fn() -> bool,
+        report: &mut Report,
+    ) -> Result<(), Error>
     where
         C: RawConnection,
         E: fmt::Display,
@@ -403,10 +414,7 @@ impl Relay {
         // The claim returns its rows in no particular order.
         claimed.sort_by(|a, b| a.id.cmp(&b.id));
 
-        let mut report = Report {
-            claimed: claimed.len(),
-            ..Report::default()
-        };
+        report.claimed += claimed.len();
         for row in claimed {
             let id = row.id.clone();
             if stop() {
@@ -434,7 +442,7 @@ impl Relay {
                 report.lost += 1;
             }
         }
-        Ok(report)
+        Ok(())
     }
 
     /// Delivers messages until `shutdown` is triggered: the relay as a
@@ -446,13 +454,18 @@ impl Relay {
     /// is due, at most a [`poll_interval`](Relay::poll_interval). On
     /// PostgreSQL a further pooled connection listens for the notification
     /// each enqueue sends when it commits, and wakes the workers within
-    /// milliseconds (give the pool `workers + 1` connections); the
-    /// notification only wakes them, polling is what guarantees delivery.
+    /// milliseconds; the notification only wakes them, polling is what
+    /// guarantees delivery. Give the pool `workers + 1` connections: the
+    /// listener keeps its own while the service runs, and on a smaller pool
+    /// the relay does not listen (it says so in a `warn` event) and finds
+    /// new messages by polling alone.
     ///
     /// A database error never ends the service: it is reported (a `tracing`
     /// event, counted in [`Summary::errors`]), and the worker tries again
     /// after a pause that doubles from 100 ms up to 10 s, so it carries on by
-    /// itself once the database is back.
+    /// itself once the database is back. The service's threads send their
+    /// `tracing` events where the calling thread sends its own: to its
+    /// subscriber, inside its current span.
     ///
     /// When `shutdown` is triggered no new claim is made; a handler that is
     /// running finishes and its outcome is recorded, and the rest of its
@@ -502,12 +515,27 @@ impl Relay {
         E: fmt::Display,
         F: Fn(&Message) -> Result<(), E> + Sync,
     {
+        // The service's threads report where the caller's thread does: to
+        // its subscriber (also one set with `with_default`), inside its
+        // current span.
+        let dispatch = tracing::dispatcher::get_default(Dispatch::clone);
+        let span = Span::current();
+        // The listener keeps its connection while the service runs: on a
+        // pool that cannot spare one besides the workers' it would take the
+        // one they need, so there they find new messages by polling alone.
+        let announces = announces::<C>();
+        let listens = announces && pool.max_size() as usize > self.workers;
+        if announces && !listens {
+            telemetry::relay::not_listening(pool.max_size(), self.workers);
+        }
         let summaries: Vec<thread::Result<Summary>> = thread::scope(|scope| {
-            scope.spawn(|| self.listen(pool, shutdown));
+            if listens {
+                scope.spawn(|| traced(&dispatch, &span, || self.listen(pool, shutdown)));
+            }
             let workers: Vec<_> = (0..self.workers)
                 .map(|worker| {
-                    let handler = &handler;
-                    scope.spawn(move || self.work(worker, pool, handler, shutdown))
+                    let (handler, dispatch, span) = (&handler, &dispatch, &span);
+                    scope.spawn(move || traced(dispatch, span, || self.work(worker, pool, handler, shutdown)))
                 })
                 .collect();
             workers.into_iter().map(|worker| worker.join()).collect()
@@ -550,13 +578,11 @@ impl Relay {
                         stats_due = Instant::now() + STATS_EVERY;
                         self.stats(conn).map_err(ServiceError::Outbox)?;
                     }
-                    self.step(conn, handler, shutdown).map_err(ServiceError::Outbox)
+                    self.step(conn, handler, shutdown, &mut summary.report)
+                        .map_err(ServiceError::Outbox)
                 });
             match step {
-                Ok(Step::Worked(report)) => {
-                    backoff.succeeded();
-                    summary.report += report;
-                }
+                Ok(Step::Worked) => backoff.succeeded(),
                 Ok(Step::Idle(wait)) => {
                     backoff.succeeded();
                     shutdown.wait_for_wake(wakes, wait);
@@ -572,9 +598,9 @@ impl Relay {
         summary
     }
 
-    /// Delivers one batch if a message is due; otherwise says how long to
-    /// sleep.
-    fn step<C, E, F>(&self, conn: &mut C, handler: &F, shutdown: &Shutdown) -> Result<Step, Error>
+    /// Delivers one batch if a message is due, counted into `done`;
+    /// otherwise says how long to sleep.
+    fn step<C, E, F>(&self, conn: &mut C, handler: &F, shutdown: &Shutdown, done: &mut Report) -> Result<Step, Error>
     where
         C: StoreConnection,
         E: fmt::Display,
@@ -584,14 +610,20 @@ impl Relay {
         let now = self.clock.now(conn)?;
         match conn.next_due()? {
             Some(due) if due <= now => {
-                let report = self.pass(conn, &mut |message: &Message| handler(message), &|| {
-                    shutdown.is_triggered()
-                })?;
+                let mut report = Report::default();
+                let passed = self.pass(
+                    conn,
+                    &mut |message: &Message| handler(message),
+                    &|| shutdown.is_triggered(),
+                    &mut report,
+                );
+                *done += report;
+                passed?;
                 Ok(if report.claimed == 0 {
                     // Due, but another relay claimed it first.
                     Step::Idle(self.poll_interval)
                 } else {
-                    Step::Worked(report)
+                    Step::Worked
                 })
             }
             Some(due) => {
@@ -814,6 +846,18 @@ fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown) -> Result<bo
     }
     conn.unlisten()?;
     Ok(true)
+}
+
+/// Whether connections of type `C` announce new messages to listeners.
+/// (Generic over any `StoreConnection`, where `C::Raw` stays a projection
+/// whose bounds the compiler knows.)
+fn announces<C: StoreConnection>() -> bool {
+    <C::Raw as OutboxStore>::ANNOUNCES
+}
+
+/// Runs `f` with `dispatch` as the thread's subscriber, inside `span`.
+fn traced<T>(dispatch: &Dispatch, span: &Span, f: impl FnOnce() -> T) -> T {
+    tracing::dispatcher::with_default(dispatch, || span.in_scope(f))
 }
 
 /// Cuts `text` to at most `MAX_ERROR_LEN` bytes on a character boundary.

@@ -12,6 +12,8 @@ use crate::schema::idempotency_outbox as o;
 use crate::store::sql_limit;
 
 impl OutboxStore for SqliteConnection {
+    const ANNOUNCES: bool = false;
+
     fn claim_batch(
         &mut self,
         now: NaiveDateTime,

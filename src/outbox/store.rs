@@ -124,6 +124,11 @@ pub trait OutboxStore: KeyStore {
     #[doc(hidden)]
     fn backlog(&mut self, now: NaiveDateTime) -> QueryResult<Backlog>;
 
+    /// Whether the backend announces new or requeued messages, so that a
+    /// relay service has something to listen for.
+    #[doc(hidden)]
+    const ANNOUNCES: bool;
+
     /// Starts listening for announcements of new or requeued messages on
     /// this connection; `false` where the backend announces nothing.
     #[doc(hidden)]

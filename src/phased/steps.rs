@@ -156,11 +156,12 @@ impl Phased {
         F: FnOnce(&mut Steps<'_, C::Raw>) -> Result<Finished<R>, Error<E>>,
     {
         let conn = conn.raw();
+        // Refused values never reach the span: see `telemetry::CallTrace`.
+        key::validate_scope(scope, self.config.max_key_len).map_err(Error::InvalidScope)?;
+        key::validate_key(key, self.config.max_key_len).map_err(Error::InvalidKey)?;
         let span =
             tracing::debug_span!(target: telemetry::TARGET, "phased_operation", operation = %self.name, scope, key);
         let _entered = span.enter();
-        key::validate_scope(scope, self.config.max_key_len).map_err(Error::InvalidScope)?;
-        key::validate_key(key, self.config.max_key_len).map_err(Error::InvalidKey)?;
         let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
         let request_json = match self.store_requests {
             true => Some(codec::to_readable_json(request).map_err(Error::Codec)?),

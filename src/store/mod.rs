@@ -70,10 +70,23 @@ macro_rules! shared_queries {
                 Hold::Free => diesel::insert_into(k::table)
                     .values((k::scope.eq(record.scope), k::idempotency_key.eq(record.idempotency_key), completed))
                     .execute(self)?,
-                Hold::Expired => diesel::update(k::table.find((record.scope, record.idempotency_key)))
-                    .filter(k::expires_at.le(record.created_at))
-                    .set(completed)
-                    .execute(self)?,
+                Hold::Expired => {
+                    let replaced = diesel::update(k::table.find((record.scope, record.idempotency_key)))
+                        .filter(k::expires_at.le(record.created_at))
+                        .set(completed)
+                        .execute(self)?;
+                    if replaced == 0 {
+                        // Purged since it was read: a purge deletes expired
+                        // records without taking the key's lock (only
+                        // PostgreSQL lets it run meanwhile). The lock still
+                        // keeps every other call off the key.
+                        diesel::insert_into(k::table)
+                            .values((k::scope.eq(record.scope), k::idempotency_key.eq(record.idempotency_key), completed))
+                            .execute(self)?
+                    } else {
+                        replaced
+                    }
+                }
                 Hold::Claimed => diesel::update(k::table.find((record.scope, record.idempotency_key)))
                     .set((
                         k::status.eq(record.status),

@@ -76,11 +76,17 @@ diesel::table! {
         status -> Text,
         attempts -> Integer,
         last_error -> Nullable<Text>,
+        available_at -> Nullable<Timestamp>,
+        delivered_at -> Nullable<Timestamp>,
     }
 }
 
 /// An outbox message as (id, topic, status, attempts, last error).
 pub type OutboxRow = (String, String, String, i32, Option<String>);
+
+/// When an outbox message is next due (for a leased message: when its lease
+/// ends) and when it was delivered, as the relay's clock wrote them.
+pub type OutboxSchedule = (Option<chrono::NaiveDateTime>, Option<chrono::NaiveDateTime>);
 
 /// A database for one test on one backend, with the crate's migrations and
 /// the `orders` table, and the queries the tests check it with.
@@ -135,6 +141,9 @@ pub trait TestDb: Sized + Sync {
 
     /// The outbox messages, in id order.
     fn outbox_messages(conn: &mut Self::Conn) -> Vec<OutboxRow>;
+
+    /// The schedule of outbox message `id`.
+    fn outbox_schedule(conn: &mut Self::Conn, id: &str) -> OutboxSchedule;
 
     /// Returns once every transaction that wrote orders has ended, also one
     /// whose client died while the server was still committing it.

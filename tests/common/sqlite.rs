@@ -6,7 +6,7 @@ use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
 use tempfile::TempDir;
 
-use super::{OutboxRow, TestDb, idempotency_keys, idempotency_outbox, orders};
+use super::{OutboxRow, OutboxSchedule, TestDb, idempotency_keys, idempotency_outbox, orders};
 
 pub struct Db {
     url: String,
@@ -99,6 +99,15 @@ impl TestDb for Db {
             .select((o::id, o::topic, o::status, o::attempts, o::last_error))
             .load(conn)
             .expect("read the outbox")
+    }
+
+    fn outbox_schedule(conn: &mut SqliteConnection, id: &str) -> OutboxSchedule {
+        use idempotency_outbox as o;
+        o::table
+            .find(id)
+            .select((o::available_at, o::delivered_at))
+            .get_result(conn)
+            .expect("read the message's schedule")
     }
 
     fn await_order_writers(_conn: &mut SqliteConnection) {

@@ -288,6 +288,21 @@ pub struct RawResponse {
 }
 
 impl RawResponse {
+    /// The response of a message head and body as read off the wire.
+    fn parse(head: &str, body: Vec<u8>) -> RawResponse {
+        let mut lines = head.lines();
+        let status = lines
+            .next()
+            .and_then(|line| line.split(' ').nth(1))
+            .and_then(|code| code.parse().ok())
+            .expect("a status line");
+        let headers = lines
+            .filter_map(|line| line.split_once(':'))
+            .map(|(n, v)| (n.to_owned(), v.trim().to_owned()))
+            .collect();
+        RawResponse { status, headers, body }
+    }
+
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
@@ -298,7 +313,7 @@ impl RawResponse {
 
 /// Reads one HTTP/1.1 message with a `Content-Length` body from `stream`:
 /// its head and its body.
-async fn read_message(stream: &mut TcpStream) -> (String, Vec<u8>) {
+async fn read_message<R: tokio::io::AsyncRead + Unpin>(stream: &mut R) -> (String, Vec<u8>) {
     let mut buffer = Vec::new();
     let mut chunk = [0u8; 8192];
     let head_end = loop {
@@ -327,6 +342,31 @@ async fn read_message(stream: &mut TcpStream) -> (String, Vec<u8>) {
     (head, body)
 }
 
+/// Sends a POST with `body` over a connection of its own and reads the
+/// answer, whether or not the server reads the whole body first: a server
+/// that refuses a body by its length answers and closes while the body is
+/// still on its way, which a client library reports as a failed send.
+pub async fn post_raw(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: String) -> RawResponse {
+    let stream = TcpStream::connect(addr).await.expect("connect to the service");
+    let (mut reader, mut writer) = stream.into_split();
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    let sending = tokio::spawn(async move {
+        // The server may close before it has all of it; that is its answer.
+        let _ = writer.write_all(head.as_bytes()).await;
+        let _ = writer.write_all(body.as_bytes()).await;
+    });
+    let (head, body) = read_message(&mut reader).await;
+    sending.abort();
+    RawResponse::parse(&head, body)
+}
+
 /// A proxy on 127.0.0.1 for one request: it forwards the request to
 /// `upstream`, reads the whole response, and closes the client's connection
 /// without sending any of it. The task returns the lost response.
@@ -341,17 +381,7 @@ pub async fn losing_proxy(upstream: SocketAddr) -> (SocketAddr, tokio::task::Joi
         server.write_all(&body).await.expect("forward the body");
         let (head, body) = read_message(&mut server).await;
         drop(client);
-        let mut lines = head.lines();
-        let status = lines
-            .next()
-            .and_then(|line| line.split(' ').nth(1))
-            .and_then(|code| code.parse().ok())
-            .expect("a status line");
-        let headers = lines
-            .filter_map(|line| line.split_once(':'))
-            .map(|(n, v)| (n.to_owned(), v.trim().to_owned()))
-            .collect();
-        RawResponse { status, headers, body }
+        RawResponse::parse(&head, body)
     });
     (addr, task)
 }
