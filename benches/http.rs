@@ -5,6 +5,7 @@
 //! ```text
 //! cargo bench --features axum --bench http -- --backend sqlite [--quick]
 //! DATABASE_URL=postgres://... cargo bench --features axum,postgres --bench http -- --backend postgres [--quick]
+//! MYSQL_URL=mysql://... cargo bench --features axum,mysql --bench http -- --backend mysql [--quick]
 //! ```
 //!
 //! Scenarios, all on one database and one server:
@@ -84,6 +85,13 @@ impl Begin for SqliteConnection {
 
 #[cfg(feature = "postgres")]
 impl Begin for PgConnection {
+    fn write<T>(&mut self, f: impl FnOnce(&mut Self) -> QueryResult<T>) -> QueryResult<T> {
+        self.transaction(f)
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl Begin for MysqlConnection {
     fn write<T>(&mut self, f: impl FnOnce(&mut Self) -> QueryResult<T>) -> QueryResult<T> {
         self.transaction(f)
     }
@@ -178,14 +186,14 @@ fn parse_args() -> Result<Args, String> {
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
-            "--backend" => backend = Some(args.next().ok_or("--backend needs sqlite or postgres")?),
+            "--backend" => backend = Some(args.next().ok_or("--backend needs sqlite, postgres or mysql")?),
             "--quick" => quick = true,
             // cargo bench passes --bench to every bench binary.
             "--bench" => {}
             other => return Err(format!("unknown argument {other}")),
         }
     }
-    let backend = backend.ok_or("usage: http --backend sqlite|postgres [--quick]")?;
+    let backend = backend.ok_or("usage: http --backend sqlite|postgres|mysql [--quick]")?;
     Ok(Args { backend, quick })
 }
 
@@ -199,6 +207,11 @@ enum Scratch {
         base_url: String,
         schema: String,
     },
+    #[cfg(feature = "mysql")]
+    Mysql {
+        base_url: String,
+        name: String,
+    },
 }
 
 impl Drop for Scratch {
@@ -208,6 +221,13 @@ impl Drop for Scratch {
             use diesel::connection::SimpleConnection;
             if let Ok(mut admin) = PgConnection::establish(base_url) {
                 let _ = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
+            }
+        }
+        #[cfg(feature = "mysql")]
+        if let Scratch::Mysql { base_url, name } = self {
+            use diesel::connection::SimpleConnection;
+            if let Ok(mut admin) = MysqlConnection::establish(base_url) {
+                let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}"));
             }
         }
     }
@@ -230,7 +250,20 @@ fn database(backend: &str) -> anyhow::Result<(Scratch, String)> {
             let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
             Ok((Scratch::Postgres { base_url, schema }, url))
         }
-        other => anyhow::bail!("unknown backend {other}: sqlite, or postgres with the postgres feature"),
+        #[cfg(feature = "mysql")]
+        "mysql" => {
+            use diesel::connection::SimpleConnection;
+            let base_url = std::env::var("MYSQL_URL").map_err(|_| anyhow::anyhow!("set MYSQL_URL"))?;
+            let name = format!("idem_http_bench_{}", std::process::id());
+            MysqlConnection::establish(&base_url)?.batch_execute(&format!("CREATE DATABASE {name}"))?;
+            let server = match base_url.split_once("://") {
+                Some((scheme, rest)) => format!("{scheme}://{}", rest.split(['/', '?']).next().unwrap_or(rest)),
+                None => base_url.clone(),
+            };
+            let url = format!("{server}/{name}");
+            Ok((Scratch::Mysql { base_url, name }, url))
+        }
+        other => anyhow::bail!("unknown backend {other}: sqlite, or postgres or mysql with their features"),
     }
 }
 
@@ -329,6 +362,8 @@ fn run(args: &Args) -> anyhow::Result<()> {
         Database::Sqlite(pool) => router(pool)?,
         #[cfg(feature = "postgres")]
         Database::Postgres(pool) => router(pool)?,
+        #[cfg(feature = "mysql")]
+        Database::Mysql(pool) => router(pool)?,
     };
     let (addr, _server) = serve(router)?;
     let base = format!("http://{addr}");

@@ -1,9 +1,11 @@
 //! What an idempotent call costs next to the domain transaction alone, on a
-//! SQLite file database or on PostgreSQL, all scenarios measured in one run.
+//! SQLite file database, on PostgreSQL or on MySQL/MariaDB, all scenarios
+//! measured in one run.
 //!
 //! ```text
 //! cargo bench --bench overhead -- --backend sqlite [--quick] [--json FILE] [--statements]
 //! cargo bench --features postgres --bench overhead -- --backend postgres [--quick] [--json FILE] [--statements]
+//! cargo bench --features mysql --bench overhead -- --backend mysql [--quick] [--json FILE] [--statements]
 //! ```
 //!
 //! The domain operation is one `INSERT` of an order row. Per-call figures
@@ -17,8 +19,10 @@
 //! `Relay::run` in this process, at two poll intervals.
 //!
 //! PostgreSQL reads `DATABASE_URL` and works in schemas of its own, dropped
-//! at the end. SQLite works on WAL files in a temporary directory with
-//! `synchronous = FULL`, so that every commit is durable, as on PostgreSQL.
+//! at the end; MySQL reads `MYSQL_URL` and works in databases of its own,
+//! dropped at the end. SQLite works on WAL files in a temporary directory
+//! with `synchronous = FULL`, so that every commit is durable, as on the
+//! servers.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -125,7 +129,7 @@ fn parse_args() -> Result<Args, String> {
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
-            "--backend" => backend = Some(args.next().ok_or("--backend needs sqlite or postgres")?),
+            "--backend" => backend = Some(args.next().ok_or("--backend needs sqlite, postgres or mysql")?),
             "--quick" => quick = true,
             "--statements" => statements = true,
             "--json" => json = Some(PathBuf::from(args.next().ok_or("--json needs a file name")?)),
@@ -134,7 +138,8 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown argument {other}")),
         }
     }
-    let backend = backend.ok_or("usage: overhead --backend sqlite|postgres [--quick] [--json FILE] [--statements]")?;
+    let backend =
+        backend.ok_or("usage: overhead --backend sqlite|postgres|mysql [--quick] [--json FILE] [--statements]")?;
     Ok(Args {
         backend,
         quick,
@@ -170,8 +175,18 @@ fn main() -> ExitCode {
             );
             return ExitCode::from(2);
         }
+        #[cfg(feature = "mysql")]
+        "mysql" => mysql::run(sizes, args.statements),
+        #[cfg(not(feature = "mysql"))]
+        "mysql" => {
+            eprintln!(
+                "the mysql backend is not compiled in: run \
+                 cargo bench --features mysql --bench overhead -- --backend mysql"
+            );
+            return ExitCode::from(2);
+        }
         other => {
-            eprintln!("unknown backend {other}: use sqlite or postgres");
+            eprintln!("unknown backend {other}: use sqlite, postgres or mysql");
             return ExitCode::from(2);
         }
     };
@@ -557,14 +572,6 @@ macro_rules! scenarios {
         /// What the library stores for `REQUEST`: its SHA-256, in hex.
         const REQUEST_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
         const SCOPE: &str = "bench";
-
-        /// The domain operation: one order row.
-        fn place_order(conn: &mut Conn) -> QueryResult<i64> {
-            diesel::insert_into(orders::table)
-                .values((orders::item.eq(REQUEST.item), orders::quantity.eq(REQUEST.quantity)))
-                .returning(orders::id)
-                .get_result(conn)
-        }
 
         fn baseline(conn: &mut Conn) -> QueryResult<i64> {
             conn.transaction(place_order)
@@ -1113,6 +1120,14 @@ mod sqlite {
 
     scenarios!();
 
+    /// The domain operation: one order row.
+    fn place_order(conn: &mut Conn) -> QueryResult<i64> {
+        diesel::insert_into(orders::table)
+            .values((orders::item.eq(REQUEST.item), orders::quantity.eq(REQUEST.quantity)))
+            .returning(orders::id)
+            .get_result(conn)
+    }
+
     /// Every commit durable: WAL with `synchronous = FULL` syncs the log on
     /// each commit, as PostgreSQL does.
     #[derive(Debug)]
@@ -1190,6 +1205,14 @@ mod postgres {
 
     scenarios!();
 
+    /// The domain operation: one order row.
+    fn place_order(conn: &mut Conn) -> QueryResult<i64> {
+        diesel::insert_into(orders::table)
+            .values((orders::item.eq(REQUEST.item), orders::quantity.eq(REQUEST.quantity)))
+            .returning(orders::id)
+            .get_result(conn)
+    }
+
     /// A schema of its own in the database named by `DATABASE_URL`, dropped
     /// when the run ends.
     struct Db {
@@ -1262,6 +1285,129 @@ mod postgres {
         .bind::<diesel::sql_types::BigInt, _>(records)
         .execute(conn)?;
         conn.batch_execute("ANALYZE idempotency_keys")?;
+        Ok(inserted)
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod mysql {
+    use diesel::connection::SimpleConnection;
+
+    type Conn = diesel::mysql::MysqlConnection;
+    const BACKEND: &str = "mysql";
+
+    scenarios!();
+
+    diesel::define_sql_function! {
+        /// The id the last insert on this connection gave its row.
+        fn last_insert_id() -> diesel::sql_types::Unsigned<diesel::sql_types::BigInt>;
+    }
+
+    /// The domain operation: one order row. MySQL has no `RETURNING`: the
+    /// id comes from the connection, a second statement.
+    fn place_order(conn: &mut Conn) -> QueryResult<i64> {
+        diesel::insert_into(orders::table)
+            .values((orders::item.eq(REQUEST.item), orders::quantity.eq(REQUEST.quantity)))
+            .execute(conn)?;
+        let id: u64 = diesel::select(last_insert_id()).get_result(conn)?;
+        Ok(id as i64)
+    }
+
+    /// A database of its own on the server named by `MYSQL_URL`, dropped
+    /// when the run ends.
+    struct Db {
+        base_url: String,
+        url: String,
+        name: String,
+    }
+
+    /// The key table's columns, as the crate's MySQL migration has them.
+    const KEY_COLUMNS: &str = "scope VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        idempotency_key VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        request_hash CHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        status VARCHAR(16) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+        response LONGTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin,
+        created_at DATETIME(6) NOT NULL, completed_at DATETIME(6), expires_at DATETIME(6) NOT NULL";
+
+    impl Db {
+        fn new() -> Db {
+            static NEXT: AtomicU64 = AtomicU64::new(0);
+            let base_url = std::env::var("MYSQL_URL")
+                .expect("the mysql bench needs MYSQL_URL, e.g. mysql://root@127.0.0.1:3306/test");
+            let name = format!(
+                "idem_bench_{}_{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            );
+            let server = match base_url.split_once("://") {
+                Some((scheme, rest)) => format!("{scheme}://{}", rest.split(['/', '?']).next().unwrap_or(rest)),
+                None => base_url.clone(),
+            };
+            let url = format!("{server}/{name}");
+            let mut admin = Conn::establish(&base_url).expect("connect to MYSQL_URL");
+            admin
+                .batch_execute(&format!("CREATE DATABASE {name}"))
+                .expect("create the bench database");
+            let db = Db { base_url, url, name };
+            let mut conn = db.conn();
+            conn.batch_execute(&format!(
+                "CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, item VARCHAR(255) NOT NULL, quantity INTEGER NOT NULL);
+                 CREATE TABLE floor_keys ({KEY_COLUMNS}, PRIMARY KEY (scope, idempotency_key), INDEX floor_keys_expires_at (expires_at))
+                     DEFAULT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;
+                 CREATE TABLE bare_keys ({KEY_COLUMNS}) DEFAULT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;"
+            ))
+            .expect("create the bench tables");
+            idempotency::run_migrations(&mut conn).expect("migrate");
+            db
+        }
+
+        fn conn(&self) -> Conn {
+            Conn::establish(&self.url).expect("connect to the bench database")
+        }
+
+        fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
+            Pool::builder()
+                .max_size(size)
+                .build(ConnectionManager::new(&self.url))
+                .expect("build a pool")
+        }
+    }
+
+    impl Drop for Db {
+        fn drop(&mut self) {
+            if let Ok(mut admin) = Conn::establish(&self.base_url) {
+                let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {}", self.name));
+            }
+        }
+    }
+
+    fn fill_expired(conn: &mut Conn, records: i64) -> QueryResult<usize> {
+        // Numbers from the cross product of six digit tables: MySQL caps a
+        // recursive CTE at 1,000 steps by default.
+        let inserted = diesel::sql_query(
+            "INSERT INTO idempotency_keys
+                 (scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at)
+             SELECT 'bench', MD5(n), SHA2(n, 256), 'completed', '12345',
+                    '2000-01-01', '2000-01-01', TIMESTAMP('2000-01-02') + INTERVAL n SECOND
+             FROM (SELECT a.d + 10 * b.d + 100 * c.d + 1000 * e.d + 10000 * f.d + 100000 * g.d + 1 AS n
+                   FROM (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS a,
+                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS b,
+                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS c,
+                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS e,
+                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS f,
+                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS g
+                  ) AS numbers
+             WHERE n <= ?",
+        )
+        .bind::<diesel::sql_types::BigInt, _>(records)
+        .execute(conn)?;
+        conn.batch_execute("ANALYZE TABLE idempotency_keys")?;
         Ok(inserted)
     }
 }

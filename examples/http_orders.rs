@@ -6,6 +6,7 @@
 //! ```text
 //! cargo run --example http_orders --features axum -- --addr 127.0.0.1:8080 [--database orders.db] [--in-flight-wait MS]
 //! cargo run --example http_orders --features axum,postgres -- --database postgres://localhost/orders
+//! cargo run --example http_orders --features axum,mysql -- --database mysql://root@127.0.0.1:3306/orders
 //! ```
 //!
 //! | request | answer |
@@ -74,7 +75,7 @@ pub struct Order {
     pub quantity: i32,
 }
 
-/// The order table's statements, the same on both backends.
+/// The order table's statements on each backend.
 pub trait OrderStore: StoreConnection<Raw = Self> + R2D2Connection + Send + 'static {
     /// Creates the orders table if it is missing.
     fn create_orders_table(&mut self) -> QueryResult<()>;
@@ -89,21 +90,32 @@ pub trait OrderStore: StoreConnection<Raw = Self> + R2D2Connection + Send + 'sta
     fn list_orders(&mut self, account: &str) -> QueryResult<Vec<Order>>;
 }
 
+/// The values of a new order's row.
+macro_rules! new_order {
+    ($account:expr, $order:expr) => {
+        (
+            orders::account.eq($account),
+            orders::item.eq(&$order.item),
+            orders::quantity.eq($order.quantity),
+        )
+    };
+}
+
 /// diesel's query types are concrete per connection; the bodies are written
-/// once here and expanded into each backend's impl.
+/// once here and expanded into each backend's impl. `returning` inserts with
+/// `RETURNING`, which MySQL does not have.
 macro_rules! order_queries {
-    () => {
+    (returning) => {
         fn insert_order(&mut self, account: &str, order: &NewOrder) -> QueryResult<Order> {
             diesel::insert_into(orders::table)
-                .values((
-                    orders::account.eq(account),
-                    orders::item.eq(&order.item),
-                    orders::quantity.eq(order.quantity),
-                ))
+                .values(new_order!(account, order))
                 .returning((orders::id, orders::item, orders::quantity))
                 .get_result(self)
         }
 
+        order_queries!();
+    };
+    () => {
         fn find_order(&mut self, account: &str, id: i64) -> QueryResult<Option<Order>> {
             orders::table
                 .filter(orders::id.eq(id).and(orders::account.eq(account)))
@@ -135,7 +147,7 @@ impl OrderStore for SqliteConnection {
         )
     }
 
-    order_queries!();
+    order_queries!(returning);
 }
 
 #[cfg(feature = "postgres")]
@@ -150,6 +162,40 @@ impl OrderStore for PgConnection {
              );
              CREATE INDEX IF NOT EXISTS orders_account ON orders (account, id);",
         )
+    }
+
+    order_queries!(returning);
+}
+
+#[cfg(feature = "mysql")]
+diesel::define_sql_function! {
+    /// The id the last insert on this connection gave its row.
+    fn last_insert_id() -> diesel::sql_types::Unsigned<diesel::sql_types::BigInt>;
+}
+
+#[cfg(feature = "mysql")]
+impl OrderStore for MysqlConnection {
+    fn create_orders_table(&mut self) -> QueryResult<()> {
+        self.batch_execute(
+            "CREATE TABLE IF NOT EXISTS orders (
+                 id BIGINT AUTO_INCREMENT PRIMARY KEY,
+                 account VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL,
+                 item TEXT CHARACTER SET utf8mb4 NOT NULL,
+                 quantity INTEGER NOT NULL,
+                 INDEX orders_account (account, id)
+             )",
+        )
+    }
+
+    fn insert_order(&mut self, account: &str, order: &NewOrder) -> QueryResult<Order> {
+        diesel::insert_into(orders::table)
+            .values(new_order!(account, order))
+            .execute(self)?;
+        let id: u64 = diesel::select(last_insert_id()).get_result(self)?;
+        orders::table
+            .find(i64::try_from(id).map_err(|error| diesel::result::Error::DeserializationError(Box::new(error)))?)
+            .select((orders::id, orders::item, orders::quantity))
+            .get_result(self)
     }
 
     order_queries!();
@@ -425,15 +471,18 @@ impl CustomizeConnection<SqliteConnection, diesel::r2d2::Error> for SqliteSetup 
     }
 }
 
-/// The connection pool of a database of either backend.
+/// The connection pool of a database of any backend.
 pub enum Database {
     Sqlite(Pool<ConnectionManager<SqliteConnection>>),
     #[cfg(feature = "postgres")]
     Postgres(Pool<ConnectionManager<PgConnection>>),
+    #[cfg(feature = "mysql")]
+    Mysql(Pool<ConnectionManager<MysqlConnection>>),
 }
 
-/// Opens `database`: a `postgres://` URL (with the `postgres` feature) or
-/// the path of a SQLite file, created if missing.
+/// Opens `database`: a `postgres://` URL (with the `postgres` feature), a
+/// `mysql://` URL (with the `mysql` feature) or the path of a SQLite file,
+/// created if missing.
 ///
 /// # Errors
 ///
@@ -451,6 +500,19 @@ pub fn open(database: &str) -> anyhow::Result<Database> {
         }
         #[cfg(not(feature = "postgres"))]
         anyhow::bail!("this build has no PostgreSQL: build with --features axum,postgres");
+    }
+    if database.starts_with("mysql://") {
+        #[cfg(feature = "mysql")]
+        {
+            let pool = Pool::builder()
+                .max_size(16)
+                .min_idle(Some(2))
+                .build(ConnectionManager::<MysqlConnection>::new(database))
+                .context("connect to MySQL")?;
+            return Ok(Database::Mysql(pool));
+        }
+        #[cfg(not(feature = "mysql"))]
+        anyhow::bail!("this build has no MySQL: build with --features axum,mysql");
     }
     // WAL: readers, such as replays, do not wait for the writer.
     SqliteConnection::establish(database)
@@ -475,6 +537,8 @@ pub fn service(database: &str, settings: Settings) -> anyhow::Result<Service> {
         Database::Sqlite(pool) => service_on(pool, settings),
         #[cfg(feature = "postgres")]
         Database::Postgres(pool) => service_on(pool, settings),
+        #[cfg(feature = "mysql")]
+        Database::Mysql(pool) => service_on(pool, settings),
     }
 }
 
@@ -486,7 +550,8 @@ pub struct Args {
     pub in_flight: InFlight,
 }
 
-const USAGE: &str = "usage: http_orders [--addr HOST:PORT] [--database PATH|postgres://...] [--in-flight-wait MS]";
+const USAGE: &str =
+    "usage: http_orders [--addr HOST:PORT] [--database PATH|postgres://...|mysql://...] [--in-flight-wait MS]";
 
 /// Parses the arguments after the program name.
 ///

@@ -256,7 +256,7 @@ type ProgressCallback = Box<dyn Fn(&Progress) + Send + Sync>;
 /// workers write through the one database lock, so more than one worker
 /// helps only when the operation spends time outside the database; enable
 /// WAL (`PRAGMA journal_mode = WAL`) so that replays read while another
-/// worker writes. On PostgreSQL items run truly in parallel.
+/// worker writes. On PostgreSQL and MySQL items run truly in parallel.
 pub struct Runner<C: R2D2Connection + 'static> {
     pool: Pool<ConnectionManager<C>>,
     workers: usize,
@@ -291,6 +291,11 @@ impl Drop for StopOnPanic<'_> {
             self.0.store(true, Ordering::Relaxed);
         }
     }
+}
+
+/// The longest scope that the calls of a run accept on connections `C`.
+fn scope_len_limit<C: StoreConnection>(config: &Config) -> usize {
+    config.key_len_limit::<C::Raw>()
 }
 
 impl<C> Runner<C>
@@ -426,7 +431,7 @@ where
         E: Send,
         F: Fn(&mut C, &T) -> Result<R, E> + Sync,
     {
-        key::validate_scope(&self.scope, self.config.max_key_len).map_err(RunError::InvalidScope)?;
+        key::validate_scope(&self.scope, scope_len_limit::<C>(&self.config)).map_err(RunError::InvalidScope)?;
         let items = items.into_iter();
         let total = match items.size_hint() {
             (lower, Some(upper)) if lower == upper => Some(lower),

@@ -4,9 +4,9 @@
 //! times read by another. Process clocks drift apart (a machine an hour
 //! ahead would see every record an hour closer to its expiry), so unless a
 //! clock is injected, the crate asks the database for the time, in a
-//! statement it sends anyway: on PostgreSQL the server's clock serves every
-//! application server alike. SQLite runs inside the process, so its clock
-//! is this machine's.
+//! statement it sends anyway: on PostgreSQL and MySQL the server's clock
+//! serves every application server alike. SQLite runs inside the process,
+//! so its clock is this machine's.
 
 use std::sync::Arc;
 use std::time::Instant;

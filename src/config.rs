@@ -24,6 +24,15 @@ use crate::store::{self, KeyStore, StoreConnection};
 /// once the holder commits, without running its operation; the caller
 /// retries its whole transaction, which then replays.
 ///
+/// On MySQL and MariaDB a call holds its key with a named lock (`GET_LOCK`)
+/// from before its transaction begins until after it ends, and the policy is
+/// the timeout of that lock, to the millisecond; no session setting is
+/// changed. A call that finds the key claimed by a caller's transaction
+/// still open (a nested call that finished, its caller not yet committed)
+/// waits for that row instead, as long as the session's
+/// `innodb_lock_wait_timeout` allows (whole seconds, 50 by default), then
+/// fails with [`Error::InProgress`] too.
+///
 /// On SQLite every writer holds the one database lock, so the policy bounds
 /// the wait for that lock (the connection's busy timeout), whoever holds it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,7 +159,8 @@ impl Config {
         self
     }
 
-    /// The longest key or scope accepted, in bytes (default 255).
+    /// The longest key or scope accepted, in bytes (default 255). On MySQL,
+    /// whose key columns hold 255 bytes, a larger value is lowered to that.
     ///
     /// # Panics
     ///
@@ -168,9 +178,9 @@ impl Config {
     /// Expiry compares a time one process wrote with the time another reads,
     /// so all of them must agree on the time. By default they ask the
     /// database, in the statement that reads the record anyway: on PostgreSQL
-    /// every application server then uses the server's clock, however far
-    /// its own has drifted. (SQLite runs in-process; its clock is the
-    /// machine's.) An injected clock is used as it is, by every process that
+    /// and MySQL every application server then uses the server's clock,
+    /// however far its own has drifted. (SQLite runs in-process; its clock is
+    /// the machine's.) An injected clock is used as it is, by every process that
     /// injects it: a process whose clock runs ahead by `d` shortens the
     /// retention it sees by `d`, and can execute a key again that the others
     /// still replay. Inject clocks in tests, not in production.
@@ -234,6 +244,13 @@ impl Config {
         self.retention
     }
 
+    /// The longest key or scope accepted on backend `C`: the configured
+    /// [`max_key_len`](Config::max_key_len), or less where the backend's key
+    /// table holds less.
+    pub(crate) fn key_len_limit<C: KeyStore>(&self) -> usize {
+        C::MAX_KEY_LEN.map_or(self.max_key_len, |limit| limit.min(self.max_key_len))
+    }
+
     /// Deletes every record whose retention has ended (`expires_at <= now`),
     /// key records and completed [phased operations](crate::phased) alike,
     /// `batch_size` rows per statement, each statement its own short
@@ -241,8 +258,8 @@ impl Config {
     /// were deleted in all.
     ///
     /// Called inside an open transaction, the batches become part of it.
-    /// On PostgreSQL rows that a live request is taking over are skipped, not
-    /// waited for.
+    /// On PostgreSQL and MySQL rows that a live request is taking over are
+    /// skipped, not waited for.
     ///
     /// # Errors
     ///

@@ -80,12 +80,13 @@ pub enum Error<E = Infallible> {
     /// The database failed before the transaction committed; everything was
     /// rolled back. HTTP 500.
     ///
-    /// On PostgreSQL this includes serialization failures and deadlocks
-    /// (`DatabaseErrorKind::SerializationFailure` and friends), and a
-    /// connection lost before the commit (`ClosedConnection`,
+    /// On PostgreSQL and MySQL this includes serialization failures and
+    /// deadlocks (`DatabaseErrorKind::SerializationFailure` and friends), and
+    /// a connection lost before the commit (`ClosedConnection`,
     /// `UnableToSendCommand`, as during a failover): the transaction did not
     /// commit, the operation's effects are gone and retrying the whole call
-    /// is safe. The crate never retries by itself.
+    /// is safe. (A MySQL deadlock rolls back a caller's whole transaction,
+    /// not only the call's savepoint.) The crate never retries by itself.
     Storage(diesel::result::Error),
     /// The connection was lost while the transaction that stores the result
     /// was committing: it may have committed or not, and nothing on this

@@ -70,16 +70,19 @@
 //! - **Concurrent requests with one key.** On PostgreSQL the second request
 //!   blocks on the key's index entry until the first commits (it then
 //!   replays) or rolls back (it then executes), bounded by
-//!   [`InFlight`]; on timeout it fails with [`Error::InProgress`]. On SQLite,
+//!   [`InFlight`]; on timeout it fails with [`Error::InProgress`]. On MySQL
+//!   and MariaDB it waits the same way on a named lock of the key. On SQLite,
 //!   writers queue for the database lock, bounded by the same policy as the
 //!   busy timeout. Either way the operation runs once.
 //!
 //! # Backends
 //!
-//! `sqlite` (default, compiled in) and `postgres` (needs libpq), each a cargo
-//! feature. Calls take `&mut SqliteConnection`, `&mut PgConnection`, or an
-//! r2d2 pooled connection of either; see [`StoreConnection`]. Apply the
-//! table with [`run_migrations`] or embed [`MIGRATIONS`] with your own.
+//! `sqlite` (default, compiled in), `postgres` (needs libpq) and `mysql`
+//! (MySQL 8.0+ or MariaDB 10.6+; needs libmysqlclient or libmariadb), each a
+//! cargo feature. Calls take `&mut SqliteConnection`, `&mut PgConnection`,
+//! `&mut MysqlConnection`, or an r2d2 pooled connection of any of them; see
+//! [`StoreConnection`]. Apply the tables with [`run_migrations`] or embed
+//! [`MIGRATIONS`] with your own.
 //!
 //! # Beyond the single call
 //!
@@ -134,5 +137,5 @@ pub use run::run_idempotent;
 pub use shutdown::Shutdown;
 pub use store::{RawConnection, StoreConnection};
 
-#[cfg(not(any(feature = "sqlite", feature = "postgres")))]
-compile_error!("enable at least one backend feature: `sqlite` (the default) or `postgres`");
+#[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+compile_error!("enable at least one backend feature: `sqlite` (the default), `postgres` or `mysql`");

@@ -1,9 +1,13 @@
 //! The crate's own migrations, embedded in the binary, one set per backend.
 //!
-//! The backends share their first migrations; where a backend's SQL has to
-//! differ (SQLite's key table without a rowid), its set has a migration the
-//! others lack. Versions are never reused across sets, so a database records
-//! the same versions whichever set created it.
+//! Each set is in its backend's SQL, with the same versions for the same
+//! tables: `20261129000000` the key table, `20261130000000` the outbox,
+//! `20261203000000` operations in phases (MySQL's set was written with its
+//! final columns and has no others). Where a backend needs a step the others
+//! lack (SQLite's key table without a rowid, PostgreSQL's outbox
+//! notifications), its set has a migration under a version no other set
+//! uses, so a database records the same versions for the same tables
+//! whichever set created it.
 
 use diesel::migration::{self, Migration, MigrationSource};
 use diesel_migrations::{EmbeddedMigrations, embed_migrations};
@@ -15,6 +19,9 @@ pub(crate) const SQLITE: EmbeddedMigrations = embed_migrations!("migrations/sqli
 
 #[cfg(feature = "postgres")]
 pub(crate) const POSTGRES: EmbeddedMigrations = embed_migrations!("migrations/postgres");
+
+#[cfg(feature = "mysql")]
+pub(crate) const MYSQL: EmbeddedMigrations = embed_migrations!("migrations/mysql");
 
 /// This crate's migrations: the `idempotency_keys` table and its index, and
 /// the `idempotency_outbox` table of the [outbox](crate::outbox), for
@@ -59,6 +66,13 @@ impl MigrationSource<diesel::sqlite::Sqlite> for Migrations {
 impl MigrationSource<diesel::pg::Pg> for Migrations {
     fn migrations(&self) -> migration::Result<Vec<Box<dyn Migration<diesel::pg::Pg>>>> {
         POSTGRES.migrations()
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl MigrationSource<diesel::mysql::Mysql> for Migrations {
+    fn migrations(&self) -> migration::Result<Vec<Box<dyn Migration<diesel::mysql::Mysql>>>> {
+        MYSQL.migrations()
     }
 }
 

@@ -210,9 +210,10 @@ impl Config {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut C) -> Result<R, E>,
     {
-        key::validate_scope(scope, self.max_key_len).map_err(Error::InvalidScope)?;
+        let max_len = self.key_len_limit::<C>();
+        key::validate_scope(scope, max_len).map_err(Error::InvalidScope)?;
         trace.scope(scope);
-        key::validate_key(key, self.max_key_len).map_err(Error::InvalidKey)?;
+        key::validate_key(key, max_len).map_err(Error::InvalidKey)?;
         trace.key(key);
         let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
         // The record this call writes if it executes, claimed as of `now`:
@@ -298,9 +299,9 @@ impl Config {
                     return replay(stored, record.request_hash);
                 }
                 Hold::Busy => return Err(Error::InProgress),
-                Hold::Expired => {
+                hold @ (Hold::Expired | Hold::Claimed { took_over: true }) => {
                     trace.took_over();
-                    Hold::Expired
+                    hold
                 }
                 hold => hold,
             };

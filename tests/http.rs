@@ -41,8 +41,8 @@ use tower::ServiceExt;
 const BODY: &str = r#"{"item": "book", "quantity": 2}"#;
 
 /// Expands each named test body (an `async fn(Backend)` below) into a test
-/// per backend: `sqlite::name` and, with the `postgres` feature,
-/// `postgres::name`.
+/// per backend: `sqlite::name` and, with their features, `postgres::name`
+/// and `mysql::name`.
 macro_rules! on_every_backend {
     ($($test:ident),* $(,)?) => {
         mod sqlite {
@@ -59,6 +59,15 @@ macro_rules! on_every_backend {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $test() {
                     super::$test(super::Backend::Postgres).await;
+                }
+            )*
+        }
+        #[cfg(feature = "mysql")]
+        mod mysql {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(super::Backend::Mysql).await;
                 }
             )*
         }

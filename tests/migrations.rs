@@ -1,5 +1,6 @@
 //! Upgrading a database of the previous release: its records survive the
-//! new migrations and replay as before.
+//! new migrations and replay as before. MySQL's set, which no release had
+//! before, keeps the versions of the others.
 
 mod common;
 
@@ -115,6 +116,65 @@ fn postgres_upgrade_keeps_records_and_adds_the_new_tables() {
         assert_eq!(phased.expect("the new table works"), Outcome::Executed(1));
     });
     let _ = admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"));
+    if let Err(panic) = result {
+        std::panic::resume_unwind(panic);
+    }
+}
+
+/// The versions of a migration set.
+fn versions<DB: diesel::backend::Backend>() -> Vec<String>
+where
+    idempotency::Migrations: MigrationSource<DB>,
+{
+    MigrationSource::<DB>::migrations(&idempotency::MIGRATIONS)
+        .expect("the crate's migrations")
+        .iter()
+        .map(|migration| migration.name().version().to_string())
+        .collect()
+}
+
+/// MySQL's set is new: one migration per table, with its final columns,
+/// under the version that table has in every other set, so the versions a
+/// database records mean the same tables on every backend. Its down
+/// migrations leave nothing behind.
+#[cfg(feature = "mysql")]
+#[test]
+fn mysql_migrations_keep_the_versions_of_the_other_sets_and_revert_cleanly() {
+    use diesel::connection::SimpleConnection;
+
+    let mysql = versions::<diesel::mysql::Mysql>();
+    assert_eq!(mysql, ["20261129000000", "20261130000000", "20261203000000"]);
+    let sqlite = versions::<diesel::sqlite::Sqlite>();
+    assert!(mysql.iter().all(|version| sqlite.contains(version)), "{sqlite:?}");
+    #[cfg(feature = "postgres")]
+    {
+        let postgres = versions::<diesel::pg::Pg>();
+        assert!(mysql.iter().all(|version| postgres.contains(version)), "{postgres:?}");
+    }
+
+    let base_url = common::mysql::database_url();
+    let name = common::unique_name("idem_migrations");
+    let mut admin = MysqlConnection::establish(&base_url).expect("connect");
+    admin
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .expect("a database of the test's own");
+    let url = common::mysql::url_of_database(&base_url, &name);
+    let result = std::panic::catch_unwind(|| {
+        let mut conn = MysqlConnection::establish(&url).expect("connect to the database");
+        idempotency::run_migrations(&mut conn).expect("migrate");
+        let calls = write_old_records(&mut conn);
+        assert_old_records_survive(&mut conn, calls);
+        conn.revert_all_migrations(idempotency::MIGRATIONS)
+            .expect("revert every migration");
+        let tables: Vec<String> = diesel::dsl::sql::<diesel::sql_types::Text>(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE 'idempotency%'",
+        )
+        .load(&mut conn)
+        .expect("the tables left");
+        assert!(tables.is_empty(), "{tables:?}");
+        idempotency::run_migrations(&mut conn).expect("migrate again");
+    });
+    let _ = admin.batch_execute(&format!("DROP DATABASE {name}"));
     if let Err(panic) = result {
         std::panic::resume_unwind(panic);
     }

@@ -197,6 +197,9 @@ type ChargeRow = (String, String, i64, i32);
 
 /// The queries of the ride tables, per backend.
 trait RideDb: TestDb + 'static {
+    /// The ride and provider tables, as the backend declares them.
+    const TABLES: &'static str;
+
     fn insert_ride(tx: &mut Self::Conn, id: &str, request: &NewRide) -> QueryResult<usize>;
 
     fn set_ride_charge(tx: &mut Self::Conn, id: &str, charge: &str) -> QueryResult<usize>;
@@ -248,25 +251,6 @@ macro_rules! ride_queries {
                 .expect("read the rides")
         }
 
-        fn apply_charge(conn: &mut Self::Conn, provider_key: &str, cents: i64) -> QueryResult<(String, i64)> {
-            use schema::provider_charges as p;
-            diesel::insert_into(p::table)
-                .values((
-                    p::provider_key.eq(provider_key),
-                    p::charge_id.eq(common::unique_name("ch")),
-                    p::cents.eq(cents),
-                    p::requests.eq(1),
-                ))
-                .on_conflict(p::provider_key)
-                .do_update()
-                .set(p::requests.eq(p::requests + 1))
-                .execute(conn)?;
-            p::table
-                .find(provider_key)
-                .select((p::charge_id, p::cents))
-                .get_result(conn)
-        }
-
         fn charges(conn: &mut Self::Conn) -> Vec<ChargeRow> {
             use schema::provider_charges as p;
             p::table
@@ -298,19 +282,77 @@ macro_rules! ride_queries {
     };
 }
 
+/// The provider's insert-or-count, where the backend has `ON CONFLICT`.
+macro_rules! apply_charge_on_conflict {
+    () => {
+        fn apply_charge(conn: &mut Self::Conn, provider_key: &str, cents: i64) -> QueryResult<(String, i64)> {
+            use schema::provider_charges as p;
+            diesel::insert_into(p::table)
+                .values((
+                    p::provider_key.eq(provider_key),
+                    p::charge_id.eq(common::unique_name("ch")),
+                    p::cents.eq(cents),
+                    p::requests.eq(1),
+                ))
+                .on_conflict(p::provider_key)
+                .do_update()
+                .set(p::requests.eq(p::requests + 1))
+                .execute(conn)?;
+            p::table
+                .find(provider_key)
+                .select((p::charge_id, p::cents))
+                .get_result(conn)
+        }
+    };
+}
+
 impl RideDb for common::sqlite::Db {
+    const TABLES: &'static str = RIDE_TABLES;
     ride_queries!();
+    apply_charge_on_conflict!();
 }
 
 #[cfg(feature = "postgres")]
 impl RideDb for common::pg::Db {
+    const TABLES: &'static str = RIDE_TABLES;
     ride_queries!();
+    apply_charge_on_conflict!();
+}
+
+#[cfg(feature = "mysql")]
+impl RideDb for common::mysql::Db {
+    const TABLES: &'static str = "
+        CREATE TABLE rides (id VARCHAR(64) PRIMARY KEY, rider TEXT NOT NULL, cents BIGINT NOT NULL, charge TEXT);
+        CREATE TABLE provider_charges (
+            provider_key VARCHAR(255) PRIMARY KEY, charge_id TEXT NOT NULL, cents BIGINT NOT NULL, requests INTEGER NOT NULL
+        );";
+    ride_queries!();
+
+    fn apply_charge(conn: &mut Self::Conn, provider_key: &str, cents: i64) -> QueryResult<(String, i64)> {
+        use diesel::dsl::DuplicatedKeys;
+        use schema::provider_charges as p;
+        diesel::insert_into(p::table)
+            .values((
+                p::provider_key.eq(provider_key),
+                p::charge_id.eq(common::unique_name("ch")),
+                p::cents.eq(cents),
+                p::requests.eq(1),
+            ))
+            .on_conflict(DuplicatedKeys)
+            .do_update()
+            .set(p::requests.eq(p::requests + 1))
+            .execute(conn)?;
+        p::table
+            .find(provider_key)
+            .select((p::charge_id, p::cents))
+            .get_result(conn)
+    }
 }
 
 /// A new database with the ride and provider tables.
 fn ride_db<D: RideDb>() -> D {
     let db = D::new();
-    db.conn().batch_execute(RIDE_TABLES).expect("create the ride tables");
+    db.conn().batch_execute(D::TABLES).expect("create the ride tables");
     db
 }
 

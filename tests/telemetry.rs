@@ -208,12 +208,14 @@ fn call_decisions_are_events_of_the_call_span_without_payload_text<D: TestDb>() 
             Err::<String, _>(format!("{SENTINEL} refused"))
         });
         assert!(matches!(refused, Err(Error::Operation(_))), "{refused:?}");
-        // The key table is gone when the record is stored.
-        let storage = config.run(&mut conn, "shop", "k-3", &request, |tx| {
-            tx.batch_execute("DROP TABLE idempotency_keys")
-                .map_err(|e| e.to_string())?;
-            Ok::<_, String>(response.clone())
-        });
+        // A database without the key table (dropped outside any call: on
+        // MySQL a DROP inside the operation would commit).
+        let broken = D::new();
+        let mut broken_conn = broken.conn();
+        broken_conn
+            .batch_execute("DROP TABLE idempotency_keys")
+            .expect("drop the key table");
+        let storage = config.run(&mut broken_conn, "shop", "k-3", &request, respond);
         assert!(matches!(storage, Err(Error::Storage(_))), "{storage:?}");
         clock.advance(Duration::hours(2));
         let taken_over = config.run(&mut conn, "shop", "k-1", &request, respond);

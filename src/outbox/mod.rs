@@ -31,9 +31,9 @@
 //! - **Leases.** A claim leases its messages: until the lease runs out no
 //!   other relay claims them, and a relay may settle a message only while its
 //!   claim is the latest, so a relay whose lease was taken over cannot mark
-//!   the new holder's delivery. On PostgreSQL relays claim concurrently with
-//!   `FOR UPDATE SKIP LOCKED`; on SQLite claims take the write lock one after
-//!   the other. Choose the lease longer than a handler ever takes: a handler
+//!   the new holder's delivery. On PostgreSQL and MySQL relays claim
+//!   concurrently with `FOR UPDATE SKIP LOCKED`; on SQLite claims take the
+//!   write lock one after the other. Choose the lease longer than a handler ever takes: a handler
 //!   still running when its lease runs out may see its message delivered
 //!   concurrently by another relay.
 //!
@@ -107,6 +107,8 @@ use serde::de::DeserializeOwned;
 use crate::error::KeyError;
 use crate::store::StoreConnection;
 
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod relay;

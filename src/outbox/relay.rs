@@ -259,9 +259,9 @@ impl Relay {
     }
 
     /// How often [`run`](Relay::run) looks for due messages while none are
-    /// (default 250 ms): the longest a new message waits on SQLite, and on
-    /// PostgreSQL when a notification was missed. A retry whose backoff
-    /// ends sooner wakes the relay at its due time instead.
+    /// (default 250 ms): the longest a new message waits on SQLite and
+    /// MySQL, and on PostgreSQL when a notification was missed. A retry whose
+    /// backoff ends sooner wakes the relay at its due time instead.
     ///
     /// # Panics
     ///

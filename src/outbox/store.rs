@@ -57,8 +57,9 @@ pub struct Backlog {
 }
 
 diesel::define_sql_function! {
-    /// SQL's `coalesce` of a nullable time and a time.
-    fn coalesce(x: diesel::sql_types::Nullable<diesel::sql_types::Timestamp>, y: diesel::sql_types::Timestamp) -> diesel::sql_types::Timestamp;
+    /// SQL's `coalesce` of a nullable value and a value of its type: times,
+    /// whichever SQL type the backend's schema gives them.
+    fn coalesce<T: diesel::sql_types::SingleValue>(x: diesel::sql_types::Nullable<T>, y: T) -> T;
 }
 
 /// How a claimed message's attempt ended, written only while the claim's

@@ -56,7 +56,7 @@ type Resume<C> = Box<dyn Fn(&mut C, &str, &str, &str) -> Result<Resumed, String>
 /// which resumes it like a client's retry would: a completer and a client
 /// racing for one operation finish it once, through its lease. Completers
 /// on several machines pass over what another has picked (`FOR UPDATE SKIP
-/// LOCKED` on PostgreSQL).
+/// LOCKED` on PostgreSQL and MySQL).
 ///
 /// `C` is the diesel connection the registered functions take, such as
 /// `PgConnection`.

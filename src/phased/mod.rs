@@ -149,6 +149,8 @@
 //! request for the completer, and a provider that deduplicates.
 
 mod completer;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]

@@ -5,59 +5,16 @@
 use chrono::NaiveDateTime;
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Nullable, Text, Timestamp};
+use diesel::sql_types::{BigInt, Text, Timestamp};
 
 use super::store::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
-use crate::store::postgres::{DatabaseNow, Lookup, row_with};
+use crate::store::postgres::DatabaseNow;
+use crate::store::row_with::operation_with;
 use crate::store::sql_limit;
-
-/// The columns of an operation that an attempt reads, in the order of
-/// [`OperationRow`].
-struct Operation;
-
-impl Lookup for Operation {
-    const TABLE: &'static str = "idempotency_phases";
-    const COLUMNS: &'static str =
-        "r.request_hash, r.op_id, r.status, r.points, r.response, r.lease_until, r.expires_at";
-    type SqlType = (
-        Nullable<Text>,
-        Nullable<Text>,
-        Nullable<Text>,
-        Nullable<Text>,
-        Nullable<Text>,
-        Nullable<Timestamp>,
-        Nullable<Timestamp>,
-    );
-}
-
-type OperationColumns = (
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    Option<NaiveDateTime>,
-    Option<NaiveDateTime>,
-);
 
 impl PhaseStore for PgConnection {
     fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
-        let (now, columns) = row_with::<DatabaseNow, Operation, (NaiveDateTime, OperationColumns)>(self, scope, key)?;
-        let row = match columns {
-            (Some(request_hash), Some(op_id), Some(status), Some(points), response, lease_until, expires_at) => {
-                Some(OperationRow {
-                    request_hash,
-                    op_id,
-                    status,
-                    points,
-                    response,
-                    lease_until,
-                    expires_at,
-                })
-            }
-            _ => None,
-        };
-        Ok((row, now))
+        operation_with::<DatabaseNow, Timestamp, _>(self, scope, key)
     }
 
     fn pick_abandoned(

@@ -157,8 +157,9 @@ impl Phased {
     {
         let conn = conn.raw();
         // Refused values never reach the span: see `telemetry::CallTrace`.
-        key::validate_scope(scope, self.config.max_key_len).map_err(Error::InvalidScope)?;
-        key::validate_key(key, self.config.max_key_len).map_err(Error::InvalidKey)?;
+        let max_len = self.config.key_len_limit::<C::Raw>();
+        key::validate_scope(scope, max_len).map_err(Error::InvalidScope)?;
+        key::validate_key(key, max_len).map_err(Error::InvalidKey)?;
         let span =
             tracing::debug_span!(target: telemetry::TARGET, "phased_operation", operation = %self.name, scope, key);
         let _entered = span.enter();

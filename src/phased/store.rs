@@ -178,36 +178,32 @@ pub trait PhaseStore: KeyStore {
 /// The methods of [`PhaseStore`] whose DSL is the same on every backend,
 /// expanded into each backend's impl against its schema module (see
 /// `crate::store::shared_queries` for why a macro rather than generic
-/// functions).
+/// functions): `shared_queries!(crate::schema)`, or `shared_queries!(strict
+/// ...)` where a duplicate key must fail the insert rather than be ignored.
 macro_rules! shared_queries {
-    ($($schema:tt)+) => {
+    // A backend where diesel's `on_conflict_do_nothing` is MySQL's `INSERT
+    // IGNORE`, which would also store a value that does not fit cut short,
+    // with a warning: a plain `INSERT`, whose duplicate-key error means the
+    // key is taken. (MySQL goes on with the transaction after it.)
+    (strict $($schema:tt)+) => {
+        $crate::phased::store::shared_queries!(@statements $($schema)+);
+
         fn insert_operation(
             &mut self,
             operation: &$crate::phased::store::NewOperation<'_>,
         ) -> diesel::QueryResult<bool> {
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
-            let inserted = diesel::insert_into(p::table)
-                .values((
-                    p::scope.eq(operation.scope),
-                    p::idempotency_key.eq(operation.idempotency_key),
-                    p::operation.eq(operation.operation),
-                    p::request_hash.eq(operation.request_hash),
-                    p::request.eq(operation.request),
-                    p::op_id.eq(operation.op_id),
-                    p::status.eq(operation.status),
-                    p::points.eq(operation.points),
-                    p::lease_token.eq(operation.lease_token),
-                    p::lease_until.eq(operation.lease_until),
-                    p::attempts.eq(operation.attempts),
-                    p::created_at.eq(operation.created_at),
-                    p::updated_at.eq(operation.updated_at),
-                ))
-                .on_conflict_do_nothing()
-                .execute(self)?;
-            Ok(inserted == 1)
+            use diesel::result::{DatabaseErrorKind, Error};
+            let insert = diesel::insert_into(p::table).values($crate::phased::store::operation_values!(p, operation));
+            match insert.execute(self) {
+                Ok(_) => Ok(true),
+                Err(Error::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) => Ok(false),
+                Err(error) => Err(error),
+            }
         }
-
+    };
+    (@statements $($schema:tt)+) => {
         fn delete_expired_operation(
             &mut self,
             scope: &str,
@@ -449,8 +445,48 @@ macro_rules! shared_queries {
             Ok(updated == 1)
         }
     };
+    ($($schema:tt)+) => {
+        $crate::phased::store::shared_queries!(@statements $($schema)+);
+
+        fn insert_operation(
+            &mut self,
+            operation: &$crate::phased::store::NewOperation<'_>,
+        ) -> diesel::QueryResult<bool> {
+            use $($schema)+::idempotency_phases as p;
+            use diesel::prelude::*;
+            let inserted = diesel::insert_into(p::table)
+                .values($crate::phased::store::operation_values!(p, operation))
+                .on_conflict_do_nothing()
+                .execute(self)?;
+            Ok(inserted == 1)
+        }
+    };
 }
 pub(crate) use shared_queries;
+
+/// The columns of a new operation's row, in table `$p` (a backend's
+/// `idempotency_phases` module), as the inserts of `shared_queries!` write
+/// them.
+macro_rules! operation_values {
+    ($p:ident, $operation:expr) => {
+        (
+            $p::scope.eq($operation.scope),
+            $p::idempotency_key.eq($operation.idempotency_key),
+            $p::operation.eq($operation.operation),
+            $p::request_hash.eq($operation.request_hash),
+            $p::request.eq($operation.request),
+            $p::op_id.eq($operation.op_id),
+            $p::status.eq($operation.status),
+            $p::points.eq($operation.points),
+            $p::lease_token.eq($operation.lease_token),
+            $p::lease_until.eq($operation.lease_until),
+            $p::attempts.eq($operation.attempts),
+            $p::created_at.eq($operation.created_at),
+            $p::updated_at.eq($operation.updated_at),
+        )
+    };
+}
+pub(crate) use operation_values;
 
 /// The DSL of the completer's pick, but for its row locking, which differs
 /// per backend: the `$lock` methods are applied to the select, on the

@@ -3,17 +3,19 @@
 //!
 //! A call writes its key record once, completed, after the operation: the
 //! write transaction first holds the key (SQLite: the database's write lock;
-//! PostgreSQL: an advisory lock on the key), reads the record under that
-//! lock, runs the operation and inserts the record. Where a read under the
-//! lock could miss a concurrent commit (a call nested in a caller's
-//! transaction, a PostgreSQL session at `REPEATABLE READ` or above), the
-//! transaction instead claims the key with a guarded insert before the
-//! operation and completes the record after it. Either way the primary key
-//! backs the lock: a writer that got past it cannot commit a second record.
+//! PostgreSQL: an advisory lock on the key; MySQL: a named lock on the key),
+//! reads the record under that lock, runs the operation and inserts the
+//! record. Where a read under the lock could miss a concurrent commit (a
+//! call nested in a caller's transaction, a PostgreSQL session at
+//! `REPEATABLE READ` or above, every call on MySQL, whose named locks do not
+//! last as long as a caller's transaction), the transaction instead claims
+//! the key with a guarded insert before the operation and completes the
+//! record after it. Either way the primary key backs the lock: a writer that
+//! got past it cannot commit a second record.
 //!
 //! Everything the backends share is written once here with diesel's DSL;
-//! `sqlite.rs` and `postgres.rs` hold what differs: how the write
-//! transaction is opened and the key held, how a wait that ran out is
+//! `sqlite.rs`, `postgres.rs` and `mysql.rs` hold what differs: how the
+//! write transaction is opened and the key held, how a wait that ran out is
 //! recognised, which path a transaction takes, and how a purge batch picks
 //! its rows.
 
@@ -30,12 +32,14 @@ use crate::phased::PhaseStore;
 use crate::schema::idempotency_keys;
 use crate::telemetry;
 
-/// The methods of [`KeyStore`] whose DSL is the same on every backend.
-/// diesel's query types are concrete per connection, so a generic function
-/// would need a bound for every intermediate query type; the bodies are
-/// written once here and expanded into each backend's impl instead, against
-/// the backend's schema module (`crate::schema`, or MySQL's own, whose time
-/// columns have another SQL type).
+/// The methods of [`KeyStore`] whose DSL is the same on SQLite and
+/// PostgreSQL. (MySQL, whose calls always claim first, only ever completes
+/// a claimed record, with a statement it prepares once.) diesel's query
+/// types are concrete per connection, so a generic function would need a
+/// bound for every intermediate query type; the bodies are written once here
+/// and expanded into each backend's impl instead, against the backend's
+/// schema module.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 macro_rules! shared_queries {
     ($($schema:tt)+) => {
         fn find(&mut self, scope: &str, key: &str) -> diesel::QueryResult<Option<$crate::store::Stored>> {
@@ -87,7 +91,7 @@ macro_rules! shared_queries {
                         replaced
                     }
                 }
-                Hold::Claimed => diesel::update(k::table.find((record.scope, record.idempotency_key)))
+                Hold::Claimed { .. } => diesel::update(k::table.find((record.scope, record.idempotency_key)))
                     .set((
                         k::status.eq(record.status),
                         k::response.eq(record.response),
@@ -107,10 +111,15 @@ macro_rules! shared_queries {
         }
     };
 }
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use shared_queries;
 
+#[cfg(feature = "mysql")]
+pub(crate) mod mysql;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) mod row_with;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
@@ -119,7 +128,8 @@ pub(crate) const COMPLETED: &str = "completed";
 
 /// A diesel connection that idempotent calls can run on:
 /// `SqliteConnection` (feature `sqlite`), `PgConnection` (feature
-/// `postgres`), or an r2d2 `PooledConnection` of either.
+/// `postgres`), `MysqlConnection` (feature `mysql`), or an r2d2
+/// `PooledConnection` of any of them.
 ///
 /// The operation of an idempotent call receives the underlying connection,
 /// [`StoreConnection::Raw`], also when the call was given a pooled one, so
@@ -167,7 +177,8 @@ pub trait StoreConnection: sealed::Sealed {
 }
 
 /// A plain diesel connection of a backend this crate stores keys on:
-/// `SqliteConnection` or `PgConnection`, what an operation receives as
+/// `SqliteConnection`, `PgConnection` or `MysqlConnection`, what an
+/// operation receives as
 /// [`StoreConnection::Raw`]. Sealed like [`StoreConnection`]: name it in
 /// bounds where code is generic over the plain connection itself (a
 /// [`Completer`](crate::phased::Completer) of it, say); only the crate
@@ -227,6 +238,28 @@ pub struct Read {
     pub(crate) now: NaiveDateTime,
 }
 
+/// What a guarded claim of a key did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// There was no record: the claim is inserted.
+    Inserted,
+    /// There was an expired record: the claim replaced it.
+    TookOver,
+    /// An unexpired record holds the key.
+    Refused,
+}
+
+impl Claim {
+    /// The hold a successful claim gives.
+    pub(crate) fn hold(self) -> Option<Hold> {
+        match self {
+            Claim::Inserted => Some(Hold::Claimed { took_over: false }),
+            Claim::TookOver => Some(Hold::Claimed { took_over: true }),
+            Claim::Refused => None,
+        }
+    }
+}
+
 /// How a write transaction holds its key, decided once it holds the key's
 /// lock, and so how the operation's result is stored.
 #[derive(Debug)]
@@ -236,9 +269,13 @@ pub enum Hold {
     /// An expired record: it is replaced by the completed one after the
     /// operation.
     Expired,
-    /// Claimed with a guarded insert before the operation: the operation's
-    /// result completes the record.
-    Claimed,
+    /// Claimed with a guarded insert before the operation (`took_over`: by
+    /// replacing an expired record): the operation's result completes the
+    /// record.
+    Claimed {
+        /// Whether the claim replaced an expired record.
+        took_over: bool,
+    },
     /// An unexpired record: the answer is a replay, a mismatch, or (for a
     /// record an enclosing call has claimed) in progress.
     Taken(Stored),
@@ -253,6 +290,12 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     /// The backend's name, as events and metrics report it.
     #[doc(hidden)]
     const BACKEND: &'static str;
+
+    /// The longest key or scope, in bytes, that the key table holds, where
+    /// that is less than any configured limit: keys are refused beyond it,
+    /// never cut.
+    #[doc(hidden)]
+    const MAX_KEY_LEN: Option<usize> = None;
 
     /// Applies the pending migrations of this backend's set.
     #[doc(hidden)]
@@ -297,10 +340,9 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     fn hold(&mut self, record: &Record<'_>) -> QueryResult<Hold>;
 
     /// Inserts `record` as a claim, or takes over an expired record with its
-    /// key. Returns whether the key is now this transaction's; `false` means
-    /// an unexpired record exists.
+    /// key.
     #[doc(hidden)]
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<bool>;
+    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim>;
 
     /// Writes the completed `record` as `hold` requires.
     #[doc(hidden)]
@@ -328,11 +370,13 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
 
 /// How a transaction whose read sees every commit before it holds its key:
 /// the record decides, nothing is written yet.
+#[cfg(feature = "sqlite")]
 pub(crate) fn hold_by_reading<C: KeyStore>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
     Ok(hold_of(conn.find(record.scope, record.idempotency_key)?, record))
 }
 
 /// What a record read under the key's lock means for `record`.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) fn hold_of(stored: Option<Stored>, record: &Record<'_>) -> Hold {
     match stored {
         None => Hold::Free,
@@ -343,15 +387,15 @@ pub(crate) fn hold_of(stored: Option<Stored>, record: &Record<'_>) -> Hold {
 
 /// How a transaction whose reads may miss a concurrent commit holds its key:
 /// by a claim that the primary key guards, before the operation runs.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) fn hold_by_claiming<C: KeyStore>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
-    if conn.claim(record)? {
-        return Ok(Hold::Claimed);
+    if let Some(hold) = conn.claim(record)?.hold() {
+        return Ok(hold);
     }
     match conn.find(record.scope, record.idempotency_key)? {
         Some(stored) => Ok(Hold::Taken(stored)),
         // Purged between the claim and this read, so free now.
-        None if conn.claim(record)? => Ok(Hold::Claimed),
-        None => Ok(Hold::Busy),
+        None => Ok(conn.claim(record)?.hold().unwrap_or(Hold::Busy)),
     }
 }
 
@@ -415,6 +459,7 @@ pub(crate) fn transaction_depth<C: KeyStore>(conn: &mut C) -> QueryResult<u32> {
 /// Runs `f` in a transaction opened by `begin` (which must open exactly one
 /// level), committing if `f` succeeds and rolling back otherwise, as
 /// diesel's own `transaction` does for its fixed `BEGIN`.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) fn transaction_with<C, T, E>(
     conn: &mut C,
     begin: impl FnOnce(&mut C) -> QueryResult<()>,

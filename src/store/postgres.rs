@@ -21,21 +21,18 @@
 //! meets one of the crate's only by a 1 in 2^64 chance, and two keys that
 //! meet merely wait for each other.
 
-use std::marker::PhantomData;
-
 use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, SimpleConnection};
 use diesel::pg::{Pg, PgConnection};
 use diesel::prelude::*;
-use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
-use diesel::query_dsl::LoadQuery;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{BigInt, Nullable, SingleValue, Text, Timestamp, Timestamptz};
+use diesel::sql_types::{BigInt, Text, Timestamp, Timestamptz};
 use diesel_migrations::MigrationHarness;
 use sha2::{Digest, Sha256};
 
+use super::row_with::{Head, record_with};
 use super::{
-    Hold, KeyStore, RawConnection, Read, Record, StoreConnection, Stored, hold_by_claiming, hold_of, sealed,
+    Claim, Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_of, sealed,
     transaction_depth, transaction_with,
 };
 use crate::config::InFlight;
@@ -93,16 +90,11 @@ fn lock_key(scope: &str, key: &str) -> (i32, i32) {
     (int(&digest[..4]), int(&digest[4..8]))
 }
 
-/// The first column of a [`RowWith`] query.
-pub(crate) trait Head: 'static {
-    const SQL: &'static str;
-    type SqlType: SingleValue;
-}
-
 /// The database's time, in UTC.
 pub(crate) struct DatabaseNow;
 
 impl Head for DatabaseNow {
+    type Backend = Pg;
     const SQL: &'static str = "timezone('UTC', now())";
     type SqlType = Timestamp;
 }
@@ -111,112 +103,9 @@ impl Head for DatabaseNow {
 struct Isolation;
 
 impl Head for Isolation {
+    type Backend = Pg;
     const SQL: &'static str = "current_setting('transaction_isolation')";
     type SqlType = Text;
-}
-
-/// The row a [`RowWith`] query looks up by `(scope, idempotency_key)`: its
-/// table, the columns it reads (all nullable, as a left join makes them),
-/// and their SQL types.
-pub(crate) trait Lookup: 'static {
-    const TABLE: &'static str;
-    const COLUMNS: &'static str;
-    type SqlType;
-}
-
-/// The columns of a key record that a replay needs.
-struct KeyRecord;
-
-impl Lookup for KeyRecord {
-    const TABLE: &'static str = "idempotency_keys";
-    const COLUMNS: &'static str = "r.request_hash, r.status, r.response, r.created_at, r.expires_at";
-    type SqlType = (
-        Nullable<Text>,
-        Nullable<Text>,
-        Nullable<Text>,
-        Nullable<Timestamp>,
-        Nullable<Timestamp>,
-    );
-}
-
-/// `SELECT head, columns FROM (SELECT 1) LEFT JOIN table`: one row whether
-/// or not the looked-up row exists, so the head arrives with a miss too.
-/// diesel's DSL joins declared tables only; this is the statement as a
-/// query type of its own, so that diesel prepares it once per connection.
-pub(crate) struct RowWith<'a, H, L> {
-    scope: &'a str,
-    key: &'a str,
-    parts: PhantomData<(H, L)>,
-}
-
-impl<H: Head, L: Lookup> QueryId for RowWith<'_, H, L> {
-    type QueryId = RowWith<'static, H, L>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl<H: Head, L: Lookup> Query for RowWith<'_, H, L> {
-    type SqlType = (H::SqlType, L::SqlType);
-}
-
-impl<H: Head, L: Lookup> QueryFragment<Pg> for RowWith<'_, H, L> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
-        out.push_sql("SELECT ");
-        out.push_sql(H::SQL);
-        out.push_sql(", ");
-        out.push_sql(L::COLUMNS);
-        out.push_sql(" FROM (SELECT 1) AS one LEFT JOIN ");
-        out.push_sql(L::TABLE);
-        out.push_sql(" AS r ON r.scope = ");
-        out.push_bind_param::<Text, _>(&self.scope)?;
-        out.push_sql(" AND r.idempotency_key = ");
-        out.push_bind_param::<Text, _>(&self.key)?;
-        Ok(())
-    }
-}
-
-impl<H, L> RunQueryDsl<PgConnection> for RowWith<'_, H, L> {}
-
-/// The head and the columns of the row of `(scope, key)`, as `Row`.
-pub(crate) fn row_with<H, L, Row>(conn: &mut PgConnection, scope: &str, key: &str) -> QueryResult<Row>
-where
-    H: Head,
-    L: Lookup,
-    for<'a> RowWith<'a, H, L>: LoadQuery<'a, PgConnection, Row>,
-{
-    RowWith::<H, L> {
-        scope,
-        key,
-        parts: PhantomData,
-    }
-    .get_result(conn)
-}
-
-type KeyRecordRow = (
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    Option<NaiveDateTime>,
-    Option<NaiveDateTime>,
-);
-
-/// The head and the key record, if any, of `(scope, key)`.
-fn record_with<H, T>(conn: &mut PgConnection, scope: &str, key: &str) -> QueryResult<(T, Option<Stored>)>
-where
-    H: Head,
-    for<'a> RowWith<'a, H, KeyRecord>: LoadQuery<'a, PgConnection, (T, KeyRecordRow)>,
-{
-    let (head, row) = row_with::<H, KeyRecord, (T, KeyRecordRow)>(conn, scope, key)?;
-    let stored = match row {
-        (Some(request_hash), Some(status), response, Some(created_at), Some(expires_at)) => Some(Stored {
-            request_hash,
-            status,
-            response,
-            created_at,
-            expires_at,
-        }),
-        _ => None,
-    };
-    Ok((head, stored))
 }
 
 impl KeyStore for PgConnection {
@@ -228,7 +117,7 @@ impl KeyStore for PgConnection {
     }
 
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
-        let (now, record) = record_with::<DatabaseNow, NaiveDateTime>(self, scope, key)?;
+        let (now, record) = record_with::<DatabaseNow, Timestamp, _, NaiveDateTime>(self, scope, key)?;
         Ok(Read { record, now })
     }
 
@@ -288,7 +177,8 @@ impl KeyStore for PgConnection {
         if transaction_depth(self)? > 1 {
             return hold_by_claiming(self, record);
         }
-        let (isolation, stored) = record_with::<Isolation, String>(self, record.scope, record.idempotency_key)?;
+        let (isolation, stored) =
+            record_with::<Isolation, Timestamp, _, String>(self, record.scope, record.idempotency_key)?;
         if matches!(isolation.as_str(), "read committed" | "read uncommitted") {
             Ok(hold_of(stored, record))
         } else {
@@ -296,7 +186,7 @@ impl KeyStore for PgConnection {
         }
     }
 
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<bool> {
+    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim> {
         // DO NOTHING, not DO UPDATE: a fresh key costs the server
         // measurably less that way. A record that is already there is taken
         // over by a second, guarded statement only if its retention has ended.
@@ -305,13 +195,17 @@ impl KeyStore for PgConnection {
             .on_conflict_do_nothing()
             .execute(self)?;
         if inserted == 1 {
-            return Ok(true);
+            return Ok(Claim::Inserted);
         }
         let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
             .filter(k::expires_at.le(record.created_at))
             .set(record)
             .execute(self)?;
-        Ok(taken_over == 1)
+        Ok(if taken_over == 1 {
+            Claim::TookOver
+        } else {
+            Claim::Refused
+        })
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {

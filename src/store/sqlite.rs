@@ -18,14 +18,13 @@ use chrono::{NaiveDateTime, Utc};
 use diesel::connection::AnsiTransactionManager;
 use diesel::prelude::*;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
-use diesel::query_dsl::methods::FilterDsl;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Integer, Timestamp};
 use diesel::sqlite::{Sqlite, SqliteConnection};
 use diesel_migrations::MigrationHarness;
 
 use super::{
-    Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_by_reading, sealed,
+    Claim, Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_by_reading, sealed,
     transaction_depth, transaction_with,
 };
 use crate::config::InFlight;
@@ -181,15 +180,26 @@ impl KeyStore for SqliteConnection {
         }
     }
 
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<bool> {
-        let claimed = diesel::insert_into(k::table)
+    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim> {
+        // Two statements rather than one upsert, so that the claim knows
+        // whether it replaced an expired record; the second runs only when
+        // the key has a record.
+        let inserted = diesel::insert_into(k::table)
             .values(record)
-            .on_conflict((k::scope, k::idempotency_key))
-            .do_update()
-            .set(record)
-            .filter(k::expires_at.le(record.created_at))
+            .on_conflict_do_nothing()
             .execute(self)?;
-        Ok(claimed == 1)
+        if inserted == 1 {
+            return Ok(Claim::Inserted);
+        }
+        let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
+            .filter(k::expires_at.le(record.created_at))
+            .set(record)
+            .execute(self)?;
+        Ok(if taken_over == 1 {
+            Claim::TookOver
+        } else {
+            Claim::Refused
+        })
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {

@@ -9,10 +9,12 @@
 //!
 //! `backend_tests!(name, ...)` then emits, per backend, a module of `#[test]`
 //! shims that call `name::<Db>()`: `sqlite::name` (a file database in a
-//! temporary directory) and, with the `postgres` feature, `postgres::name`
-//! (a schema of its own in the database named by `DATABASE_URL`, dropped
-//! afterwards). A new backend implements [`TestDb`] in a module of its own
-//! and adds one line to the macro.
+//! temporary directory); with the `postgres` feature, `postgres::name` (a
+//! schema of its own in the database named by `DATABASE_URL`, dropped
+//! afterwards); with the `mysql` feature, `mysql::name` (a database of its
+//! own on the server named by `MYSQL_URL`, dropped afterwards). A new
+//! backend implements [`TestDb`] in a module of its own and adds one line to
+//! the macro.
 
 // Each test binary uses a different part of the harness.
 #![allow(dead_code, unused_macros, unused_imports)]
@@ -24,6 +26,8 @@ use diesel::connection::{AnsiTransactionManager, Connection, TransactionManager}
 use diesel::r2d2::{ConnectionManager, Pool, PooledConnection, R2D2Connection};
 use idempotency::{RawConnection, StoreConnection};
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod pg;
 pub mod sqlite;
@@ -36,6 +40,8 @@ macro_rules! backend_tests {
         $crate::common::backend_tests!(@backend sqlite, $crate::common::sqlite::Db, $($test),+);
         #[cfg(feature = "postgres")]
         $crate::common::backend_tests!(@backend postgres, $crate::common::pg::Db, $($test),+);
+        #[cfg(feature = "mysql")]
+        $crate::common::backend_tests!(@backend mysql, $crate::common::mysql::Db, $($test),+);
     };
     (@backend $backend:ident, $db:ty, $($test:ident),+) => {
         mod $backend {
@@ -105,6 +111,11 @@ pub trait TestDb: Sized + Sync {
     /// The name of the backend, which is also the name of its module of
     /// tests (`sqlite::name`).
     const BACKEND: &'static str;
+
+    /// Whether a top-level call writes its key record once, after the
+    /// operation. MySQL claims every key before the operation and completes
+    /// the record after it (see the crate's `store::mysql`).
+    const WRITES_KEY_RECORD_ONCE: bool = true;
 
     /// A new, empty database of its own, migrated; gone when dropped.
     fn new() -> Self;

@@ -1,4 +1,4 @@
-//! What the HTTP tests stand on: a database per test on either backend, the
+//! What the HTTP tests stand on: a database per test on each backend, the
 //! order service served on 127.0.0.1, a client, a proxy that loses
 //! responses, the compiled example binary, and a gate that holds an order's
 //! transaction open.
@@ -6,14 +6,14 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -31,11 +31,14 @@ pub enum Backend {
     Sqlite,
     #[cfg(feature = "postgres")]
     Postgres,
+    #[cfg(feature = "mysql")]
+    Mysql,
 }
 
-/// A database of one test: a SQLite file in a temporary directory, or a
+/// A database of one test: a SQLite file in a temporary directory, a
 /// PostgreSQL schema of its own in the database of `DATABASE_URL`, reached
-/// through `search_path` and dropped afterwards.
+/// through `search_path`, or a MySQL database of its own on the server of
+/// `MYSQL_URL`; the last two dropped afterwards.
 pub enum TestDb {
     Sqlite {
         _dir: tempfile::TempDir,
@@ -47,10 +50,16 @@ pub enum TestDb {
         schema: String,
         url: String,
     },
+    #[cfg(feature = "mysql")]
+    Mysql {
+        base_url: String,
+        name: String,
+        url: String,
+    },
 }
 
 /// A name no other test, in this process or another, is using.
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn unique_name(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
@@ -61,6 +70,24 @@ fn unique_name(prefix: &str) -> String {
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+/// `url` with its database replaced by `database`.
+#[cfg(feature = "mysql")]
+fn url_of_database(url: &str, database: &str) -> String {
+    let (address, query) = match url.split_once('?') {
+        Some((address, query)) => (address, Some(query)),
+        None => (url, None),
+    };
+    let authority_start = address.find("://").map_or(0, |at| at + 3);
+    let base = match address[authority_start..].find('/') {
+        Some(slash) => &address[..authority_start + slash],
+        None => address,
+    };
+    match query {
+        Some(query) => format!("{base}/{database}?{query}"),
+        None => format!("{base}/{database}"),
+    }
 }
 
 impl TestDb {
@@ -92,6 +119,20 @@ impl TestDb {
                     .expect("create the test schema");
                 TestDb::Postgres { base_url, schema, url }
             }
+            #[cfg(feature = "mysql")]
+            Backend::Mysql => {
+                let base_url = std::env::var("MYSQL_URL").expect(
+                    "the mysql tests need MYSQL_URL, e.g. \
+                     MYSQL_URL=mysql://root@127.0.0.1:3306/test cargo test --features axum,mysql",
+                );
+                let name = unique_name("idem_http");
+                MysqlConnection::establish(&base_url)
+                    .expect("connect to MYSQL_URL")
+                    .batch_execute(&format!("CREATE DATABASE {name}"))
+                    .expect("create the test database");
+                let url = url_of_database(&base_url, &name);
+                TestDb::Mysql { base_url, name, url }
+            }
         }
     }
 
@@ -101,6 +142,8 @@ impl TestDb {
             TestDb::Sqlite { path, .. } => path,
             #[cfg(feature = "postgres")]
             TestDb::Postgres { url, .. } => url,
+            #[cfg(feature = "mysql")]
+            TestDb::Mysql { url, .. } => url,
         }
     }
 
@@ -123,6 +166,11 @@ impl TestDb {
                 let mut conn = PgConnection::establish(&database).expect("connect to the test schema");
                 query.get_result::<Count>(&mut conn).expect("count rows")
             }),
+            #[cfg(feature = "mysql")]
+            TestDb::Mysql { .. } => tokio::task::spawn_blocking(move || {
+                let mut conn = MysqlConnection::establish(&database).expect("connect to the test database");
+                query.get_result::<Count>(&mut conn).expect("count rows")
+            }),
         };
         count.await.expect("count rows").n
     }
@@ -142,6 +190,12 @@ impl Drop for TestDb {
         if let TestDb::Postgres { base_url, schema, .. } = self {
             if let Ok(mut admin) = PgConnection::establish(base_url) {
                 let _ = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
+            }
+        }
+        #[cfg(feature = "mysql")]
+        if let TestDb::Mysql { base_url, name, .. } = self {
+            if let Ok(mut admin) = MysqlConnection::establish(base_url) {
+                let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}"));
             }
         }
     }

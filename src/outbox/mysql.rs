@@ -1,0 +1,115 @@
+//! MySQL and MariaDB: relays claim concurrently, as on PostgreSQL. The claim
+//! reads and locks the due rows it picks with `FOR UPDATE SKIP LOCKED`
+//! (MySQL 8.0, MariaDB 10.6), so a relay passes over messages another relay
+//! is claiming at that moment instead of waiting for them, and then writes
+//! the lease to the picked rows by their primary key, in one transaction
+//! (neither has `UPDATE ... RETURNING`).
+//!
+//! A locking read locks every row it walks, not only those it returns, so
+//! the statements name their indexes: the pick walks the `(status, id)`
+//! index (left to the optimizer it may walk another and lock messages that
+//! another relay would take). No index holds the lease token: settling a
+//! message then finds it by its primary key alone, and a claim writing
+//! leases never inserts into an index that a settle holds a lock in.
+//!
+//! Claims and purges run at `READ COMMITTED` (see
+//! [`read_committed`](crate::store::mysql::read_committed)): their locking
+//! reads would otherwise lock gaps that settling relays insert into.
+//!
+//! No notifications: relay services find new messages by polling.
+
+use chrono::NaiveDateTime;
+use diesel::mysql::MysqlConnection;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Datetime, Text};
+
+use super::store::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
+use crate::store::mysql::schema::idempotency_outbox as o;
+use crate::store::mysql::{UtcNow, read_committed};
+use crate::store::sql_limit;
+
+impl OutboxStore for MysqlConnection {
+    const ANNOUNCES: bool = false;
+
+    fn claim_batch(
+        &mut self,
+        now: NaiveDateTime,
+        lease_until: NaiveDateTime,
+        lease_token: &str,
+        batch: usize,
+    ) -> QueryResult<Vec<Claimed>> {
+        read_committed(self, |tx| {
+            let mut due: Vec<Claimed> = diesel::sql_query(
+                "SELECT id, topic, payload, attempts \
+                 FROM idempotency_outbox FORCE INDEX (idempotency_outbox_status_id) \
+                 WHERE status = ? AND (available_at IS NULL OR available_at <= ?) \
+                 ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",
+            )
+            .bind::<Text, _>(PENDING)
+            .bind::<Datetime, _>(now)
+            .bind::<BigInt, _>(sql_limit(batch))
+            .load(tx)?;
+            if due.is_empty() {
+                return Ok(due);
+            }
+            diesel::update(o::table.filter(o::id.eq_any(due.iter().map(|message| &message.id))))
+                .set((
+                    o::attempts.eq(o::attempts + 1),
+                    o::available_at.eq(lease_until),
+                    o::lease_token.eq(lease_token),
+                ))
+                .execute(tx)?;
+            for message in &mut due {
+                message.attempts += 1;
+            }
+            Ok(due)
+        })
+    }
+
+    fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()> {
+        diesel::insert_into(o::table)
+            .values((
+                o::id.eq(message.id),
+                o::topic.eq(message.topic),
+                o::payload.eq(message.payload),
+                o::status.eq(PENDING),
+                o::attempts.eq(0),
+                o::available_at.eq(message.not_before),
+                o::created_at.eq(UtcNow),
+            ))
+            .execute(self)?;
+        Ok(())
+    }
+
+    fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
+        // SKIP LOCKED: two purges running at once split the rows instead of
+        // queueing behind each other.
+        read_committed(self, |tx| {
+            diesel::sql_query(
+                "DELETE o FROM \
+             (SELECT id FROM idempotency_outbox FORCE INDEX (idempotency_outbox_status_delivered_at) \
+              WHERE status = ? AND delivered_at <= ? ORDER BY delivered_at LIMIT ? FOR UPDATE SKIP LOCKED) AS done \
+             STRAIGHT_JOIN idempotency_outbox AS o FORCE INDEX (PRIMARY) ON o.id = done.id",
+            )
+            .bind::<Text, _>(DELIVERED)
+            .bind::<Datetime, _>(cutoff)
+            .bind::<BigInt, _>(sql_limit(batch))
+            .execute(tx)
+        })
+    }
+
+    fn listen(&mut self) -> QueryResult<bool> {
+        // Relays find new messages by polling.
+        Ok(false)
+    }
+
+    fn announced(&mut self) -> QueryResult<bool> {
+        Ok(false)
+    }
+
+    fn unlisten(&mut self) -> QueryResult<()> {
+        Ok(())
+    }
+
+    super::store::shared_queries!(crate::store::mysql::schema);
+}

@@ -1,0 +1,68 @@
+//! MySQL and MariaDB: the read brings the server's time along, completers
+//! pick abandoned operations with `FOR UPDATE SKIP LOCKED`, passing over
+//! those another completer is picking at that moment, and a new operation
+//! is inserted strictly: a duplicate key fails the insert, which means the
+//! key is taken (`INSERT IGNORE` would also store a value that does not fit
+//! cut short).
+
+use chrono::NaiveDateTime;
+use diesel::mysql::MysqlConnection;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Datetime, Text};
+
+use super::store::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
+use crate::store::mysql::{DatabaseNow, read_committed};
+use crate::store::row_with::operation_with;
+use crate::store::sql_limit;
+
+impl PhaseStore for MysqlConnection {
+    fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
+        operation_with::<DatabaseNow, Datetime, _>(self, scope, key)
+    }
+
+    fn pick_abandoned(
+        &mut self,
+        operations: &[&str],
+        now: NaiveDateTime,
+        idle_since: NaiveDateTime,
+        until: NaiveDateTime,
+        limit: usize,
+    ) -> QueryResult<Vec<PickedRow>> {
+        // Locks taken by the pick are held until its transaction commits.
+        read_committed(self, |tx| {
+            pick_abandoned!(
+                [crate::store::mysql::schema::idempotency_phases],
+                tx,
+                operations,
+                now,
+                idle_since,
+                until,
+                limit,
+                for_update,
+                skip_locked
+            )
+        })
+    }
+
+    fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+        // SKIP LOCKED: an expired operation that a live request is starting
+        // anew is not worth waiting for. The pick walks the `expires_at`
+        // index, whose expired part holds completed operations only; the
+        // delete reaches the picked rows by their primary key.
+        read_committed(self, |tx| {
+            diesel::sql_query(
+                "DELETE p FROM \
+             (SELECT scope, idempotency_key FROM idempotency_phases FORCE INDEX (idempotency_phases_expires_at) \
+              WHERE expires_at <= ? AND status = ? ORDER BY expires_at LIMIT ? FOR UPDATE SKIP LOCKED) AS expired \
+             STRAIGHT_JOIN idempotency_phases AS p FORCE INDEX (PRIMARY) \
+             ON p.scope = expired.scope AND p.idempotency_key = expired.idempotency_key",
+            )
+            .bind::<Datetime, _>(cutoff)
+            .bind::<Text, _>(COMPLETED)
+            .bind::<BigInt, _>(sql_limit(limit))
+            .execute(tx)
+        })
+    }
+
+    super::store::shared_queries!(strict crate::store::mysql::schema);
+}

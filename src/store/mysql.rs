@@ -1,0 +1,479 @@
+//! MySQL and MariaDB (InnoDB): a write transaction holds its key with a
+//! named lock (`GET_LOCK`) on a hash of the database, the scope and the key,
+//! taken before `BEGIN` (or the savepoint) and released after the `COMMIT`
+//! or `ROLLBACK`, on every path. A second call with the key waits on that
+//! lock until the holder's transaction has ended, for as long as the
+//! in-flight policy allows: `GET_LOCK` takes fractions of a second, so the
+//! policy bounds the wait exactly, and nothing about the session is changed
+//! to bound it. A wait that runs out is
+//! [`Error::InProgress`](crate::Error::InProgress).
+//!
+//! Named locks belong to the session, not to a transaction, so a call nested
+//! in a caller's transaction gives its lock back when its savepoint ends,
+//! while its record is committed only with the caller's transaction. A later
+//! call that gets the lock could then miss that uncommitted record with a
+//! plain read. So every call claims its key with a plain `INSERT` before the
+//! operation runs and completes the record after it: the primary key makes
+//! an insert wait for an uncommitted claim of the same key (for the session's
+//! `innodb_lock_wait_timeout`, whole seconds, 50 by default), and then fail
+//! with a duplicate key, which means taken, if that claim commits. Under
+//! `REPEATABLE READ`, InnoDB's default, a transaction that has read before
+//! does not see that commit with a plain `SELECT`, so the record that took
+//! the key is read with `FOR UPDATE`. The crate never changes the isolation
+//! level or any other setting of the session; its own background
+//! transactions (relay claims, completer picks, purges) run at
+//! `READ COMMITTED` when they are not nested in a caller's transaction.
+//!
+//! In a caller's transaction nothing touches the key table before the named
+//! lock is held, not even the read for a replay, so the crate's own
+//! statements never make a wait for a named lock part of a cycle with row
+//! locks, which InnoDB's deadlock detection does not see. A cycle through
+//! the application's own rows (a caller's transaction locks a row that
+//! another call's operation waits for, then calls with that call's key)
+//! ends when the in-flight wait runs out, with `InProgress`.
+//!
+//! `INSERT IGNORE` (diesel's `on_conflict_do_nothing` here) is never used: it
+//! would turn a value that does not fit into a warning. A deadlock (error
+//! 1213) rolls back the whole transaction, a caller's included, and is
+//! reported as a storage error of kind `SerializationFailure`.
+
+use std::panic::{self, AssertUnwindSafe};
+
+use chrono::NaiveDateTime;
+use diesel::connection::{AnsiTransactionManager, TransactionManager};
+use diesel::expression::{AppearsOnTable, Expression, SelectableExpression, ValidGrouping, is_aggregate};
+use diesel::mysql::{Mysql, MysqlConnection};
+use diesel::prelude::*;
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::result::{DatabaseErrorKind, Error as DieselError};
+use diesel::sql_types::{BigInt, Datetime, Double, Nullable, Text};
+use diesel_migrations::MigrationHarness;
+use sha2::{Digest, Sha256};
+
+use super::row_with::{Head, record_with};
+use super::{
+    Claim, Hold, KeyStore, RawConnection, Read, Record, StoreConnection, Stored, sealed, transaction_depth,
+    unwind_to_depth,
+};
+use crate::config::InFlight;
+use crate::telemetry;
+
+pub(crate) mod schema;
+
+use schema::idempotency_keys as k;
+
+impl StoreConnection for MysqlConnection {
+    type Raw = Self;
+
+    fn raw(&mut self) -> &mut Self {
+        self
+    }
+}
+
+impl sealed::Sealed for MysqlConnection {}
+
+impl RawConnection for MysqlConnection {}
+
+/// `UTC_TIMESTAMP(6)`, the server's time in UTC to the microsecond, as an
+/// expression of the DSL. (diesel's `now` is the session's time, to the
+/// second.)
+#[derive(Debug, Clone, Copy, QueryId)]
+pub(crate) struct UtcNow;
+
+impl Expression for UtcNow {
+    type SqlType = Datetime;
+}
+
+impl QueryFragment<Mysql> for UtcNow {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
+        out.push_sql("UTC_TIMESTAMP(6)");
+        Ok(())
+    }
+}
+
+impl<QS> AppearsOnTable<QS> for UtcNow {}
+
+impl<QS> SelectableExpression<QS> for UtcNow {}
+
+impl<GB> ValidGrouping<GB> for UtcNow {
+    type IsAggregate = is_aggregate::Never;
+}
+
+/// The database's time, in UTC.
+pub(crate) struct DatabaseNow;
+
+impl Head for DatabaseNow {
+    type Backend = Mysql;
+    const SQL: &'static str = "UTC_TIMESTAMP(6)";
+    type SqlType = Datetime;
+}
+
+/// How an error that stands for a lock wait that ran out begins: InnoDB's
+/// error 1205 and the crate's own for a named lock it did not get.
+const LOCK_WAIT_TIMEOUT: &str = "lock wait timeout exceeded";
+
+/// The hash of the scope and the key that names the key's lock, in hex:
+/// SHA-256 of both, each prefixed with its length. Stable across processes
+/// and versions of the crate, which must agree on it while they run side by
+/// side.
+/// Runs `f` in a transaction of its own at `READ COMMITTED`, or in a
+/// savepoint at the caller's level inside a caller's transaction.
+///
+/// Under `REPEATABLE READ` a locking read locks the gaps it walks as well
+/// as the rows; an insert into such a gap (a relay marking a message
+/// delivered moves its index entry) then waits for the picking transaction,
+/// which may itself wait for that insert's row: a deadlock. At
+/// `READ COMMITTED` a locking read locks the rows it returns and no gaps.
+pub(crate) fn read_committed<T>(
+    conn: &mut MysqlConnection,
+    f: impl FnOnce(&mut MysqlConnection) -> QueryResult<T>,
+) -> QueryResult<T> {
+    if transaction_depth(conn)? == 0 {
+        // Applies to the next transaction only; the session keeps its level.
+        diesel::sql_query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED").execute(conn)?;
+    }
+    conn.transaction(f)
+}
+
+fn lock_key(scope: &str, key: &str) -> String {
+    let mut hasher = Sha256::new();
+    for part in [scope, key] {
+        hasher.update((part.len() as u64).to_be_bytes());
+        hasher.update(part.as_bytes());
+    }
+    crate::key::hex(&hasher.finalize())
+}
+
+/// `SELECT name, GET_LOCK(name, seconds)`: takes the named lock of a key,
+/// waiting up to `seconds`, and returns its name with 1 (taken), 0 (the wait
+/// ran out) or NULL (an error, such as the session being killed).
+///
+/// Lock names are one name space for the whole server, so the name also
+/// hashes the current database: two databases on one server keep their keys
+/// apart. MySQL takes names of at most 64 characters: `idempotency:` and 52
+/// hex digits. A query type of its own, so that diesel prepares it once per
+/// connection.
+struct GetLock<'a> {
+    key: &'a str,
+    seconds: f64,
+}
+
+impl QueryId for GetLock<'_> {
+    type QueryId = GetLock<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for GetLock<'_> {
+    type SqlType = (Text, Nullable<BigInt>);
+}
+
+impl QueryFragment<Mysql> for GetLock<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
+        out.push_sql("SELECT name, GET_LOCK(name, ");
+        out.push_bind_param::<Double, _>(&self.seconds)?;
+        out.push_sql(") FROM (SELECT CONCAT('idempotency:', LEFT(SHA2(CONCAT(");
+        out.push_bind_param::<Text, _>(self.key)?;
+        out.push_sql(", ':', COALESCE(DATABASE(), '')), 256), 52)) AS name) AS lock_name");
+        Ok(())
+    }
+}
+
+impl RunQueryDsl<MysqlConnection> for GetLock<'_> {}
+
+/// `SELECT RELEASE_LOCK(name)`.
+struct ReleaseLock<'a>(&'a str);
+
+impl QueryId for ReleaseLock<'_> {
+    type QueryId = ReleaseLock<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for ReleaseLock<'_> {
+    type SqlType = Nullable<BigInt>;
+}
+
+impl QueryFragment<Mysql> for ReleaseLock<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
+        out.push_sql("SELECT RELEASE_LOCK(");
+        out.push_bind_param::<Text, _>(self.0)?;
+        out.push_sql(")");
+        Ok(())
+    }
+}
+
+impl RunQueryDsl<MysqlConnection> for ReleaseLock<'_> {}
+
+/// `UPDATE idempotency_keys SET status, response, completed_at WHERE` the
+/// key: the claimed record completed. diesel prepares its own `UPDATE`
+/// statements anew on every call, which on MySQL is a round trip of its own;
+/// this one, a query type of its own, it prepares once per connection.
+struct Complete<'a>(&'a Record<'a>);
+
+impl QueryId for Complete<'_> {
+    type QueryId = Complete<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl QueryFragment<Mysql> for Complete<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
+        let record = self.0;
+        out.push_sql("UPDATE idempotency_keys SET status = ");
+        out.push_bind_param::<Text, _>(record.status)?;
+        out.push_sql(", response = ");
+        out.push_bind_param::<Nullable<Text>, _>(&record.response)?;
+        out.push_sql(", completed_at = ");
+        out.push_bind_param::<Nullable<Datetime>, _>(&record.completed_at)?;
+        out.push_sql(" WHERE scope = ");
+        out.push_bind_param::<Text, _>(record.scope)?;
+        out.push_sql(" AND idempotency_key = ");
+        out.push_bind_param::<Text, _>(record.idempotency_key)?;
+        Ok(())
+    }
+}
+
+impl RunQueryDsl<MysqlConnection> for Complete<'_> {}
+
+/// Takes the named lock of `(scope, key)`, waiting as `in_flight` allows,
+/// and returns its name for the release.
+fn lock(conn: &mut MysqlConnection, scope: &str, key: &str, in_flight: InFlight) -> QueryResult<String> {
+    let key = lock_key(scope, key);
+    let seconds = in_flight.wait_millis() as f64 / 1000.0;
+    let (name, taken): (String, Option<i64>) = GetLock { key: &key, seconds }.get_result(conn)?;
+    match taken {
+        Some(1) => Ok(name),
+        Some(_) => Err(DieselError::DatabaseError(
+            DatabaseErrorKind::Unknown,
+            Box::new(format!("{LOCK_WAIT_TIMEOUT}: another transaction holds the key")),
+        )),
+        None => Err(DieselError::DatabaseError(
+            DatabaseErrorKind::Unknown,
+            Box::new(String::from("the server did not take the named lock of the key")),
+        )),
+    }
+}
+
+/// Inserts `record` as a claim with a plain `INSERT`; `false` when its key
+/// is taken (the insert waited for the holder's transaction, if one was
+/// open, and failed with a duplicate key, which leaves MySQL's transaction
+/// going).
+fn insert_claim(conn: &mut MysqlConnection, record: &Record<'_>) -> QueryResult<bool> {
+    let inserted = diesel::insert_into(k::table)
+        .values((
+            k::scope.eq(record.scope),
+            k::idempotency_key.eq(record.idempotency_key),
+            k::request_hash.eq(record.request_hash),
+            k::status.eq(record.status),
+            k::response.eq(record.response),
+            k::created_at.eq(record.created_at),
+            k::completed_at.eq(record.completed_at),
+            k::expires_at.eq(record.expires_at),
+        ))
+        .execute(conn);
+    match inserted {
+        Ok(_) => Ok(true),
+        Err(DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) => Ok(false),
+        Err(error) => Err(error),
+    }
+}
+
+/// The record of `(scope, key)`, read with `FOR UPDATE`. (MariaDB does not
+/// take diesel's `FOR SHARE`.)
+fn find_for_update(conn: &mut MysqlConnection, scope: &str, key: &str) -> QueryResult<Option<Stored>> {
+    k::table
+        .find((scope, key))
+        .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at))
+        .for_update()
+        .get_result(conn)
+        .optional()
+}
+
+impl KeyStore for MysqlConnection {
+    const BACKEND: &'static str = "mysql";
+    const MAX_KEY_LEN: Option<usize> = Some(255);
+
+    fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
+        self.run_pending_migrations(crate::migrate::MYSQL)?;
+        Ok(())
+    }
+
+    fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
+        if transaction_depth(self)? > 0 {
+            // In a caller's transaction nothing touches the key table before
+            // the key's named lock is held: at SERIALIZABLE this read would
+            // lock the key's gap until the caller commits, and a call that
+            // holds the named lock would wait for that gap while this one
+            // waits for the named lock, a cycle InnoDB cannot see. The write
+            // path reads the record once it holds the lock.
+            return Ok(Read {
+                record: None,
+                now: self.database_now()?,
+            });
+        }
+        let (now, record) = record_with::<DatabaseNow, Datetime, _, NaiveDateTime>(self, scope, key)?;
+        Ok(Read { record, now })
+    }
+
+    fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
+        diesel::select(UtcNow).get_result(self)
+    }
+
+    fn key_transaction<T, E>(
+        &mut self,
+        scope: &str,
+        key: &str,
+        in_flight: InFlight,
+        f: impl FnOnce(&mut Self) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        let depth = transaction_depth(self)?;
+        let name = lock(self, scope, key, in_flight)?;
+        // The lock outlives any transaction: it must be released on every
+        // path, a panic included, and only once the transaction (or the
+        // savepoint) has ended.
+        let result = panic::catch_unwind(AssertUnwindSafe(|| self.transaction(f)));
+        let unwound = match result {
+            Ok(_) => Ok(()),
+            Err(_) => unwind_to_depth(self, depth),
+        };
+        let released = unwound.and_then(|()| ReleaseLock(&name).execute(self));
+        if let Err(error) = released {
+            // The session may still hold the lock and would hold up every
+            // call with this key for as long as it lives: marked broken, the
+            // connection is discarded by its pool instead of reused.
+            tracing::warn!(target: telemetry::TARGET, %error, "could not release the key's named lock");
+            AnsiTransactionManager::transaction_manager_status_mut(self).set_in_error();
+        }
+        match result {
+            Ok(result) => result,
+            Err(payload) => panic::resume_unwind(payload),
+        }
+    }
+
+    fn write<T, E>(&mut self, _in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        // Writers wait for the rows they touch, not for the database: each
+        // statement runs as it is (its own transaction outside a caller's).
+        f(self)
+    }
+
+    fn hold(&mut self, record: &Record<'_>) -> QueryResult<Hold> {
+        // Always the claim first: see the module docs.
+        let (scope, key) = (record.scope, record.idempotency_key);
+        if insert_claim(self, record)? {
+            return Ok(Hold::Claimed { took_over: false });
+        }
+        // A lost claim is far more often a replay than an expired record to
+        // take over, so the record is read first, with a lock: a locking
+        // read sees the latest commit whatever the transaction's snapshot.
+        match find_for_update(self, scope, key)? {
+            Some(stored) if stored.expires_at > record.created_at => Ok(Hold::Taken(stored)),
+            // Expired (and now locked by this transaction), or purged since
+            // the claim met it.
+            _ => Ok(self.claim(record)?.hold().unwrap_or(Hold::Busy)),
+        }
+    }
+
+    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim> {
+        if insert_claim(self, record)? {
+            return Ok(Claim::Inserted);
+        }
+        // An existing record is taken over by a second, guarded statement
+        // only if its retention has ended.
+        let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
+            .filter(k::expires_at.le(record.created_at))
+            .set((
+                k::request_hash.eq(record.request_hash),
+                k::status.eq(record.status),
+                k::response.eq(record.response),
+                k::created_at.eq(record.created_at),
+                k::completed_at.eq(record.completed_at),
+                k::expires_at.eq(record.expires_at),
+            ))
+            .execute(self)?;
+        Ok(if taken_over == 1 {
+            Claim::TookOver
+        } else {
+            Claim::Refused
+        })
+    }
+
+    fn await_replication(&mut self) -> QueryResult<()> {
+        // Semi-synchronous replication waits for a replica's acknowledgement
+        // before the commit returns, but not before other sessions see it;
+        // the crate offers no durable replays on MySQL.
+        Ok(())
+    }
+
+    fn is_in_flight_timeout(error: &DieselError) -> bool {
+        // diesel does not expose MySQL's error numbers (1205 here) but as
+        // their kinds, and this one has none: only the server's message,
+        // which is English unless the server's lc_messages says otherwise.
+        matches!(error, DieselError::DatabaseError(DatabaseErrorKind::Unknown, info)
+            if info.message().to_ascii_lowercase().starts_with(LOCK_WAIT_TIMEOUT))
+    }
+
+    fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+        // SKIP LOCKED: a record that a live request is taking over right now
+        // is not worth waiting for; it is no longer expired once that
+        // commits. A locking read locks every row it walks, so the pick walks
+        // the expired part of the `expires_at` index only, and the delete
+        // reaches the picked rows by their primary key, never by a scan.
+        read_committed(self, |tx| {
+            diesel::sql_query(
+                "DELETE k FROM \
+             (SELECT scope, idempotency_key FROM idempotency_keys FORCE INDEX (idempotency_keys_expires_at) \
+              WHERE expires_at <= ? ORDER BY expires_at LIMIT ? FOR UPDATE SKIP LOCKED) AS expired \
+             STRAIGHT_JOIN idempotency_keys AS k FORCE INDEX (PRIMARY) \
+             ON k.scope = expired.scope AND k.idempotency_key = expired.idempotency_key",
+            )
+            .bind::<Datetime, _>(cutoff)
+            .bind::<BigInt, _>(super::sql_limit(limit))
+            .execute(tx)
+        })
+    }
+
+    fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
+        // Every call claims its key first (see `hold`), so a record is only
+        // ever completed here.
+        let stored = match hold {
+            Hold::Claimed { .. } => Complete(record).execute(self)?,
+            Hold::Free | Hold::Expired | Hold::Taken(_) | Hold::Busy => 0,
+        };
+        // The key is held by this transaction; anything else means
+        // something bypasses the lock, and committing would leave an
+        // executed operation without its result.
+        if stored == 1 {
+            Ok(())
+        } else {
+            Err(DieselError::NotFound)
+        }
+    }
+
+    fn find(&mut self, scope: &str, key: &str) -> QueryResult<Option<Stored>> {
+        k::table
+            .find((scope, key))
+            .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at))
+            .get_result(self)
+            .optional()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lock_key;
+
+    #[test]
+    fn lock_key_is_pinned() {
+        // Processes of two versions of the crate must lock the same key the
+        // same way, so the derivation may never change.
+        assert_ne!(lock_key("shop", "order-1"), lock_key("sho", "porder-1"));
+        assert_eq!(
+            lock_key("shop", "order-1"),
+            "e87bc9b2b831352c5373449841a0155f4cc0acc3c7ab41d65c65999ed5f22e88"
+        );
+    }
+}
