@@ -122,6 +122,7 @@ fn postgres_upgrade_keeps_records_and_adds_the_new_tables() {
 }
 
 /// The versions of a migration set.
+#[cfg(feature = "mysql")]
 fn versions<DB: diesel::backend::Backend>() -> Vec<String>
 where
     idempotency::Migrations: MigrationSource<DB>,

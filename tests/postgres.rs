@@ -1136,7 +1136,7 @@ fn durable_replays_commit_before_they_answer() {
         sent.lock()
             .expect("no panic while locked")
             .iter()
-            .filter(|sql| sql.contains("txid_current()"))
+            .filter(|sql| sql.contains("pg_logical_emit_message"))
             .count()
     };
     assert_eq!(confirmations(&sent), 0, "an execution commits its own record");

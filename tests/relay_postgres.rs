@@ -11,11 +11,9 @@
 #![cfg(feature = "postgres")]
 
 mod common;
+mod pg_cluster;
 
 use std::collections::HashSet;
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, mpsc};
 use std::thread;
@@ -28,10 +26,10 @@ use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::Text;
 use idempotency::Shutdown;
 use idempotency::outbox::{self, Message, Relay};
-use tempfile::TempDir;
 
 use common::TestDb;
 use common::pg::{Db, backend_pid};
+use pg_cluster::Cluster;
 
 /// The relays' poll interval in the wake-up tests: far longer than a test
 /// waits, so a message that arrives came through a notification.
@@ -200,103 +198,6 @@ fn enqueue_notifies_at_commit_and_never_for_a_rollback() {
     mark(&mut marker, "after-commit");
     let seen = notifications_until(&mut listener, |n| n.payload == "after-commit");
     assert_eq!(from_writer(&seen), 0, "one notification per commit: {seen:?}");
-}
-
-/// The PostgreSQL 15 server binaries of the machine (Debian's layout).
-const SERVER_BIN: &str = "/usr/lib/postgresql/15/bin";
-
-/// A PostgreSQL cluster of the test's own, on a free port, in a temporary
-/// directory; stopped when dropped, however the test ends. Its tools run as
-/// the `postgres` user: `initdb` refuses to run as root.
-struct Cluster {
-    dir: TempDir,
-    port: u16,
-}
-
-impl Cluster {
-    fn new() -> Cluster {
-        let dir = tempfile::tempdir().expect("create a temporary directory");
-        run(Command::new("chown").arg("postgres:postgres").arg(dir.path()));
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("find a free port")
-            .port();
-        let cluster = Cluster { dir, port };
-        let data = cluster.data();
-        cluster.tool(
-            "initdb",
-            &["-D", &data, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"],
-        );
-        cluster.start();
-        cluster
-    }
-
-    fn data(&self) -> String {
-        self.path("data")
-    }
-
-    fn path(&self, name: &str) -> String {
-        self.dir.path().join(name).to_str().expect("utf-8 path").to_owned()
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-
-    /// Runs a server tool as `postgres` and panics with its output if it
-    /// fails.
-    fn tool(&self, name: &str, args: &[&str]) -> Output {
-        run(Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(Path::new(SERVER_BIN).join(name))
-            .args(args)
-            .current_dir(self.dir.path()))
-    }
-
-    fn start(&self) {
-        // Durability is not what this test is about: no fsync.
-        let options = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off",
-            self.port,
-            self.dir.path().display()
-        );
-        let (data, log) = (self.data(), self.path("server.log"));
-        self.tool(
-            "pg_ctl",
-            &["-D", &data, "-l", &log, "-o", &options, "-w", "-t", "60", "start"],
-        );
-    }
-
-    /// Stops the server the way a restart does: clients are disconnected,
-    /// transactions in progress are rolled back.
-    fn stop(&self) {
-        let data = self.data();
-        self.tool("pg_ctl", &["-D", &data, "-m", "fast", "-w", "-t", "60", "stop"]);
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = Command::new("runuser")
-            .args(["-u", "postgres", "--"])
-            .arg(PathBuf::from(SERVER_BIN).join("pg_ctl"))
-            .args(["-D", &self.data(), "-m", "immediate", "-w", "stop"])
-            .current_dir(self.dir.path())
-            .output();
-    }
-}
-
-fn run(command: &mut Command) -> Output {
-    let output = command
-        .output()
-        .unwrap_or_else(|error| panic!("run {command:?}: {error}"));
-    assert!(
-        output.status.success(),
-        "{command:?} failed: {}\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
 }
 
 /// Polls until `condition` holds; the server and the relay change these

@@ -217,13 +217,17 @@ impl KeyStore for PgConnection {
     }
 
     fn await_replication(&mut self) -> QueryResult<()> {
-        // A transaction with an id writes a commit record, and a commit
-        // waits for the synchronous standbys to flush the log up to it: up
-        // to every commit this session could see, too.
+        // A commit waits for the synchronous standbys only if its
+        // transaction wrote to the log before committing: a transaction id
+        // alone (`txid_current()`) writes nothing, and its commit does not
+        // wait. A transactional logical message is such a write, on any
+        // `wal_level` and without privileges, and the wait covers every
+        // commit this session could see, the replayed record's included.
+        let emit = "SELECT pg_logical_emit_message(true, 'idempotency', 'durable replay')";
         if transaction_depth(self)? == 0 {
-            self.batch_execute("BEGIN; SELECT txid_current(); COMMIT")
+            self.batch_execute(&format!("BEGIN; {emit}; COMMIT"))
         } else {
-            self.batch_execute("SELECT txid_current()")
+            self.batch_execute(emit)
         }
     }
 
