@@ -44,7 +44,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::thread;
 
-use diesel::r2d2::{ConnectionManager, Pool, PoolError, R2D2Connection};
+use diesel::r2d2::{ConnectionManager, Pool, PoolError, PooledConnection, R2D2Connection};
+use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -251,8 +252,10 @@ type ProgressCallback = Box<dyn Fn(&Progress) + Send + Sync>;
 ///
 /// Each worker keeps one pooled connection for the whole run; when an item
 /// fails and the connection no longer answers (a failover, a restarted
-/// server), the worker takes a fresh one from the pool and runs the item
-/// once more, under the same key. On SQLite all
+/// server), the worker gives it back, takes a fresh one from the pool and
+/// runs the item once more, under the same key. An item for which the pool
+/// has no connection within its timeout fails with a storage error, which
+/// [`Error::is_retryable`] calls retryable. On SQLite all
 /// workers write through the one database lock, so more than one worker
 /// helps only when the operation spends time outside the database; enable
 /// WAL (`PRAGMA journal_mode = WAL`) so that replays read while another
@@ -483,6 +486,30 @@ where
         })
     }
 
+    /// Runs `run` on the worker's connection, checking a fresh one out of
+    /// the pool first when the worker gave its connection back. An item
+    /// that gets none fails with a storage error (retryable: the next item
+    /// tries the pool again).
+    fn run_on<R, E>(
+        &self,
+        held: &mut Option<PooledConnection<ConnectionManager<C>>>,
+        run: impl FnOnce(&mut C) -> Result<Outcome<R>, Error<E>>,
+    ) -> Result<Outcome<R>, Error<E>> {
+        let conn = match held {
+            Some(conn) => conn,
+            None => match self.pool.get() {
+                Ok(fresh) => held.insert(fresh),
+                Err(error) => {
+                    return Err(Error::Storage(DieselError::DatabaseError(
+                        DatabaseErrorKind::UnableToSendCommand,
+                        Box::new(format!("no connection from the pool: {error}")),
+                    )));
+                }
+            },
+        };
+        run(conn)
+    }
+
     /// One worker: check out a connection, then take items until there are
     /// none left or another worker panicked.
     fn work<It, T, R, E, F>(
@@ -500,7 +527,7 @@ where
         F: Fn(&mut C, &T) -> Result<R, E>,
     {
         let _stop_on_panic = StopOnPanic(stop);
-        let mut conn = self.pool.get()?;
+        let mut held = Some(self.pool.get()?);
         loop {
             if stop.load(Ordering::Relaxed) {
                 return Ok(());
@@ -511,17 +538,17 @@ where
             let id = item.id();
             let key = key::derive(&[job_id, &id]);
             let run = |conn: &mut C| self.config.run(conn, &self.scope, &key, &item, |tx| op(tx, &item));
-            let mut outcome = run(&mut conn);
-            if outcome.is_err() && conn.ping().is_err() {
+            let mut outcome = self.run_on(&mut held, run);
+            if outcome.is_err() && held.as_mut().is_some_and(|conn| conn.ping().is_err()) {
                 // The connection died under the item (a failover, a restarted
                 // server), whether the crate's statements or the operation's
                 // own met it: a fresh one from the pool, and the item once
                 // more. The same key and request replay it if the lost
-                // attempt committed.
-                if let Ok(fresh) = self.pool.get() {
-                    conn = fresh;
-                    outcome = run(&mut conn);
-                }
+                // attempt committed. The dead one goes back first (the pool
+                // discards it): with a connection per worker, the pool has
+                // none to spare while it is held.
+                held = None;
+                outcome = self.run_on(&mut held, run);
             }
 
             let mut tally = tally.lock().unwrap_or_else(PoisonError::into_inner);

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 
 use diesel::pg::PgConnection;
+use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::{Connection, RunQueryDsl};
 use idempotency::batch::Runner;
 use idempotency::{Error, Outcome, run_idempotent};
@@ -210,4 +211,32 @@ fn batch_worker_replaces_a_lost_connection_and_runs_the_item_again() {
     assert_eq!(report.executed, 20);
     assert_eq!(attempts.into_inner(), 2, "item 7 ran again on a fresh connection");
     assert_eq!(Db::order_count(&mut db.conn()), 20);
+}
+
+/// A worker whose pool has no connection besides the one it holds gives the
+/// lost one back before it asks for a fresh one.
+#[test]
+fn batch_worker_with_a_pool_of_one_replaces_a_lost_connection() {
+    let db = Db::new();
+    let attempts = AtomicUsize::new(0);
+    // Short, so that a worker waiting for a connection it holds itself fails
+    // the item instead of holding the test up.
+    let pool = Pool::builder()
+        .max_size(1)
+        .connection_timeout(std::time::Duration::from_secs(3))
+        .build(ConnectionManager::<PgConnection>::new(db.url()))
+        .expect("a pool");
+    let report = Runner::new(pool)
+        .workers(1)
+        .run("job-1", 1..=5_i64, |tx, item| {
+            if *item == 2 && attempts.fetch_add(1, Ordering::SeqCst) == 0 {
+                diesel::sql_query("SELECT pg_terminate_backend(pg_backend_pid())").execute(tx)?;
+            }
+            Db::place_order(tx, &item.to_string(), 1)
+        })
+        .expect("the run");
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    assert_eq!(report.executed, 5);
+    assert_eq!(attempts.into_inner(), 2, "item 2 ran again on a fresh connection");
+    assert_eq!(Db::order_count(&mut db.conn()), 5);
 }
