@@ -221,7 +221,7 @@ impl Config {
     /// standbys, and so for everything written before it: the replay costs a
     /// commit and a round trip to the standby. Turn it on where PostgreSQL
     /// runs with synchronous replication and automatic failover. It has no
-    /// effect on SQLite, which has no standby.
+    /// effect on SQLite, which has no standby, nor on MySQL and MariaDB.
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
