@@ -23,22 +23,23 @@ mod harness;
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, PoisonError, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
-use idempotency::Config;
 use idempotency::batch::Runner;
 use idempotency::outbox::{self, Relay};
+use idempotency::phased::Phased;
+use idempotency::{Config, Shutdown};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use harness::{
-    Attempt, Clients, ErrorCounts, Fault, Formation, Label, PgPool, SetOnDrop, Stored, assert_no_loss_no_double, drive,
-    judge, report, requests_with_duplicates,
+    Attempt, Clients, Fault, Formation, Label, PgPool, Stored, assert_no_loss_no_double, drive, judge, report,
+    requests_with_duplicates,
 };
 
 const KEYS: usize = 1_000;
@@ -229,32 +230,13 @@ struct Receiver {
     last: Mutex<Option<Instant>>,
 }
 
-/// The relay of a service, until it has its own run loop: claim and deliver
-/// due messages, pause while none is due, and carry on after every error.
-fn relay_until(stop: &AtomicBool, pool: &PgPool, relay: &Relay, receiver: &Receiver, errors: &ErrorCounts) {
-    while !stop.load(Ordering::SeqCst) {
-        let run = pool.get().map_err(|e| e.label()).and_then(|mut conn| {
-            relay
-                .run_once(&mut conn, |message| {
-                    *receiver
-                        .deliveries
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .entry(message.key.clone())
-                        .or_default() += 1;
-                    *receiver.last.lock().unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
-                    Ok::<_, Infallible>(())
-                })
-                .map_err(|e| e.label())
-        });
-        match run {
-            Ok(batch) if batch.claimed > 0 => {}
-            Ok(_) => thread::sleep(Duration::from_millis(20)),
-            Err(label) => {
-                errors.add(label);
-                thread::sleep(Duration::from_millis(50));
-            }
-        }
+/// Triggers a shutdown when dropped, so that a failed assertion stops the
+/// relay service the test waits on.
+struct TriggerOnDrop<'a>(&'a Shutdown);
+
+impl Drop for TriggerOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.trigger();
     }
 }
 
@@ -283,21 +265,39 @@ fn outbox_under(fault: Fault, schema_name: &str) {
     let formation = Formation::acquire();
     let schema = formation.schema(schema_name, ORDERS);
     let pool = schema.pool(POOL_SIZE);
-    let relay_pool = schema.pool(2);
+    // One connection more than the workers: the service listens for the
+    // enqueues' notifications on it, and must listen again after a failover.
+    let relay_pool = schema.pool(3);
     // A lease of a few seconds, so that messages a relay had claimed when its
     // connection died are claimed again soon after the failover.
-    let relay = Relay::default().batch_size(50).lease(chrono::Duration::seconds(3));
+    let relay = Relay::default()
+        .batch_size(50)
+        .lease(chrono::Duration::seconds(3))
+        .workers(2)
+        .poll_interval(Duration::from_millis(500));
     let requests = requests_with_duplicates(KEYS);
     let receiver = Receiver::default();
-    let relay_errors = ErrorCounts::default();
-    let stop = AtomicBool::new(false);
+    let shutdown = Shutdown::new();
 
-    let (traffic, fault_run) = thread::scope(|scope| {
-        for _ in 0..2 {
-            scope.spawn(|| relay_until(&stop, &relay_pool, &relay, &receiver, &relay_errors));
-        }
-        let _stop = SetOnDrop(&stop);
-        let run = drive(
+    let (traffic, fault_run, summary) = thread::scope(|scope| {
+        let service = scope.spawn(|| {
+            relay.run(
+                &relay_pool,
+                |message| {
+                    *receiver
+                        .deliveries
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .entry(message.key.clone())
+                        .or_default() += 1;
+                    *receiver.last.lock().unwrap_or_else(PoisonError::into_inner) = Some(Instant::now());
+                    Ok::<_, Infallible>(())
+                },
+                &shutdown,
+            )
+        });
+        let _stop = TriggerOnDrop(&shutdown);
+        let (traffic, fault_run) = drive(
             &formation,
             &schema,
             &pool,
@@ -312,7 +312,9 @@ fn outbox_under(fault: Fault, schema_name: &str) {
             },
         );
         wait_until_all_delivered(&relay_pool);
-        run
+        shutdown.trigger();
+        let summary = service.join().expect("the relay service does not panic");
+        (traffic, fault_run, summary)
     });
 
     let mut conn = schema.conn();
@@ -351,7 +353,10 @@ fn outbox_under(fault: Fault, schema_name: &str) {
         &traffic,
         &fault_run,
         &verdict,
-        &[(String::from("relay errors"), relay_errors.into_inner())],
+        &[(
+            String::from("relay service"),
+            BTreeMap::from([(String::from("database errors carried on after"), summary.errors)]),
+        )],
     );
     let last = receiver.last.into_inner().unwrap_or_else(PoisonError::into_inner);
     println!(
@@ -520,4 +525,143 @@ fn batch_rerun_after_a_failover_replays_what_committed() {
         (0..TOTAL).all(|item| items.get(&item) == Some(&1)),
         "every item committed exactly once"
     );
+}
+
+/// Phased operations (an order, a provider call, a finish) over a planned
+/// failover: each client retries its operation with the same key until it
+/// gets an answer. An attempt cut off mid-operation leaves its recovery
+/// points; the retry resumes from them once the lease runs out, so every
+/// order is created once, every operation finishes once, and the provider
+/// sees one provider key per operation (a call cut off may be repeated
+/// under that key, which the provider deduplicates on).
+#[test]
+fn phased_operation_interrupted_by_a_failover_resumes_and_finishes_once() {
+    const OPERATIONS: usize = 400;
+    const PHASED_CLIENTS: usize = 8;
+    let formation = Formation::acquire();
+    let schema = formation.schema("phased", ORDERS);
+    let pool = schema.pool(POOL_SIZE);
+    let phased = Phased::new("ha_order").lease(chrono::Duration::seconds(3));
+    let provider: Mutex<HashMap<String, usize>> = Mutex::new(HashMap::new());
+    let next_op = AtomicU32::new(0);
+    let answered = AtomicU32::new(0);
+    let attempts = AtomicU32::new(0);
+    let errors = Mutex::new(BTreeMap::<String, usize>::new());
+    let answers = Mutex::new(HashMap::<usize, (i64, String)>::new());
+
+    let place = |conn: &mut PgConnection, op: usize| {
+        let key_no = i32::try_from(op).expect("small operation numbers");
+        phased.run(conn, SCOPE, &format!("phased-{op}"), &op, |steps| {
+            let order: i64 = steps.phase("order_created", |tx| {
+                diesel::insert_into(ha_orders::table)
+                    .values((ha_orders::key_no.eq(key_no), ha_orders::attempt.eq(0_i64)))
+                    .returning(ha_orders::id)
+                    .get_result(tx)
+            })?;
+            let charge: String = steps.call("charged", |provider_key| {
+                *provider
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .entry(provider_key.to_owned())
+                    .or_default() += 1;
+                Ok::<_, diesel::result::Error>(format!("charge-{op}"))
+            })?;
+            steps.finish(|_| Ok::<_, diesel::result::Error>((order, charge)))
+        })
+    };
+
+    let (trigger, triggered) = mpsc::channel::<()>();
+    let fault_run = thread::scope(|scope| {
+        let formation = &formation;
+        let fault = scope.spawn(move || triggered.recv().ok().map(|()| formation.inject(Fault::PlannedFailover)));
+        for _ in 0..PHASED_CLIENTS {
+            let trigger = trigger.clone();
+            let (pool, place, next_op, answered, attempts, errors, answers) =
+                (&pool, &place, &next_op, &answered, &attempts, &errors, &answers);
+            scope.spawn(move || {
+                loop {
+                    let op = next_op.fetch_add(1, Ordering::SeqCst) as usize;
+                    if op >= OPERATIONS {
+                        return;
+                    }
+                    let deadline = Instant::now() + Duration::from_secs(90);
+                    let answer = loop {
+                        attempts.fetch_add(1, Ordering::SeqCst);
+                        let result = pool
+                            .get()
+                            .map_err(|e| e.label())
+                            .and_then(|mut conn| place(&mut conn, op).map_err(|e| e.label()));
+                        match result {
+                            Ok(outcome) => break outcome.into_inner(),
+                            Err(label) => {
+                                assert!(!label.contains("Parked"), "operation {op} parked: {label}");
+                                *errors
+                                    .lock()
+                                    .unwrap_or_else(PoisonError::into_inner)
+                                    .entry(label)
+                                    .or_default() += 1;
+                                assert!(Instant::now() < deadline, "operation {op} got no answer in 90 s");
+                                thread::sleep(Duration::from_millis(100));
+                            }
+                        }
+                    };
+                    answers
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(op, answer);
+                    if answered.fetch_add(1, Ordering::SeqCst) == 100 {
+                        let _ = trigger.send(());
+                    }
+                    // Paced, so that the failover lands among the operations.
+                    thread::sleep(Duration::from_millis(20));
+                }
+            });
+        }
+        drop(trigger);
+        fault.join().expect("the fault thread does not panic")
+    });
+    let fault_run = fault_run.expect("the failover was injected");
+
+    let mut conn = schema.conn();
+    let rows: Vec<(i32, i64)> = ha_orders::table
+        .select((ha_orders::key_no, ha_orders::id))
+        .load(&mut conn)
+        .expect("read the orders");
+    let mut orders: HashMap<usize, Vec<i64>> = HashMap::new();
+    for (key_no, id) in rows {
+        orders
+            .entry(usize::try_from(key_no).expect("small operation numbers"))
+            .or_default()
+            .push(id);
+    }
+    let answers = answers.into_inner().unwrap_or_else(PoisonError::into_inner);
+    let provider = provider.into_inner().unwrap_or_else(PoisonError::into_inner);
+    let calls: usize = provider.values().sum();
+    println!(
+        "phased: {OPERATIONS} operations, {PHASED_CLIENTS} clients, {}; primary {} -> {}; {} attempts; errors {:?}; provider: {} keys, {calls} calls",
+        fault_run.fault,
+        fault_run.primary_before,
+        fault_run.primary_after,
+        attempts.into_inner(),
+        errors.into_inner().unwrap_or_else(PoisonError::into_inner),
+        provider.len(),
+    );
+    assert_eq!(answers.len(), OPERATIONS, "every operation answered");
+    assert_eq!(orders.len(), OPERATIONS, "an order per operation");
+    for (op, (order, charge)) in &answers {
+        assert_eq!(orders[op], [*order], "operation {op} answered with its one order");
+        assert_eq!(charge, &format!("charge-{op}"));
+    }
+    assert_eq!(provider.len(), OPERATIONS, "one provider key per operation");
+    let unfinished: i64 = diesel::sql_query("SELECT count(*) AS n FROM idempotency_phases WHERE status <> 'completed'")
+        .get_result::<Count>(&mut conn)
+        .expect("count unfinished operations")
+        .n;
+    assert_eq!(unfinished, 0, "every operation finished");
+}
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    n: i64,
 }

@@ -268,6 +268,8 @@ impl<E: Label> Label for Error<E> {
             Error::Codec(_) => String::from("Codec"),
             Error::InvalidKey(_) => String::from("InvalidKey"),
             Error::InvalidScope(_) => String::from("InvalidScope"),
+            Error::OutcomeUnknown(error) => format!("OutcomeUnknown({})", error.label()),
+            Error::Parked => String::from("Parked"),
             _ => String::from("an unknown variant"),
         }
     }
