@@ -29,8 +29,6 @@ use crate::store::mysql::{UtcNow, read_committed};
 use crate::store::sql_limit;
 
 impl OutboxStore for MysqlConnection {
-    const ANNOUNCES: bool = false;
-
     fn claim_batch(
         &mut self,
         now: NaiveDateTime,
@@ -96,19 +94,6 @@ impl OutboxStore for MysqlConnection {
             .bind::<BigInt, _>(sql_limit(batch))
             .execute(tx)
         })
-    }
-
-    fn listen(&mut self) -> QueryResult<bool> {
-        // Relays find new messages by polling.
-        Ok(false)
-    }
-
-    fn announced(&mut self) -> QueryResult<bool> {
-        Ok(false)
-    }
-
-    fn unlisten(&mut self) -> QueryResult<()> {
-        Ok(())
     }
 
     super::store::shared_queries!(crate::store::mysql::schema);

@@ -12,8 +12,6 @@ use crate::schema::idempotency_outbox as o;
 use crate::store::sql_limit;
 
 impl OutboxStore for SqliteConnection {
-    const ANNOUNCES: bool = false;
-
     fn claim_batch(
         &mut self,
         now: NaiveDateTime,
@@ -61,19 +59,6 @@ impl OutboxStore for SqliteConnection {
         .bind::<Timestamp, _>(cutoff)
         .bind::<BigInt, _>(sql_limit(batch))
         .execute(self)
-    }
-
-    fn listen(&mut self) -> QueryResult<bool> {
-        // Relays find new messages by polling.
-        Ok(false)
-    }
-
-    fn announced(&mut self) -> QueryResult<bool> {
-        Ok(false)
-    }
-
-    fn unlisten(&mut self) -> QueryResult<()> {
-        Ok(())
     }
 
     super::store::shared_queries!(crate::schema);

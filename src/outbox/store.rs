@@ -126,22 +126,29 @@ pub trait OutboxStore: KeyStore {
     fn backlog(&mut self, now: NaiveDateTime) -> QueryResult<Backlog>;
 
     /// Whether the backend announces new or requeued messages, so that a
-    /// relay service has something to listen for.
+    /// relay service has something to listen for. Backends that do not
+    /// keep the defaults below: their relays find new messages by polling.
     #[doc(hidden)]
-    const ANNOUNCES: bool;
+    const ANNOUNCES: bool = false;
 
     /// Starts listening for announcements of new or requeued messages on
     /// this connection; `false` where the backend announces nothing.
     #[doc(hidden)]
-    fn listen(&mut self) -> QueryResult<bool>;
+    fn listen(&mut self) -> QueryResult<bool> {
+        Ok(false)
+    }
 
     /// Whether a message was announced since the last look; never waits.
     #[doc(hidden)]
-    fn announced(&mut self) -> QueryResult<bool>;
+    fn announced(&mut self) -> QueryResult<bool> {
+        Ok(false)
+    }
 
     /// Stops listening, so the connection goes back to a pool clean.
     #[doc(hidden)]
-    fn unlisten(&mut self) -> QueryResult<()>;
+    fn unlisten(&mut self) -> QueryResult<()> {
+        Ok(())
+    }
 }
 
 /// The methods of [`OutboxStore`] whose DSL is the same on every backend,
