@@ -68,6 +68,7 @@ common::backend_tests!(
     requeued_operation_past_its_horizon_makes_the_call_again,
     interrupted_at_most_once_call_parks_until_requeued,
     renamed_step_is_refused_and_runs_nothing,
+    calls_sharing_a_name_get_a_provider_key_each,
     another_request_under_the_same_key_is_a_mismatch,
     key_executing_again_after_retention_charges_under_a_new_provider_key,
     purge_deletes_finished_operations_only,
@@ -1366,6 +1367,62 @@ fn interrupted_at_most_once_call_parks_until_requeued<D: RideDb>() {
     let charge = pay(&mut conn).expect("the call made again").into_inner();
     assert_eq!(provider.requests(), 2);
     assert_eq!(D::charges(&mut conn)[0].1, charge);
+}
+
+/// A loop that charges two cards under one call name: each call gets its own
+/// provider key (a provider deduplicating on one key would otherwise return
+/// the first card's charge for the second), and a retry repeats the
+/// unfinished second call under the key it had.
+fn calls_sharing_a_name_get_a_provider_key_each<D: RideDb>() {
+    let db = ride_db::<D>();
+    let mut conn = db.conn();
+    let split = Phased::new("split_payment");
+    let provider_keys = Mutex::new(Vec::<(String, String)>::new());
+    let pay = |conn: &mut D::Conn, decline_second: bool| {
+        split.run(conn, SCOPE, KEY, &ada(), |s| {
+            s.phase("ride_created", |_| Ok::<_, RideError>(1_i64))?;
+            let mut charges = Vec::new();
+            for card in ["card-a", "card-b"] {
+                let charge: String = s.call("charged", |provider_key| {
+                    provider_keys
+                        .lock()
+                        .expect("not poisoned")
+                        .push((card.to_owned(), provider_key.to_owned()));
+                    if decline_second && card == "card-b" {
+                        Err(RideError::Provider(ProviderError::Unavailable))
+                    } else {
+                        Ok(format!("{card}:{provider_key}"))
+                    }
+                })?;
+                charges.push(charge);
+            }
+            s.finish(|_| Ok(charges))
+        })
+    };
+
+    let failed = pay(&mut conn, true);
+    assert!(matches!(failed, Err(Error::Operation(_))), "{failed:?}");
+    let retried = pay(&mut conn, false).expect("the retry finishes");
+
+    let provider_keys = provider_keys.into_inner().expect("not poisoned");
+    let cards: Vec<&str> = provider_keys.iter().map(|(card, _)| card.as_str()).collect();
+    assert_eq!(
+        cards,
+        ["card-a", "card-b", "card-b"],
+        "the retry calls only the unfinished card"
+    );
+    assert_ne!(provider_keys[0].1, provider_keys[1].1, "a provider key per call");
+    assert_eq!(
+        provider_keys[1].1, provider_keys[2].1,
+        "the repeated call keeps its key"
+    );
+    assert_eq!(
+        retried.into_inner(),
+        [
+            format!("card-a:{}", provider_keys[0].1),
+            format!("card-b:{}", provider_keys[1].1)
+        ]
+    );
 }
 
 fn renamed_step_is_refused_and_runs_nothing<D: RideDb>() {

@@ -421,14 +421,25 @@ impl<C: PhaseStore> Steps<'_, C> {
         self.foreign_call(name, f, Repeat::Never)
     }
 
-    /// The provider key of the call named `name`: derived from the id minted
-    /// at the operation's first commit, so the same on every attempt and
-    /// unrelated to the client's key. `None` before the first commit.
+    /// The provider key of the next call named `name`: derived from the id
+    /// minted at the operation's first commit, so the same on every attempt
+    /// and unrelated to the client's key. Calls that share a name (one per
+    /// card of a loop) get a key each, numbered by how many calls of that
+    /// name came before. `None` before the first commit.
     pub fn provider_key(&self, name: &str) -> Option<String> {
-        match &self.held {
-            Held::Leased { op_id, .. } => Some(key::derive(&[op_id, name])),
-            Held::Unclaimed { .. } | Held::Done => None,
-        }
+        let Held::Leased { op_id, points, .. } = &self.held else {
+            return None;
+        };
+        // Only calls record when they started, phases never do.
+        let earlier = points[..self.position.min(points.len())]
+            .iter()
+            .filter(|point| point.name == name && point.since.is_some())
+            .count();
+        Some(if earlier == 0 {
+            key::derive(&[op_id, name])
+        } else {
+            key::derive(&[op_id, name, &(earlier + 1).to_string()])
+        })
     }
 
     /// Runs `f` in the last transaction, stores its result as the
