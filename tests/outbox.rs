@@ -40,6 +40,7 @@ common::backend_tests!(
     relay_beside_live_writers_sees_no_errors_and_delivers_each_message_once,
     message_commits_with_the_domain_write_and_a_replay_enqueues_nothing,
     failed_operation_leaves_no_message,
+    handler_error_text_with_a_nul_is_stored_and_the_batch_goes_on,
     panicking_operation_leaves_no_message,
     rolled_back_transaction_takes_its_messages_along,
     invalid_topic_or_payload_is_refused_and_writes_nothing,
@@ -274,6 +275,33 @@ fn failed_delivery_is_retried_with_exponential_backoff<D: TestDb>() {
         .expect("attempt 6");
     assert_eq!(last.delivered, 1);
     assert_eq!(status_count::<D>(&mut conn, "delivered"), 1);
+}
+
+/// PostgreSQL's text refuses NUL: a handler's error text holding one is
+/// stored with U+FFFD in its place, on every backend alike, and the rest of
+/// the batch is delivered.
+fn handler_error_text_with_a_nul_is_stored_and_the_batch_goes_on<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let relay = Relay::default().max_attempts(1);
+    let failing = outbox::enqueue(&mut conn, "webhooks", &"failing").expect("enqueue");
+    outbox::enqueue(&mut conn, "webhooks", &"fine").expect("enqueue");
+
+    let batch = relay
+        .run_once(&mut conn, |message: &Message| {
+            if message.id == failing {
+                Err(String::from("upstream said \0 and hung up"))
+            } else {
+                Ok(())
+            }
+        })
+        .expect("the relay settles both messages");
+    assert_eq!((batch.claimed, batch.delivered, batch.dead), (2, 1, 1));
+    let letters = relay.dead_letters(&mut conn, 10).expect("dead letters");
+    assert_eq!(
+        (letters[0].id.as_str(), letters[0].last_error.as_deref()),
+        (failing.as_str(), Some("upstream said \u{fffd} and hung up"))
+    );
 }
 
 fn poison_message_goes_dead_after_max_attempts_while_the_rest_flow<D: TestDb>() {

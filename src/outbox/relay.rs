@@ -311,12 +311,12 @@ impl Relay {
         Some(match handler(&message) {
             Ok(()) => Settlement::Delivered { at: clock.now() },
             Err(failure) if attempt >= self.max_attempts => Settlement::Dead {
-                error: truncate(failure.to_string()),
+                error: storable_error(failure.to_string()),
                 attempts: row.attempts,
             },
             Err(failure) => Settlement::Retry {
                 due: clock.now() + self.backoff_after(attempt),
-                error: truncate(failure.to_string()),
+                error: storable_error(failure.to_string()),
             },
         })
     }
@@ -337,8 +337,8 @@ impl Relay {
     /// transaction, the claim and the outcomes become part of it.) Messages
     /// the relay reaches only after their lease ran out are not handed over:
     /// choose the lease longer than a whole batch takes. The handler's error
-    /// text is stored on the message (at most 2000 bytes); keep payload data
-    /// out of it.
+    /// text is stored on the message (at most 2000 bytes, a NUL as U+FFFD);
+    /// keep payload data out of it.
     ///
     /// # Errors
     ///
@@ -860,8 +860,16 @@ fn traced<T>(dispatch: &Dispatch, span: &Span, f: impl FnOnce() -> T) -> T {
     tracing::dispatcher::with_default(dispatch, || span.in_scope(f))
 }
 
-/// Cuts `text` to at most `MAX_ERROR_LEN` bytes on a character boundary.
-fn truncate(mut text: String) -> String {
+/// Cuts `text` to at most `MAX_ERROR_LEN` bytes on a character boundary,
+/// with every NUL replaced by U+FFFD: PostgreSQL's text refuses NUL, and a
+/// handler's error text that the database refuses would leave its message
+/// leased, and the rest of the batch with it, until the lease runs out.
+fn storable_error(text: String) -> String {
+    let mut text = if text.contains('\0') {
+        text.replace('\0', "\u{fffd}")
+    } else {
+        text
+    };
     if text.len() > MAX_ERROR_LEN {
         let mut end = MAX_ERROR_LEN;
         while !text.is_char_boundary(end) {
@@ -893,7 +901,7 @@ mod tests {
     #[test]
     fn long_error_text_is_cut_on_a_character_boundary() {
         let text = "é".repeat(MAX_ERROR_LEN);
-        let cut = truncate(text);
+        let cut = storable_error(text);
         assert!(cut.len() <= MAX_ERROR_LEN && cut.len() >= MAX_ERROR_LEN - 1);
         assert!(cut.chars().all(|c| c == 'é'));
     }
