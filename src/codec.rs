@@ -6,9 +6,16 @@
 //! else), so every value the crate stores, and every request it
 //! fingerprints, is checked here first. Floats are parsed with serde_json's
 //! `float_roundtrip`, so a finite `f64` comes back bit for bit.
+//!
+//! A result is also decoded into its type and written again, and must give
+//! the same JSON: a type whose reading picks another value for the same text
+//! (an untagged enum reading `5` as a float) is refused. What JSON cannot
+//! tell apart at all is refused before that: a `Some` of a value written as
+//! `null` (`Some(())`, `Some(None)`) reads back as `None`.
 
 use serde::de::DeserializeOwned;
 use serde::ser::{self, Serialize};
+use serde_json::Value;
 
 /// Serializes `value` to JSON text.
 ///
@@ -16,21 +23,29 @@ use serde::ser::{self, Serialize};
 ///
 /// When `value` fails to serialize or holds a non-finite float.
 pub(crate) fn to_json<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_json::Error> {
-    value.serialize(FiniteFloats)?;
+    value.serialize(Check::FLOATS)?;
     serde_json::to_string(value)
 }
 
 /// Serializes `value` to a JSON value, as [`to_json`] checks it.
-pub(crate) fn to_value<T: Serialize + ?Sized>(value: &T) -> Result<serde_json::Value, serde_json::Error> {
-    value.serialize(FiniteFloats)?;
+pub(crate) fn to_value<T: Serialize + ?Sized>(value: &T) -> Result<Value, serde_json::Error> {
+    value.serialize(Check::FLOATS)?;
     serde_json::to_value(value)
 }
 
 /// Serializes a result that will be replayed as an `R`: the text must decode
-/// into `R` again.
+/// into an `R` that writes the same JSON again.
 pub(crate) fn to_replayable_json<R: Serialize + DeserializeOwned>(value: &R) -> Result<String, serde_json::Error> {
-    let json = to_json(value)?;
-    serde_json::from_str::<R>(&json)?;
+    value.serialize(Check::STORED)?;
+    let json = serde_json::to_string(value)?;
+    let again = serde_json::to_string(&serde_json::from_str::<R>(&json)?)?;
+    // Texts that differ may still hold the same value: a map or a set
+    // decoded into a hash map or set writes its entries in another order.
+    if again != json && !same(&serde_json::from_str(&json)?, &serde_json::from_str(&again)?) {
+        return Err(ser::Error::custom(
+            "the value reads back from json as another value of its type",
+        ));
+    }
     Ok(json)
 }
 
@@ -40,20 +55,98 @@ pub(crate) fn to_replayable_json<R: Serialize + DeserializeOwned>(value: &R) -> 
 /// limit, which every typed reader does enforce.)
 pub(crate) fn to_readable_json<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_json::Error> {
     let json = to_json(value)?;
-    serde_json::from_str::<serde_json::Value>(&json)?;
+    serde_json::from_str::<Value>(&json)?;
     Ok(json)
+}
+
+/// Whether `a` and `b` hold the same value, taking arrays whose elements
+/// come in another order for the same (the order a hash set writes in
+/// differs from one instance to the next).
+fn same(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Array(a), Value::Array(b)) => {
+            a.len() == b.len()
+                && (a.iter().zip(b).all(|(a, b)| same(a, b)) || {
+                    let sorted = |items: &[Value]| {
+                        let mut texts: Vec<String> = items.iter().map(unordered_text).collect();
+                        texts.sort_unstable();
+                        texts
+                    };
+                    sorted(a) == sorted(b)
+                })
+        }
+        (Value::Object(a), Value::Object(b)) => {
+            a.len() == b.len() && a.iter().all(|(key, a)| b.get(key).is_some_and(|b| same(a, b)))
+        }
+        (a, b) => a == b,
+    }
+}
+
+/// A text of `value` that is the same for every order of its objects' keys
+/// and of its arrays' elements.
+fn unordered_text(value: &Value) -> String {
+    match value {
+        Value::Array(items) => {
+            let mut texts: Vec<String> = items.iter().map(unordered_text).collect();
+            texts.sort_unstable();
+            format!("[{}]", texts.join(","))
+        }
+        Value::Object(map) => {
+            let mut texts: Vec<String> = map
+                .iter()
+                .map(|(key, item)| format!("{}:{}", Value::String(key.clone()), unordered_text(item)))
+                .collect();
+            texts.sort_unstable();
+            format!("{{{}}}", texts.join(","))
+        }
+        scalar => scalar.to_string(),
+    }
 }
 
 fn non_finite() -> serde_json::Error {
     ser::Error::custom("a float is nan or infinite, which json cannot represent")
 }
 
-/// A serializer that writes nothing and fails on the first non-finite float.
-struct FiniteFloats;
+fn null_in_some() -> serde_json::Error {
+    ser::Error::custom("a some holds a value that json writes as null, which reads back as none")
+}
+
+/// A serializer that writes nothing and fails on the first value JSON cannot
+/// give back: a non-finite float, and where `options` is set, a `Some` of a
+/// value written as `null`.
+#[derive(Clone, Copy)]
+struct Check {
+    /// Refuse a `Some` of a value written as `null`.
+    options: bool,
+    /// The value at hand is the content of a `Some`.
+    in_some: bool,
+}
+
+impl Check {
+    /// Non-finite floats only: for requests and payloads.
+    const FLOATS: Check = Check {
+        options: false,
+        in_some: false,
+    };
+    /// Everything a result must pass to be replayed as itself.
+    const STORED: Check = Check {
+        options: true,
+        in_some: false,
+    };
+
+    /// The check for the parts of a value, which are not a `Some`'s content.
+    fn nested(self) -> Check {
+        Check { in_some: false, ..self }
+    }
+
+    fn null(self) -> Checked {
+        if self.in_some { Err(null_in_some()) } else { Ok(()) }
+    }
+}
 
 type Checked = Result<(), serde_json::Error>;
 
-impl ser::Serializer for FiniteFloats {
+impl ser::Serializer for Check {
     type Ok = ();
     type Error = serde_json::Error;
     type SerializeSeq = Self;
@@ -129,19 +222,22 @@ impl ser::Serializer for FiniteFloats {
     }
 
     fn serialize_none(self) -> Checked {
-        Ok(())
+        self.null()
     }
 
     fn serialize_some<T: Serialize + ?Sized>(self, value: &T) -> Checked {
-        value.serialize(self)
+        value.serialize(Check {
+            in_some: self.options,
+            ..self
+        })
     }
 
     fn serialize_unit(self) -> Checked {
-        Ok(())
+        self.null()
     }
 
     fn serialize_unit_struct(self, _: &'static str) -> Checked {
-        Ok(())
+        self.null()
     }
 
     fn serialize_unit_variant(self, _: &'static str, _: u32, _: &'static str) -> Checked {
@@ -159,19 +255,19 @@ impl ser::Serializer for FiniteFloats {
         _: &'static str,
         value: &T,
     ) -> Checked {
-        value.serialize(self)
+        value.serialize(self.nested())
     }
 
     fn serialize_seq(self, _: Option<usize>) -> Result<Self, serde_json::Error> {
-        Ok(self)
+        Ok(self.nested())
     }
 
     fn serialize_tuple(self, _: usize) -> Result<Self, serde_json::Error> {
-        Ok(self)
+        Ok(self.nested())
     }
 
     fn serialize_tuple_struct(self, _: &'static str, _: usize) -> Result<Self, serde_json::Error> {
-        Ok(self)
+        Ok(self.nested())
     }
 
     fn serialize_tuple_variant(
@@ -181,15 +277,15 @@ impl ser::Serializer for FiniteFloats {
         _: &'static str,
         _: usize,
     ) -> Result<Self, serde_json::Error> {
-        Ok(self)
+        Ok(self.nested())
     }
 
     fn serialize_map(self, _: Option<usize>) -> Result<Self, serde_json::Error> {
-        Ok(self)
+        Ok(self.nested())
     }
 
     fn serialize_struct(self, _: &'static str, _: usize) -> Result<Self, serde_json::Error> {
-        Ok(self)
+        Ok(self.nested())
     }
 
     fn serialize_struct_variant(
@@ -199,16 +295,16 @@ impl ser::Serializer for FiniteFloats {
         _: &'static str,
         _: usize,
     ) -> Result<Self, serde_json::Error> {
-        Ok(self)
+        Ok(self.nested())
     }
 }
 
-impl ser::SerializeSeq for FiniteFloats {
+impl ser::SerializeSeq for Check {
     type Ok = ();
     type Error = serde_json::Error;
 
     fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(FiniteFloats)
+        value.serialize(*self)
     }
 
     fn end(self) -> Checked {
@@ -216,12 +312,12 @@ impl ser::SerializeSeq for FiniteFloats {
     }
 }
 
-impl ser::SerializeTuple for FiniteFloats {
+impl ser::SerializeTuple for Check {
     type Ok = ();
     type Error = serde_json::Error;
 
     fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(FiniteFloats)
+        value.serialize(*self)
     }
 
     fn end(self) -> Checked {
@@ -229,12 +325,12 @@ impl ser::SerializeTuple for FiniteFloats {
     }
 }
 
-impl ser::SerializeTupleStruct for FiniteFloats {
+impl ser::SerializeTupleStruct for Check {
     type Ok = ();
     type Error = serde_json::Error;
 
     fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(FiniteFloats)
+        value.serialize(*self)
     }
 
     fn end(self) -> Checked {
@@ -242,12 +338,12 @@ impl ser::SerializeTupleStruct for FiniteFloats {
     }
 }
 
-impl ser::SerializeTupleVariant for FiniteFloats {
+impl ser::SerializeTupleVariant for Check {
     type Ok = ();
     type Error = serde_json::Error;
 
     fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(FiniteFloats)
+        value.serialize(*self)
     }
 
     fn end(self) -> Checked {
@@ -255,16 +351,16 @@ impl ser::SerializeTupleVariant for FiniteFloats {
     }
 }
 
-impl ser::SerializeMap for FiniteFloats {
+impl ser::SerializeMap for Check {
     type Ok = ();
     type Error = serde_json::Error;
 
     fn serialize_key<T: Serialize + ?Sized>(&mut self, key: &T) -> Checked {
-        key.serialize(FiniteFloats)
+        key.serialize(*self)
     }
 
     fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(FiniteFloats)
+        value.serialize(*self)
     }
 
     fn end(self) -> Checked {
@@ -272,12 +368,12 @@ impl ser::SerializeMap for FiniteFloats {
     }
 }
 
-impl ser::SerializeStruct for FiniteFloats {
+impl ser::SerializeStruct for Check {
     type Ok = ();
     type Error = serde_json::Error;
 
     fn serialize_field<T: Serialize + ?Sized>(&mut self, _: &'static str, value: &T) -> Checked {
-        value.serialize(FiniteFloats)
+        value.serialize(*self)
     }
 
     fn end(self) -> Checked {
@@ -285,12 +381,12 @@ impl ser::SerializeStruct for FiniteFloats {
     }
 }
 
-impl ser::SerializeStructVariant for FiniteFloats {
+impl ser::SerializeStructVariant for Check {
     type Ok = ();
     type Error = serde_json::Error;
 
     fn serialize_field<T: Serialize + ?Sized>(&mut self, _: &'static str, value: &T) -> Checked {
-        value.serialize(FiniteFloats)
+        value.serialize(*self)
     }
 
     fn end(self) -> Checked {
@@ -316,6 +412,38 @@ mod tests {
             assert!(message.contains("nan or infinite"), "{message}");
         }
         assert_eq!(to_json(&[1.5, -0.0]).expect("finite floats"), "[1.5,-0.0]");
+    }
+
+    #[test]
+    fn some_of_a_null_is_refused_where_it_is_read_back_typed() {
+        for refused in [
+            to_replayable_json(&Some(())),
+            to_replayable_json(&vec![Some(Some(1)), Some(None)]),
+            to_replayable_json(&Some(serde_json::Value::Null)),
+        ] {
+            let message = refused.expect_err("refused").to_string();
+            assert!(message.contains("reads back as none"), "{message}");
+        }
+        assert_eq!(
+            to_replayable_json(&vec![Some(Some(1)), None]).expect("stored"),
+            "[1,null]"
+        );
+        // A request is identified by its JSON alone.
+        assert_eq!(to_json(&Some(())).expect("written"), "null");
+    }
+
+    #[test]
+    fn hash_sets_read_back_in_another_order_are_the_same_result() {
+        let set: std::collections::HashSet<i64> = (0..500).collect();
+        let map: std::collections::HashMap<String, Vec<i64>> = (0..100).map(|n| (n.to_string(), vec![n, -n])).collect();
+        assert!(to_replayable_json(&set).is_ok());
+        assert!(to_replayable_json(&map).is_ok());
+        assert!(same(
+            &serde_json::json!([[1, 2], {"a": [3, 4]}]),
+            &serde_json::json!([{"a": [4, 3]}, [2, 1]])
+        ));
+        assert!(!same(&serde_json::json!([1, 2]), &serde_json::json!([1, 3])));
+        assert!(!same(&serde_json::json!({"a": 5}), &serde_json::json!({"a": 5.0})));
     }
 
     #[test]

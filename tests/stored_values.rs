@@ -5,11 +5,13 @@
 
 mod common;
 
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use diesel::connection::{Connection, Instrumentation, InstrumentationEvent};
 use idempotency::outbox::{self, Relay};
 use idempotency::{Error, Outcome, run_idempotent};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
 use common::TestDb;
@@ -18,6 +20,9 @@ common::backend_tests!(
     non_finite_result_is_refused_and_leaves_the_key_free,
     result_too_deep_to_read_back_is_refused_and_leaves_the_key_free,
     non_finite_float_inside_an_option_is_refused_not_stored_as_none,
+    some_of_a_null_is_refused_not_replayed_as_none,
+    result_that_reads_back_as_another_value_is_refused_and_leaves_the_key_free,
+    hash_sets_and_maps_replay_in_any_order,
     non_finite_numbers_in_a_request_are_refused_before_anything_is_written,
     a_request_with_null_is_not_replayed_for_one_with_nan,
     floats_replay_bit_for_bit,
@@ -94,6 +99,105 @@ fn non_finite_float_inside_an_option_is_refused_not_stored_as_none<D: TestDb>() 
     });
     assert_codec(refused, "Some(NaN)");
     assert_eq!(D::key_count(&mut conn), 0);
+}
+
+fn some_of_a_null_is_refused_not_replayed_as_none<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    // Each is written as `null`, which reads back as `None`.
+    assert_codec(
+        run_idempotent(&mut conn, "shop", "unit", &1, |_| {
+            Ok::<_, diesel::result::Error>(Some(()))
+        }),
+        "Some(())",
+    );
+    assert_codec(
+        run_idempotent(&mut conn, "shop", "none", &1, |_| {
+            Ok::<_, diesel::result::Error>(vec![Some(None::<i32>)])
+        }),
+        "Some(None)",
+    );
+    assert_codec(
+        run_idempotent(&mut conn, "shop", "value", &1, |tx| {
+            D::place_order(tx, "value", 1)?;
+            Ok::<_, diesel::result::Error>(HashMap::from([(String::from("data"), Some(Value::Null))]))
+        }),
+        "Some(Value::Null)",
+    );
+    assert_eq!(D::order_count(&mut conn), 0, "the order rolled back");
+    assert_eq!(D::key_count(&mut conn), 0, "no record was stored");
+
+    // What JSON tells apart is stored and replayed as it was.
+    let nested = vec![Some(Some(5)), Some(None), None];
+    let refused = run_idempotent(&mut conn, "shop", "kept", &1, |_| {
+        Ok::<_, diesel::result::Error>(nested.clone())
+    });
+    assert_codec(refused, "Some(None) inside a list");
+    let kept = vec![Some(Some(5)), None];
+    run_idempotent(&mut conn, "shop", "kept", &1, |_| {
+        Ok::<_, diesel::result::Error>(kept.clone())
+    })
+    .expect("executes");
+    let replayed = run_idempotent(&mut conn, "shop", "kept", &1, |_| {
+        Ok::<_, diesel::result::Error>(Vec::new())
+    });
+    assert_eq!(replayed.expect("replays"), Outcome::Replayed(kept));
+}
+
+/// A receipt whose reader drops a field its writer writes: stored, it
+/// would replay without the note.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+struct Receipt {
+    order: i64,
+    #[serde(skip_deserializing, skip_serializing_if = "String::is_empty")]
+    note: String,
+}
+
+fn result_that_reads_back_as_another_value_is_refused_and_leaves_the_key_free<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let noted = Receipt {
+        order: 7,
+        note: String::from("gift wrap"),
+    };
+    let refused = run_idempotent(&mut conn, "shop", "receipt", &1, |tx| {
+        D::place_order(tx, "receipt", 1)?;
+        Ok::<_, diesel::result::Error>(noted.clone())
+    });
+    assert_codec(refused, "a receipt that reads back without its note");
+    assert_eq!(D::order_count(&mut conn), 0, "the order rolled back");
+    assert_eq!(D::key_count(&mut conn), 0, "no record was stored");
+
+    let plain = Receipt {
+        order: 7,
+        note: String::new(),
+    };
+    let stored = run_idempotent(&mut conn, "shop", "receipt", &1, |_| {
+        Ok::<_, diesel::result::Error>(plain.clone())
+    });
+    assert_eq!(stored.expect("the key is free"), Outcome::Executed(plain.clone()));
+    let replayed = run_idempotent(&mut conn, "shop", "receipt", &1, |_| {
+        Ok::<_, diesel::result::Error>(noted.clone())
+    });
+    assert_eq!(replayed.expect("replays"), Outcome::Replayed(plain));
+}
+
+fn hash_sets_and_maps_replay_in_any_order<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    // A hash set or map decoded again writes its entries in another order;
+    // the result is still the same value.
+    let tags: HashMap<String, HashSet<i64>> = (0..20)
+        .map(|group| (format!("group-{group}"), (0..50).map(|tag| group * 100 + tag).collect()))
+        .collect();
+    let stored = run_idempotent(&mut conn, "shop", "tags", &1, |_| {
+        Ok::<_, diesel::result::Error>(tags.clone())
+    });
+    assert_eq!(stored.expect("executes"), Outcome::Executed(tags.clone()));
+    let replayed = run_idempotent(&mut conn, "shop", "tags", &1, |_| {
+        Ok::<_, diesel::result::Error>(HashMap::new())
+    });
+    assert_eq!(replayed.expect("replays"), Outcome::Replayed(tags));
 }
 
 fn non_finite_numbers_in_a_request_are_refused_before_anything_is_written<D: TestDb>() {
