@@ -53,6 +53,7 @@ common::backend_tests!(
     killed_inside_finish_sends_one_receipt,
     killed_after_finish_replays_the_reply,
     failure_in_the_first_phase_leaves_the_key_free,
+    phase_output_that_would_not_read_back_is_refused_and_rolls_back,
     provider_failing_before_charging_is_called_again_with_the_same_key,
     provider_timing_out_after_charging_gives_the_retry_the_same_charge,
     concurrent_retries_during_a_blocked_call_charge_once,
@@ -856,6 +857,28 @@ fn failure_in_the_first_phase_leaves_the_key_free<D: RideDb>() {
     };
     let rides = Rides::new(&db, Phased::new(OPERATION));
     let reply = executed(rides.create(&mut conn, KEY, &other));
+    assert_eq!(D::rides(&mut conn), [(reply.ride, Some(reply.charge))]);
+}
+
+/// A phase's output is what a resume returns in its place, so one that would
+/// read back as another value (`Some(())` comes back as `None`) is refused
+/// before its phase commits, as a result is.
+fn phase_output_that_would_not_read_back_is_refused_and_rolls_back<D: RideDb>() {
+    let db = ride_db::<D>();
+    let mut conn = db.conn();
+    let refused: Result<Outcome<Reply>, _> = Phased::new(OPERATION).run(&mut conn, SCOPE, KEY, &ada(), |s| {
+        let wrapped: Option<()> = s.phase("ride_created", |tx| {
+            D::insert_ride(tx, "ride-1", &ada())?;
+            Ok::<_, RideError>(Some(()))
+        })?;
+        unreachable!("the phase was refused, not {wrapped:?}")
+    });
+    assert!(matches!(refused, Err(Error::Codec(_))), "{refused:?}");
+    assert_eq!(recovery_points::<D>(&mut conn, KEY), None, "nothing committed");
+    assert!(D::rides(&mut conn).is_empty(), "the phase's write rolled back");
+
+    let rides = Rides::new(&db, Phased::new(OPERATION));
+    let reply = executed(rides.create(&mut conn, KEY, &ada()));
     assert_eq!(D::rides(&mut conn), [(reply.ride, Some(reply.charge))]);
 }
 
