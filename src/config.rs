@@ -159,8 +159,10 @@ impl Config {
         self
     }
 
-    /// The longest key or scope accepted, in bytes (default 255). On MySQL,
-    /// whose key columns hold 255 bytes, a larger value is lowered to that.
+    /// The longest key or scope accepted, in bytes (default 255). Where the
+    /// key table cannot index longer ones, a larger value is lowered: to 255
+    /// on MySQL (the key columns' size) and to 1300 on PostgreSQL (the scope
+    /// and the key share one B-tree entry of at most 2704 bytes).
     ///
     /// # Panics
     ///

@@ -24,7 +24,7 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use idempotency::testing::ManualClock;
-use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
+use idempotency::{Config, Error, InFlight, KeyError, Outcome, run_idempotent};
 
 use common::pg::*;
 use common::{TestDb, orders};
@@ -201,6 +201,55 @@ impl Waiter {
 
 fn long_wait() -> Config {
     Config::default().in_flight(InFlight::Wait(Duration::seconds(30)))
+}
+
+/// Visible ASCII that does not compress, as a random client key would not.
+fn incompressible(len: usize, seed: u64) -> String {
+    let mut state = seed;
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            char::from(b'!' + u8::try_from((state >> 33) % 94).expect("below 94"))
+        })
+        .collect()
+}
+
+/// A B-tree entry holds 2704 bytes: a longer configured limit is lowered to
+/// what the primary key can index, so a long key is refused before the
+/// operation runs instead of failing at its insert.
+#[test]
+fn key_too_long_for_the_index_is_refused_before_the_operation_runs() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    let config = Config::default().max_key_len(10_000);
+    let calls = AtomicUsize::new(0);
+
+    let refused = config.run(
+        &mut conn,
+        SCOPE,
+        &incompressible(1301, 1),
+        REQUEST,
+        counted(&calls, "long"),
+    );
+    assert!(
+        matches!(
+            refused,
+            Err(Error::InvalidKey(KeyError::TooLong { len: 1301, max: 1300 }))
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    assert_eq!(Db::key_count(&mut conn), 0);
+
+    // The longest scope and key together fit, even incompressible.
+    let (scope, key) = (incompressible(1300, 2), incompressible(1300, 3));
+    let first = config.run(&mut conn, &scope, &key, REQUEST, counted(&calls, "longest"));
+    assert!(!first.expect("fits the index").is_replayed());
+    let again = config.run(&mut conn, &scope, &key, REQUEST, counted(&calls, "longest"));
+    assert!(again.expect("replays").is_replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
 #[test]

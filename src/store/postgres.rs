@@ -110,6 +110,10 @@ impl Head for Isolation {
 
 impl KeyStore for PgConnection {
     const BACKEND: &'static str = "postgres";
+    // A B-tree entry holds at most 2704 bytes, and the primary keys hold the
+    // scope and the key side by side: 1300 bytes each fit with their headers
+    // even when the values do not compress.
+    const MAX_KEY_LEN: Option<usize> = Some(1300);
 
     fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
         self.run_pending_migrations(crate::migrate::POSTGRES)?;
