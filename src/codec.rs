@@ -27,9 +27,11 @@ pub(crate) fn to_json<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_
     serde_json::to_string(value)
 }
 
-/// Serializes `value` to a JSON value, as [`to_json`] checks it.
+/// Serializes a request to a JSON value, as [`to_json`] checks it, and
+/// refuses integers beyond 64 bits (which serde_json turns into a value only
+/// with its `arbitrary_precision` feature).
 pub(crate) fn to_value<T: Serialize + ?Sized>(value: &T) -> Result<Value, serde_json::Error> {
-    value.serialize(Check::FLOATS)?;
+    value.serialize(Check::REQUEST)?;
     serde_json::to_value(value)
 }
 
@@ -111,27 +113,39 @@ fn null_in_some() -> serde_json::Error {
     ser::Error::custom("a some holds a value that json writes as null, which reads back as none")
 }
 
+fn wide_integer() -> serde_json::Error {
+    ser::Error::custom("an integer is beyond 64 bits, which a request may not hold")
+}
+
 /// A serializer that writes nothing and fails on the first value JSON cannot
-/// give back: a non-finite float, and where `options` is set, a `Some` of a
-/// value written as `null`.
+/// give back: a non-finite float; where `options` is set, a `Some` of a
+/// value written as `null`; where `narrow` is set, an integer beyond 64 bits.
 #[derive(Clone, Copy)]
 struct Check {
     /// Refuse a `Some` of a value written as `null`.
     options: bool,
+    /// Refuse a `u128` or `i128` that does not fit 64 bits.
+    narrow: bool,
     /// The value at hand is the content of a `Some`.
     in_some: bool,
 }
 
 impl Check {
-    /// Non-finite floats only: for requests and payloads.
+    /// Non-finite floats only: for payloads.
     const FLOATS: Check = Check {
         options: false,
+        narrow: false,
         in_some: false,
+    };
+    /// What a request's fingerprint needs.
+    const REQUEST: Check = Check {
+        narrow: true,
+        ..Check::FLOATS
     };
     /// Everything a result must pass to be replayed as itself.
     const STORED: Check = Check {
         options: true,
-        in_some: false,
+        ..Check::FLOATS
     };
 
     /// The check for the parts of a value, which are not a `Some`'s content.
@@ -185,8 +199,12 @@ impl ser::Serializer for Check {
         Ok(())
     }
 
-    fn serialize_i128(self, _: i128) -> Checked {
-        Ok(())
+    fn serialize_i128(self, v: i128) -> Checked {
+        if self.narrow && i64::try_from(v).is_err() {
+            Err(wide_integer())
+        } else {
+            Ok(())
+        }
     }
 
     fn serialize_u8(self, _: u8) -> Checked {
@@ -205,8 +223,12 @@ impl ser::Serializer for Check {
         Ok(())
     }
 
-    fn serialize_u128(self, _: u128) -> Checked {
-        Ok(())
+    fn serialize_u128(self, v: u128) -> Checked {
+        if self.narrow && u64::try_from(v).is_err() {
+            Err(wide_integer())
+        } else {
+            Ok(())
+        }
     }
 
     fn serialize_char(self, _: char) -> Checked {
