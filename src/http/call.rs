@@ -85,6 +85,11 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// [`StoredResponse`](super::StoredResponse); an `Err` rolls everything
 /// back and leaves the key free.
 ///
+/// The key is bound to the caller's scope and `request`, not to the route:
+/// where a caller's keys reach several endpoints, pass the endpoint with the
+/// body (`("refunds", body)`), or the same key and body sent to a second
+/// endpoint replays the first endpoint's response.
+///
 /// How it behaves, and why:
 ///
 /// - **No async worker blocks.** Checkout, the transaction and any wait
@@ -109,7 +114,7 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// | [`Failure::Operation`] | `E`'s | `op` returned `Err` |
 /// | [`Failure::Refused`] | 400 | the key breaks the key rules of `config` |
 /// | [`Failure::Refused`] | 422 | the key was used with a different request |
-/// | [`Failure::Refused`] | 409 + `Retry-After` | a request with the key is in progress beyond the in-flight wait |
+/// | [`Failure::Refused`] | 409 + `Retry-After` | a request with the key is in progress beyond the in-flight wait (on SQLite, any write that holds the database that long) |
 /// | [`Failure::Failed`] | 503 + `Retry-After` | no connection from `pool` within its connection timeout |
 /// | [`Failure::Failed`] | 500 | storage or JSON failed, an invalid scope, or `op` panicked |
 ///
