@@ -2,9 +2,9 @@
 //! commit (the transaction rolled back: `Storage`, and a retry executes) and
 //! at the commit (it may or may not have committed: `OutcomeUnknown`, and a
 //! retry replays or executes). The connection runs through a TCP proxy in
-//! the test that cuts both directions when the client sends a chosen
-//! statement, before or after passing it on; everything else is checked on
-//! a direct connection.
+//! the test that cuts the client off when it sends a chosen statement,
+//! before or after passing it on, and lets the server end the session;
+//! everything else is checked on a direct connection.
 
 #![cfg(feature = "postgres")]
 
@@ -64,8 +64,15 @@ impl Proxy {
             let server = TcpStream::connect(&upstream).expect("the proxy reaches the server");
             let (mut from_server, mut to_client) =
                 (server.try_clone().expect("clone"), client.try_clone().expect("clone"));
+            // Reads the server to its end, passing on what the client can
+            // still hear: the proxy finishes only once the server has closed
+            // the session, after committing or rolling back what it got.
             let backwards = thread::spawn(move || {
-                let _ = std::io::copy(&mut from_server, &mut to_client);
+                let mut buffer = vec![0; 64 * 1024];
+                let mut client_hears = true;
+                while let Ok(read @ 1..) = from_server.read(&mut buffer) {
+                    client_hears = client_hears && to_client.write_all(&buffer[..read]).is_ok();
+                }
             });
             let (mut from_client, mut to_server) = (client, server);
             let mut buffer = vec![0; 64 * 1024];
@@ -81,12 +88,13 @@ impl Proxy {
                     break;
                 }
                 if cut_here {
-                    // Both directions at once: the client hears nothing more.
+                    // The client hears nothing more, and the server reads the
+                    // end of its session after what was passed on.
                     let _ = from_client.shutdown(Shutdown::Both);
-                    let _ = to_server.shutdown(Shutdown::Both);
                     break;
                 }
             }
+            let _ = to_server.shutdown(Shutdown::Write);
             let _ = backwards.join();
         });
         Proxy { addr, pump }
@@ -100,6 +108,7 @@ impl Proxy {
         format!("{through}&sslmode=disable")
     }
 
+    /// Waits until the server has closed the session.
     fn finish(self) {
         self.pump.join().expect("the proxy's threads end");
     }
