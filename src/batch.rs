@@ -133,7 +133,9 @@ pub struct Progress {
     pub processed: usize,
     /// Items whose operation ran and committed in this run.
     pub executed: usize,
-    /// Items that an earlier run had committed; their operation did not run.
+    /// Items whose key had committed already (in an earlier run, or an
+    /// earlier item of this run with the same id); their operation did not
+    /// run.
     pub replayed: usize,
     /// Items that failed; nothing of theirs was committed.
     pub failed: usize,
@@ -159,7 +161,8 @@ pub struct Failure<E> {
 pub struct Report<E> {
     /// Items whose operation ran and committed in this run.
     pub executed: usize,
-    /// Items that an earlier run had committed; they were answered from
+    /// Items whose key had committed already (in an earlier run, or an
+    /// earlier item of this run with the same id); they were answered from
     /// storage.
     pub replayed: usize,
     /// Items that failed, in the order the items were given.
