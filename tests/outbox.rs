@@ -41,6 +41,7 @@ common::backend_tests!(
     message_commits_with_the_domain_write_and_a_replay_enqueues_nothing,
     failed_operation_leaves_no_message,
     handler_error_text_with_a_nul_is_stored_and_the_batch_goes_on,
+    message_for_the_far_future_waits_and_one_for_the_far_past_is_due,
     panicking_operation_leaves_no_message,
     rolled_back_transaction_takes_its_messages_along,
     invalid_topic_or_payload_is_refused_and_writes_nothing,
@@ -302,6 +303,36 @@ fn handler_error_text_with_a_nul_is_stored_and_the_batch_goes_on<D: TestDb>() {
         (letters[0].id.as_str(), letters[0].last_error.as_deref()),
         (failing.as_str(), Some("upstream said \u{fffd} and hung up"))
     );
+}
+
+/// Times beyond what a backend's time column holds (MySQL's `DATETIME`
+/// ends with the year 9999) keep their meaning: a message meant for the far
+/// future is not due, one meant for the far past is.
+fn message_for_the_far_future_waits_and_one_for_the_far_past_is_due<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let relay = Relay::default();
+    outbox::enqueue_at(
+        &mut conn,
+        "reminders",
+        &"never",
+        Utc::now() + Duration::days(365 * 8_000),
+    )
+    .expect("enqueue");
+    let far_past = "0500-01-01T00:00:00Z".parse().expect("a time");
+    let past = outbox::enqueue_at(&mut conn, "reminders", &"long ago", far_past).expect("enqueue");
+
+    let stats = relay.stats(&mut conn).expect("stats");
+    assert_eq!((stats.pending, stats.due_now), (2, 1), "{stats:?}");
+    let delivered = Mutex::new(Vec::new());
+    let batch = relay
+        .run_once(&mut conn, |message: &Message| {
+            delivered.lock().expect("not poisoned").push(message.id.clone());
+            Ok::<_, String>(())
+        })
+        .expect("relay");
+    assert_eq!((batch.claimed, batch.delivered), (1, 1));
+    assert_eq!(delivered.into_inner().expect("not poisoned"), [past]);
 }
 
 fn poison_message_goes_dead_after_max_attempts_while_the_rest_flow<D: TestDb>() {

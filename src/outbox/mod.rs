@@ -105,7 +105,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::error::KeyError;
-use crate::store::StoreConnection;
+use crate::store::{KeyStore, StoreConnection};
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -178,7 +178,10 @@ where
 /// reminder, a retry of the application's own, a delayed webhook.
 ///
 /// Relays compare `not_before` with the database's clock (or the clock
-/// injected into the [`Relay`]).
+/// injected into the [`Relay`]). A time beyond what the backend's time
+/// column holds is stored as the nearest it does: the end of the year 9999
+/// on SQLite and MySQL, the start of the year 1 on SQLite and 1000 on
+/// MySQL, so a "never" far in the future stays in the future.
 ///
 /// # Errors
 ///
@@ -206,7 +209,8 @@ where
     C: StoreConnection,
     P: Serialize + ?Sized,
 {
-    write(conn, topic, payload, Some(not_before.naive_utc()))
+    let not_before = <C::Raw as KeyStore>::storable_time(not_before.naive_utc());
+    write(conn, topic, payload, Some(not_before))
 }
 
 fn write<C, P>(conn: &mut C, topic: &str, payload: &P, not_before: Option<NaiveDateTime>) -> Result<String, Error>

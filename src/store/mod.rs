@@ -21,7 +21,7 @@
 
 use std::time::Instant;
 
-use chrono::NaiveDateTime;
+use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
@@ -284,6 +284,16 @@ pub enum Hold {
     Busy,
 }
 
+/// `at`, moved into the years `first..=last`.
+pub(crate) fn within_years(at: NaiveDateTime, first: i32, last: i32) -> NaiveDateTime {
+    let day = |year, month, date| NaiveDate::from_ymd_opt(year, month, date).expect("a calendar date");
+    let earliest = day(first, 1, 1).and_time(NaiveTime::MIN);
+    let latest = day(last, 12, 31)
+        .and_hms_micro_opt(23, 59, 59, 999_999)
+        .expect("a time of day");
+    at.clamp(earliest, latest)
+}
+
 /// The per-backend part of key storage. Implemented by the diesel connection
 /// types only; the combinator in `run.rs` is written against it alone.
 pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Sized {
@@ -296,6 +306,15 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     /// never cut.
     #[doc(hidden)]
     const MAX_KEY_LEN: Option<usize> = None;
+
+    /// `at` within the times the backend's time columns hold, where they
+    /// hold less than chrono does. For a time a caller chooses (a message's
+    /// `not_before`): a backend that stores a time beyond its range as a
+    /// zero date would make a message meant for the far future due at once.
+    #[doc(hidden)]
+    fn storable_time(at: NaiveDateTime) -> NaiveDateTime {
+        at
+    }
 
     /// Applies the pending migrations of this backend's set.
     #[doc(hidden)]

@@ -291,6 +291,12 @@ impl KeyStore for MysqlConnection {
     const BACKEND: &'static str = "mysql";
     const MAX_KEY_LEN: Option<usize> = Some(255);
 
+    fn storable_time(at: NaiveDateTime) -> NaiveDateTime {
+        // `DATETIME` holds the years 1000 to 9999; beyond them the server
+        // stores `0000-00-00`, even in strict mode, which sorts before now.
+        super::within_years(at, 1000, 9999)
+    }
+
     fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
         self.run_pending_migrations(crate::migrate::MYSQL)?;
         Ok(())
