@@ -289,14 +289,28 @@ impl Config {
     /// # }
     /// ```
     pub fn purge_expired<C: StoreConnection>(&self, conn: &mut C, batch_size: usize) -> Result<usize, Error> {
+        self.purge_expired_until(conn, batch_size, &|| false)
+    }
+
+    /// [`purge_expired`](Config::purge_expired), ending after the batch in
+    /// which `stop` becomes true.
+    pub(crate) fn purge_expired_until<C: StoreConnection>(
+        &self,
+        conn: &mut C,
+        batch_size: usize,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<usize, Error> {
         let conn = conn.raw();
         // One fixed cut-off, so the loop ends even while records keep
         // expiring under it.
         let cutoff = self.clock.now(conn)?;
-        let keys = store::purge_in_batches("idempotency_keys", batch_size, |limit| {
+        let keys = store::purge_in_batches("idempotency_keys", batch_size, stop, |limit| {
             conn.write(self.in_flight, |conn| conn.purge_batch(cutoff, limit))
         })?;
-        let operations = store::purge_in_batches("idempotency_phases", batch_size, |limit| {
+        if stop() {
+            return Ok(keys);
+        }
+        let operations = store::purge_in_batches("idempotency_phases", batch_size, stop, |limit| {
             conn.write(self.in_flight, |conn| conn.purge_operations_batch(cutoff, limit))
         })?;
         Ok(keys + operations)

@@ -7,7 +7,7 @@ use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 
 use crate::config::Config;
 use crate::outbox::Relay;
-use crate::shutdown::{ErrorBackoff, Shutdown};
+use crate::shutdown::{ErrorBackoff, Shutdown, checkout};
 use crate::store::StoreConnection;
 use crate::telemetry;
 
@@ -140,7 +140,8 @@ impl Purger {
     /// is reported (a `tracing` event, counted in [`Purged::errors`]) and
     /// tried again after a pause that doubles from 100 ms up to 10 s; the
     /// purger never stops on its own. A batch that runs when `shutdown` is
-    /// triggered finishes first.
+    /// triggered finishes, and the purger stops after it; a wait for a
+    /// pooled connection ends at once.
     pub fn run<C>(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown) -> Purged
     where
         C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
@@ -148,7 +149,7 @@ impl Purger {
         let mut purged = Purged::default();
         let mut backoff = ErrorBackoff::new();
         while !shutdown.is_triggered() {
-            match self.round(pool) {
+            match self.round(pool, shutdown) {
                 Ok(round) => {
                     backoff.succeeded();
                     purged += round;
@@ -165,14 +166,27 @@ impl Purger {
         purged
     }
 
-    fn round<C>(&self, pool: &Pool<ConnectionManager<C>>) -> Result<Purged, Box<dyn std::error::Error>>
+    /// One round, which ends after the batch that runs when `shutdown` is
+    /// triggered.
+    fn round<C>(
+        &self,
+        pool: &Pool<ConnectionManager<C>>,
+        shutdown: &Shutdown,
+    ) -> Result<Purged, Box<dyn std::error::Error>>
     where
         C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
     {
-        let mut conn = pool.get()?;
+        let Some(mut conn) = checkout(pool, shutdown, pool.connection_timeout())? else {
+            return Ok(Purged::default());
+        };
         let conn: &mut C = &mut conn;
-        let keys = self.config.purge_expired(conn, self.batch_size)?;
-        let messages = self.relay.purge_delivered(conn, self.batch_size)?;
+        let stop = || shutdown.is_triggered();
+        let keys = self.config.purge_expired_until(conn, self.batch_size, &stop)?;
+        let messages = if stop() {
+            0
+        } else {
+            self.relay.purge_delivered_until(conn, self.batch_size, &stop)?
+        };
         Ok(Purged {
             rounds: 1,
             keys,

@@ -11,15 +11,19 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{self, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::thread;
 
 use diesel::pg::PgConnection;
-use diesel::r2d2::{ConnectionManager, Pool};
+use diesel::r2d2::event::TimeoutEvent;
+use diesel::r2d2::{ConnectionManager, HandleEvent, Pool};
 use diesel::{Connection, RunQueryDsl};
 use idempotency::batch::Runner;
-use idempotency::{Error, Outcome, run_idempotent};
+use idempotency::outbox::{Message, Relay};
+use idempotency::phased::Completer;
+use idempotency::{Error, Outcome, Purger, Shutdown, run_idempotent};
 
 use common::TestDb;
 use common::pg::{Db, database_url};
@@ -90,11 +94,11 @@ impl Proxy {
                 if cut_here {
                     // The client hears nothing more, and the server reads the
                     // end of its session after what was passed on.
-                    let _ = from_client.shutdown(Shutdown::Both);
+                    let _ = from_client.shutdown(net::Shutdown::Both);
                     break;
                 }
             }
-            let _ = to_server.shutdown(Shutdown::Write);
+            let _ = to_server.shutdown(net::Shutdown::Write);
             let _ = backwards.join();
         });
         Proxy { addr, pump }
@@ -248,4 +252,68 @@ fn batch_worker_with_a_pool_of_one_replaces_a_lost_connection() {
     assert_eq!(report.executed, 5);
     assert_eq!(attempts.into_inner(), 2, "item 2 ran again on a fresh connection");
     assert_eq!(Db::order_count(&mut db.conn()), 5);
+}
+
+/// Triggers the shutdown when a checkout from its pool times out: the
+/// service is waiting for a connection right then, so the stop reaches it
+/// mid-wait, without a guess of when it got there.
+#[derive(Debug)]
+struct TriggerOnTimeout(Shutdown);
+
+impl HandleEvent for TriggerOnTimeout {
+    fn handle_timeout(&self, _: TimeoutEvent) {
+        self.0.trigger();
+    }
+}
+
+/// A database that cannot be reached holds up no stop: the services wait
+/// for a pooled connection in short slices and look at the signal between
+/// them, where r2d2's own wait (a minute here) cannot be cut short.
+#[test]
+fn services_stop_at_once_while_the_database_is_unreachable() {
+    let (stopped, stops) = mpsc::channel();
+    let services = [
+        spawn_service("relay", &stopped, |pool, shutdown| {
+            let relay = Relay::default().poll_interval(std::time::Duration::from_secs(60));
+            relay.run(&pool, |_: &Message| Ok::<_, String>(()), shutdown);
+        }),
+        spawn_service("purger", &stopped, |pool, shutdown| {
+            Purger::default().run(&pool, shutdown);
+        }),
+        spawn_service("completer", &stopped, |pool, shutdown| {
+            Completer::<PgConnection>::new().run(&pool, shutdown);
+        }),
+    ];
+    let mut stopped_services: Vec<&str> = (0..services.len())
+        .map_while(|_| stops.recv_timeout(std::time::Duration::from_secs(20)).ok())
+        .collect();
+    stopped_services.sort_unstable();
+    assert_eq!(stopped_services, ["completer", "purger", "relay"]);
+    for service in services {
+        service.join().expect("the service does not panic");
+    }
+}
+
+/// Runs `service` on a thread of its own, with a pool that reaches no
+/// database (and waits a minute for a connection) and a shutdown that its
+/// first timed-out checkout triggers; the thread reports the service's
+/// name when the service returns.
+fn spawn_service(
+    name: &'static str,
+    stopped: &mpsc::Sender<&'static str>,
+    service: impl FnOnce(Pool<ConnectionManager<PgConnection>>, &Shutdown) + Send + 'static,
+) -> thread::JoinHandle<()> {
+    let shutdown = Shutdown::new();
+    let pool = Pool::builder()
+        .max_size(2)
+        .connection_timeout(std::time::Duration::from_secs(60))
+        .event_handler(Box::new(TriggerOnTimeout(shutdown.clone())))
+        .build_unchecked(ConnectionManager::<PgConnection>::new(
+            "postgres://postgres@127.0.0.1:1/test?connect_timeout=1",
+        ));
+    let stopped = stopped.clone();
+    thread::spawn(move || {
+        service(pool, &shutdown);
+        let _ = stopped.send(name);
+    })
 }

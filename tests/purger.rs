@@ -19,6 +19,7 @@ use common::TestDb;
 common::backend_tests!(
     purger_beside_live_traffic_fails_no_call_and_purges_only_expired_records,
     purger_deletes_delivered_messages_after_retention_and_stops_at_once,
+    purger_stops_between_batches_once_shutdown_is_triggered,
 );
 
 /// How long a test waits for the purger before it fails; far beyond what
@@ -205,4 +206,35 @@ fn purger_deletes_delivered_messages_after_retention_and_stops_at_once<D: TestDb
         ["dead", "pending"],
         "dead and pending messages are never purged"
     );
+}
+
+fn purger_stops_between_batches_once_shutdown_is_triggered<D: TestDb>() {
+    let db = D::new();
+    let pool = db.pool(1);
+    let mut conn = db.conn();
+    let clock = ManualClock::new();
+    let config = Config::default().clock(clock.source());
+    for key in ["k1", "k2", "k3", "k4", "k5"] {
+        config
+            .run(&mut conn, "shop", key, &1, |_| Ok::<_, std::convert::Infallible>(1))
+            .expect("executes");
+    }
+    clock.advance(Duration::hours(25));
+
+    // The purge reads its clock once, for its cut-off, before the first
+    // batch: the shutdown arrives there, in the middle of the round.
+    let shutdown = Shutdown::new();
+    let (trigger, now) = (shutdown.clone(), clock.source());
+    let triggering = Config::default().clock(move || {
+        trigger.trigger();
+        now()
+    });
+    let purger = Purger::default().batch_size(1).config(triggering);
+    let purged = purger.run(&pool, &shutdown);
+    assert_eq!(
+        (purged.rounds, purged.keys),
+        (1, 1),
+        "one batch of one, then it stopped"
+    );
+    assert_eq!(D::key_count(&mut conn), 4);
 }

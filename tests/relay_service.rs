@@ -33,6 +33,7 @@ common::backend_tests!(
     stats_follow_the_backlog_through_delivery_failure_and_requeue,
     database_error_mid_batch_keeps_the_batch_deliveries_in_the_summary,
     relay_on_a_pool_of_one_connection_delivers_without_errors,
+    relay_with_a_clock_behind_the_database_delivers_at_once,
 );
 
 /// How long a test waits for a delivery before it fails; far beyond what a
@@ -494,4 +495,33 @@ fn relay_on_a_pool_of_one_connection_delivers_without_errors<D: TestDb>() {
         service.join().expect("the relay does not panic")
     });
     assert_eq!((summary.report.delivered, summary.errors), (3, 0), "{summary:?}");
+}
+
+/// A message never attempted is due whatever the relay's clock says, as a
+/// claim takes it: a relay whose injected clock is an hour behind the
+/// database (which stamps the enqueue) delivers it at once.
+fn relay_with_a_clock_behind_the_database_delivers_at_once<D: TestDb>() {
+    let db = D::new();
+    let pool = db.pool(2);
+    let behind = ManualClock::at(Utc::now() - Duration::hours(1));
+    let relay = Relay::default()
+        .clock(behind.source())
+        .poll_interval(StdDuration::from_millis(50));
+    let id = outbox::enqueue(&mut db.conn(), "receipts", &1).expect("enqueue");
+    let (sender, received) = mpsc::channel();
+    let shutdown = Shutdown::new();
+    let summary = thread::scope(|scope| {
+        let _stop = StopOnDrop(&shutdown);
+        let service = scope.spawn(|| {
+            relay.run(
+                &pool,
+                |message: &Message| sender.send(message.id.clone()).map_err(|e| e.to_string()),
+                &shutdown,
+            )
+        });
+        assert_eq!(received.recv_timeout(PATIENCE), Ok(id));
+        shutdown.trigger();
+        service.join().expect("the relay does not panic")
+    });
+    assert_eq!((summary.report.delivered, summary.errors), (1, 0));
 }

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::ops::AddAssign;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::Instant;
 
@@ -10,12 +11,12 @@ use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use diesel::r2d2::{ConnectionManager, Pool, PoolError, R2D2Connection};
 use tracing::{Dispatch, Span};
 
-use super::store::{Claimed, OutboxStore, Settlement};
+use super::store::{Claimed, Due, OutboxStore, Settlement};
 use super::{DeadLetter, Error, Message, Report, Stats};
 use crate::clock::{Clock, Reading, assert_duration};
 use crate::config::InFlight;
 use crate::id;
-use crate::shutdown::{ErrorBackoff, Shutdown};
+use crate::shutdown::{ErrorBackoff, Shutdown, checkout};
 use crate::store::{self, KeyStore, RawConnection, StoreConnection};
 use crate::telemetry;
 
@@ -528,14 +529,21 @@ impl Relay {
         if announces && !listens {
             telemetry::relay::not_listening(pool.max_size(), self.workers);
         }
+        // The listener serves the workers: it stops with the last of them,
+        // also when a panic ended them before `shutdown` was triggered.
+        let working = AtomicUsize::new(self.workers);
+        let stopped = || shutdown.is_triggered() || working.load(Ordering::SeqCst) == 0;
         let summaries: Vec<thread::Result<Summary>> = thread::scope(|scope| {
             if listens {
-                scope.spawn(|| traced(&dispatch, &span, || self.listen(pool, shutdown)));
+                scope.spawn(|| traced(&dispatch, &span, || self.listen(pool, shutdown, &stopped)));
             }
             let workers: Vec<_> = (0..self.workers)
                 .map(|worker| {
-                    let (handler, dispatch, span) = (&handler, &dispatch, &span);
-                    scope.spawn(move || traced(dispatch, span, || self.work(worker, pool, handler, shutdown)))
+                    let (handler, dispatch, span, working) = (&handler, &dispatch, &span, &working);
+                    scope.spawn(move || {
+                        let _leaving = Leaving(working);
+                        traced(dispatch, span, || self.work(worker, pool, handler, shutdown))
+                    })
                 })
                 .collect();
             workers.into_iter().map(|worker| worker.join()).collect()
@@ -568,19 +576,23 @@ impl Relay {
         let mut stats_due = Instant::now();
         while !shutdown.is_triggered() {
             let wakes = shutdown.wakes();
-            let step = pool
-                .get_timeout(self.poll_interval.max(CHECKOUT_WAIT))
-                .map_err(ServiceError::Pool)
-                .and_then(|mut pooled| {
+            let step = match checkout(pool, shutdown, self.poll_interval.max(CHECKOUT_WAIT)) {
+                Ok(None) => break,
+                Ok(Some(mut pooled)) => {
                     let conn: &mut C = &mut pooled;
-                    if worker == 0 && Instant::now() >= stats_due {
+                    let gauges = if worker == 0 && Instant::now() >= stats_due {
                         // Keeps the backlog gauges current for monitoring.
                         stats_due = Instant::now() + STATS_EVERY;
-                        self.stats(conn).map_err(ServiceError::Outbox)?;
-                    }
-                    self.step(conn, handler, shutdown, &mut summary.report)
+                        self.stats(conn).map(drop)
+                    } else {
+                        Ok(())
+                    };
+                    gauges
+                        .and_then(|()| self.step(conn, handler, shutdown, &mut summary.report))
                         .map_err(ServiceError::Outbox)
-                });
+                }
+                Err(error) => Err(ServiceError::Pool(error)),
+            };
             match step {
                 Ok(Step::Worked) => backoff.succeeded(),
                 Ok(Step::Idle(wait)) => {
@@ -609,24 +621,9 @@ impl Relay {
         let conn = conn.raw();
         let now = self.clock.now(conn)?;
         match conn.next_due()? {
-            Some(due) if due <= now => {
-                let mut report = Report::default();
-                let passed = self.pass(
-                    conn,
-                    &mut |message: &Message| handler(message),
-                    &|| shutdown.is_triggered(),
-                    &mut report,
-                );
-                *done += report;
-                passed?;
-                Ok(if report.claimed == 0 {
-                    // Due, but another relay claimed it first.
-                    Step::Idle(self.poll_interval)
-                } else {
-                    Step::Worked
-                })
-            }
-            Some(due) => {
+            Some(Due::Now) => self.deliver_due(conn, handler, shutdown, done),
+            Some(Due::At(due)) if due <= now => self.deliver_due(conn, handler, shutdown, done),
+            Some(Due::At(due)) => {
                 let until_due = (due - now).to_std().unwrap_or_default();
                 Ok(Step::Idle(until_due.min(self.poll_interval)))
             }
@@ -634,21 +631,52 @@ impl Relay {
         }
     }
 
+    /// Delivers one batch of the messages due, counted into `done`.
+    fn deliver_due<C, E, F>(
+        &self,
+        conn: &mut C,
+        handler: &F,
+        shutdown: &Shutdown,
+        done: &mut Report,
+    ) -> Result<Step, Error>
+    where
+        C: RawConnection,
+        E: fmt::Display,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        let mut report = Report::default();
+        let passed = self.pass(
+            conn,
+            &mut |message: &Message| handler(message),
+            &|| shutdown.is_triggered(),
+            &mut report,
+        );
+        *done += report;
+        passed?;
+        Ok(if report.claimed == 0 {
+            // Due, but another relay claimed it first.
+            Step::Idle(self.poll_interval)
+        } else {
+            Step::Worked
+        })
+    }
+
     /// Listens for announced messages and wakes the workers, on backends
     /// that announce them; reconnects after a lost connection.
-    fn listen<C>(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown)
+    fn listen<C>(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown, stopped: &dyn Fn() -> bool)
     where
         C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
     {
         let mut backoff = ErrorBackoff::new();
-        while !shutdown.is_triggered() {
-            let listened = pool
-                .get_timeout(CHECKOUT_WAIT)
-                .map_err(ServiceError::Pool)
-                .and_then(|mut pooled| {
+        while !stopped() {
+            let listened = match checkout(pool, shutdown, CHECKOUT_WAIT) {
+                Ok(None) => return,
+                Ok(Some(mut pooled)) => {
                     backoff.succeeded();
-                    listen_on(&mut *pooled, shutdown).map_err(ServiceError::Outbox)
-                });
+                    listen_on(&mut *pooled, shutdown, stopped).map_err(ServiceError::Outbox)
+                }
+                Err(error) => Err(ServiceError::Pool(error)),
+            };
             match listened {
                 Ok(false) => return,
                 Ok(true) => {}
@@ -818,10 +846,24 @@ impl Relay {
     where
         C: StoreConnection,
     {
+        self.purge_delivered_until(conn, batch_size, &|| false)
+    }
+
+    /// [`purge_delivered`](Relay::purge_delivered), ending after the batch
+    /// in which `stop` becomes true.
+    pub(crate) fn purge_delivered_until<C>(
+        &self,
+        conn: &mut C,
+        batch_size: usize,
+        stop: &dyn Fn() -> bool,
+    ) -> Result<usize, Error>
+    where
+        C: StoreConnection,
+    {
         let conn = conn.raw();
         // One fixed cut-off, so the loop ends while deliveries go on.
         let cutoff = self.clock.now(conn)? - self.retention;
-        let purged = store::purge_in_batches("idempotency_outbox", batch_size, |limit| {
+        let purged = store::purge_in_batches("idempotency_outbox", batch_size, stop, |limit| {
             conn.write(WRITE_LOCK_WAIT, |tx| tx.purge_delivered_batch(cutoff, limit))
         })?;
         Ok(purged)
@@ -829,8 +871,8 @@ impl Relay {
 }
 
 /// Listens on `conn` and wakes the workers at every announcement until
-/// `shutdown`; `false` at once where the backend announces nothing.
-fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown) -> Result<bool, Error> {
+/// `stopped`; `false` at once where the backend announces nothing.
+fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown, stopped: &dyn Fn() -> bool) -> Result<bool, Error> {
     let conn = conn.raw();
     if !conn.listen()? {
         return Ok(false);
@@ -838,7 +880,7 @@ fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown) -> Result<bo
     // Wakes once now: a message committed before LISTEN took effect was
     // announced to nobody.
     shutdown.wake();
-    while !shutdown.is_triggered() {
+    while !stopped() {
         if conn.announced()? {
             shutdown.wake();
         }
@@ -846,6 +888,15 @@ fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown) -> Result<bo
     }
     conn.unlisten()?;
     Ok(true)
+}
+
+/// Counts a worker out when its thread ends, by return or by panic.
+struct Leaving<'a>(&'a AtomicUsize);
+
+impl Drop for Leaving<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Whether connections of type `C` announce new messages to listeners.

@@ -56,10 +56,13 @@ pub struct Backlog {
     pub(crate) dead: i64,
 }
 
-diesel::define_sql_function! {
-    /// SQL's `coalesce` of a nullable value and a value of its type: times,
-    /// whichever SQL type the backend's schema gives them.
-    fn coalesce<T: diesel::sql_types::SingleValue>(x: diesel::sql_types::Nullable<T>, y: T) -> T;
+/// When the next pending message is due, as a relay service sleeps for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Due {
+    /// A message was never attempted, or was given back.
+    Now,
+    /// The earliest end of a lease, a backoff or a `not_before`.
+    At(NaiveDateTime),
 }
 
 /// How a claimed message's attempt ended, written only while the claim's
@@ -116,10 +119,11 @@ pub trait OutboxStore: KeyStore {
     #[doc(hidden)]
     fn release(&mut self, id: &str, lease_token: &str) -> QueryResult<bool>;
 
-    /// When the earliest pending message is due (its lease or backoff ends,
-    /// or it was enqueued); `None` without pending messages.
+    /// When the earliest pending message is due: now for one never
+    /// attempted (or given back), otherwise when its lease, its backoff or
+    /// its `not_before` ends; `None` without pending messages.
     #[doc(hidden)]
-    fn next_due(&mut self) -> QueryResult<Option<NaiveDateTime>>;
+    fn next_due(&mut self) -> QueryResult<Option<Due>>;
 
     /// The counts behind `Relay::stats`, with `now` deciding what is due.
     #[doc(hidden)]
@@ -234,15 +238,21 @@ macro_rules! shared_queries {
             Ok(updated == 1)
         }
 
-        fn next_due(&mut self) -> diesel::QueryResult<Option<chrono::NaiveDateTime>> {
-            use crate::outbox::store::{PENDING, coalesce};
+        fn next_due(&mut self) -> diesel::QueryResult<Option<$crate::outbox::store::Due>> {
+            use crate::outbox::store::{Due, PENDING};
             use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
-            // A message never attempted is due since it was enqueued.
-            o::table
-                .filter(o::status.eq(PENDING))
-                .select(diesel::dsl::min(coalesce(o::available_at, o::created_at)))
-                .get_result(self)
+            let pending = o::table.filter(o::status.eq(PENDING));
+            // Due whatever the relay's clock says: a claim takes it at once.
+            // (Its enqueue time is the database's, which a relay's injected
+            // clock may be behind.)
+            let fresh = diesel::select(diesel::dsl::exists(pending.filter(o::available_at.is_null())));
+            if fresh.get_result(self)? {
+                return Ok(Some(Due::Now));
+            }
+            let earliest: Option<chrono::NaiveDateTime> =
+                pending.select(diesel::dsl::min(o::available_at)).get_result(self)?;
+            Ok(earliest.map(Due::At))
         }
 
         fn backlog(&mut self, now: chrono::NaiveDateTime) -> diesel::QueryResult<$crate::outbox::store::Backlog> {

@@ -14,7 +14,7 @@ use crate::clock::{Clock, assert_duration};
 use crate::config::InFlight;
 use crate::error::Error;
 use crate::outcome::Outcome;
-use crate::shutdown::{ErrorBackoff, Shutdown};
+use crate::shutdown::{ErrorBackoff, Shutdown, checkout};
 use crate::store::{RawConnection, StoreConnection};
 use crate::telemetry;
 
@@ -263,6 +263,14 @@ where
     /// operation's own failure is counted in [`Report::failed`], not
     /// returned.
     ///
+    /// # Panics
+    ///
+    /// A panic in a registered operation passes through, and the pass ends
+    /// there: the operations picked with it wait out their five-minute pick
+    /// hold. Its attempt is counted, so after
+    /// [`max_attempts`](Completer::max_attempts) such passes the operation
+    /// is parked instead of resumed.
+    ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     /// use chrono::Duration;
@@ -347,7 +355,14 @@ where
     /// error is reported and counted in [`Report::errors`], and the
     /// completer carries on after a pause that doubles from 100 ms up to
     /// 10 s. An operation being resumed when `shutdown` is triggered
-    /// finishes first.
+    /// finishes first; a wait for a pooled connection ends at once.
+    ///
+    /// # Panics
+    ///
+    /// A panic in a registered operation ends the service, as it ends a
+    /// [`run_once`](Completer::run_once) pass: restart it (its attempts are
+    /// counted, and an operation that panics on every attempt is parked
+    /// after [`max_attempts`](Completer::max_attempts)).
     pub fn run(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown) -> Report
     where
         C: R2D2Connection + Send,
@@ -355,10 +370,11 @@ where
         let mut total = Report::default();
         let mut backoff = ErrorBackoff::new();
         while !shutdown.is_triggered() {
-            let pass = pool
-                .get()
-                .map_err(|error| error.to_string())
-                .and_then(|mut conn| self.run_once(&mut *conn).map_err(|error| error.to_string()));
+            let pass = match checkout(pool, shutdown, pool.connection_timeout()) {
+                Ok(None) => break,
+                Ok(Some(mut conn)) => self.run_once(&mut *conn).map_err(|error| error.to_string()),
+                Err(error) => Err(error.to_string()),
+            };
             match pass {
                 Ok(report) => {
                     backoff.succeeded();

@@ -441,9 +441,9 @@ pub(crate) fn sql_limit(limit: usize) -> i64 {
     i64::try_from(limit).unwrap_or(i64::MAX)
 }
 
-/// Runs `batch` with `batch_size` until it deletes fewer rows than that, and
-/// returns the total: a purge of `table` in bounded batches, each reported
-/// with the time it took.
+/// Runs `batch` with `batch_size` until it deletes fewer rows than that, or
+/// `stop` holds after a batch, and returns the total: a purge of `table` in
+/// bounded batches, each reported with the time it took.
 ///
 /// # Panics
 ///
@@ -451,6 +451,7 @@ pub(crate) fn sql_limit(limit: usize) -> i64 {
 pub(crate) fn purge_in_batches(
     table: &'static str,
     batch_size: usize,
+    stop: &dyn Fn() -> bool,
     mut batch: impl FnMut(usize) -> QueryResult<usize>,
 ) -> QueryResult<usize> {
     assert!(batch_size > 0, "batch_size must be positive");
@@ -462,7 +463,7 @@ pub(crate) fn purge_in_batches(
         telemetry::purge_batch(table, deleted, batch_started.elapsed());
         total += deleted;
         batches += 1;
-        if deleted < batch_size {
+        if deleted < batch_size || stop() {
             telemetry::purged(table, total, batches, started.elapsed());
             return Ok(total);
         }
