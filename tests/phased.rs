@@ -54,6 +54,8 @@ common::backend_tests!(
     killed_after_finish_replays_the_reply,
     failure_in_the_first_phase_leaves_the_key_free,
     phase_output_that_would_not_read_back_is_refused_and_rolls_back,
+    panic_in_a_step_rolls_it_back_and_frees_the_lease,
+    result_kept_from_another_operation_is_refused,
     provider_failing_before_charging_is_called_again_with_the_same_key,
     provider_timing_out_after_charging_gives_the_retry_the_same_charge,
     concurrent_retries_during_a_blocked_call_charge_once,
@@ -880,6 +882,88 @@ fn phase_output_that_would_not_read_back_is_refused_and_rolls_back<D: RideDb>() 
     let rides = Rides::new(&db, Phased::new(OPERATION));
     let reply = executed(rides.create(&mut conn, KEY, &ada()));
     assert_eq!(D::rides(&mut conn), [(reply.ride, Some(reply.charge))]);
+}
+
+/// A panic in a phase or in `finish` rolls that step back, leaves the
+/// connection out of its transaction and frees the lease: a retry on the
+/// same connection resumes at once, even under `InFlight::Reject`.
+fn panic_in_a_step_rolls_it_back_and_frees_the_lease<D: RideDb>() {
+    let db = ride_db::<D>();
+    let mut conn = db.conn();
+    let phased = Phased::new(OPERATION).config(Config::default().in_flight(InFlight::Reject));
+    let attempt = |conn: &mut D::Conn, panic_in: &str| {
+        phased.run(conn, SCOPE, KEY, &ada(), |s| {
+            let ride: String = s.phase("ride_created", |tx| {
+                D::insert_ride(tx, "ride-1", &ada())?;
+                Ok::<_, RideError>(String::from("ride-1"))
+            })?;
+            s.phase("charge_noted", |tx| {
+                D::set_ride_charge(tx, &ride, "charge-1")?;
+                assert_ne!(panic_in, "phase", "a bug in the second phase");
+                Ok::<_, RideError>(())
+            })?;
+            s.finish(|tx| {
+                D::insert_ride(tx, "ride-2", &ada())?;
+                assert_ne!(panic_in, "finish", "a bug in finish");
+                Ok::<_, RideError>(ride)
+            })
+        })
+    };
+
+    // The second phase panics: the first stays, the second rolled back.
+    // Then `finish` panics: the second phase is committed by now, `finish`
+    // rolled back.
+    for (panic_in, left) in [("phase", None), ("finish", Some(String::from("charge-1")))] {
+        let crashed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| attempt(&mut conn, panic_in)));
+        assert!(crashed.is_err(), "the {panic_in} panicked");
+        assert_eq!(
+            D::rides(&mut conn),
+            [(String::from("ride-1"), left)],
+            "after the {panic_in} panicked"
+        );
+    }
+    let finished = attempt(&mut conn, "nowhere").expect("the retry resumes at once");
+    assert_eq!(finished, Outcome::Executed(String::from("ride-1")));
+    assert_eq!(
+        D::rides(&mut conn),
+        [
+            (String::from("ride-1"), Some(String::from("charge-1"))),
+            (String::from("ride-2"), None)
+        ]
+    );
+}
+
+/// `Finished` is what an operation's own `finish` returns; one kept from
+/// another operation would answer with a response this operation never
+/// stored. `run` refuses it with a panic, after freeing the lease.
+fn result_kept_from_another_operation_is_refused<D: RideDb>() {
+    let db = ride_db::<D>();
+    let mut conn = db.conn();
+    let phased = Phased::new(OPERATION).config(Config::default().in_flight(InFlight::Reject));
+    let mut kept = None;
+    let first: Result<Outcome<i64>, Error<RideError>> = phased.run(&mut conn, SCOPE, "first", &1, |s| {
+        kept = Some(s.finish(|_| Ok::<_, RideError>(42))?);
+        Err(Error::Operation(RideError::GaveUp))
+    });
+    assert!(first.is_err(), "{first:?}");
+
+    let smuggled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        phased.run(&mut conn, SCOPE, "second", &1, |s| {
+            s.phase("ride_created", |tx| {
+                D::insert_ride(tx, "ride-2", &ada()).map_err(RideError::from)
+            })?;
+            Ok(kept.take().expect("kept from the first operation"))
+        })
+    }));
+    assert!(smuggled.is_err(), "the second operation did not answer 42");
+
+    let second = phased.run(&mut conn, SCOPE, "second", &1, |s| {
+        s.phase("ride_created", |tx| {
+            D::insert_ride(tx, "ride-2", &ada()).map_err(RideError::from)
+        })?;
+        s.finish(|_| Ok::<_, RideError>(7))
+    });
+    assert_eq!(second.expect("resumes at once"), Outcome::Executed(7));
 }
 
 fn provider_failing_before_charging_is_called_again_with_the_same_key<D: RideDb>() {

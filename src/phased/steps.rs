@@ -140,7 +140,10 @@ impl Phased {
     /// # Panics
     ///
     /// A panic in `body` rolls back the step it was in, frees the lease and
-    /// resumes; committed recovery points stay.
+    /// resumes; committed recovery points stay. `run` panics itself (after
+    /// freeing the lease) when `body` returns a [`Finished`] that its own
+    /// [`finish`](Steps::finish) did not make, one kept from another
+    /// operation.
     pub fn run<C, Q, R, E, F>(
         &self,
         conn: &mut C,
@@ -193,7 +196,13 @@ impl Phased {
             conn,
         };
         match panic::catch_unwind(AssertUnwindSafe(|| body(&mut steps))) {
-            Ok(Ok(Finished(response))) => Ok(Outcome::Executed(response)),
+            Ok(Ok(Finished(response))) if matches!(steps.held, Held::Done) => Ok(Outcome::Executed(response)),
+            Ok(Ok(_)) => {
+                // Kept from another operation's `finish`: this operation
+                // stored no response, so it must not answer with one.
+                steps.release("the body returned a result that its finish did not store");
+                panic!("the body of a phased operation returned a `Finished` that its own `finish` did not make")
+            }
             Ok(Err(error)) => {
                 steps.release(&describe(&error));
                 Err(error)
@@ -586,6 +595,11 @@ impl<C: PhaseStore> Steps<'_, C> {
         // Set once `work` is done: a connection lost after it was lost while
         // the step committed, and the step may or may not have committed.
         let mut committing = false;
+        // A panic in `work` (the application's step) is caught inside the
+        // transaction, which then rolls back as for an error, and goes on
+        // from here: `run` frees the lease on a connection that is out of
+        // its transaction.
+        let mut panicked = None;
         let result = self
             .conn
             .key_transaction(self.lease.scope, self.lease.key, self.phased.config.in_flight, |tx| {
@@ -598,17 +612,30 @@ impl<C: PhaseStore> Steps<'_, C> {
                         return Err(Error::InProgress);
                     }
                 }
-                let value = work(tx, &mut points, now)?;
+                let depth = store::transaction_depth(tx)?;
+                let value = match panic::catch_unwind(AssertUnwindSafe(|| work(tx, &mut points, now))) {
+                    Ok(value) => value?,
+                    Err(payload) => {
+                        // A connection that cannot roll back is left marked
+                        // broken, which makes r2d2 discard it.
+                        let _ = store::unwind_to_depth(tx, depth);
+                        panicked = Some(payload);
+                        return Err(Error::Storage(diesel::result::Error::RollbackTransaction));
+                    }
+                };
                 committing = true;
                 Ok(value)
-            })
-            .map_err(|error| match error {
-                Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
-                Error::Storage(storage) if committing && store::is_connection_lost(&storage) => {
-                    Error::OutcomeUnknown(storage)
-                }
-                other => other,
-            })?;
+            });
+        if let Some(payload) = panicked {
+            panic::resume_unwind(payload);
+        }
+        let result = result.map_err(|error| match error {
+            Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
+            Error::Storage(storage) if committing && store::is_connection_lost(&storage) => {
+                Error::OutcomeUnknown(storage)
+            }
+            other => other,
+        })?;
         match (&mut self.held, claim) {
             (Held::Leased { points: held, .. }, None) => *held = points,
             (held, Some((_, op_id))) => *held = Held::Leased { op_id, points },
