@@ -213,11 +213,13 @@ impl KeyStore for PgConnection {
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {
-        // diesel does not expose the SQLSTATE (55P03, lock_not_available) for
-        // this error, only the server's message, which is English unless the
-        // server's lc_messages says otherwise.
+        // diesel does not expose the SQLSTATE (55P03, lock_not_available; or
+        // 57014, query_canceled) for these errors, only the server's message,
+        // which is English unless the server's lc_messages says otherwise. A
+        // caller's `statement_timeout` shorter than the in-flight wait ends
+        // the wait for the key first, and means the same: the key is held.
         matches!(error, DieselError::DatabaseError(DatabaseErrorKind::Unknown, info)
-            if info.message().contains("lock timeout"))
+            if info.message().contains("lock timeout") || info.message().contains("statement timeout"))
     }
 
     fn await_replication(&mut self) -> QueryResult<()> {
