@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use diesel::r2d2::{ManageConnection, Pool, PoolError, PooledConnection};
 
 /// Tells background services ([`Relay::run`](crate::outbox::Relay::run),
-/// [`Purger::run`](crate::Purger::run)) to stop. Clones share one signal:
+/// [`Purger::run`](crate::Purger::run),
+/// [`Completer::run`](crate::phased::Completer::run)) to stop. Clones share one signal:
 /// keep one where the application shuts down (a signal handler, the end of
 /// `main`) and give clones to the services.
 ///
