@@ -886,13 +886,17 @@ fn phase_output_that_would_not_read_back_is_refused_and_rolls_back<D: RideDb>() 
 
 /// A panic in a phase or in `finish` rolls that step back, leaves the
 /// connection out of its transaction and frees the lease: a retry on the
-/// same connection resumes at once, even under `InFlight::Reject`.
+/// same connection resumes at once, not after the lease.
 fn panic_in_a_step_rolls_it_back_and_frees_the_lease<D: RideDb>() {
     let db = ride_db::<D>();
     let mut conn = db.conn();
-    let phased = Phased::new(OPERATION).config(Config::default().in_flight(InFlight::Reject));
+    // The lease is 90 s: a retry that resumes within this wait found it
+    // freed. (The key is the test's own: PostgreSQL's advisory locks are
+    // shared by every schema of the database, so other tests' keys would
+    // hold this one's lock for a moment.)
+    let phased = Phased::new(OPERATION).config(Config::default().in_flight(InFlight::Wait(Duration::seconds(5))));
     let attempt = |conn: &mut D::Conn, panic_in: &str| {
-        phased.run(conn, SCOPE, KEY, &ada(), |s| {
+        phased.run(conn, SCOPE, "panic-in-a-step", &ada(), |s| {
             let ride: String = s.phase("ride_created", |tx| {
                 D::insert_ride(tx, "ride-1", &ada())?;
                 Ok::<_, RideError>(String::from("ride-1"))
@@ -939,16 +943,16 @@ fn panic_in_a_step_rolls_it_back_and_frees_the_lease<D: RideDb>() {
 fn result_kept_from_another_operation_is_refused<D: RideDb>() {
     let db = ride_db::<D>();
     let mut conn = db.conn();
-    let phased = Phased::new(OPERATION).config(Config::default().in_flight(InFlight::Reject));
+    let phased = Phased::new(OPERATION).config(Config::default().in_flight(InFlight::Wait(Duration::seconds(5))));
     let mut kept = None;
-    let first: Result<Outcome<i64>, Error<RideError>> = phased.run(&mut conn, SCOPE, "first", &1, |s| {
+    let first: Result<Outcome<i64>, Error<RideError>> = phased.run(&mut conn, SCOPE, "kept-first", &1, |s| {
         kept = Some(s.finish(|_| Ok::<_, RideError>(42))?);
         Err(Error::Operation(RideError::GaveUp))
     });
     assert!(first.is_err(), "{first:?}");
 
     let smuggled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        phased.run(&mut conn, SCOPE, "second", &1, |s| {
+        phased.run(&mut conn, SCOPE, "kept-second", &1, |s| {
             s.phase("ride_created", |tx| {
                 D::insert_ride(tx, "ride-2", &ada()).map_err(RideError::from)
             })?;
@@ -957,7 +961,7 @@ fn result_kept_from_another_operation_is_refused<D: RideDb>() {
     }));
     assert!(smuggled.is_err(), "the second operation did not answer 42");
 
-    let second = phased.run(&mut conn, SCOPE, "second", &1, |s| {
+    let second = phased.run(&mut conn, SCOPE, "kept-second", &1, |s| {
         s.phase("ride_created", |tx| {
             D::insert_ride(tx, "ride-2", &ada()).map_err(RideError::from)
         })?;
