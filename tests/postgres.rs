@@ -331,14 +331,20 @@ fn waiter_gets_in_progress_when_the_holder_outlasts_the_wait() {
 #[test]
 fn statement_timeout_shorter_than_the_wait_is_in_progress_too() {
     let db = Db::new();
-    let holder = Holder::claim(&db, "k-statement-timeout", None);
+    let holder = Holder::claim(&db, "k-short-statements", None);
     let mut conn = db.conn();
     conn.batch_execute("SET statement_timeout = '200ms'")
         .expect("the caller's own setting");
     let calls = AtomicUsize::new(0);
 
     let long_wait = Config::default().in_flight(InFlight::Wait(Duration::seconds(30)));
-    let waited = long_wait.run(&mut conn, SCOPE, "k-statement-timeout", REQUEST, counted(&calls, "waiter"));
+    let waited = long_wait.run(
+        &mut conn,
+        SCOPE,
+        "k-short-statements",
+        REQUEST,
+        counted(&calls, "waiter"),
+    );
     let Err(error) = waited else {
         panic!("the waiter gives up, got {waited:?}")
     };
@@ -347,7 +353,13 @@ fn statement_timeout_shorter_than_the_wait_is_in_progress_too() {
     assert_eq!(calls.load(Ordering::SeqCst), 0);
     assert!(!Db::in_transaction(&mut conn));
     holder.finish(Release::Commit).expect("the holder commits");
-    let replayed = long_wait.run(&mut conn, SCOPE, "k-statement-timeout", REQUEST, counted(&calls, "retry"));
+    let replayed = long_wait.run(
+        &mut conn,
+        SCOPE,
+        "k-short-statements",
+        REQUEST,
+        counted(&calls, "retry"),
+    );
     assert!(replayed.expect("the retry replays").is_replayed());
 }
 
