@@ -459,7 +459,17 @@ pub(crate) fn purge_in_batches(
     let (mut total, mut batches) = (0, 0);
     loop {
         let batch_started = Instant::now();
-        let deleted = batch(batch_size)?;
+        let deleted = match batch(batch_size) {
+            Ok(deleted) => deleted,
+            Err(error) => {
+                // The batches before this one are committed: counted, so a
+                // purge that keeps failing halfway still shows its work.
+                if batches > 0 {
+                    telemetry::purged(table, total, batches, started.elapsed());
+                }
+                return Err(error);
+            }
+        };
         telemetry::purge_batch(table, deleted, batch_started.elapsed());
         total += deleted;
         batches += 1;
