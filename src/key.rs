@@ -10,8 +10,9 @@ use crate::error::KeyError;
 ///
 /// The result is the hex SHA-256 of the parts, each prefixed with its length,
 /// so `["ab", "c"]` and `["a", "bc"]` give different keys. It is 64 visible
-/// ASCII characters and therefore always a valid key, whatever the parts
-/// contain; it reveals nothing about them.
+/// ASCII characters and therefore a valid key, whatever the parts contain,
+/// under any [`max_key_len`](crate::Config::max_key_len) of 64 or more (the
+/// default is 255); it reveals nothing about them.
 ///
 /// ```
 /// let key = idempotency::key::derive(&["nightly-invoices-2026-11-29", "customer-42"]);

@@ -65,10 +65,14 @@
 //!   executed it. After that the key may execute
 //!   again as new. [`Config::purge_expired`] deletes expired records.
 //! - **What spends a key.** Only a committed `Ok`. [`Error::Operation`], a
-//!   panic, a killed process, a lost connection and every other error leave
-//!   the key free.
+//!   panic, a killed process, a lost connection before the commit and every
+//!   other error of a call that would have executed leave the key free.
+//!   [`Error::Mismatch`], and [`Error::Codec`] for a stored response that no
+//!   longer decodes, leave a spent key as it was; [`Error::OutcomeUnknown`]
+//!   (the connection was lost during the commit) may have spent it, and a
+//!   retry with the same key and request tells which.
 //! - **Concurrent requests with one key.** On PostgreSQL the second request
-//!   blocks on the key's index entry until the first commits (it then
+//!   blocks on the key's advisory lock until the first commits (it then
 //!   replays) or rolls back (it then executes), bounded by
 //!   [`InFlight`]; on timeout it fails with [`Error::InProgress`]. On MySQL
 //!   and MariaDB it waits the same way on a named lock of the key. On SQLite,

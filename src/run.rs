@@ -93,7 +93,8 @@ impl Config {
     ///
     /// # Errors
     ///
-    /// No error spends the key: every one leaves nothing written.
+    /// No error writes anything: a free key stays free, a spent one stays as
+    /// it was. Only [`Error::OutcomeUnknown`] may have committed.
     ///
     /// - [`Error::InvalidScope`], [`Error::InvalidKey`]: refused before
     ///   anything was read or written.
@@ -105,6 +106,9 @@ impl Config {
     ///   (rolled back), or a stored response no longer decodes into `R`
     ///   (`op` is not run again).
     /// - [`Error::Storage`]: the database failed; rolled back.
+    /// - [`Error::OutcomeUnknown`]: the connection was lost while the
+    ///   transaction committed; it may or may not have. Retry with the same
+    ///   key and request: the retry replays or executes, never both.
     ///
     /// # Panics
     ///
@@ -229,7 +233,7 @@ impl Config {
                 response: None,
                 created_at: now,
                 completed_at: None,
-                expires_at: now + self.retention,
+                expires_at: C::storable_time(now + self.retention),
             }
         };
         let recorded = match conn.read(scope, key) {

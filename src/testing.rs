@@ -145,6 +145,11 @@ impl ManualClock {
     }
 
     /// Moves the clock forward (or back, with a negative duration).
+    ///
+    /// # Panics
+    ///
+    /// If the time would leave chrono's range (about 262,000 years either
+    /// way); the clock keeps its time.
     pub fn advance(&self, by: Duration) {
         *self.now.lock().unwrap_or_else(PoisonError::into_inner) += by;
     }
@@ -425,6 +430,7 @@ where
 {
     let conn = conn.raw();
     let before = snapshot(conn);
+    let depth = crate::store::transaction_depth(conn).expect("read the transaction state");
     let mut crashed = false;
     let call = panic::catch_unwind(AssertUnwindSafe(|| {
         Config::default().run(conn, scope, key, request, |tx| match op(tx, request) {
@@ -443,8 +449,8 @@ where
     }
     assert_eq!(
         crate::store::transaction_depth(conn).expect("read the transaction state"),
-        0,
-        "crash_midway: the connection was left inside a transaction"
+        depth,
+        "crash_midway: the connection was not left as deep in transactions as it was before"
     );
     let after = snapshot(conn);
     if before != after {
@@ -569,7 +575,7 @@ where
         call(conn),
         &first,
         "retry_after_expiry: the retry 1 ms before the retention ended",
-        "; is the call's retention longer than the one given here?",
+        "; is the call's retention shorter than the one given here, or its clock another?",
     );
     clock.advance(retention - just_before);
     let second = expect_executed(

@@ -20,6 +20,7 @@ common::backend_tests!(
     purge_inside_a_caller_transaction_rolls_back_with_it,
     recorded_times_come_with_execution_and_replay_and_a_replay_keeps_them,
     recorded_times_by_the_database_clock_are_the_stored_ones,
+    record_expiring_past_the_year_9999_is_kept_until_then,
 );
 
 fn config(clock: &ManualClock) -> Config {
@@ -259,4 +260,24 @@ fn recorded_times_by_the_database_clock_are_the_stored_ones<D: TestDb>() {
         (replay.created_at, replay.expires_at),
         (first.created_at, first.expires_at)
     );
+}
+
+/// A clock in the last day of the year 9999: the record's expiry lies past
+/// what SQLite's text times and MySQL's `DATETIME` order or hold, and is
+/// stored as the last moment they do. It must not read as expired before
+/// then: no purge deletes it and a retry replays.
+fn record_expiring_past_the_year_9999_is_kept_until_then<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let clock = ManualClock::at(Utc.with_ymd_and_hms(9999, 12, 31, 12, 0, 0).unwrap());
+    let config = config(&clock).retention(Duration::hours(24));
+    let first = config
+        .run(&mut conn, "shop", "late", &1, |tx| D::place_order(tx, "late", 1))
+        .expect("executes");
+    assert_eq!(config.purge_expired(&mut conn, 100).expect("purge"), 0);
+    let retry = config
+        .run(&mut conn, "shop", "late", &1, |tx| D::place_order(tx, "again", 1))
+        .expect("replays");
+    assert_eq!(retry.into_inner(), first.into_inner());
+    assert_eq!(D::order_count(&mut conn), 1);
 }

@@ -4,7 +4,7 @@
 use std::convert::Infallible;
 
 use chrono::Duration;
-use diesel::connection::SimpleConnection;
+use diesel::connection::{AnsiTransactionManager, SimpleConnection, TransactionManager};
 use diesel::prelude::*;
 use idempotency::testing::{self, ManualClock, SqliteFile};
 use idempotency::{Config, Error, Outcome, run_idempotent};
@@ -78,6 +78,23 @@ fn crash_midway_leaves_the_connection_usable() {
 }
 
 #[test]
+fn crash_midway_inside_a_callers_transaction_leaves_it_open() {
+    let mut conn = testing::sqlite_memory();
+    create_table(&mut conn);
+    conn.begin_test_transaction().expect("the caller's transaction");
+    testing::crash_midway(&mut conn, "shop", "k1", "book", insert);
+    insert(&mut conn, "pen").expect("the caller's transaction goes on");
+    let depth = AnsiTransactionManager::transaction_manager_status_mut(&mut conn)
+        .transaction_depth()
+        .expect("the transaction state");
+    assert_eq!(
+        depth.map(|depth| depth.get()),
+        Some(1),
+        "still inside the caller's transaction"
+    );
+}
+
+#[test]
 #[should_panic(expected = "does the call's Config use this clock")]
 fn retry_after_expiry_catches_a_config_without_the_clock() {
     let mut conn = testing::sqlite_memory();
@@ -88,7 +105,7 @@ fn retry_after_expiry_catches_a_config_without_the_clock() {
 }
 
 #[test]
-#[should_panic(expected = "is the call's retention longer")]
+#[should_panic(expected = "is the call's retention shorter than the one given here")]
 fn retry_after_expiry_catches_a_shorter_retention_than_claimed() {
     let mut conn = testing::sqlite_memory();
     let clock = ManualClock::new();

@@ -465,7 +465,7 @@ impl<C: PhaseStore> Steps<'_, C> {
     {
         let phased = self.phased;
         let lease = self.lease;
-        let expires_at = |now: NaiveDateTime| now + phased.config.retention;
+        let expires_at = |now: NaiveDateTime| C::storable_time(now + phased.config.retention);
         let value = self.transaction(|tx, points, now| {
             let value = f(tx).map_err(Error::Operation)?;
             let response = codec::to_replayable_json(&value).map_err(Error::Codec)?;
