@@ -140,6 +140,8 @@ pub use repository::Idempotent;
 pub use run::run_idempotent;
 pub use shutdown::Shutdown;
 pub use store::{RawConnection, StoreConnection};
+#[cfg(feature = "metrics")]
+pub use telemetry::describe_metrics;
 
 #[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
 compile_error!("enable at least one backend feature: `sqlite` (the default), `postgres` or `mysql`");

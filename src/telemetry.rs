@@ -140,6 +140,78 @@ impl CallTrace {
     }
 }
 
+/// Gives the installed `metrics` recorder the unit and description of every
+/// metric the crate records, so that exporters show them (Prometheus's
+/// `# HELP` and unit suffixes, for one). Call it once, after installing the
+/// recorder; the metrics are recorded with or without it.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let recorder = metrics_util::debugging::DebuggingRecorder::new();
+/// let snapshotter = recorder.snapshotter();
+/// metrics::with_local_recorder(&recorder, || -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+///     idempotency::describe_metrics();
+///     let mut conn = idempotency::testing::sqlite_memory();
+///     idempotency::run_idempotent(&mut conn, "shop", "k", &1, |_| Ok::<_, std::convert::Infallible>(1))?;
+///     Ok(())
+/// })?;
+/// let (_, unit, description, _) = snapshotter
+///     .snapshot()
+///     .into_vec()
+///     .into_iter()
+///     .find(|(key, ..)| key.key().name() == "idempotency_calls_total")
+///     .ok_or("no calls counted")?;
+/// assert_eq!(unit, Some(metrics::Unit::Count));
+/// assert!(description.is_some());
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "metrics")]
+pub fn describe_metrics() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        "idempotency_calls_total",
+        Unit::Count,
+        "idempotent calls by how they ended"
+    );
+    describe_histogram!(
+        "idempotency_call_duration_seconds",
+        Unit::Seconds,
+        "a call from its start to its answer, the operation included"
+    );
+    describe_histogram!(
+        "idempotency_in_flight_wait_seconds",
+        Unit::Seconds,
+        "how long a call that took the write path waited for its key"
+    );
+    describe_counter!(
+        "idempotency_outbox_deliveries_total",
+        Unit::Count,
+        "outcomes of outbox delivery attempts"
+    );
+    describe_gauge!(
+        "idempotency_outbox_pending",
+        Unit::Count,
+        "outbox messages not delivered yet"
+    );
+    describe_gauge!(
+        "idempotency_outbox_due",
+        Unit::Count,
+        "outbox messages due now and leased to no relay"
+    );
+    describe_gauge!(
+        "idempotency_outbox_oldest_pending_age_seconds",
+        Unit::Seconds,
+        "how long the oldest pending outbox message has waited since it was enqueued"
+    );
+    describe_gauge!(
+        "idempotency_outbox_dead",
+        Unit::Count,
+        "outbox messages parked after their last attempt"
+    );
+    describe_counter!("idempotency_purged_rows_total", Unit::Count, "rows deleted by purges");
+}
+
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }

@@ -26,6 +26,7 @@ use common::TestDb;
 common::backend_tests!(
     calls_count_by_outcome_and_time_their_duration_and_wait,
     relay_deliveries_backlog_and_purges_have_their_metrics,
+    described_metrics_carry_their_units_and_descriptions,
 );
 
 /// One metric as a snapshot holds it: kind, name, labels (`name=value`,
@@ -300,4 +301,46 @@ fn relay_deliveries_backlog_and_purges_have_their_metrics<D: TestDb>() {
             3
         );
     });
+}
+
+/// After `describe_metrics`, every metric a call, a relay pass, the backlog
+/// gauges and a purge record carries its unit (seconds for the `_seconds`
+/// metrics, a count for the others) and a description.
+fn described_metrics_carry_their_units_and_descriptions<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let clock = ManualClock::new();
+    let config = Config::default().clock(clock.source()).retention(Duration::hours(1));
+    let relay = Relay::default().clock(clock.source());
+    metrics::with_local_recorder(&recorder, || {
+        idempotency::describe_metrics();
+        config
+            .run(&mut conn, "shop", "k-1", &1, |_| Ok::<_, String>(1))
+            .expect("executes");
+        outbox::enqueue(&mut conn, "webhooks", &1).expect("enqueue");
+        relay
+            .run_once(&mut conn, |_: &Message| Ok::<_, String>(()))
+            .expect("relay");
+        relay.stats(&mut conn).expect("stats");
+        clock.advance(Duration::hours(2));
+        config.purge_expired(&mut conn, 10).expect("purge");
+    });
+    let described: Vec<(String, Option<metrics::Unit>, bool)> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(key, unit, description, _)| (key.key().name().to_owned(), unit, description.is_some()))
+        .collect();
+    assert!(described.len() >= 9, "{described:?}");
+    for (name, unit, has_description) in described {
+        let expected = if name.ends_with("_seconds") {
+            metrics::Unit::Seconds
+        } else {
+            metrics::Unit::Count
+        };
+        assert_eq!(unit, Some(expected), "{name}");
+        assert!(has_description, "{name} has a description");
+    }
 }
