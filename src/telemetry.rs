@@ -34,8 +34,27 @@ pub(crate) struct CallTrace {
 
 impl CallTrace {
     pub(crate) fn start(backend: &'static str) -> CallTrace {
+        CallTrace::with_span(
+            tracing::debug_span!(target: TARGET, "idempotent_call", scope = Empty, key = Empty, backend, outcome = Empty),
+            backend,
+        )
+    }
+
+    /// The trace of one attempt of the phased operation named `operation`.
+    pub(crate) fn phased(backend: &'static str, operation: &str) -> CallTrace {
+        CallTrace::with_span(
+            tracing::debug_span!(
+                target: TARGET, "phased_operation",
+                operation, scope = Empty, key = Empty, backend, outcome = Empty
+            ),
+            backend,
+        )
+    }
+
+    #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
+    fn with_span(span: Span, backend: &'static str) -> CallTrace {
         CallTrace {
-            span: tracing::debug_span!(target: TARGET, "idempotent_call", scope = Empty, key = Empty, backend, outcome = Empty),
+            span,
             #[cfg(feature = "metrics")]
             backend,
             started: std::time::Instant::now(),
@@ -74,63 +93,77 @@ impl CallTrace {
     /// Records how the call ended.
     pub(crate) fn finish<R, E>(&self, result: &Result<Recorded<R>, Error<E>>) {
         let span = &self.span;
-        let outcome = match result {
+        match result {
             Ok(recorded) => match recorded.outcome {
                 Outcome::Executed(_) => {
                     debug!(target: TARGET, parent: span, expires_at = %recorded.expires_at, "executed");
-                    "executed"
                 }
                 Outcome::Replayed(_) => {
                     debug!(target: TARGET, parent: span, created_at = %recorded.created_at, "replayed");
-                    "replayed"
                 }
             },
-            Err(Error::InvalidKey(reason)) => {
-                info!(target: TARGET, parent: span, %reason, "invalid key");
-                "invalid_key"
-            }
-            Err(Error::InvalidScope(reason)) => {
-                info!(target: TARGET, parent: span, %reason, "invalid scope");
-                "invalid_scope"
-            }
-            Err(Error::Mismatch) => {
-                info!(target: TARGET, parent: span, "key reused with a different request");
-                "mismatch"
-            }
-            Err(Error::InProgress) => {
+            Err(error) => self.failed(error),
+        }
+        self.end(result.as_ref().map(|recorded| &recorded.outcome));
+    }
+
+    /// Records how an attempt of a phased operation ended.
+    pub(crate) fn finish_phased<R, E>(&self, result: &Result<Outcome<R>, Error<E>>) {
+        let span = &self.span;
+        match result {
+            Ok(Outcome::Executed(_)) => debug!(target: TARGET, parent: span, "executed"),
+            Ok(Outcome::Replayed(_)) => debug!(target: TARGET, parent: span, "replayed"),
+            Err(error) => self.failed(error),
+        }
+        self.end(result.as_ref());
+    }
+
+    /// The event of a call that failed.
+    fn failed<E>(&self, error: &Error<E>) {
+        let span = &self.span;
+        match error {
+            Error::InvalidKey(reason) => info!(target: TARGET, parent: span, %reason, "invalid key"),
+            Error::InvalidScope(reason) => info!(target: TARGET, parent: span, %reason, "invalid scope"),
+            Error::Mismatch => info!(target: TARGET, parent: span, "key reused with a different request"),
+            Error::InProgress => {
                 info!(target: TARGET, parent: span, elapsed_ms = millis(self.started.elapsed()), "key in progress");
-                "in_progress"
             }
-            Err(Error::Operation(_)) => {
-                debug!(target: TARGET, parent: span, "operation failed; rolled back");
-                "operation_error"
+            Error::Operation(_) => debug!(target: TARGET, parent: span, "operation failed; rolled back"),
+            Error::Storage(cause) => {
+                error!(target: TARGET, parent: span, error = %cause, "storage failed; rolled back")
             }
-            Err(Error::Storage(cause)) => {
-                error!(target: TARGET, parent: span, error = %cause, "storage failed; rolled back");
-                "storage_error"
-            }
-            Err(Error::OutcomeUnknown(cause)) => {
+            Error::OutcomeUnknown(cause) => {
                 warn!(target: TARGET, parent: span, error = %cause, "connection lost while committing; outcome unknown");
-                "outcome_unknown"
             }
-            Err(Error::Parked) => {
-                warn!(target: TARGET, parent: span, "operation parked");
-                "parked"
+            Error::Parked => warn!(target: TARGET, parent: span, "operation parked"),
+            Error::PhaseRenamed { position, .. } => {
+                error!(target: TARGET, parent: span, position, "a step was renamed")
             }
-            Err(Error::PhaseRenamed { position, .. }) => {
-                error!(target: TARGET, parent: span, position, "a step was renamed");
-                "phase_renamed"
-            }
-            Err(Error::Codec(cause)) => {
-                error!(
-                    target: TARGET, parent: span,
-                    category = ?cause.classify(), line = cause.line(), column = cause.column(),
-                    "json encoding or decoding failed"
-                );
-                "codec_error"
-            }
+            Error::Codec(cause) => error!(
+                target: TARGET, parent: span,
+                category = ?cause.classify(), line = cause.line(), column = cause.column(),
+                "json encoding or decoding failed"
+            ),
+        }
+    }
+
+    /// Records the outcome on the span and in the metrics.
+    fn end<R, E>(&self, result: Result<&Outcome<R>, &Error<E>>) {
+        let outcome = match result {
+            Ok(Outcome::Executed(_)) => "executed",
+            Ok(Outcome::Replayed(_)) => "replayed",
+            Err(Error::InvalidKey(_)) => "invalid_key",
+            Err(Error::InvalidScope(_)) => "invalid_scope",
+            Err(Error::Mismatch) => "mismatch",
+            Err(Error::InProgress) => "in_progress",
+            Err(Error::Operation(_)) => "operation_error",
+            Err(Error::Storage(_)) => "storage_error",
+            Err(Error::OutcomeUnknown(_)) => "outcome_unknown",
+            Err(Error::Parked) => "parked",
+            Err(Error::PhaseRenamed { .. }) => "phase_renamed",
+            Err(Error::Codec(_)) => "codec_error",
         };
-        span.record("outcome", outcome);
+        self.span.record("outcome", outcome);
         #[cfg(feature = "metrics")]
         {
             let labels = [("outcome", outcome), ("backend", self.backend)];

@@ -27,6 +27,7 @@ common::backend_tests!(
     calls_count_by_outcome_and_time_their_duration_and_wait,
     relay_deliveries_backlog_and_purges_have_their_metrics,
     described_metrics_carry_their_units_and_descriptions,
+    phased_operations_count_by_outcome,
 );
 
 /// One metric as a snapshot holds it: kind, name, labels (`name=value`,
@@ -342,5 +343,47 @@ fn described_metrics_carry_their_units_and_descriptions<D: TestDb>() {
         };
         assert_eq!(unit, Some(expected), "{name}");
         assert!(has_description, "{name} has a description");
+    }
+}
+
+/// Attempts of phased operations are calls too: counted by how they ended,
+/// the outcomes only they have (`phase_renamed`) included.
+fn phased_operations_count_by_outcome<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let phased = idempotency::phased::Phased::new("greet");
+    let backend = format!("backend={}", D::BACKEND);
+    let taken = metrics::with_local_recorder(&recorder, || {
+        let failed: Result<idempotency::Outcome<i32>, Error<String>> = phased.run(&mut conn, "shop", "p-1", &1, |s| {
+            s.phase("greeting", |_| Ok::<_, String>(1))?;
+            Err(Error::Operation(String::from("the client went away")))
+        });
+        assert!(failed.is_err());
+        let renamed: Result<idempotency::Outcome<i32>, Error<String>> = phased.run(&mut conn, "shop", "p-1", &1, |s| {
+            s.phase("salutation", |_| Ok::<_, String>(1))?;
+            s.finish(|_| Ok::<_, String>(1))
+        });
+        assert!(matches!(renamed, Err(Error::PhaseRenamed { .. })), "{renamed:?}");
+        for _ in 0..2 {
+            phased
+                .run(&mut conn, "shop", "p-1", &1, |s| {
+                    s.phase("greeting", |_| Ok::<_, String>(1))?;
+                    s.finish(|_| Ok::<_, String>(2))
+                })
+                .expect("resumes, then replays");
+        }
+        Taken::of(&snapshotter)
+    });
+    for (outcome, count) in [
+        ("operation_error", 1),
+        ("phase_renamed", 1),
+        ("executed", 1),
+        ("replayed", 1),
+    ] {
+        let labels = [format!("outcome={outcome}"), backend.clone()];
+        let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+        assert_eq!(taken.counter("idempotency_calls_total", &labels), count, "{outcome}");
     }
 }

@@ -460,12 +460,14 @@ where
     assert_eq!(invalid.field("reason"), "looks like a payment card number");
     capture.event("invalid scope", Level::INFO);
     let invalid_calls: Vec<_> = capture.all().into_iter().filter(|c| c.span).collect();
-    assert_eq!(
-        invalid_calls.len(),
-        2,
-        "the phased operation opened no span: {invalid_calls:?}"
-    );
+    let names: Vec<&str> = invalid_calls.iter().map(|c| c.name.as_str()).collect();
+    assert_eq!(names, ["idempotent_call", "idempotent_call", "phased_operation"]);
     assert_eq!(invalid_calls[0].field("scope"), "payments", "a valid scope is recorded");
+    assert_eq!(invalid_calls[2].field("outcome"), "invalid_key");
+    assert!(
+        invalid_calls.iter().all(|call| !call.fields.contains_key("key")),
+        "no refused key is recorded: {invalid_calls:?}"
+    );
     capture.assert_never_contains(card);
     capture.assert_never_contains(&huge_scope);
 }

@@ -14,7 +14,8 @@ use crate::clock::{Reading, assert_duration};
 use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::Outcome;
-use crate::store::{self, StoreConnection, transaction_depth};
+use crate::store::{self, KeyStore, RawConnection, StoreConnection, transaction_depth};
+use crate::telemetry::CallTrace;
 use crate::{codec, fingerprint, id, key, telemetry};
 
 /// How often a retry looks again while another attempt holds the lease.
@@ -158,14 +159,36 @@ impl Phased {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut Steps<'_, C::Raw>) -> Result<Finished<R>, Error<E>>,
     {
-        let conn = conn.raw();
+        let trace = CallTrace::phased(<C::Raw as KeyStore>::BACKEND, &self.name);
+        let result = trace
+            .span()
+            .in_scope(|| self.attempt(conn.raw(), scope, key, request, body, &trace));
+        trace.finish_phased(&result);
+        result
+    }
+
+    /// One attempt of [`run`](Phased::run), inside its span.
+    fn attempt<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        body: F,
+        trace: &CallTrace,
+    ) -> Result<Outcome<R>, Error<E>>
+    where
+        C: RawConnection,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: FnOnce(&mut Steps<'_, C>) -> Result<Finished<R>, Error<E>>,
+    {
         // Refused values never reach the span: see `telemetry::CallTrace`.
-        let max_len = self.config.key_len_limit::<C::Raw>();
+        let max_len = self.config.key_len_limit::<C>();
         key::validate_scope(scope, max_len).map_err(Error::InvalidScope)?;
+        trace.scope(scope);
         key::validate_key(key, max_len).map_err(Error::InvalidKey)?;
-        let span =
-            tracing::debug_span!(target: telemetry::TARGET, "phased_operation", operation = %self.name, scope, key);
-        let _entered = span.enter();
+        trace.key(key);
         let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
         let request_json = match self.store_requests {
             true => Some(codec::to_readable_json(request).map_err(Error::Codec)?),
