@@ -1,7 +1,7 @@
 //! The combinator: validate, fingerprint, claim, run the operation, store.
 
 use std::cell::RefCell;
-use std::panic::{self, AssertUnwindSafe};
+use std::panic;
 use std::time::Instant;
 
 use chrono::{Duration, NaiveDateTime, SubsecRound};
@@ -309,19 +309,7 @@ impl Config {
                 }
                 hold => hold,
             };
-            let depth = store::transaction_depth(tx)?;
-            let value = match panic::catch_unwind(AssertUnwindSafe(|| op(tx))) {
-                Ok(Ok(value)) => value,
-                Ok(Err(error)) => return Err(Error::Operation(error)),
-                Err(payload) => {
-                    // The panic goes on whatever this finds: a connection
-                    // that cannot roll back is left marked broken, which
-                    // makes r2d2 discard it.
-                    let _ = store::unwind_to_depth(tx, depth);
-                    panicked = Some(payload);
-                    return Err(Error::Storage(diesel::result::Error::RollbackTransaction));
-                }
-            };
+            let value = store::catching_panic(tx, &mut panicked, op)?.map_err(Error::Operation)?;
             let response = codec::to_replayable_json(&value).map_err(Error::Codec)?;
             let elapsed = Duration::from_std(started.elapsed()).unwrap_or(Duration::zero());
             tx.store(

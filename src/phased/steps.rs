@@ -635,17 +635,7 @@ impl<C: PhaseStore> Steps<'_, C> {
                         return Err(Error::InProgress);
                     }
                 }
-                let depth = store::transaction_depth(tx)?;
-                let value = match panic::catch_unwind(AssertUnwindSafe(|| work(tx, &mut points, now))) {
-                    Ok(value) => value?,
-                    Err(payload) => {
-                        // A connection that cannot roll back is left marked
-                        // broken, which makes r2d2 discard it.
-                        let _ = store::unwind_to_depth(tx, depth);
-                        panicked = Some(payload);
-                        return Err(Error::Storage(diesel::result::Error::RollbackTransaction));
-                    }
-                };
+                let value = store::catching_panic(tx, &mut panicked, |tx| work(tx, &mut points, now))??;
                 committing = true;
                 Ok(value)
             });

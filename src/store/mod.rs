@@ -512,6 +512,29 @@ where
     }
 }
 
+/// A panic caught inside a transaction, to go on once it has rolled back.
+pub(crate) type Panic = Box<dyn std::any::Any + Send>;
+
+/// Runs `f`, the application's code, inside one of the crate's
+/// transactions. A panic in it rolls back the levels `f` opened and left
+/// open, is kept in `panicked`, and comes back as an error, which rolls the
+/// crate's own level back as any error does; the caller resumes the panic
+/// once the transaction has ended, so the connection is left out of it. (A
+/// connection that cannot roll back is left marked broken, which makes r2d2
+/// discard it.)
+pub(crate) fn catching_panic<C: KeyStore, T>(
+    tx: &mut C,
+    panicked: &mut Option<Panic>,
+    f: impl FnOnce(&mut C) -> T,
+) -> QueryResult<T> {
+    let depth = transaction_depth(tx)?;
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(tx))).map_err(|payload| {
+        let _ = unwind_to_depth(tx, depth);
+        *panicked = Some(payload);
+        diesel::result::Error::RollbackTransaction
+    })
+}
+
 /// Rolls back the levels an operation opened and left open when it panicked,
 /// so that the caller's own level can be rolled back as usual.
 pub(crate) fn unwind_to_depth<C: KeyStore>(conn: &mut C, depth: u32) -> QueryResult<()> {
