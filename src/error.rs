@@ -13,8 +13,8 @@ use std::fmt;
 /// other variant means that the transaction holding the key record was
 /// rolled back (or never opened), so a retry with the same key and the same
 /// request is answered as if this call had not happened. The exceptions:
-/// [`Error::OutcomeUnknown`], where the connection was lost while the
-/// transaction committed and it may have committed (retry with the same key:
+/// [`Error::OutcomeUnknown`], where the commit itself failed without the
+/// database refusing it, so it may have committed (retry with the same key:
 /// the retry replays if it did); and [`Error::Codec`] on a replay, where an
 /// earlier call spent the key and its stored response no longer decodes.
 /// [`is_retryable`](Error::is_retryable) tells which errors call for a retry
@@ -88,11 +88,15 @@ pub enum Error<E = Infallible> {
     /// is safe. (A MySQL deadlock rolls back a caller's whole transaction,
     /// not only the call's savepoint.) The crate never retries by itself.
     Storage(diesel::result::Error),
-    /// The connection was lost while the transaction that stores the result
-    /// was committing: it may have committed or not, and nothing on this
-    /// side can tell. The operation ran. Retry with the same key and the
-    /// same request: the retry replays the stored result if the commit went
-    /// through, and executes if it did not; never both. HTTP 503.
+    /// The commit of the transaction that stores the result failed, and the
+    /// database did not say that it refused it: it may have committed or
+    /// not, and nothing on this side can tell. Almost always the connection
+    /// was lost on the way (a crash, a failover, a killed session); every
+    /// other failure of a commit that is not the database's own refusal
+    /// counts too, whatever its wording. The operation ran. Retry with the
+    /// same key and the same request: the retry replays the stored result
+    /// if the commit went through, and executes if it did not; never both.
+    /// HTTP 503.
     OutcomeUnknown(diesel::result::Error),
     /// A value could not be converted to or from JSON: the request while
     /// fingerprinting it, or the operation's result while storing it (both
@@ -148,7 +152,9 @@ impl<E> Error<E> {
     /// ([`InProgress`](Error::InProgress)), the outcome is unknown
     /// ([`OutcomeUnknown`](Error::OutcomeUnknown)), or the database failed
     /// for a reason of the moment ([`Storage`](Error::Storage) with a lost
-    /// connection, a serialization failure or a deadlock). The retry replays
+    /// connection, a serialization failure or a deadlock, or a connection
+    /// that an earlier failure left unable to run transactions, which a pool
+    /// discards: the retry takes another). The retry replays
     /// or executes, never both. Other errors need another request (an
     /// invalid key, a mismatch), a fix (the operation's own error, a codec
     /// failure) or a person.
@@ -166,17 +172,54 @@ impl<E> Error<E> {
         match self {
             Error::InProgress | Error::OutcomeUnknown(_) => true,
             Error::Storage(error) => {
-                crate::store::is_connection_lost(error)
+                is_connection_lost(error)
                     || matches!(
                         error,
                         diesel::result::Error::DatabaseError(
                             diesel::result::DatabaseErrorKind::SerializationFailure,
                             _
-                        )
+                        ) | diesel::result::Error::BrokenTransactionManager
                     )
             }
             _ => false,
         }
+    }
+}
+
+/// Whether `error` says that the connection to the server was lost (or
+/// could not carry the statement): a crash, a failover, a killed session.
+///
+/// diesel reports PostgreSQL's as `ClosedConnection` or
+/// `UnableToSendCommand`, decided by libpq's connection status. MySQL's
+/// arrive as `Unknown` with nothing but the client library's text (diesel
+/// keeps no error number), and the two client libraries spell them
+/// differently: libmysqlclient says "MySQL server has gone away" (2006) and
+/// "Lost connection to MySQL server during query" (2013, and 2055 "... at
+/// '%s', system error"), libmariadb "Server has gone away" and "Lost
+/// connection to server during query"; a server that ends a session says
+/// "Connection was killed" (MariaDB, 1927), "Server shutdown in progress"
+/// (1053) or "The client was disconnected by the server because of
+/// inactivity" (MySQL, 4031). They are matched without regard to case, as
+/// fragments both spellings share. No decision about what committed rests
+/// on this: a failed commit is read by each backend's
+/// `KeyStore::commit_rolled_back`, which never reads a message.
+pub(crate) fn is_connection_lost(error: &diesel::result::Error) -> bool {
+    use diesel::result::{DatabaseErrorKind, Error};
+    const LOST: [&str; 5] = [
+        "server has gone away",
+        "lost connection to",
+        "connection was killed",
+        "server shutdown in progress",
+        "disconnected by the server",
+    ];
+    match error {
+        Error::DatabaseError(DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand, _) => true,
+        Error::DatabaseError(DatabaseErrorKind::Unknown, info) => {
+            let message = info.message().to_ascii_lowercase();
+            LOST.iter().any(|lost| message.contains(lost))
+        }
+        Error::RollbackErrorOnCommit { commit_error, .. } => is_connection_lost(commit_error),
+        _ => false,
     }
 }
 
@@ -196,7 +239,7 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             Error::Operation(error) => error.fmt(f),
             Error::Storage(_) => f.write_str("idempotency storage failed"),
             Error::OutcomeUnknown(_) => f.write_str(
-                "the connection was lost while the result was committing; retry with the same key to learn the outcome",
+                "the commit of the result failed and may have succeeded; retry with the same key to learn the outcome",
             ),
             Error::Codec(_) => f.write_str("json encoding or decoding failed"),
             Error::Parked => f.write_str("the operation was parked and waits for a person"),

@@ -106,9 +106,10 @@ impl Config {
     ///   (rolled back), or a stored response no longer decodes into `R`
     ///   (`op` is not run again).
     /// - [`Error::Storage`]: the database failed; rolled back.
-    /// - [`Error::OutcomeUnknown`]: the connection was lost while the
-    ///   transaction committed; it may or may not have. Retry with the same
-    ///   key and request: the retry replays or executes, never both.
+    /// - [`Error::OutcomeUnknown`]: the commit failed without the database
+    ///   refusing it (usually a lost connection); it may or may not have
+    ///   committed. Retry with the same key and request: the retry replays
+    ///   or executes, never both.
     ///
     /// # Panics
     ///
@@ -286,8 +287,9 @@ impl Config {
         };
         let started = Instant::now();
         // Whether this call's own transaction commits the record: then a
-        // connection lost at the commit leaves the outcome unknown. (A
-        // nested call's savepoint commits nothing by itself.)
+        // commit that fails without the server refusing it leaves the
+        // outcome unknown. (A nested call's savepoint commits nothing by
+        // itself.)
         let commits = store::transaction_depth(conn)? == 0;
         let mut committing = false;
         // A panic in `op` is carried out of the transaction, so that it
@@ -332,7 +334,7 @@ impl Config {
             panic::resume_unwind(payload);
         }
         let result = match result {
-            Err(Error::Storage(error)) if commits && committing && store::is_connection_lost(&error) => {
+            Err(Error::Storage(error)) if commits && committing && !C::commit_rolled_back(&error) => {
                 Err(Error::OutcomeUnknown(error))
             }
             other => other,

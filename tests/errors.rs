@@ -1,5 +1,6 @@
 //! The error type: thread-safe, HTTP mapping, messages and sources.
 
+use std::convert::Infallible;
 use std::error::Error as _;
 
 use diesel::SqliteConnection;
@@ -171,4 +172,44 @@ fn an_invalid_topic_says_why_once() {
     let error = outbox::enqueue(&mut conn, "", &1).expect_err("an empty topic is refused");
     assert_eq!(error.to_string(), "invalid outbox topic: must not be empty");
     assert!(error.source().is_none());
+}
+
+/// A storage error with `message`, as diesel reports a MySQL client error:
+/// with no kind, only the client library's text.
+fn unknown_database_error(message: &str) -> Error {
+    Error::Storage(diesel::result::Error::DatabaseError(
+        diesel::result::DatabaseErrorKind::Unknown,
+        Box::new(message.to_owned()),
+    ))
+}
+
+#[test]
+fn a_lost_connection_is_retryable_in_every_client_librarys_spelling() {
+    for message in [
+        // libmysqlclient
+        "MySQL server has gone away",
+        "Lost connection to MySQL server during query",
+        "Lost connection to MySQL server at 'reading initial communication packet', system error: 104",
+        // libmariadb
+        "Server has gone away",
+        "Lost connection to server during query",
+        "Lost connection to server at 'handshake: reading initial communication packet', system error: 104",
+        // the server, ending the session
+        "Connection was killed",
+        "Server shutdown in progress",
+        "The client was disconnected by the server because of inactivity.",
+    ] {
+        assert!(unknown_database_error(message).is_retryable(), "{message}");
+    }
+    for message in [
+        "Duplicate entry 'a' for key 'PRIMARY'",
+        "Unknown column 'b' in 'field list'",
+    ] {
+        assert!(!unknown_database_error(message).is_retryable(), "{message}");
+    }
+}
+
+#[test]
+fn a_connection_that_can_run_no_more_transactions_is_retryable() {
+    assert!(Error::<Infallible>::Storage(diesel::result::Error::BrokenTransactionManager).is_retryable());
 }

@@ -615,8 +615,9 @@ impl<C: PhaseStore> Steps<'_, C> {
             created_at: now,
             updated_at: now,
         });
-        // Set once `work` is done: a connection lost after it was lost while
-        // the step committed, and the step may or may not have committed.
+        // Set once `work` is done: what fails after it is the step's commit,
+        // and unless the server refused the commit, the step may or may not
+        // have committed.
         let mut committing = false;
         // A panic in `work` (the application's step) is caught inside the
         // transaction, which then rolls back as for an error, and goes on
@@ -644,9 +645,7 @@ impl<C: PhaseStore> Steps<'_, C> {
         }
         let result = result.map_err(|error| match error {
             Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
-            Error::Storage(storage) if committing && store::is_connection_lost(&storage) => {
-                Error::OutcomeUnknown(storage)
-            }
+            Error::Storage(storage) if committing && !C::commit_rolled_back(&storage) => Error::OutcomeUnknown(storage),
             other => other,
         })?;
         match (&mut self.held, claim) {

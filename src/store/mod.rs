@@ -371,6 +371,14 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     #[doc(hidden)]
     fn is_in_flight_timeout(error: &diesel::result::Error) -> bool;
 
+    /// Whether `error`, returned by the commit of a top-level transaction,
+    /// proves that the transaction rolled back: the server answered the
+    /// `COMMIT` with a refusal. Any other failure of a commit (the
+    /// connection lost on the way, an answer that never came, a text that
+    /// proves nothing) leaves the outcome unknown.
+    #[doc(hidden)]
+    fn commit_rolled_back(error: &diesel::result::Error) -> bool;
+
     /// Returns once everything this connection has seen is safe on the
     /// database's synchronous standbys: outside a transaction by a commit
     /// of its own that waits for them; inside one by making the enclosing
@@ -415,24 +423,6 @@ pub(crate) fn hold_by_claiming<C: KeyStore>(conn: &mut C, record: &Record<'_>) -
         Some(stored) => Ok(Hold::Taken(stored)),
         // Purged between the claim and this read, so free now.
         None => Ok(conn.claim(record)?.hold().unwrap_or(Hold::Busy)),
-    }
-}
-
-/// Whether `error` says that the connection to the server was lost (or
-/// could not carry the statement): a crash, a failover, a killed session.
-/// diesel reports PostgreSQL's as `ClosedConnection` or
-/// `UnableToSendCommand`; MySQL's arrive as unknown errors with the client
-/// library's text.
-pub(crate) fn is_connection_lost(error: &diesel::result::Error) -> bool {
-    use diesel::result::{DatabaseErrorKind, Error};
-    match error {
-        Error::DatabaseError(DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand, _) => true,
-        Error::DatabaseError(DatabaseErrorKind::Unknown, info) => {
-            let message = info.message();
-            message.contains("Lost connection to") || message.contains("server has gone away")
-        }
-        Error::RollbackErrorOnCommit { commit_error, .. } => is_connection_lost(commit_error),
-        _ => false,
     }
 }
 

@@ -414,6 +414,21 @@ impl KeyStore for MysqlConnection {
         Ok(())
     }
 
+    fn commit_rolled_back(error: &DieselError) -> bool {
+        // Only the kinds diesel derives from the server's error numbers
+        // prove that the server answered (a deadlock or a constraint that
+        // refused the commit). Everything else arrives as `Unknown` with the
+        // client library's text, connection losses among them, spelled
+        // differently by libmysqlclient and libmariadb: no text is trusted
+        // to say that nothing committed.
+        match error {
+            DieselError::DatabaseError(DatabaseErrorKind::Unknown, _) => false,
+            DieselError::DatabaseError(..) => true,
+            DieselError::RollbackErrorOnCommit { commit_error, .. } => Self::commit_rolled_back(commit_error),
+            _ => false,
+        }
+    }
+
     fn is_in_flight_timeout(error: &DieselError) -> bool {
         // diesel does not expose MySQL's error numbers (1205 here) but as
         // their kinds, and this one has none: only the server's message,

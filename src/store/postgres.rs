@@ -222,6 +222,24 @@ impl KeyStore for PgConnection {
             if info.message().contains("lock timeout") || info.message().contains("statement timeout"))
     }
 
+    fn commit_rolled_back(error: &DieselError) -> bool {
+        // diesel reads libpq's connection status after a failed statement:
+        // with the connection still up, the server answered the COMMIT with
+        // an error, and a transaction whose commit reports an error has
+        // rolled back (a commit that has to give up waiting for standbys
+        // still succeeds, with a warning). A connection that went down may
+        // have taken the commit's answer with it.
+        match error {
+            DieselError::DatabaseError(
+                DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand,
+                _,
+            ) => false,
+            DieselError::DatabaseError(..) => true,
+            DieselError::RollbackErrorOnCommit { commit_error, .. } => Self::commit_rolled_back(commit_error),
+            _ => false,
+        }
+    }
+
     fn await_replication(&mut self) -> QueryResult<()> {
         // A commit waits for the synchronous standbys only if its
         // transaction wrote to the log before committing: a transaction id

@@ -215,6 +215,19 @@ impl KeyStore for SqliteConnection {
             if info.message().contains("database is locked"))
     }
 
+    fn commit_rolled_back(error: &DieselError) -> bool {
+        // A constraint checked at the commit, or the write lock not had in
+        // time (the transaction stays open for the rollback that follows),
+        // refuses it. An I/O error does not prove as much: in WAL mode the
+        // frames that commit may be written when the sync after them fails.
+        match error {
+            DieselError::DatabaseError(DatabaseErrorKind::Unknown, _) => Self::is_in_flight_timeout(error),
+            DieselError::DatabaseError(..) => true,
+            DieselError::RollbackErrorOnCommit { commit_error, .. } => Self::commit_rolled_back(commit_error),
+            _ => false,
+        }
+    }
+
     fn await_replication(&mut self) -> QueryResult<()> {
         Ok(())
     }

@@ -150,6 +150,9 @@ pub trait TestDb: Sized + Sync {
     /// The stored request fingerprints of all key records.
     fn request_hashes(conn: &mut Self::Conn) -> Vec<String>;
 
+    /// The keys of the key records in `scope`.
+    fn keys_in_scope(conn: &mut Self::Conn, scope: &str) -> Vec<String>;
+
     /// The outbox messages, in id order.
     fn outbox_messages(conn: &mut Self::Conn) -> Vec<OutboxRow>;
 
@@ -168,6 +171,29 @@ pub trait TestDb: Sized + Sync {
             .is_some()
     }
 }
+
+/// A database on a server, whose sessions a test can end as a crash, an
+/// operator or a failover would.
+pub trait ServerDb: TestDb {
+    /// The server's id of the session that `conn` holds.
+    fn session_id(conn: &mut Self::Conn) -> i64;
+
+    /// Ends session `id` from `admin`, whatever it is doing; a session that
+    /// is already gone is no error.
+    fn kill_session(admin: &mut Self::Conn, id: i64);
+}
+
+/// As [`backend_tests!`], for the backends with a server: PostgreSQL and
+/// MySQL, as their features are enabled.
+macro_rules! server_backend_tests {
+    ($($test:ident),+ $(,)?) => {
+        #[cfg(feature = "postgres")]
+        $crate::common::backend_tests!(@backend postgres, $crate::common::pg::Db, $($test),+);
+        #[cfg(feature = "mysql")]
+        $crate::common::backend_tests!(@backend mysql, $crate::common::mysql::Db, $($test),+);
+    };
+}
+pub(crate) use server_backend_tests;
 
 /// The name of test `name` of backend `D`, as the test harness knows it: for
 /// a test that runs itself again in a child process.

@@ -124,6 +124,14 @@ impl TestDb for Db {
             .expect("read the key records")
     }
 
+    fn keys_in_scope(conn: &mut MysqlConnection, scope: &str) -> Vec<String> {
+        idempotency_keys::table
+            .filter(idempotency_keys::scope.eq(scope))
+            .select(idempotency_keys::idempotency_key)
+            .load(conn)
+            .expect("read the key records")
+    }
+
     fn outbox_messages(conn: &mut MysqlConnection) -> Vec<OutboxRow> {
         use idempotency_outbox as o;
         o::table
@@ -162,6 +170,22 @@ impl Drop for Db {
     fn drop(&mut self) {
         if let Ok(mut admin) = MysqlConnection::establish(&self.base_url) {
             let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {}", self.name));
+        }
+    }
+}
+
+impl super::ServerDb for Db {
+    fn session_id(conn: &mut MysqlConnection) -> i64 {
+        i64::try_from(connection_id(conn)).expect("a connection id within i64")
+    }
+
+    fn kill_session(admin: &mut MysqlConnection, id: i64) {
+        // ER_NO_SUCH_THREAD (1094) for a session that has ended meanwhile.
+        if let Err(error) = admin.batch_execute(&format!("KILL CONNECTION {id}")) {
+            assert!(
+                error.to_string().contains("Unknown thread id"),
+                "kill session {id}: {error}"
+            );
         }
     }
 }

@@ -98,6 +98,14 @@ impl TestDb for Db {
             .expect("read the key records")
     }
 
+    fn keys_in_scope(conn: &mut PgConnection, scope: &str) -> Vec<String> {
+        idempotency_keys::table
+            .filter(idempotency_keys::scope.eq(scope))
+            .select(idempotency_keys::idempotency_key)
+            .load(conn)
+            .expect("read the key records")
+    }
+
     fn outbox_messages(conn: &mut PgConnection) -> Vec<OutboxRow> {
         use idempotency_outbox as o;
         o::table
@@ -130,6 +138,19 @@ impl Drop for Db {
         if let Ok(mut admin) = PgConnection::establish(&self.base_url) {
             let _ = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema));
         }
+    }
+}
+
+impl super::ServerDb for Db {
+    fn session_id(conn: &mut PgConnection) -> i64 {
+        backend_pid(conn).into()
+    }
+
+    fn kill_session(admin: &mut PgConnection, id: i64) {
+        diesel::sql_query("SELECT pg_terminate_backend($1)")
+            .bind::<diesel::sql_types::Integer, _>(i32::try_from(id).expect("a backend pid"))
+            .execute(admin)
+            .expect("terminate a backend");
     }
 }
 

@@ -92,6 +92,14 @@ impl TestDb for Db {
             .expect("read the key records")
     }
 
+    fn keys_in_scope(conn: &mut SqliteConnection, scope: &str) -> Vec<String> {
+        idempotency_keys::table
+            .filter(idempotency_keys::scope.eq(scope))
+            .select(idempotency_keys::idempotency_key)
+            .load(conn)
+            .expect("read the key records")
+    }
+
     fn outbox_messages(conn: &mut SqliteConnection) -> Vec<OutboxRow> {
         use idempotency_outbox as o;
         o::table
