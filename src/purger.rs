@@ -158,7 +158,7 @@ impl Purger {
                 Err(error) => {
                     purged.errors += 1;
                     let wait = backoff.failed();
-                    telemetry::service_error("purger", &error, wait);
+                    telemetry::service_error("purger", &*error, wait);
                     shutdown.wait(wait);
                 }
             }

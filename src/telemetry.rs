@@ -130,10 +130,12 @@ impl CallTrace {
             }
             Error::Operation(_) => debug!(target: TARGET, parent: span, "operation failed; rolled back"),
             Error::Storage(cause) => {
-                error!(target: TARGET, parent: span, error = %cause, "storage failed; rolled back")
+                let error = Causes(cause);
+                error!(target: TARGET, parent: span, %error, "storage failed; rolled back")
             }
             Error::OutcomeUnknown(cause) => {
-                warn!(target: TARGET, parent: span, error = %cause, "connection lost while committing; outcome unknown");
+                let error = Causes(cause);
+                warn!(target: TARGET, parent: span, %error, "commit failed; outcome unknown");
             }
             Error::Parked => warn!(target: TARGET, parent: span, "operation parked"),
             Error::PhaseRenamed { position, .. } => {
@@ -314,8 +316,27 @@ pub(crate) fn purge_batch(table: &'static str, rows: usize, elapsed: Duration) {
 
 /// A background service met a database error and waits before it tries
 /// again.
-pub(crate) fn service_error(service: &'static str, cause: &dyn std::fmt::Display, retry_in: Duration) {
-    warn!(target: TARGET, service, error = %cause, retry_in_ms = millis(retry_in), "database error; retrying");
+pub(crate) fn service_error(service: &'static str, cause: &(dyn std::error::Error + 'static), retry_in: Duration) {
+    let error = Causes(cause);
+    warn!(target: TARGET, service, %error, retry_in_ms = millis(retry_in), "database error; retrying");
+}
+
+/// An error and every error in its `source()` chain, joined by `": "`: the
+/// whole cause in one log field, down to the database's own message. The
+/// crate's errors never carry a request, response or payload, so neither
+/// does this.
+pub(crate) struct Causes<'a>(pub(crate) &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Causes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
 }
 
 /// The outbox's backlog gauges.

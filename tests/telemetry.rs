@@ -20,9 +20,9 @@ use std::time::{Duration as StdDuration, Instant};
 use chrono::Duration;
 use diesel::connection::SimpleConnection;
 use idempotency::outbox::{self, Message, Relay};
-use idempotency::phased::Phased;
+use idempotency::phased::{Completer, Phased};
 use idempotency::testing::ManualClock;
-use idempotency::{Config, Error, InFlight, RawConnection, Shutdown};
+use idempotency::{Config, Error, InFlight, Purger, RawConnection, Shutdown};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Level, Subscriber};
@@ -36,6 +36,7 @@ common::backend_tests!(
     relay_and_purge_decisions_are_events_without_payload_text,
     refused_key_that_looks_like_a_card_number_is_never_traced,
     relay_on_a_pool_without_a_connection_to_spare_says_it_does_not_listen,
+    services_log_the_whole_cause_of_a_database_error,
 );
 
 /// In every request, response, payload and handler error.
@@ -489,5 +490,53 @@ fn relay_on_a_pool_without_a_connection_to_spare_says_it_does_not_listen<D: Test
         assert_eq!((warned[0].field("pool_size"), warned[0].field("workers")), ("1", "1"));
     } else {
         assert!(warned.is_empty(), "{warned:?}");
+    }
+}
+
+/// Runs `service` on a thread of its own, with `capture` as its subscriber,
+/// until it reports a database error; returns that event.
+fn first_service_error(capture: &Capture, service: impl FnOnce(&Shutdown) + Send) -> Captured {
+    let shutdown = Shutdown::new();
+    thread::scope(|s| {
+        s.spawn(|| capture.run(|| service(&shutdown)));
+        let deadline = Instant::now() + PATIENCE;
+        let event = loop {
+            if let Some(event) = capture.events("database error; retrying").into_iter().next() {
+                break event;
+            }
+            if Instant::now() > deadline {
+                shutdown.trigger();
+                panic!("the service reported no database error: {:?}", capture.all());
+            }
+            thread::sleep(StdDuration::from_millis(5));
+        };
+        shutdown.trigger();
+        event
+    })
+}
+
+fn services_log_the_whole_cause_of_a_database_error<D: TestDb>() {
+    let db = D::new();
+    db.conn()
+        .batch_execute("DROP TABLE idempotency_keys; DROP TABLE idempotency_phases; DROP TABLE idempotency_outbox")
+        .expect("drop the tables the services work on");
+    let pool = db.pool(2);
+    let services = [
+        ("purger", "idempotency_keys"),
+        ("completer", "idempotency_phases"),
+        ("relay", "idempotency_outbox"),
+    ];
+    for (service, table) in services {
+        let capture = Capture::default();
+        let event = first_service_error(&capture, |shutdown| match service {
+            "purger" => drop(Purger::default().run(&pool, shutdown)),
+            "completer" => drop(Completer::<D::Conn>::new().run(&pool, shutdown)),
+            _ => drop(Relay::default().run(&pool, |_| Ok::<_, String>(()), shutdown)),
+        });
+        assert_eq!((event.level, event.field("service")), (Level::WARN, service));
+        // The database's own message names the missing table; the crate's
+        // errors alone do not.
+        let error = event.field("error");
+        assert!(error.contains(table), "{service} logged {error:?}");
     }
 }

@@ -149,9 +149,18 @@ enum ServiceError {
 impl fmt::Display for ServiceError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ServiceError::Pool(error) => write!(f, "no database connection: {error}"),
-            ServiceError::Outbox(Error::Storage(error)) => write!(f, "{error}"),
-            ServiceError::Outbox(error) => write!(f, "{error}"),
+            ServiceError::Pool(_) => f.write_str("no database connection"),
+            ServiceError::Outbox(error) => error.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for ServiceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ServiceError::Pool(error) => Some(error),
+            // Shown as this error itself, so the chain goes on with its source.
+            ServiceError::Outbox(error) => error.source(),
         }
     }
 }

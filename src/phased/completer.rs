@@ -372,8 +372,8 @@ where
         while !shutdown.is_triggered() {
             let pass = match checkout(pool, shutdown, pool.connection_timeout()) {
                 Ok(None) => break,
-                Ok(Some(mut conn)) => self.run_once(&mut *conn).map_err(|error| error.to_string()),
-                Err(error) => Err(error.to_string()),
+                Ok(Some(mut conn)) => self.run_once(&mut *conn).map_err(Box::<dyn std::error::Error>::from),
+                Err(error) => Err(error.into()),
             };
             match pass {
                 Ok(report) => {
@@ -386,7 +386,7 @@ where
                 Err(error) => {
                     total.errors += 1;
                     let wait = backoff.failed();
-                    telemetry::service_error("completer", &error, wait);
+                    telemetry::service_error("completer", &*error, wait);
                     shutdown.wait(wait);
                 }
             }
