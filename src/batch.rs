@@ -49,11 +49,11 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::backend::StoreConnection;
 use crate::config::Config;
 use crate::error::{Error, KeyError};
 use crate::key;
 use crate::outcome::Outcome;
-use crate::store::StoreConnection;
 
 /// An item of a batch job: the request of its idempotent call, with an id
 /// that stays the same from one run of the job to the next.

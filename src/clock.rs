@@ -14,7 +14,7 @@ use std::time::Instant;
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use diesel::QueryResult;
 
-use crate::store::KeyStore;
+use crate::backend::KeyStore;
 
 /// A time source injected with `Config::clock` or `Relay::clock`.
 pub(crate) type Source = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;

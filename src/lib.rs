@@ -107,6 +107,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+mod backend;
 pub mod batch;
 mod clock;
 mod codec;
@@ -116,8 +117,8 @@ mod fingerprint;
 #[cfg(feature = "axum")]
 pub mod http;
 mod id;
+mod in_flight;
 pub mod key;
-mod migrate;
 pub mod outbox;
 mod outcome;
 pub mod phased;
@@ -126,20 +127,20 @@ mod repository;
 mod run;
 mod schema;
 mod shutdown;
-mod store;
 mod telemetry;
 #[cfg(feature = "sqlite")]
 pub mod testing;
 
-pub use config::{Config, InFlight};
+pub use backend::migrate::{MIGRATIONS, Migrations, run_migrations};
+pub use backend::{RawConnection, StoreConnection};
+pub use config::Config;
 pub use error::{Error, KeyError};
-pub use migrate::{MIGRATIONS, Migrations, run_migrations};
+pub use in_flight::InFlight;
 pub use outcome::{Outcome, Recorded};
 pub use purger::{Purged, Purger};
 pub use repository::Idempotent;
 pub use run::run_idempotent;
 pub use shutdown::Shutdown;
-pub use store::{RawConnection, StoreConnection};
 #[cfg(feature = "metrics")]
 pub use telemetry::describe_metrics;
 

@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 
+use crate::backend::StoreConnection;
 use crate::config::Config;
 use crate::outbox::Relay;
 use crate::shutdown::{ErrorBackoff, Shutdown, checkout};
-use crate::store::StoreConnection;
 use crate::telemetry;
 
 /// Deletes expired key records, completed phased operations past their

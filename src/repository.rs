@@ -3,10 +3,10 @@
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::backend::StoreConnection;
 use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::Outcome;
-use crate::store::StoreConnection;
 
 /// Makes a repository function such as
 /// `fn create_order(conn: &mut PgConnection, order: &NewOrder) -> QueryResult<Order>`

@@ -8,10 +8,10 @@ use chrono::{Duration, NaiveDateTime, SubsecRound};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::backend::{self, COMPLETED, Hold, KeyStore, PROCESSING, Read, Record, StoreConnection, Stored};
 use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::{Outcome, Recorded};
-use crate::store::{self, COMPLETED, Hold, KeyStore, PROCESSING, Read, Record, StoreConnection, Stored};
 use crate::telemetry::CallTrace;
 use crate::{codec, fingerprint, key};
 
@@ -290,7 +290,7 @@ impl Config {
         // commit that fails without the server refusing it leaves the
         // outcome unknown. (A nested call's savepoint commits nothing by
         // itself.)
-        let commits = store::transaction_depth(conn)? == 0;
+        let commits = backend::transaction_depth(conn)? == 0;
         let mut committing = false;
         // A panic in `op` is carried out of the transaction, so that it
         // rolls back before the panic goes on.
@@ -311,7 +311,7 @@ impl Config {
                 }
                 hold => hold,
             };
-            let value = store::catching_panic(tx, &mut panicked, op)?.map_err(Error::Operation)?;
+            let value = backend::catching_panic(tx, &mut panicked, op)?.map_err(Error::Operation)?;
             let response = codec::to_replayable_json(&value).map_err(Error::Codec)?;
             let elapsed = Duration::from_std(started.elapsed()).unwrap_or(Duration::zero());
             tx.store(

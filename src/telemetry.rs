@@ -339,18 +339,16 @@ impl std::fmt::Display for Causes<'_> {
     }
 }
 
-/// The outbox's backlog gauges.
+/// The outbox's backlog gauges: pending messages, those due now, dead ones,
+/// and how long the oldest pending one has waited.
 #[cfg_attr(not(feature = "metrics"), allow(unused_variables))]
-pub(crate) fn backlog(stats: &crate::outbox::Stats) {
+pub(crate) fn backlog(pending: u64, due_now: u64, dead: u64, oldest_pending_age: Option<chrono::Duration>) {
     #[cfg(feature = "metrics")]
     {
-        metrics::gauge!("idempotency_outbox_pending").set(stats.pending as f64);
-        metrics::gauge!("idempotency_outbox_due").set(stats.due_now as f64);
-        metrics::gauge!("idempotency_outbox_dead").set(stats.dead as f64);
-        let age = stats
-            .oldest_pending_age
-            .and_then(|age| age.to_std().ok())
-            .unwrap_or_default();
+        metrics::gauge!("idempotency_outbox_pending").set(pending as f64);
+        metrics::gauge!("idempotency_outbox_due").set(due_now as f64);
+        metrics::gauge!("idempotency_outbox_dead").set(dead as f64);
+        let age = oldest_pending_age.and_then(|age| age.to_std().ok()).unwrap_or_default();
         metrics::gauge!("idempotency_outbox_oldest_pending_age_seconds").set(age.as_secs_f64());
     }
 }

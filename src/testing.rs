@@ -430,7 +430,7 @@ where
 {
     let conn = conn.raw();
     let before = snapshot(conn);
-    let depth = crate::store::transaction_depth(conn).expect("read the transaction state");
+    let depth = crate::backend::transaction_depth(conn).expect("read the transaction state");
     let mut crashed = false;
     let call = panic::catch_unwind(AssertUnwindSafe(|| {
         Config::default().run(conn, scope, key, request, |tx| match op(tx, request) {
@@ -448,7 +448,7 @@ where
         Ok(Err(error)) => panic!("crash_midway: the call failed before the crash: {error:?}"),
     }
     assert_eq!(
-        crate::store::transaction_depth(conn).expect("read the transaction state"),
+        crate::backend::transaction_depth(conn).expect("read the transaction state"),
         depth,
         "crash_midway: the connection was not left as deep in transactions as it was before"
     );

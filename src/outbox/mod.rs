@@ -104,21 +104,13 @@ use chrono::{DateTime, NaiveDateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::backend::{KeyStore, StoreConnection};
 use crate::error::KeyError;
-use crate::store::{KeyStore, StoreConnection};
 
-#[cfg(feature = "mysql")]
-mod mysql;
-#[cfg(feature = "postgres")]
-mod postgres;
 mod relay;
-#[cfg(feature = "sqlite")]
-mod sqlite;
-mod store;
 
+use crate::backend::outbox::{NewMessage, OutboxStore, Settlement};
 pub use relay::{Relay, Summary};
-pub(crate) use store::OutboxStore;
-use store::{NewMessage, Settlement};
 
 /// The longest topic accepted, in bytes.
 const MAX_TOPIC_LEN: usize = 255;

@@ -11,13 +11,13 @@ use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use diesel::r2d2::{ConnectionManager, Pool, PoolError, R2D2Connection};
 use tracing::{Dispatch, Span};
 
-use super::store::{Claimed, Due, OutboxStore, Settlement};
 use super::{DeadLetter, Error, Message, Report, Stats};
+use crate::backend::outbox::{Claimed, Due, OutboxStore, Settlement};
+use crate::backend::{self, KeyStore, RawConnection, StoreConnection};
 use crate::clock::{Clock, Reading, assert_duration};
-use crate::config::InFlight;
 use crate::id;
+use crate::in_flight::InFlight;
 use crate::shutdown::{ErrorBackoff, Shutdown, checkout};
-use crate::store::{self, KeyStore, RawConnection, StoreConnection};
 use crate::telemetry;
 
 /// The most of a handler's error text kept on a message, in bytes.
@@ -744,7 +744,7 @@ impl Relay {
             due_now: count(backlog.due),
             dead: count(backlog.dead),
         };
-        telemetry::backlog(&stats);
+        telemetry::backlog(stats.pending, stats.due_now, stats.dead, stats.oldest_pending_age);
         Ok(stats)
     }
 
@@ -872,7 +872,7 @@ impl Relay {
         let conn = conn.raw();
         // One fixed cut-off, so the loop ends while deliveries go on.
         let cutoff = self.clock.now(conn)? - self.retention;
-        let purged = store::purge_in_batches("idempotency_outbox", batch_size, stop, |limit| {
+        let purged = backend::purge_in_batches("idempotency_outbox", batch_size, stop, |limit| {
             conn.write(WRITE_LOCK_WAIT, |tx| tx.purge_delivered_batch(cutoff, limit))
         })?;
         Ok(purged)

@@ -9,13 +9,13 @@ use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use serde::de::DeserializeOwned;
 
 use super::steps::without_unfinished_call;
-use super::store::{PARKED, ParkedRow};
+use crate::backend::phases::{PARKED, ParkedRow};
+use crate::backend::{RawConnection, StoreConnection};
 use crate::clock::{Clock, assert_duration};
-use crate::config::InFlight;
 use crate::error::Error;
+use crate::in_flight::InFlight;
 use crate::outcome::Outcome;
 use crate::shutdown::{ErrorBackoff, Shutdown, checkout};
-use crate::store::{RawConnection, StoreConnection};
 use crate::telemetry;
 
 /// How long other completers pass over an operation one has picked, unless

@@ -149,15 +149,7 @@
 //! request for the completer, and a provider that deduplicates.
 
 mod completer;
-#[cfg(feature = "mysql")]
-mod mysql;
-#[cfg(feature = "postgres")]
-mod postgres;
-#[cfg(feature = "sqlite")]
-mod sqlite;
 mod steps;
-pub(crate) mod store;
 
 pub use completer::{Completer, Parked, Report};
 pub use steps::{Finished, Phased, Steps};
-pub(crate) use store::PhaseStore;

@@ -9,12 +9,12 @@ use chrono::{Duration, NaiveDateTime};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::store::{COMPLETED, Lease, NewOperation, OperationRow, PARKED, PhaseStore, RUNNING};
+use crate::backend::phases::{COMPLETED, Lease, NewOperation, OperationRow, PARKED, PhaseStore, RUNNING};
+use crate::backend::{self, KeyStore, RawConnection, StoreConnection, transaction_depth};
 use crate::clock::{Reading, assert_duration};
 use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::Outcome;
-use crate::store::{self, KeyStore, RawConnection, StoreConnection, transaction_depth};
 use crate::telemetry::CallTrace;
 use crate::{codec, fingerprint, id, key, telemetry};
 
@@ -636,7 +636,7 @@ impl<C: PhaseStore> Steps<'_, C> {
                         return Err(Error::InProgress);
                     }
                 }
-                let value = store::catching_panic(tx, &mut panicked, |tx| work(tx, &mut points, now))??;
+                let value = backend::catching_panic(tx, &mut panicked, |tx| work(tx, &mut points, now))??;
                 committing = true;
                 Ok(value)
             });

@@ -114,7 +114,7 @@ pub trait TestDb: Sized + Sync {
 
     /// Whether a top-level call writes its key record once, after the
     /// operation. MySQL claims every key before the operation and completes
-    /// the record after it (see the crate's `store::mysql`).
+    /// the record after it (see the crate's `backend::mysql`).
     const WRITES_KEY_RECORD_ONCE: bool = true;
 
     /// A new, empty database of its own, migrated; gone when dropped.

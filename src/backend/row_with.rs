@@ -20,7 +20,7 @@ use diesel::serialize::ToSql;
 use diesel::sql_types::{HasSqlType, Nullable, SingleValue, Text};
 
 use super::Stored;
-use crate::phased::store::OperationRow;
+use crate::backend::phases::OperationRow;
 
 /// The first column of a [`RowWith`] query, in the SQL of its backend.
 pub(crate) trait Head: 'static {

@@ -7,9 +7,9 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use super::store::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
+use crate::backend::outbox::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
+use crate::backend::sql_limit;
 use crate::schema::idempotency_outbox as o;
-use crate::store::sql_limit;
 
 impl OutboxStore for SqliteConnection {
     fn claim_batch(
@@ -61,5 +61,5 @@ impl OutboxStore for SqliteConnection {
         .execute(self)
     }
 
-    super::store::shared_queries!(crate::schema);
+    crate::backend::outbox::shared_queries!(crate::schema);
 }

@@ -1,5 +1,10 @@
-//! Where key records live: the connection types this crate accepts and, per
-//! backend, the few statements whose SQL or transaction handling differs.
+//! The backends: the connection types this crate accepts and everything
+//! each database does, one folder per database (`sqlite/`, `postgres/`,
+//! `mysql/`: its connection impls, how it holds a key, its clock, and its
+//! key, outbox and phase statements). What the backends share is written
+//! once here: the key records (this file), the outbox's statements
+//! ([`outbox`]) and the phased operations' ([`phases`]), with the traits
+//! every backend implements.
 //!
 //! A call writes its key record once, completed, after the operation: the
 //! write transaction first holds the key (SQLite: the database's write lock;
@@ -12,12 +17,6 @@
 //! the key with a guarded insert before the operation and completes the
 //! record after it. Either way the primary key backs the lock: a writer that
 //! got past it cannot commit a second record.
-//!
-//! Everything the backends share is written once here with diesel's DSL;
-//! `sqlite.rs`, `postgres.rs` and `mysql.rs` hold what differs: how the
-//! write transaction is opened and the key held, how a wait that ran out is
-//! recognised, which path a transaction takes, and how a purge batch picks
-//! its rows.
 
 use std::time::Instant;
 
@@ -26,9 +25,7 @@ use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 
-use crate::config::InFlight;
-use crate::outbox::OutboxStore;
-use crate::phased::PhaseStore;
+use crate::in_flight::InFlight;
 use crate::schema::idempotency_keys;
 use crate::telemetry;
 
@@ -42,7 +39,7 @@ use crate::telemetry;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 macro_rules! shared_queries {
     ($($schema:tt)+) => {
-        fn find(&mut self, scope: &str, key: &str) -> diesel::QueryResult<Option<$crate::store::Stored>> {
+        fn find(&mut self, scope: &str, key: &str) -> diesel::QueryResult<Option<$crate::backend::Stored>> {
             use $($schema)+::idempotency_keys as k;
             use diesel::prelude::*;
             // A primary key lookup needs no LIMIT; a bound LIMIT would make
@@ -56,11 +53,11 @@ macro_rules! shared_queries {
 
         fn store(
             &mut self,
-            hold: $crate::store::Hold,
-            record: &$crate::store::Record<'_>,
+            hold: $crate::backend::Hold,
+            record: &$crate::backend::Record<'_>,
         ) -> diesel::QueryResult<()> {
             use $($schema)+::idempotency_keys as k;
-            use crate::store::Hold;
+            use crate::backend::Hold;
             use diesel::prelude::*;
             let completed = (
                 k::request_hash.eq(record.request_hash),
@@ -114,14 +111,20 @@ macro_rules! shared_queries {
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use shared_queries;
 
+pub(crate) mod migrate;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;
+pub(crate) mod outbox;
+pub(crate) mod phases;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) mod row_with;
 #[cfg(feature = "sqlite")]
 mod sqlite;
+
+pub(crate) use outbox::OutboxStore;
+pub(crate) use phases::PhaseStore;
 
 pub(crate) const PROCESSING: &str = "processing";
 pub(crate) const COMPLETED: &str = "completed";
@@ -285,6 +288,7 @@ pub enum Hold {
 }
 
 /// `at`, moved into the years `first..=last`.
+#[cfg(any(feature = "sqlite", feature = "mysql"))]
 pub(crate) fn within_years(at: NaiveDateTime, first: i32, last: i32) -> NaiveDateTime {
     let day = |year, month, date| NaiveDate::from_ymd_opt(year, month, date).expect("a calendar date");
     let earliest = day(first, 1, 1).and_time(NaiveTime::MIN);

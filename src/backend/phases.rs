@@ -1,4 +1,5 @@
-//! Where operations in phases live, per backend.
+//! Where operations in phases live: the statements every backend
+//! implements.
 //!
 //! Every write of an attempt is guarded by its lease token, so an attempt
 //! whose lease was taken over changes nothing. The statements are the same
@@ -10,8 +11,8 @@ use chrono::NaiveDateTime;
 use diesel::QueryResult;
 use diesel::prelude::*;
 
+use crate::backend::KeyStore;
 use crate::schema::idempotency_phases;
-use crate::store::KeyStore;
 
 pub(crate) const RUNNING: &str = "running";
 pub(crate) const COMPLETED: &str = "completed";
@@ -177,7 +178,7 @@ pub trait PhaseStore: KeyStore {
 
 /// The methods of [`PhaseStore`] whose DSL is the same on every backend,
 /// expanded into each backend's impl against its schema module (see
-/// `crate::store::shared_queries` for why a macro rather than generic
+/// `crate::backend::shared_queries` for why a macro rather than generic
 /// functions): `shared_queries!(crate::schema)`, or `shared_queries!(strict
 /// ...)` where a duplicate key must fail the insert rather than be ignored.
 macro_rules! shared_queries {
@@ -186,16 +187,16 @@ macro_rules! shared_queries {
     // with a warning: a plain `INSERT`, whose duplicate-key error means the
     // key is taken. (MySQL goes on with the transaction after it.)
     (strict $($schema:tt)+) => {
-        $crate::phased::store::shared_queries!(@statements $($schema)+);
+        $crate::backend::phases::shared_queries!(@statements $($schema)+);
 
         fn insert_operation(
             &mut self,
-            operation: &$crate::phased::store::NewOperation<'_>,
+            operation: &$crate::backend::phases::NewOperation<'_>,
         ) -> diesel::QueryResult<bool> {
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             use diesel::result::{DatabaseErrorKind, Error};
-            let insert = diesel::insert_into(p::table).values($crate::phased::store::operation_values!(p, operation));
+            let insert = diesel::insert_into(p::table).values($crate::backend::phases::operation_values!(p, operation));
             match insert.execute(self) {
                 Ok(_) => Ok(true),
                 Err(Error::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) => Ok(false),
@@ -210,7 +211,7 @@ macro_rules! shared_queries {
             key: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<usize> {
-            use crate::phased::store::COMPLETED;
+            use crate::backend::phases::COMPLETED;
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             diesel::delete(
@@ -224,11 +225,11 @@ macro_rules! shared_queries {
 
         fn take_over(
             &mut self,
-            lease: $crate::phased::store::Lease<'_>,
+            lease: $crate::backend::phases::Lease<'_>,
             until: chrono::NaiveDateTime,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
-            use crate::phased::store::RUNNING;
+            use crate::backend::phases::RUNNING;
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let free = p::table
@@ -248,12 +249,12 @@ macro_rules! shared_queries {
 
         fn save_points(
             &mut self,
-            lease: $crate::phased::store::Lease<'_>,
+            lease: $crate::backend::phases::Lease<'_>,
             points: &str,
             until: chrono::NaiveDateTime,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
-            use crate::phased::store::RUNNING;
+            use crate::backend::phases::RUNNING;
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let held = p::table
@@ -272,13 +273,13 @@ macro_rules! shared_queries {
 
         fn complete_operation(
             &mut self,
-            lease: $crate::phased::store::Lease<'_>,
+            lease: $crate::backend::phases::Lease<'_>,
             points: &str,
             response: &str,
             expires_at: chrono::NaiveDateTime,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
-            use crate::phased::store::{COMPLETED, RUNNING};
+            use crate::backend::phases::{COMPLETED, RUNNING};
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let held = p::table
@@ -301,11 +302,11 @@ macro_rules! shared_queries {
 
         fn release_operation(
             &mut self,
-            lease: $crate::phased::store::Lease<'_>,
+            lease: $crate::backend::phases::Lease<'_>,
             error: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
-            use crate::phased::store::RUNNING;
+            use crate::backend::phases::RUNNING;
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let held = p::table
@@ -326,11 +327,11 @@ macro_rules! shared_queries {
 
         fn park_operation(
             &mut self,
-            lease: $crate::phased::store::Lease<'_>,
+            lease: $crate::backend::phases::Lease<'_>,
             reason: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
-            use crate::phased::store::{PARKED, RUNNING};
+            use crate::backend::phases::{PARKED, RUNNING};
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let held = p::table
@@ -356,7 +357,7 @@ macro_rules! shared_queries {
             reason: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
-            use crate::phased::store::{PARKED, RUNNING};
+            use crate::backend::phases::{PARKED, RUNNING};
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let unheld = p::table
@@ -381,7 +382,7 @@ macro_rules! shared_queries {
             now: chrono::NaiveDateTime,
             idle_since: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<usize> {
-            use crate::phased::store::{PARKED, RUNNING};
+            use crate::backend::phases::{PARKED, RUNNING};
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let exhausted = p::table
@@ -401,14 +402,14 @@ macro_rules! shared_queries {
                 .execute(self)
         }
 
-        fn parked_operations(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::phased::store::ParkedRow>> {
-            use crate::phased::store::PARKED;
+        fn parked_operations(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::backend::phases::ParkedRow>> {
+            use crate::backend::phases::PARKED;
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             p::table
                 .filter(p::status.eq(PARKED))
                 .order(p::updated_at)
-                .limit($crate::store::sql_limit(limit))
+                .limit($crate::backend::sql_limit(limit))
                 .select((
                     p::scope,
                     p::idempotency_key,
@@ -428,7 +429,7 @@ macro_rules! shared_queries {
             points: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
-            use crate::phased::store::{PARKED, RUNNING};
+            use crate::backend::phases::{PARKED, RUNNING};
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let updated = diesel::update(p::table.find((scope, key)).filter(p::status.eq(PARKED)))
@@ -446,16 +447,16 @@ macro_rules! shared_queries {
         }
     };
     ($($schema:tt)+) => {
-        $crate::phased::store::shared_queries!(@statements $($schema)+);
+        $crate::backend::phases::shared_queries!(@statements $($schema)+);
 
         fn insert_operation(
             &mut self,
-            operation: &$crate::phased::store::NewOperation<'_>,
+            operation: &$crate::backend::phases::NewOperation<'_>,
         ) -> diesel::QueryResult<bool> {
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
             let inserted = diesel::insert_into(p::table)
-                .values($crate::phased::store::operation_values!(p, operation))
+                .values($crate::backend::phases::operation_values!(p, operation))
                 .on_conflict_do_nothing()
                 .execute(self)?;
             Ok(inserted == 1)
@@ -493,7 +494,7 @@ pub(crate) use operation_values;
 /// backend's table `[$table]`. Runs in the caller's transaction.
 macro_rules! pick_abandoned {
     ([$($table:tt)+], $conn:expr, $operations:expr, $now:expr, $idle_since:expr, $until:expr, $limit:expr $(, $lock:ident)*) => {{
-        use crate::phased::store::{PickedRow, RUNNING};
+        use crate::backend::phases::{PickedRow, RUNNING};
         use $($table)+ as p;
         use diesel::prelude::*;
         let picked: Vec<PickedRow> = p::table
@@ -505,7 +506,7 @@ macro_rules! pick_abandoned {
             .filter(p::updated_at.le($idle_since))
             .filter(p::completer_until.is_null().or(p::completer_until.le($now)))
             .order(p::updated_at)
-            .limit($crate::store::sql_limit($limit))
+            .limit($crate::backend::sql_limit($limit))
             .select((p::scope, p::idempotency_key, p::operation, p::request.assume_not_null()))
             $(.$lock())*
             .load($conn)?;

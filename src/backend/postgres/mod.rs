@@ -21,6 +21,9 @@
 //! meets one of the crate's only by a 1 in 2^64 chance, and two keys that
 //! meet merely wait for each other.
 
+mod outbox;
+mod phases;
+
 use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, SimpleConnection};
 use diesel::pg::{Pg, PgConnection};
@@ -35,7 +38,7 @@ use super::{
     Claim, Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_of, sealed,
     transaction_depth, transaction_with,
 };
-use crate::config::InFlight;
+use crate::in_flight::InFlight;
 use crate::schema::idempotency_keys as k;
 
 impl StoreConnection for PgConnection {
@@ -116,7 +119,7 @@ impl KeyStore for PgConnection {
     const MAX_KEY_LEN: Option<usize> = Some(1300);
 
     fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
-        self.run_pending_migrations(crate::migrate::POSTGRES)?;
+        self.run_pending_migrations(crate::backend::migrate::POSTGRES)?;
         Ok(())
     }
 

@@ -7,10 +7,10 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 
-use super::store::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
-use crate::store::postgres::DatabaseNow;
-use crate::store::row_with::operation_with;
-use crate::store::sql_limit;
+use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
+use crate::backend::postgres::DatabaseNow;
+use crate::backend::row_with::operation_with;
+use crate::backend::sql_limit;
 
 impl PhaseStore for PgConnection {
     fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
@@ -55,5 +55,5 @@ impl PhaseStore for PgConnection {
         .execute(self)
     }
 
-    super::store::shared_queries!(crate::schema);
+    crate::backend::phases::shared_queries!(crate::schema);
 }

@@ -10,10 +10,10 @@ use diesel::mysql::MysqlConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Datetime, Text};
 
-use super::store::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
-use crate::store::mysql::{DatabaseNow, read_committed};
-use crate::store::row_with::operation_with;
-use crate::store::sql_limit;
+use crate::backend::mysql::{DatabaseNow, read_committed};
+use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
+use crate::backend::row_with::operation_with;
+use crate::backend::sql_limit;
 
 impl PhaseStore for MysqlConnection {
     fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
@@ -31,7 +31,7 @@ impl PhaseStore for MysqlConnection {
         // Locks taken by the pick are held until its transaction commits.
         read_committed(self, |tx| {
             pick_abandoned!(
-                [crate::store::mysql::schema::idempotency_phases],
+                [crate::backend::mysql::schema::idempotency_phases],
                 tx,
                 operations,
                 now,
@@ -64,5 +64,5 @@ impl PhaseStore for MysqlConnection {
         })
     }
 
-    super::store::shared_queries!(strict crate::store::mysql::schema);
+    crate::backend::phases::shared_queries!(strict crate::backend::mysql::schema);
 }

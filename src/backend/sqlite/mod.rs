@@ -12,6 +12,9 @@
 //! put back at the end. The PRAGMAs are prepared statements that diesel
 //! caches, so the setting costs microseconds, not a parse per call.
 
+mod outbox;
+mod phases;
+
 use std::time::{Duration, Instant};
 
 use chrono::{NaiveDateTime, Utc};
@@ -27,7 +30,7 @@ use super::{
     Claim, Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_by_reading, sealed,
     transaction_depth, transaction_with,
 };
-use crate::config::InFlight;
+use crate::in_flight::InFlight;
 use crate::schema::idempotency_keys as k;
 
 impl StoreConnection for SqliteConnection {
@@ -130,7 +133,7 @@ impl KeyStore for SqliteConnection {
     }
 
     fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
-        self.run_pending_migrations(crate::migrate::SQLITE)?;
+        self.run_pending_migrations(crate::backend::migrate::SQLITE)?;
         Ok(())
     }
 

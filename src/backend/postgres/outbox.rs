@@ -15,10 +15,10 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 
-use super::store::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
+use crate::backend::outbox::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
+use crate::backend::postgres::timezone;
+use crate::backend::sql_limit;
 use crate::schema::idempotency_outbox as o;
-use crate::store::postgres::timezone;
-use crate::store::sql_limit;
 
 /// The channel the migration's trigger notifies.
 const CHANNEL: &str = "idempotency_outbox";
@@ -97,5 +97,5 @@ impl OutboxStore for PgConnection {
         self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
     }
 
-    super::store::shared_queries!(crate::schema);
+    crate::backend::outbox::shared_queries!(crate::schema);
 }

@@ -6,9 +6,9 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use super::store::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
+use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
+use crate::backend::sql_limit;
 use crate::schema::idempotency_phases as p;
-use crate::store::sql_limit;
 
 impl PhaseStore for SqliteConnection {
     fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
@@ -53,5 +53,5 @@ impl PhaseStore for SqliteConnection {
         .execute(self)
     }
 
-    super::store::shared_queries!(crate::schema);
+    crate::backend::phases::shared_queries!(crate::schema);
 }

@@ -37,6 +37,9 @@
 //! 1213) rolls back the whole transaction, a caller's included, and is
 //! reported as a storage error of kind `SerializationFailure`.
 
+mod outbox;
+mod phases;
+
 use std::panic::{self, AssertUnwindSafe};
 
 use chrono::NaiveDateTime;
@@ -55,7 +58,7 @@ use super::{
     Claim, Hold, KeyStore, RawConnection, Read, Record, StoreConnection, Stored, sealed, transaction_depth,
     unwind_to_depth,
 };
-use crate::config::InFlight;
+use crate::in_flight::InFlight;
 use crate::telemetry;
 
 pub(crate) mod schema;
@@ -298,7 +301,7 @@ impl KeyStore for MysqlConnection {
     }
 
     fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
-        self.run_pending_migrations(crate::migrate::MYSQL)?;
+        self.run_pending_migrations(crate::backend::migrate::MYSQL)?;
         Ok(())
     }
 

@@ -13,7 +13,7 @@
 //! leases never inserts into an index that a settle holds a lock in.
 //!
 //! Claims and purges run at `READ COMMITTED` (see
-//! [`read_committed`](crate::store::mysql::read_committed)): their locking
+//! [`read_committed`](crate::backend::mysql::read_committed)): their locking
 //! reads would otherwise lock gaps that settling relays insert into.
 //!
 //! No notifications: relay services find new messages by polling.
@@ -23,10 +23,10 @@ use diesel::mysql::MysqlConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Datetime, Text};
 
-use super::store::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
-use crate::store::mysql::schema::idempotency_outbox as o;
-use crate::store::mysql::{UtcNow, read_committed};
-use crate::store::sql_limit;
+use crate::backend::mysql::schema::idempotency_outbox as o;
+use crate::backend::mysql::{UtcNow, read_committed};
+use crate::backend::outbox::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
+use crate::backend::sql_limit;
 
 impl OutboxStore for MysqlConnection {
     fn claim_batch(
@@ -96,5 +96,5 @@ impl OutboxStore for MysqlConnection {
         })
     }
 
-    super::store::shared_queries!(crate::store::mysql::schema);
+    crate::backend::outbox::shared_queries!(crate::backend::mysql::schema);
 }

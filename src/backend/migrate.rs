@@ -12,7 +12,7 @@
 use diesel::migration::{self, Migration, MigrationSource};
 use diesel_migrations::{EmbeddedMigrations, embed_migrations};
 
-use crate::store::StoreConnection;
+use crate::backend::StoreConnection;
 
 #[cfg(feature = "sqlite")]
 pub(crate) const SQLITE: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
@@ -94,6 +94,6 @@ impl MigrationSource<diesel::mysql::Mysql> for Migrations {
 /// # }
 /// ```
 pub fn run_migrations<C: StoreConnection>(conn: &mut C) -> migration::Result<()> {
-    use crate::store::KeyStore;
+    use crate::backend::KeyStore;
     conn.raw().apply_migrations()
 }

@@ -1,7 +1,7 @@
-//! Where outbox messages live, per backend.
+//! Where outbox messages live: the statements every backend implements.
 //!
 //! The statements whose DSL is the same everywhere are written once in
-//! `shared_queries!`; `sqlite.rs` and `postgres.rs` add the insert (which
+//! `shared_queries!`; each backend's `outbox.rs` adds the insert (which
 //! takes the database's time), the claim, which differs in how concurrent
 //! relays keep off each other's messages, and the purge. The claim and the
 //! purge update or delete through a limited subquery, which diesel's DSL
@@ -11,8 +11,8 @@ use chrono::NaiveDateTime;
 use diesel::QueryResult;
 use diesel::prelude::*;
 
+use crate::backend::KeyStore;
 use crate::schema::idempotency_outbox;
-use crate::store::KeyStore;
 
 pub(crate) const PENDING: &str = "pending";
 pub(crate) const DELIVERED: &str = "delivered";
@@ -157,7 +157,7 @@ pub trait OutboxStore: KeyStore {
 
 /// The methods of [`OutboxStore`] whose DSL is the same on every backend,
 /// expanded into each backend's impl against its schema module (see
-/// `crate::store::shared_queries` for why a macro rather than generic
+/// `crate::backend::shared_queries` for why a macro rather than generic
 /// functions).
 macro_rules! shared_queries {
     ($($schema:tt)+) => {
@@ -165,9 +165,9 @@ macro_rules! shared_queries {
             &mut self,
             id: &str,
             lease_token: &str,
-            settlement: &$crate::outbox::store::Settlement,
+            settlement: &$crate::backend::outbox::Settlement,
         ) -> diesel::QueryResult<bool> {
-            use crate::outbox::store::{DEAD, DELIVERED, PENDING, Settlement};
+            use crate::backend::outbox::{DEAD, DELIVERED, PENDING, Settlement};
             use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             let held = o::table
@@ -201,14 +201,14 @@ macro_rules! shared_queries {
             Ok(updated == 1)
         }
 
-        fn dead_messages(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::outbox::store::DeadRow>> {
-            use crate::outbox::store::DEAD;
+        fn dead_messages(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::backend::outbox::DeadRow>> {
+            use crate::backend::outbox::DEAD;
             use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             o::table
                 .filter(o::status.eq(DEAD))
                 .order(o::id)
-                .limit($crate::store::sql_limit(limit))
+                .limit($crate::backend::sql_limit(limit))
                 .select((
                     o::id,
                     o::topic,
@@ -221,7 +221,7 @@ macro_rules! shared_queries {
         }
 
         fn release(&mut self, id: &str, lease_token: &str) -> diesel::QueryResult<bool> {
-            use crate::outbox::store::PENDING;
+            use crate::backend::outbox::PENDING;
             use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             let released = o::table
@@ -238,8 +238,8 @@ macro_rules! shared_queries {
             Ok(updated == 1)
         }
 
-        fn next_due(&mut self) -> diesel::QueryResult<Option<$crate::outbox::store::Due>> {
-            use crate::outbox::store::{Due, PENDING};
+        fn next_due(&mut self) -> diesel::QueryResult<Option<$crate::backend::outbox::Due>> {
+            use crate::backend::outbox::{Due, PENDING};
             use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             let pending = o::table.filter(o::status.eq(PENDING));
@@ -255,8 +255,8 @@ macro_rules! shared_queries {
             Ok(earliest.map(Due::At))
         }
 
-        fn backlog(&mut self, now: chrono::NaiveDateTime) -> diesel::QueryResult<$crate::outbox::store::Backlog> {
-            use crate::outbox::store::{Backlog, DEAD, PENDING};
+        fn backlog(&mut self, now: chrono::NaiveDateTime) -> diesel::QueryResult<$crate::backend::outbox::Backlog> {
+            use crate::backend::outbox::{Backlog, DEAD, PENDING};
             use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             let by_status: Vec<(String, i64, Option<chrono::NaiveDateTime>)> = o::table
@@ -291,7 +291,7 @@ macro_rules! shared_queries {
         }
 
         fn requeue(&mut self, id: &str) -> diesel::QueryResult<bool> {
-            use crate::outbox::store::{DEAD, PENDING};
+            use crate::backend::outbox::{DEAD, PENDING};
             use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             let updated = diesel::update(o::table.filter(o::id.eq(id)).filter(o::status.eq(DEAD)))
