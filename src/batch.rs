@@ -147,7 +147,7 @@ pub struct Progress {
 /// job tries it again.
 #[derive(Debug)]
 #[non_exhaustive]
-pub struct Failure<E> {
+pub struct FailedItem<E> {
     /// The item's [`Item::id`].
     pub id: String,
     /// The error of its idempotent call; the operation's own error is
@@ -158,7 +158,7 @@ pub struct Failure<E> {
 /// What a run did with every item.
 #[derive(Debug)]
 #[non_exhaustive]
-pub struct Report<E> {
+pub struct Processed<E> {
     /// Items whose operation ran and committed in this run.
     pub executed: usize,
     /// Items whose key had committed already (in an earlier run, or an
@@ -166,10 +166,10 @@ pub struct Report<E> {
     /// storage.
     pub replayed: usize,
     /// Items that failed, in the order the items were given.
-    pub failed: Vec<Failure<E>>,
+    pub failed: Vec<FailedItem<E>>,
 }
 
-impl<E> Report<E> {
+impl<E> Processed<E> {
     /// How many items the run processed: executed, replayed and failed.
     ///
     /// ```
@@ -195,7 +195,7 @@ impl<E> Report<E> {
 }
 
 /// Why a run could not start. Failures of single items never end a run; they
-/// are collected in [`Report::failed`].
+/// are collected in [`Processed::failed`].
 ///
 /// ```
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -285,7 +285,7 @@ impl<C: R2D2Connection + 'static> fmt::Debug for Runner<C> {
 /// one lock so that progress callbacks see every count once and in order.
 struct Tally<E> {
     progress: Progress,
-    failed: Vec<(usize, Failure<E>)>,
+    failed: Vec<(usize, FailedItem<E>)>,
 }
 
 /// Tells the other workers to stop taking items when its worker unwinds.
@@ -385,7 +385,7 @@ where
     ///
     /// An item that fails (`op` returns `Err`, its request mismatches an
     /// earlier run, the database refuses it) is rolled back, recorded in
-    /// [`Report::failed`] and does not stop the others; a later run with the
+    /// [`Processed::failed`] and does not stop the others; a later run with the
     /// same `job_id` tries it again.
     ///
     /// # Errors
@@ -428,7 +428,7 @@ where
     /// # Ok(())
     /// # }
     /// ```
-    pub fn run<I, T, R, E, F>(&self, job_id: &str, items: I, op: F) -> Result<Report<E>, RunError>
+    pub fn run<I, T, R, E, F>(&self, job_id: &str, items: I, op: F) -> Result<Processed<E>, RunError>
     where
         I: IntoIterator<Item = T>,
         I::IntoIter: Send,
@@ -482,7 +482,7 @@ where
         let tally = tally.into_inner().unwrap_or_else(PoisonError::into_inner);
         let mut failed = tally.failed;
         failed.sort_by_key(|(index, _)| *index);
-        Ok(Report {
+        Ok(Processed {
             executed: tally.progress.executed,
             replayed: tally.progress.replayed,
             failed: failed.into_iter().map(|(_, failure)| failure).collect(),
@@ -560,7 +560,7 @@ where
                 Ok(Outcome::Replayed(_)) => tally.progress.replayed += 1,
                 Err(error) => {
                     tally.progress.failed += 1;
-                    tally.failed.push((index, Failure { id, error }));
+                    tally.failed.push((index, FailedItem { id, error }));
                 }
             }
             tally.progress.processed += 1;

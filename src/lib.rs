@@ -122,11 +122,10 @@ pub mod key;
 pub mod outbox;
 mod outcome;
 pub mod phased;
-mod purger;
 mod repository;
 mod run;
 mod schema;
-mod shutdown;
+mod service;
 mod telemetry;
 #[cfg(feature = "sqlite")]
 pub mod testing;
@@ -137,10 +136,9 @@ pub use config::Config;
 pub use error::{Error, KeyError};
 pub use in_flight::InFlight;
 pub use outcome::{Outcome, Recorded};
-pub use purger::{Purged, Purger};
 pub use repository::Idempotent;
 pub use run::run_idempotent;
-pub use shutdown::Shutdown;
+pub use service::{Purged, Purger, Shutdown, Stopped};
 #[cfg(feature = "metrics")]
 pub use telemetry::describe_metrics;
 

@@ -24,7 +24,7 @@ use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
 use idempotency::outbox;
-use idempotency::phased::{Completer, Phased, Report};
+use idempotency::phased::{Completer, Completions, Phased};
 use idempotency::testing::ManualClock;
 use idempotency::{Config, Error, InFlight, Outcome};
 use serde::{Deserialize, Serialize};
@@ -628,7 +628,7 @@ fn executed(result: Result<Outcome<Reply>, Error<RideError>>) -> Reply {
 
 /// The fields of a report, comparable although it is non-exhaustive:
 /// (picked, completed, failed, skipped, parked).
-fn counts(report: &Report) -> (usize, usize, usize, usize, usize) {
+fn counts(report: &Completions) -> (usize, usize, usize, usize, usize) {
     (
         report.picked,
         report.completed,
@@ -720,7 +720,7 @@ fn complete_once<D: RideDb>(completer: &Completer<D::Conn>, conn: &mut D::Conn) 
             assert_eq!(counts(&report), (1, 1, 0, 0, 0), "one operation picked and finished");
             return;
         }
-        assert_eq!(report, Report::default(), "nothing is done while the lease runs");
+        assert_eq!(report, Completions::default(), "nothing is done while the lease runs");
         assert!(Instant::now() < deadline, "the killed attempt's lease never ran out");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
@@ -778,7 +778,7 @@ fn killed_at<D: RideDb>(boundary: Boundary, test: &str) {
             match boundary {
                 Boundary::InsideFirstPhase | Boundary::AfterFinish => {
                     let report = completer.run_once(&mut conn).expect("a completer pass");
-                    assert_eq!(report, Report::default(), "nothing to finish");
+                    assert_eq!(report, Completions::default(), "nothing to finish");
                 }
                 _ => complete_once::<D>(&completer, &mut conn),
             }
@@ -1167,7 +1167,7 @@ fn completer_finishes_an_abandoned_operation<D: RideDb>() {
     assert!(rides.create(&mut conn, KEY, &ada()).is_err(), "the client went away");
 
     let completer = rides.completer().clock(clock.source());
-    assert_eq!(completer.run_once(&mut conn).expect("a pass"), Report::default());
+    assert_eq!(completer.run_once(&mut conn).expect("a pass"), Completions::default());
     clock.advance(Duration::minutes(5));
     let report = completer.run_once(&mut conn).expect("a pass");
     assert_eq!(counts(&report), (1, 1, 0, 0, 0));
@@ -1181,7 +1181,7 @@ fn completer_finishes_an_abandoned_operation<D: RideDb>() {
         panic!("the completer finished it: {replay:?}")
     };
     assert_charged_once::<D>(&mut conn, &reply, 1);
-    assert_eq!(completer.run_once(&mut conn).expect("a pass"), Report::default());
+    assert_eq!(completer.run_once(&mut conn).expect("a pass"), Completions::default());
 }
 
 fn completer_leaves_operations_without_a_stored_request_to_their_clients<D: RideDb>() {
@@ -1194,8 +1194,8 @@ fn completer_leaves_operations_without_a_stored_request_to_their_clients<D: Ride
 
     clock.advance(Duration::minutes(10));
     let completer = rides.completer().clock(clock.source());
-    assert_eq!(completer.run_once(&mut conn).expect("a pass"), Report::default());
-    assert!(completer.abandoned(&mut conn, 10).expect("parked ones").is_empty());
+    assert_eq!(completer.run_once(&mut conn).expect("a pass"), Completions::default());
+    assert!(completer.parked(&mut conn, 10).expect("parked ones").is_empty());
 
     let resumed = rides.create(&mut conn, KEY, &ada()).expect("the client's retry");
     assert!(!resumed.is_replayed(), "the client's retry finishes it");
@@ -1289,7 +1289,7 @@ fn completer_skips_operations_in_their_grace_period_or_under_lease<D: RideDb>() 
         clock.advance(Duration::minutes(4));
         assert_eq!(
             completer.run_once(&mut conn).expect("a pass"),
-            Report::default(),
+            Completions::default(),
             "both in their grace period"
         );
         clock.advance(Duration::minutes(2));
@@ -1322,14 +1322,14 @@ fn completer_parks_after_max_attempts_and_requeue_brings_it_back<D: RideDb>() {
     assert_eq!(counts(&report), (1, 0, 1, 0, 0), "attempt 2 failed");
     assert_eq!(
         completer.run_once(&mut conn).expect("a pass"),
-        Report::default(),
+        Completions::default(),
         "in grace"
     );
     clock.advance(Duration::minutes(5));
     let report = completer.run_once(&mut conn).expect("a pass");
     assert_eq!(counts(&report), (0, 0, 0, 0, 1), "out of attempts");
 
-    let parked = completer.abandoned(&mut conn, 10).expect("the parked operations");
+    let parked = completer.parked(&mut conn, 10).expect("the parked operations");
     assert_eq!(parked.len(), 1);
     let (scope, key, operation) = (&parked[0].scope, &parked[0].key, &parked[0].operation);
     assert_eq!(
@@ -1350,7 +1350,7 @@ fn completer_parks_after_max_attempts_and_requeue_brings_it_back<D: RideDb>() {
     );
     assert!(
         completer
-            .abandoned(&mut conn, 10)
+            .parked(&mut conn, 10)
             .expect("the parked operations")
             .is_empty()
     );
@@ -1373,7 +1373,7 @@ fn completer_retries_a_failed_operation_once_its_grace_ran_out<D: RideDb>() {
     assert_eq!(counts(&report), (1, 0, 1, 0, 0), "its attempt failed");
     assert_eq!(
         completer.run_once(&mut conn).expect("a pass"),
-        Report::default(),
+        Completions::default(),
         "in grace"
     );
     clock.advance(Duration::minutes(1));
@@ -1410,7 +1410,7 @@ fn provider_horizon_parks_the_operation_for_a_person<D: RideDb>() {
     assert_eq!(rides.provider.requests(), 2);
 
     let completer = rides.completer().clock(clock.source());
-    let listed = completer.abandoned(&mut conn, 10).expect("the parked operations");
+    let listed = completer.parked(&mut conn, 10).expect("the parked operations");
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].key, KEY);
     assert_eq!(listed[0].attempts, 3);
@@ -1421,7 +1421,7 @@ fn provider_horizon_parks_the_operation_for_a_person<D: RideDb>() {
     clock.advance(Duration::hours(1));
     assert_eq!(
         completer.run_once(&mut conn).expect("a pass"),
-        Report::default(),
+        Completions::default(),
         "completers leave parked operations alone"
     );
     assert!(D::charges(&mut conn).is_empty());
@@ -1467,7 +1467,7 @@ fn interrupted_at_most_once_call_parks_until_requeued<D: RideDb>() {
     assert_eq!(provider.requests(), 1, "never made twice by itself");
 
     let completer = Completer::<D::Conn>::new().clock(clock.source());
-    let listed = completer.abandoned(&mut conn, 10).expect("the parked operations");
+    let listed = completer.parked(&mut conn, 10).expect("the parked operations");
     assert_eq!(listed.len(), 1);
     assert_eq!(
         listed[0].reason.as_deref(),

@@ -12,7 +12,7 @@ use std::time::{Duration as StdDuration, Instant};
 use chrono::Duration;
 use idempotency::outbox::{self, Relay};
 use idempotency::testing::ManualClock;
-use idempotency::{Config, Purged, Purger, Shutdown};
+use idempotency::{Config, Purged, Purger, Shutdown, Stopped};
 
 use common::TestDb;
 
@@ -79,7 +79,7 @@ fn purger_beside_live_traffic_fails_no_call_and_purges_only_expired_records<D: T
         result
     };
 
-    let purged: Purged = thread::scope(|scope| {
+    let purged: Stopped<Purged> = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
         let service = scope.spawn(|| purger.run(&pool, &shutdown));
         for t in 0..THREADS {
@@ -139,11 +139,11 @@ fn purger_beside_live_traffic_fails_no_call_and_purges_only_expired_records<D: T
     );
     // A retried key's old record was either purged first or taken over.
     assert!(
-        (THREADS * OLD - retried_old..=THREADS * OLD).contains(&purged.keys),
+        (THREADS * OLD - retried_old..=THREADS * OLD).contains(&purged.work.keys),
         "{purged:?}"
     );
     assert_eq!(purged.errors, 0, "{purged:?}");
-    assert!(purged.rounds > 0);
+    assert!(purged.work.rounds > 0);
     let mut conn = db.conn();
     assert_eq!(D::key_count(&mut conn), (THREADS * NEW + retried_old) as i64);
     assert_eq!(
@@ -185,7 +185,7 @@ fn purger_deletes_delivered_messages_after_retention_and_stops_at_once<D: TestDb
         .interval(StdDuration::from_secs(3600))
         .batch_size(10)
         .config(Config::default().clock(clock.source()))
-        .relay(relay);
+        .message_retention(Duration::days(7));
     let shutdown = Shutdown::new();
     let purged = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
@@ -197,7 +197,12 @@ fn purger_deletes_delivered_messages_after_retention_and_stops_at_once<D: TestDb
         service.join().expect("the purger does not panic")
     });
     assert_eq!(
-        (purged.rounds, purged.messages, purged.keys, purged.errors),
+        (
+            purged.work.rounds,
+            purged.work.messages,
+            purged.work.keys,
+            purged.errors
+        ),
         (1, 25, 0, 0)
     );
     let statuses: Vec<_> = D::outbox_messages(&mut conn).into_iter().map(|m| m.2).collect();
@@ -232,7 +237,7 @@ fn purger_stops_between_batches_once_shutdown_is_triggered<D: TestDb>() {
     let purger = Purger::default().batch_size(1).config(triggering);
     let purged = purger.run(&pool, &shutdown);
     assert_eq!(
-        (purged.rounds, purged.keys),
+        (purged.work.rounds, purged.work.keys),
         (1, 1),
         "one batch of one, then it stopped"
     );

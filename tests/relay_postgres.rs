@@ -128,7 +128,7 @@ fn relay_is_woken_by_each_commit_long_before_its_poll_interval() {
 
         shutdown.trigger();
         let summary = service.join().expect("the relay does not panic");
-        assert_eq!((summary.report.delivered, summary.report.dead), (7, 1), "{summary:?}");
+        assert_eq!((summary.work.delivered, summary.work.dead), (7, 1), "{summary:?}");
     });
 }
 
@@ -317,7 +317,7 @@ fn relay_rides_out_a_server_restart_and_loses_no_committed_message() {
     let mut conn = PgConnection::establish(&url).expect("connect");
     let rows = count(&mut conn, "SELECT count(*) AS n FROM idempotency_outbox");
     assert!(rows >= committed.len() as i64);
-    assert!(summary.report.delivered <= rows as usize, "{summary:?}");
+    assert!(summary.work.delivered <= rows as usize, "{summary:?}");
 }
 
 /// The listener serves the workers: when a panic ends the last of them, the

@@ -19,7 +19,8 @@ use std::time::Duration as StdDuration;
 use chrono::{Duration, NaiveDateTime, Utc};
 use diesel::connection::SimpleConnection;
 use idempotency::Shutdown;
-use idempotency::outbox::{self, Message, Relay, Summary};
+use idempotency::Stopped;
+use idempotency::outbox::{self, Deliveries, Message, Relay};
 use idempotency::testing::ManualClock;
 
 use common::TestDb;
@@ -131,7 +132,7 @@ fn messages_enqueued_before_and_during_the_run_are_each_delivered_once<D: TestDb
     assert_eq!(duplicates.load(Ordering::SeqCst), 0, "no message was delivered twice");
     assert_eq!(*delivered.lock().expect("delivered"), enqueued);
     assert_eq!(summary.errors, 0);
-    let report = summary.report;
+    let report = summary.work;
     assert_eq!(
         (
             report.claimed,
@@ -193,11 +194,7 @@ fn failed_delivery_is_not_claimed_before_its_backoff_ends<D: TestDb>() {
         shutdown.trigger();
         service.join().expect("the relay does not panic")
     });
-    assert_eq!(
-        (summary.report.delivered, summary.report.retried),
-        (3, 1),
-        "{summary:?}"
-    );
+    assert_eq!((summary.work.delivered, summary.work.retried), (3, 1), "{summary:?}");
 }
 
 fn delayed_message_is_not_claimed_before_its_not_before_time<D: TestDb>() {
@@ -320,7 +317,7 @@ fn stopping_lets_the_running_handler_finish_and_gives_the_rest_of_the_batch_back
             .map_err(|_| "the test never released the handler")
     };
 
-    let summary: Summary = thread::scope(|scope| {
+    let summary: Stopped<Deliveries> = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
         let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
         assert_eq!(handler_started.recv_timeout(PATIENCE).expect("a delivery"), ids[0]);
@@ -329,7 +326,7 @@ fn stopping_lets_the_running_handler_finish_and_gives_the_rest_of_the_batch_back
         release.send(()).expect("the handler waits");
         service.join().expect("the relay does not panic")
     });
-    let report = summary.report;
+    let report = summary.work;
     assert_eq!(
         (report.claimed, report.delivered, report.released, report.lost),
         (5, 1, 4, 0),
@@ -459,7 +456,7 @@ fn database_error_mid_batch_keeps_the_batch_deliveries_in_the_summary<D: TestDb>
         .expect("put the table back");
     assert_eq!(summary.errors, 1, "{summary:?}");
     assert_eq!(
-        (summary.report.claimed, summary.report.delivered),
+        (summary.work.claimed, summary.work.delivered),
         (3, 1),
         "the delivery before the error counts: {summary:?}"
     );
@@ -494,7 +491,7 @@ fn relay_on_a_pool_of_one_connection_delivers_without_errors<D: TestDb>() {
         shutdown.trigger();
         service.join().expect("the relay does not panic")
     });
-    assert_eq!((summary.report.delivered, summary.errors), (3, 0), "{summary:?}");
+    assert_eq!((summary.work.delivered, summary.errors), (3, 0), "{summary:?}");
 }
 
 /// A message never attempted is due whatever the relay's clock says, as a
@@ -523,5 +520,5 @@ fn relay_with_a_clock_behind_the_database_delivers_at_once<D: TestDb>() {
         shutdown.trigger();
         service.join().expect("the relay does not panic")
     });
-    assert_eq!((summary.report.delivered, summary.errors), (1, 0));
+    assert_eq!((summary.work.delivered, summary.errors), (1, 0));
 }

@@ -104,13 +104,16 @@ use chrono::{DateTime, NaiveDateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::backend;
 use crate::backend::{KeyStore, StoreConnection};
+use crate::clock::Clock;
 use crate::error::KeyError;
+use crate::in_flight::InFlight;
 
 mod relay;
 
 use crate::backend::outbox::{NewMessage, OutboxStore, Settlement};
-pub use relay::{Relay, Summary};
+pub use relay::Relay;
 
 /// The longest topic accepted, in bytes.
 const MAX_TOPIC_LEN: usize = 255;
@@ -288,10 +291,35 @@ pub struct DeadLetter {
     pub created_at: NaiveDateTime,
 }
 
+/// How long delivered messages are kept by default.
+pub(crate) const DEFAULT_RETENTION: chrono::Duration = chrono::Duration::days(7);
+
+/// How long a purge's writes wait for SQLite's write lock while the
+/// application's own calls hold it; as long as a call waits by default.
+const PURGE_LOCK_WAIT: InFlight = InFlight::Wait(chrono::Duration::seconds(5));
+
+/// Deletes the messages delivered `retention` ago on `clock`, in batches of
+/// `batch_size`, ending after the batch in which `stop` becomes true.
+pub(crate) fn purge_delivered<C: StoreConnection>(
+    conn: &mut C,
+    clock: &Clock,
+    retention: chrono::Duration,
+    batch_size: usize,
+    stop: &dyn Fn() -> bool,
+) -> Result<usize, Error> {
+    let conn = conn.raw();
+    // One fixed cut-off, so the loop ends while deliveries go on.
+    let cutoff = clock.now(conn)? - retention;
+    let purged = backend::purge_in_batches("idempotency_outbox", batch_size, stop, |limit| {
+        conn.write(PURGE_LOCK_WAIT, |tx| tx.purge_delivered_batch(cutoff, limit))
+    })?;
+    Ok(purged)
+}
+
 /// What a relay did: one [`Relay::run_once`], or all of them added up.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Report {
+pub struct Deliveries {
     /// Messages claimed; zero means none was due.
     pub claimed: usize,
     /// Messages the handler accepted and that are now marked delivered.
@@ -309,7 +337,7 @@ pub struct Report {
     pub released: usize,
 }
 
-impl Report {
+impl Deliveries {
     /// Counts a settlement that was written.
     fn count(&mut self, settlement: &Settlement) {
         match settlement {
@@ -320,8 +348,8 @@ impl Report {
     }
 }
 
-impl AddAssign for Report {
-    fn add_assign(&mut self, other: Report) {
+impl AddAssign for Deliveries {
+    fn add_assign(&mut self, other: Deliveries) {
         self.claimed += other.claimed;
         self.delivered += other.delivered;
         self.retried += other.retried;

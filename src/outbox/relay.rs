@@ -2,22 +2,15 @@
 //! its attempt ended.
 
 use std::fmt;
-use std::ops::AddAssign;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::thread;
-use std::time::Instant;
 
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
-use diesel::r2d2::{ConnectionManager, Pool, PoolError, R2D2Connection};
-use tracing::{Dispatch, Span};
 
-use super::{DeadLetter, Error, Message, Report, Stats};
-use crate::backend::outbox::{Claimed, Due, OutboxStore, Settlement};
-use crate::backend::{self, KeyStore, RawConnection, StoreConnection};
+use super::{DeadLetter, Deliveries, Error, Message, Stats};
+use crate::backend::outbox::{Claimed, OutboxStore, Settlement};
+use crate::backend::{KeyStore, RawConnection, StoreConnection};
 use crate::clock::{Clock, Reading, assert_duration};
 use crate::id;
 use crate::in_flight::InFlight;
-use crate::shutdown::{ErrorBackoff, Shutdown, checkout};
 use crate::telemetry;
 
 /// The most of a handler's error text kept on a message, in bytes.
@@ -67,9 +60,9 @@ pub struct Relay {
     backoff_base: Duration,
     backoff_max: Duration,
     retention: Duration,
-    clock: Clock,
-    workers: usize,
-    poll_interval: std::time::Duration,
+    pub(crate) clock: Clock,
+    pub(crate) workers: usize,
+    pub(crate) poll_interval: std::time::Duration,
 }
 
 impl Default for Relay {
@@ -80,7 +73,7 @@ impl Default for Relay {
             max_attempts: 10,
             backoff_base: Duration::seconds(1),
             backoff_max: Duration::minutes(15),
-            retention: Duration::days(7),
+            retention: super::DEFAULT_RETENTION,
             clock: Clock::Database,
             workers: 1,
             poll_interval: std::time::Duration::from_millis(250),
@@ -100,68 +93,6 @@ impl fmt::Debug for Relay {
             .field("workers", &self.workers)
             .field("poll_interval", &self.poll_interval)
             .finish_non_exhaustive()
-    }
-}
-
-/// How long a service waits for a pooled connection before it looks at its
-/// shutdown signal again.
-const CHECKOUT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// How often a listening connection is asked for notifications. Asking
-/// reads the socket without a round trip.
-const LISTEN_POLL: std::time::Duration = std::time::Duration::from_millis(2);
-
-/// How often the service's first worker refreshes the backlog gauges.
-const STATS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// What [`Relay::run`] did until it was stopped.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Summary {
-    /// Every claim's outcome, added up.
-    pub report: Report,
-    /// Database errors the service met and carried on after.
-    pub errors: usize,
-}
-
-impl AddAssign for Summary {
-    fn add_assign(&mut self, other: Summary) {
-        self.report += other.report;
-        self.errors += other.errors;
-    }
-}
-
-/// What a worker does next.
-enum Step {
-    /// It delivered a batch; more may be due.
-    Worked,
-    /// Nothing is due for this long.
-    Idle(std::time::Duration),
-}
-
-/// Why a service's step failed: no connection, or the database.
-#[derive(Debug)]
-enum ServiceError {
-    Pool(PoolError),
-    Outbox(Error),
-}
-
-impl fmt::Display for ServiceError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ServiceError::Pool(_) => f.write_str("no database connection"),
-            ServiceError::Outbox(error) => error.fmt(f),
-        }
-    }
-}
-
-impl std::error::Error for ServiceError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            ServiceError::Pool(error) => Some(error),
-            // Shown as this error itself, so the chain goes on with its source.
-            ServiceError::Outbox(error) => error.source(),
-        }
     }
 }
 
@@ -385,13 +316,13 @@ impl Relay {
     /// # Ok(())
     /// # }
     /// ```
-    pub fn run_once<C, E, F>(&self, conn: &mut C, mut handler: F) -> Result<Report, Error>
+    pub fn run_once<C, E, F>(&self, conn: &mut C, mut handler: F) -> Result<Deliveries, Error>
     where
         C: StoreConnection,
         E: fmt::Display,
         F: FnMut(&Message) -> Result<(), E>,
     {
-        let mut report = Report::default();
+        let mut report = Deliveries::default();
         self.pass(conn.raw(), &mut handler, &|| false, &mut report)?;
         Ok(report)
     }
@@ -400,12 +331,12 @@ impl Relay {
     /// recorded, so that an error later in the batch keeps what was done
     /// before it. Once `stop` says so, the messages not yet handed over are
     /// given back, due at once for another relay.
-    fn pass<C, E, F>(
+    pub(crate) fn pass<C, E, F>(
         &self,
         conn: &mut C,
         handler: &mut F,
         stop: &dyn Fn() -> bool,
-        report: &mut Report,
+        report: &mut Deliveries,
     ) -> Result<(), Error>
     where
         C: RawConnection,
@@ -453,249 +384,6 @@ impl Relay {
             }
         }
         Ok(())
-    }
-
-    /// Delivers messages until `shutdown` is triggered: the relay as a
-    /// background service. Returns what it did.
-    ///
-    /// [`workers`](Relay::workers) threads each take a connection from
-    /// `pool` while they work and give it back while they sleep. A worker
-    /// claims as long as messages are due, then sleeps until the next one
-    /// is due, at most a [`poll_interval`](Relay::poll_interval). On
-    /// PostgreSQL a further pooled connection listens for the notification
-    /// each enqueue sends when it commits, and wakes the workers within
-    /// milliseconds; the notification only wakes them, polling is what
-    /// guarantees delivery. Give the pool `workers + 1` connections: the
-    /// listener keeps its own while the service runs, and on a smaller pool
-    /// the relay does not listen (it says so in a `warn` event) and finds
-    /// new messages by polling alone.
-    ///
-    /// A database error never ends the service: it is reported (a `tracing`
-    /// event, counted in [`Summary::errors`]), and the worker tries again
-    /// after a pause that doubles from 100 ms up to 10 s, so it carries on by
-    /// itself once the database is back. The service's threads send their
-    /// `tracing` events where the calling thread sends its own: to its
-    /// subscriber, inside its current span.
-    ///
-    /// When `shutdown` is triggered no new claim is made; a handler that is
-    /// running finishes and its outcome is recorded, and the rest of its
-    /// batch is given back, due at once for the next relay. `run` returns
-    /// when every worker has stopped.
-    ///
-    /// # Panics
-    ///
-    /// A panic in `handler` ends its worker's thread and resumes here once
-    /// the other workers have stopped (trigger `shutdown` to stop them); its
-    /// message is delivered again after the lease.
-    ///
-    /// ```
-    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    /// use std::sync::mpsc;
-    /// use std::thread;
-    ///
-    /// use diesel::r2d2::{ConnectionManager, Pool};
-    /// use diesel::SqliteConnection;
-    /// use idempotency::outbox::{self, Relay};
-    /// use idempotency::Shutdown;
-    ///
-    /// # let db = idempotency::testing::SqliteFile::new();
-    /// # let url = db.path().to_str().ok_or("path is not utf-8")?.to_owned();
-    /// let pool = Pool::builder().max_size(2).build(ConnectionManager::<SqliteConnection>::new(url))?;
-    /// let shutdown = Shutdown::new();
-    /// let (delivered, received) = mpsc::channel();
-    ///
-    /// let service = {
-    ///     let (pool, shutdown) = (pool.clone(), shutdown.clone());
-    ///     thread::spawn(move || {
-    ///         Relay::default().run(&pool, |message| delivered.send(message.topic.clone()), &shutdown)
-    ///     })
-    /// };
-    /// outbox::enqueue(&mut pool.get()?, "receipts", &42)?;
-    /// assert_eq!(received.recv()?, "receipts");
-    ///
-    /// shutdown.trigger();
-    /// let summary = service.join().map_err(|_| "the relay panicked")?;
-    /// assert_eq!(summary.report.delivered, 1);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn run<C, E, F>(&self, pool: &Pool<ConnectionManager<C>>, handler: F, shutdown: &Shutdown) -> Summary
-    where
-        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-        E: fmt::Display,
-        F: Fn(&Message) -> Result<(), E> + Sync,
-    {
-        // The service's threads report where the caller's thread does: to
-        // its subscriber (also one set with `with_default`), inside its
-        // current span.
-        let dispatch = tracing::dispatcher::get_default(Dispatch::clone);
-        let span = Span::current();
-        // The listener keeps its connection while the service runs: on a
-        // pool that cannot spare one besides the workers' it would take the
-        // one they need, so there they find new messages by polling alone.
-        let announces = announces::<C>();
-        let listens = announces && pool.max_size() as usize > self.workers;
-        if announces && !listens {
-            telemetry::relay::not_listening(pool.max_size(), self.workers);
-        }
-        // The listener serves the workers: it stops with the last of them,
-        // also when a panic ended them before `shutdown` was triggered.
-        let working = AtomicUsize::new(self.workers);
-        let stopped = || shutdown.is_triggered() || working.load(Ordering::SeqCst) == 0;
-        let summaries: Vec<thread::Result<Summary>> = thread::scope(|scope| {
-            if listens {
-                scope.spawn(|| traced(&dispatch, &span, || self.listen(pool, shutdown, &stopped)));
-            }
-            let workers: Vec<_> = (0..self.workers)
-                .map(|worker| {
-                    let (handler, dispatch, span, working) = (&handler, &dispatch, &span, &working);
-                    scope.spawn(move || {
-                        let _leaving = Leaving(working);
-                        traced(dispatch, span, || self.work(worker, pool, handler, shutdown))
-                    })
-                })
-                .collect();
-            workers.into_iter().map(|worker| worker.join()).collect()
-        });
-        let mut total = Summary::default();
-        for summary in summaries {
-            match summary {
-                Ok(summary) => total += summary,
-                Err(payload) => std::panic::resume_unwind(payload),
-            }
-        }
-        total
-    }
-
-    /// One worker of [`run`](Relay::run).
-    fn work<C, E, F>(
-        &self,
-        worker: usize,
-        pool: &Pool<ConnectionManager<C>>,
-        handler: &F,
-        shutdown: &Shutdown,
-    ) -> Summary
-    where
-        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-        E: fmt::Display,
-        F: Fn(&Message) -> Result<(), E> + Sync,
-    {
-        let mut summary = Summary::default();
-        let mut backoff = ErrorBackoff::new();
-        let mut stats_due = Instant::now();
-        while !shutdown.is_triggered() {
-            let wakes = shutdown.wakes();
-            let step = match checkout(pool, shutdown, self.poll_interval.max(CHECKOUT_WAIT)) {
-                Ok(None) => break,
-                Ok(Some(mut pooled)) => {
-                    let conn: &mut C = &mut pooled;
-                    let gauges = if worker == 0 && Instant::now() >= stats_due {
-                        // Keeps the backlog gauges current for monitoring.
-                        stats_due = Instant::now() + STATS_EVERY;
-                        self.stats(conn).map(drop)
-                    } else {
-                        Ok(())
-                    };
-                    gauges
-                        .and_then(|()| self.step(conn, handler, shutdown, &mut summary.report))
-                        .map_err(ServiceError::Outbox)
-                }
-                Err(error) => Err(ServiceError::Pool(error)),
-            };
-            match step {
-                Ok(Step::Worked) => backoff.succeeded(),
-                Ok(Step::Idle(wait)) => {
-                    backoff.succeeded();
-                    shutdown.wait_for_wake(wakes, wait);
-                }
-                Err(error) => {
-                    summary.errors += 1;
-                    let wait = backoff.failed();
-                    telemetry::service_error("relay", &error, wait);
-                    shutdown.wait(wait);
-                }
-            }
-        }
-        summary
-    }
-
-    /// Delivers one batch if a message is due, counted into `done`;
-    /// otherwise says how long to sleep.
-    fn step<C, E, F>(&self, conn: &mut C, handler: &F, shutdown: &Shutdown, done: &mut Report) -> Result<Step, Error>
-    where
-        C: StoreConnection,
-        E: fmt::Display,
-        F: Fn(&Message) -> Result<(), E> + Sync,
-    {
-        let conn = conn.raw();
-        let now = self.clock.now(conn)?;
-        match conn.next_due()? {
-            Some(Due::Now) => self.deliver_due(conn, handler, shutdown, done),
-            Some(Due::At(due)) if due <= now => self.deliver_due(conn, handler, shutdown, done),
-            Some(Due::At(due)) => {
-                let until_due = (due - now).to_std().unwrap_or_default();
-                Ok(Step::Idle(until_due.min(self.poll_interval)))
-            }
-            None => Ok(Step::Idle(self.poll_interval)),
-        }
-    }
-
-    /// Delivers one batch of the messages due, counted into `done`.
-    fn deliver_due<C, E, F>(
-        &self,
-        conn: &mut C,
-        handler: &F,
-        shutdown: &Shutdown,
-        done: &mut Report,
-    ) -> Result<Step, Error>
-    where
-        C: RawConnection,
-        E: fmt::Display,
-        F: Fn(&Message) -> Result<(), E> + Sync,
-    {
-        let mut report = Report::default();
-        let passed = self.pass(
-            conn,
-            &mut |message: &Message| handler(message),
-            &|| shutdown.is_triggered(),
-            &mut report,
-        );
-        *done += report;
-        passed?;
-        Ok(if report.claimed == 0 {
-            // Due, but another relay claimed it first.
-            Step::Idle(self.poll_interval)
-        } else {
-            Step::Worked
-        })
-    }
-
-    /// Listens for announced messages and wakes the workers, on backends
-    /// that announce them; reconnects after a lost connection.
-    fn listen<C>(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown, stopped: &dyn Fn() -> bool)
-    where
-        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-    {
-        let mut backoff = ErrorBackoff::new();
-        while !stopped() {
-            let listened = match checkout(pool, shutdown, CHECKOUT_WAIT) {
-                Ok(None) => return,
-                Ok(Some(mut pooled)) => {
-                    backoff.succeeded();
-                    listen_on(&mut *pooled, shutdown, stopped).map_err(ServiceError::Outbox)
-                }
-                Err(error) => Err(ServiceError::Pool(error)),
-            };
-            match listened {
-                Ok(false) => return,
-                Ok(true) => {}
-                Err(error) => {
-                    let wait = backoff.failed();
-                    telemetry::service_error("relay listener", &error, wait);
-                    shutdown.wait(wait);
-                }
-            }
-        }
     }
 
     /// The outbox's backlog now: pending messages, the age of the oldest,
@@ -855,69 +543,8 @@ impl Relay {
     where
         C: StoreConnection,
     {
-        self.purge_delivered_until(conn, batch_size, &|| false)
+        super::purge_delivered(conn, &self.clock, self.retention, batch_size, &|| false)
     }
-
-    /// [`purge_delivered`](Relay::purge_delivered), ending after the batch
-    /// in which `stop` becomes true.
-    pub(crate) fn purge_delivered_until<C>(
-        &self,
-        conn: &mut C,
-        batch_size: usize,
-        stop: &dyn Fn() -> bool,
-    ) -> Result<usize, Error>
-    where
-        C: StoreConnection,
-    {
-        let conn = conn.raw();
-        // One fixed cut-off, so the loop ends while deliveries go on.
-        let cutoff = self.clock.now(conn)? - self.retention;
-        let purged = backend::purge_in_batches("idempotency_outbox", batch_size, stop, |limit| {
-            conn.write(WRITE_LOCK_WAIT, |tx| tx.purge_delivered_batch(cutoff, limit))
-        })?;
-        Ok(purged)
-    }
-}
-
-/// Listens on `conn` and wakes the workers at every announcement until
-/// `stopped`; `false` at once where the backend announces nothing.
-fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown, stopped: &dyn Fn() -> bool) -> Result<bool, Error> {
-    let conn = conn.raw();
-    if !conn.listen()? {
-        return Ok(false);
-    }
-    // Wakes once now: a message committed before LISTEN took effect was
-    // announced to nobody.
-    shutdown.wake();
-    while !stopped() {
-        if conn.announced()? {
-            shutdown.wake();
-        }
-        shutdown.wait(LISTEN_POLL);
-    }
-    conn.unlisten()?;
-    Ok(true)
-}
-
-/// Counts a worker out when its thread ends, by return or by panic.
-struct Leaving<'a>(&'a AtomicUsize);
-
-impl Drop for Leaving<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// Whether connections of type `C` announce new messages to listeners.
-/// (Generic over any `StoreConnection`, where `C::Raw` stays a projection
-/// whose bounds the compiler knows.)
-fn announces<C: StoreConnection>() -> bool {
-    <C::Raw as OutboxStore>::ANNOUNCES
-}
-
-/// Runs `f` with `dispatch` as the thread's subscriber, inside `span`.
-fn traced<T>(dispatch: &Dispatch, span: &Span, f: impl FnOnce() -> T) -> T {
-    tracing::dispatcher::with_default(dispatch, || span.in_scope(f))
 }
 
 /// Cuts `text` to at most `MAX_ERROR_LEN` bytes on a character boundary,

@@ -5,7 +5,6 @@ use std::fmt;
 use std::ops::AddAssign;
 
 use chrono::{DateTime, Duration, Utc};
-use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use serde::de::DeserializeOwned;
 
 use super::steps::without_unfinished_call;
@@ -15,7 +14,6 @@ use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
 use crate::in_flight::InFlight;
 use crate::outcome::Outcome;
-use crate::shutdown::{ErrorBackoff, Shutdown, checkout};
 use crate::telemetry;
 
 /// How long other completers pass over an operation one has picked, unless
@@ -64,8 +62,8 @@ pub struct Completer<C> {
     operations: BTreeMap<String, Resume<C>>,
     grace: Duration,
     max_attempts: u32,
-    batch_size: usize,
-    poll_interval: std::time::Duration,
+    pub(crate) batch_size: usize,
+    pub(crate) poll_interval: std::time::Duration,
     clock: Clock,
 }
 
@@ -98,7 +96,7 @@ impl<C> Default for Completer<C> {
 /// up.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
-pub struct Report {
+pub struct Completions {
     /// Abandoned operations picked.
     pub picked: usize,
     /// Operations the completer finished.
@@ -112,23 +110,20 @@ pub struct Report {
     /// Operations parked: out of attempts, with a stored request that no
     /// longer decodes, or parked by their own attempt.
     pub parked: usize,
-    /// Database errors met by [`Completer::run`]; it carried on after each.
-    pub errors: usize,
 }
 
-impl AddAssign for Report {
-    fn add_assign(&mut self, other: Report) {
+impl AddAssign for Completions {
+    fn add_assign(&mut self, other: Completions) {
         self.picked += other.picked;
         self.completed += other.completed;
         self.failed += other.failed;
         self.skipped += other.skipped;
         self.parked += other.parked;
-        self.errors += other.errors;
     }
 }
 
 /// A parked operation, waiting for a person, as
-/// [`Completer::abandoned`] lists it.
+/// [`Completer::parked`] lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Parked {
@@ -260,7 +255,7 @@ where
     /// # Errors
     ///
     /// [`Error::Storage`] when parking or picking fails. A resumed
-    /// operation's own failure is counted in [`Report::failed`], not
+    /// operation's own failure is counted in [`Completions::failed`], not
     /// returned.
     ///
     /// # Panics
@@ -303,7 +298,7 @@ where
     /// # Ok(())
     /// # }
     /// ```
-    pub fn run_once<S>(&self, conn: &mut S) -> Result<Report, Error>
+    pub fn run_once<S>(&self, conn: &mut S) -> Result<Completions, Error>
     where
         S: StoreConnection<Raw = C>,
     {
@@ -312,11 +307,11 @@ where
         let now = self.clock.now(conn)?;
         let idle_since = now - self.grace;
         let max_attempts = i32::try_from(self.max_attempts).unwrap_or(i32::MAX);
-        let mut report = Report {
+        let mut report = Completions {
             parked: conn.write(WRITE_LOCK_WAIT, |tx| {
                 tx.park_exhausted(&names, max_attempts, now, idle_since)
             })?,
-            ..Report::default()
+            ..Completions::default()
         };
         if report.parked > 0 {
             tracing::warn!(target: telemetry::TARGET, count = report.parked, "operations parked after their last attempt");
@@ -349,58 +344,13 @@ where
         Ok(report)
     }
 
-    /// Passes until `shutdown` is triggered, one every
-    /// [`poll_interval`](Completer::poll_interval) (at once again after a
-    /// full batch): the completer as a background service. A database
-    /// error is reported and counted in [`Report::errors`], and the
-    /// completer carries on after a pause that doubles from 100 ms up to
-    /// 10 s. An operation being resumed when `shutdown` is triggered
-    /// finishes first; a wait for a pooled connection ends at once.
-    ///
-    /// # Panics
-    ///
-    /// A panic in a registered operation ends the service, as it ends a
-    /// [`run_once`](Completer::run_once) pass: restart it (its attempts are
-    /// counted, and an operation that panics on every attempt is parked
-    /// after [`max_attempts`](Completer::max_attempts)).
-    pub fn run(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown) -> Report
-    where
-        C: R2D2Connection + Send,
-    {
-        let mut total = Report::default();
-        let mut backoff = ErrorBackoff::new();
-        while !shutdown.is_triggered() {
-            let pass = match checkout(pool, shutdown, pool.connection_timeout()) {
-                Ok(None) => break,
-                Ok(Some(mut conn)) => self.run_once(&mut *conn).map_err(Box::<dyn std::error::Error>::from),
-                Err(error) => Err(error.into()),
-            };
-            match pass {
-                Ok(report) => {
-                    backoff.succeeded();
-                    total += report;
-                    if report.picked < self.batch_size {
-                        shutdown.wait(self.poll_interval);
-                    }
-                }
-                Err(error) => {
-                    total.errors += 1;
-                    let wait = backoff.failed();
-                    telemetry::service_error("completer", &*error, wait);
-                    shutdown.wait(wait);
-                }
-            }
-        }
-        total
-    }
-
     /// Up to `limit` parked operations, oldest first: what waits for a
     /// person.
     ///
     /// # Errors
     ///
     /// [`Error::Storage`] when the query fails.
-    pub fn abandoned<S>(&self, conn: &mut S, limit: usize) -> Result<Vec<Parked>, Error>
+    pub fn parked<S>(&self, conn: &mut S, limit: usize) -> Result<Vec<Parked>, Error>
     where
         S: StoreConnection<Raw = C>,
     {

@@ -151,5 +151,5 @@
 mod completer;
 mod steps;
 
-pub use completer::{Completer, Parked, Report};
+pub use completer::{Completer, Completions, Parked};
 pub use steps::{Finished, Phased, Steps};

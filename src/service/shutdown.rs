@@ -4,8 +4,6 @@ use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use diesel::r2d2::{ManageConnection, Pool, PoolError, PooledConnection};
-
 /// Tells background services ([`Relay::run`](crate::outbox::Relay::run),
 /// [`Purger::run`](crate::Purger::run),
 /// [`Completer::run`](crate::phased::Completer::run)) to stop. Clones share one signal:
@@ -124,60 +122,5 @@ impl Shutdown {
 
     fn state(&self) -> MutexGuard<'_, State> {
         self.inner.state.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-/// How long one wait for a pooled connection lasts before a service looks at
-/// its shutdown signal again.
-const CHECKOUT_SLICE: Duration = Duration::from_millis(100);
-
-/// A connection from `pool`, waited for up to `patience`, or `None` once
-/// `shutdown` is triggered: r2d2's wait cannot be cut short, so a service
-/// waits in slices, and a database that is down, or a pool drained by
-/// others, does not hold up its stop.
-///
-/// # Errors
-///
-/// The pool's error when `patience` runs out.
-pub(crate) fn checkout<M: ManageConnection>(
-    pool: &Pool<M>,
-    shutdown: &Shutdown,
-    patience: Duration,
-) -> Result<Option<PooledConnection<M>>, PoolError> {
-    let deadline = Instant::now() + patience;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match pool.get_timeout(left.min(CHECKOUT_SLICE)) {
-            Ok(conn) => return Ok(Some(conn)),
-            Err(_) if shutdown.is_triggered() => return Ok(None),
-            Err(error) if left <= CHECKOUT_SLICE => return Err(error),
-            Err(_) => {}
-        }
-    }
-}
-
-/// How long a service waits after a database error before it tries again:
-/// short at first, doubling up to a cap, back to short after a success.
-pub(crate) struct ErrorBackoff {
-    next: Duration,
-}
-
-impl ErrorBackoff {
-    const FIRST: Duration = Duration::from_millis(100);
-    const MAX: Duration = Duration::from_secs(10);
-
-    pub(crate) fn new() -> Self {
-        ErrorBackoff { next: Self::FIRST }
-    }
-
-    /// The wait after one more error in a row.
-    pub(crate) fn failed(&mut self) -> Duration {
-        let wait = self.next;
-        self.next = (self.next * 2).min(Self::MAX);
-        wait
-    }
-
-    pub(crate) fn succeeded(&mut self) {
-        self.next = Self::FIRST;
     }
 }

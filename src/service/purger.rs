@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 
+use super::{Next, Shutdown, Stopped, serve};
 use crate::backend::StoreConnection;
+use crate::clock::assert_duration;
 use crate::config::Config;
-use crate::outbox::Relay;
-use crate::shutdown::{ErrorBackoff, Shutdown, checkout};
-use crate::telemetry;
+use crate::outbox;
 
 /// Deletes expired key records, completed phased operations past their
 /// retention and delivered outbox messages in the background until
@@ -20,12 +20,12 @@ use crate::telemetry;
 /// | --- | --- |
 /// | [`interval`](Purger::interval) | 1 minute between rounds |
 /// | [`batch_size`](Purger::batch_size) | 1,000 rows per statement |
-/// | [`config`](Purger::config) | [`Config::default()`]: its clock decides which keys and operations have expired |
-/// | [`relay`](Purger::relay) | [`Relay::default()`]: its retention decides which delivered messages go |
+/// | [`config`](Purger::config) | [`Config::default()`]: its clock decides what has expired |
+/// | [`message_retention`](Purger::message_retention) | 7 days for delivered outbox messages, as [`Relay::retention`](crate::outbox::Relay::retention) |
 ///
 /// Each round is [`Config::purge_expired`] (key records and completed
 /// [phased operations](crate::phased)) and then
-/// [`Relay::purge_delivered`], in batches that are short transactions of
+/// [`Relay::purge_delivered`](crate::outbox::Relay::purge_delivered), in batches that are short transactions of
 /// their own, so it runs beside live traffic. Running and parked phased
 /// operations are never purged. For a cron job, call those two directly.
 ///
@@ -48,8 +48,8 @@ use crate::telemetry;
 /// };
 /// // ... the service runs ...
 /// shutdown.trigger();
-/// let purged = purger.join().map_err(|_| "the purger panicked")?;
-/// assert_eq!(purged.errors, 0);
+/// let stopped = purger.join().map_err(|_| "the purger panicked")?;
+/// assert_eq!(stopped.errors, 0);
 /// # Ok(())
 /// # }
 /// ```
@@ -58,7 +58,7 @@ pub struct Purger {
     interval: Duration,
     batch_size: usize,
     config: Config,
-    relay: Relay,
+    message_retention: chrono::Duration,
 }
 
 impl Default for Purger {
@@ -67,7 +67,7 @@ impl Default for Purger {
             interval: Duration::from_secs(60),
             batch_size: 1_000,
             config: Config::default(),
-            relay: Relay::default(),
+            message_retention: outbox::DEFAULT_RETENTION,
         }
     }
 }
@@ -82,8 +82,6 @@ pub struct Purged {
     pub keys: usize,
     /// Delivered outbox messages deleted.
     pub messages: usize,
-    /// Database errors met; the purger carried on after each.
-    pub errors: usize,
 }
 
 impl AddAssign for Purged {
@@ -91,7 +89,6 @@ impl AddAssign for Purged {
         self.rounds += other.rounds;
         self.keys += other.keys;
         self.messages += other.messages;
-        self.errors += other.errors;
     }
 }
 
@@ -128,70 +125,52 @@ impl Purger {
         self
     }
 
-    /// The relay whose retention decides which delivered messages are
-    /// deleted (default [`Relay::default()`], 7 days).
-    pub fn relay(mut self, relay: Relay) -> Self {
-        self.relay = relay;
+    /// How long a delivered outbox message is kept (default 7 days, as
+    /// [`Relay::retention`](crate::outbox::Relay::retention)), on the clock
+    /// of [`config`](Purger::config).
+    ///
+    /// # Panics
+    ///
+    /// If `retention` is not positive or longer than 100 years.
+    pub fn message_retention(mut self, retention: chrono::Duration) -> Self {
+        assert_duration(retention, "message_retention");
+        self.message_retention = retention;
         self
     }
 
     /// Purges now and then every [`interval`](Purger::interval) until
     /// `shutdown` is triggered; returns what it deleted. A round that fails
-    /// is reported (a `tracing` event, counted in [`Purged::errors`]) and
+    /// is reported (a `tracing` event, counted in [`Stopped::errors`]) and
     /// tried again after a pause that doubles from 100 ms up to 10 s; the
     /// purger never stops on its own. A batch that runs when `shutdown` is
     /// triggered finishes, and the purger stops after it; a wait for a
     /// pooled connection ends at once.
-    pub fn run<C>(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown) -> Purged
+    pub fn run<C>(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown) -> Stopped<Purged>
     where
         C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
     {
-        let mut purged = Purged::default();
-        let mut backoff = ErrorBackoff::new();
-        while !shutdown.is_triggered() {
-            match self.round(pool, shutdown) {
-                Ok(round) => {
-                    backoff.succeeded();
-                    purged += round;
-                    shutdown.wait(self.interval);
-                }
-                Err(error) => {
-                    purged.errors += 1;
-                    let wait = backoff.failed();
-                    telemetry::service_error("purger", &*error, wait);
-                    shutdown.wait(wait);
-                }
-            }
-        }
-        purged
-    }
-
-    /// One round, which ends after the batch that runs when `shutdown` is
-    /// triggered.
-    fn round<C>(
-        &self,
-        pool: &Pool<ConnectionManager<C>>,
-        shutdown: &Shutdown,
-    ) -> Result<Purged, Box<dyn std::error::Error>>
-    where
-        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-    {
-        let Some(mut conn) = checkout(pool, shutdown, pool.connection_timeout())? else {
-            return Ok(Purged::default());
-        };
-        let conn: &mut C = &mut conn;
         let stop = || shutdown.is_triggered();
-        let keys = self.config.purge_expired_until(conn, self.batch_size, &stop)?;
-        let messages = if stop() {
-            0
-        } else {
-            self.relay.purge_delivered_until(conn, self.batch_size, &stop)?
-        };
-        Ok(Purged {
-            rounds: 1,
-            keys,
-            messages,
-            errors: 0,
-        })
+        serve(
+            "purger",
+            pool,
+            shutdown,
+            pool.connection_timeout(),
+            &stop,
+            |conn, purged: &mut Purged| {
+                let conn: &mut C = conn;
+                purged.keys += self.config.purge_expired_until(conn, self.batch_size, &stop)?;
+                if !stop() {
+                    purged.messages += outbox::purge_delivered(
+                        conn,
+                        &self.config.clock,
+                        self.message_retention,
+                        self.batch_size,
+                        &stop,
+                    )?;
+                }
+                purged.rounds += 1;
+                Ok(Next::Sleep(self.interval))
+            },
+        )
     }
 }

@@ -1,0 +1,194 @@
+//! The background services and the one loop they all run.
+//!
+//! [`Relay::run`](crate::outbox::Relay::run) delivers outbox messages,
+//! [`Purger::run`] deletes what is past its retention and
+//! [`Completer::run`](crate::phased::Completer::run) finishes abandoned
+//! phased operations. Each is a loop of passes, and the loop is written
+//! once here: take a pooled connection, waiting in slices so that a
+//! [`Shutdown`] is seen at once; run a pass; sleep as the pass asks, or
+//! until a wake; after an error, log its whole cause chain, count it, and
+//! back off from 100 ms, doubling up to 10 s, so that the service carries on
+//! by itself once the database is back. Every service returns what it did
+//! as one shape, [`Stopped`].
+
+mod completer;
+mod purger;
+mod relay;
+mod shutdown;
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::ops::AddAssign;
+use std::time::{Duration, Instant};
+
+use diesel::r2d2::{ManageConnection, Pool, PoolError, PooledConnection};
+
+pub use purger::{Purged, Purger};
+pub use shutdown::Shutdown;
+
+use crate::telemetry;
+
+/// What a background service did until it was stopped: its work, added up
+/// over its passes, and the database errors it met and carried on after.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::r2d2::{ConnectionManager, Pool};
+/// use diesel::SqliteConnection;
+/// use idempotency::{Purger, Shutdown};
+///
+/// # let db = idempotency::testing::SqliteFile::new();
+/// # let url = db.path().to_str().ok_or("path is not utf-8")?.to_owned();
+/// let pool = Pool::builder().max_size(1).build(ConnectionManager::<SqliteConnection>::new(url))?;
+/// let shutdown = Shutdown::new();
+/// shutdown.trigger();
+/// let stopped = Purger::default().run(&pool, &shutdown);
+/// assert_eq!((stopped.work.rounds, stopped.errors), (0, 0));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Stopped<W> {
+    /// What the service did, added up over its passes.
+    pub work: W,
+    /// Database errors the service met; it carried on after each.
+    pub errors: usize,
+}
+
+impl<W: AddAssign> AddAssign for Stopped<W> {
+    fn add_assign(&mut self, other: Stopped<W>) {
+        self.work += other.work;
+        self.errors += other.errors;
+    }
+}
+
+/// What a service does after a pass that succeeded.
+pub(crate) enum Next {
+    /// Another pass at once: there may be more to do.
+    Now,
+    /// Sleep this long, or until a wake, before the next pass.
+    Sleep(Duration),
+    /// Stop: there is nothing this service can do here.
+    Stop,
+}
+
+/// The error of a service's pass, for the log.
+pub(crate) type PassError = Box<dyn StdError>;
+
+/// The pool had no connection for a service in time.
+#[derive(Debug)]
+struct NoConnection(PoolError);
+
+impl fmt::Display for NoConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("no database connection")
+    }
+}
+
+impl StdError for NoConnection {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        Some(&self.0)
+    }
+}
+
+/// Runs service `name` until `stop` holds (it holds once `shutdown` is
+/// triggered) or a pass says [`Next::Stop`]: each pass gets a connection
+/// from `pool`, waited for up to `patience`, and adds what it does to the
+/// work it is given.
+pub(crate) fn serve<M, W>(
+    name: &'static str,
+    pool: &Pool<M>,
+    shutdown: &Shutdown,
+    patience: Duration,
+    stop: &dyn Fn() -> bool,
+    mut pass: impl FnMut(&mut PooledConnection<M>, &mut W) -> Result<Next, PassError>,
+) -> Stopped<W>
+where
+    M: ManageConnection,
+    W: Default,
+{
+    let mut stopped = Stopped {
+        work: W::default(),
+        errors: 0,
+    };
+    let mut backoff = ErrorBackoff::new();
+    while !stop() {
+        let wakes = shutdown.wakes();
+        let next = match checkout(pool, shutdown, patience) {
+            Ok(None) => break,
+            Ok(Some(mut conn)) => pass(&mut conn, &mut stopped.work),
+            Err(error) => Err(NoConnection(error).into()),
+        };
+        match next {
+            Ok(Next::Now) => backoff.succeeded(),
+            Ok(Next::Sleep(wait)) => {
+                backoff.succeeded();
+                shutdown.wait_for_wake(wakes, wait);
+            }
+            Ok(Next::Stop) => break,
+            Err(error) => {
+                stopped.errors += 1;
+                let wait = backoff.failed();
+                telemetry::service_error(name, &*error, wait);
+                shutdown.wait(wait);
+            }
+        }
+    }
+    stopped
+}
+
+/// How long one wait for a pooled connection lasts before a service looks at
+/// its shutdown signal again.
+const CHECKOUT_SLICE: Duration = Duration::from_millis(100);
+
+/// A connection from `pool`, waited for up to `patience`, or `None` once
+/// `shutdown` is triggered: r2d2's wait cannot be cut short, so a service
+/// waits in slices, and a database that is down, or a pool drained by
+/// others, does not hold up its stop.
+///
+/// # Errors
+///
+/// The pool's error when `patience` runs out.
+fn checkout<M: ManageConnection>(
+    pool: &Pool<M>,
+    shutdown: &Shutdown,
+    patience: Duration,
+) -> Result<Option<PooledConnection<M>>, PoolError> {
+    let deadline = Instant::now() + patience;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match pool.get_timeout(left.min(CHECKOUT_SLICE)) {
+            Ok(conn) => return Ok(Some(conn)),
+            Err(_) if shutdown.is_triggered() => return Ok(None),
+            Err(error) if left <= CHECKOUT_SLICE => return Err(error),
+            Err(_) => {}
+        }
+    }
+}
+
+/// How long a service waits after a database error before it tries again:
+/// short at first, doubling up to a cap, back to short after a success.
+struct ErrorBackoff {
+    next: Duration,
+}
+
+impl ErrorBackoff {
+    const FIRST: Duration = Duration::from_millis(100);
+    const MAX: Duration = Duration::from_secs(10);
+
+    fn new() -> Self {
+        ErrorBackoff { next: Self::FIRST }
+    }
+
+    /// The wait after one more error in a row.
+    fn failed(&mut self) -> Duration {
+        let wait = self.next;
+        self.next = (self.next * 2).min(Self::MAX);
+        wait
+    }
+
+    fn succeeded(&mut self) {
+        self.next = Self::FIRST;
+    }
+}

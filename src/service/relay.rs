@@ -1,0 +1,287 @@
+//! The relay as a background service: workers that deliver while messages
+//! are due and sleep while none are, and on PostgreSQL a listener that
+//! wakes them when an enqueue commits.
+
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread;
+use std::time::Instant;
+
+use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
+use tracing::{Dispatch, Span};
+
+use super::{Next, Shutdown, Stopped, serve};
+use crate::backend::outbox::{Due, OutboxStore};
+use crate::backend::{RawConnection, StoreConnection};
+use crate::outbox::{Deliveries, Error, Message, Relay};
+use crate::telemetry;
+
+/// How long a service waits for a pooled connection before it looks at its
+/// shutdown signal again.
+const CHECKOUT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How often a listening connection is asked for notifications. Asking
+/// reads the socket without a round trip.
+const LISTEN_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// How often the service's first worker refreshes the backlog gauges.
+const STATS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Relay {
+    /// Delivers messages until `shutdown` is triggered: the relay as a
+    /// background service. Returns what it did.
+    ///
+    /// [`workers`](Relay::workers) threads each take a connection from
+    /// `pool` while they work and give it back while they sleep. A worker
+    /// claims as long as messages are due, then sleeps until the next one
+    /// is due, at most a [`poll_interval`](Relay::poll_interval). On
+    /// PostgreSQL a further pooled connection listens for the notification
+    /// each enqueue sends when it commits, and wakes the workers within
+    /// milliseconds; the notification only wakes them, polling is what
+    /// guarantees delivery. Give the pool `workers + 1` connections: the
+    /// listener keeps its own while the service runs, and on a smaller pool
+    /// the relay does not listen (it says so in a `warn` event) and finds
+    /// new messages by polling alone.
+    ///
+    /// A database error never ends the service: it is reported (a `tracing`
+    /// event, counted in [`Stopped::errors`]), and the worker tries again
+    /// after a pause that doubles from 100 ms up to 10 s, so it carries on by
+    /// itself once the database is back. The service's threads send their
+    /// `tracing` events where the calling thread sends its own: to its
+    /// subscriber, inside its current span.
+    ///
+    /// When `shutdown` is triggered no new claim is made; a handler that is
+    /// running finishes and its outcome is recorded, and the rest of its
+    /// batch is given back, due at once for the next relay. `run` returns
+    /// when every worker has stopped.
+    ///
+    /// # Panics
+    ///
+    /// A panic in `handler` ends its worker's thread and resumes here once
+    /// the other workers have stopped (trigger `shutdown` to stop them); its
+    /// message is delivered again after the lease.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use std::sync::mpsc;
+    /// use std::thread;
+    ///
+    /// use diesel::r2d2::{ConnectionManager, Pool};
+    /// use diesel::SqliteConnection;
+    /// use idempotency::outbox::{self, Relay};
+    /// use idempotency::Shutdown;
+    ///
+    /// # let db = idempotency::testing::SqliteFile::new();
+    /// # let url = db.path().to_str().ok_or("path is not utf-8")?.to_owned();
+    /// let pool = Pool::builder().max_size(2).build(ConnectionManager::<SqliteConnection>::new(url))?;
+    /// let shutdown = Shutdown::new();
+    /// let (delivered, received) = mpsc::channel();
+    ///
+    /// let service = {
+    ///     let (pool, shutdown) = (pool.clone(), shutdown.clone());
+    ///     thread::spawn(move || {
+    ///         Relay::default().run(&pool, |message| delivered.send(message.topic.clone()), &shutdown)
+    ///     })
+    /// };
+    /// outbox::enqueue(&mut pool.get()?, "receipts", &42)?;
+    /// assert_eq!(received.recv()?, "receipts");
+    ///
+    /// shutdown.trigger();
+    /// let stopped = service.join().map_err(|_| "the relay panicked")?;
+    /// assert_eq!(stopped.work.delivered, 1);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn run<C, E, F>(
+        &self,
+        pool: &Pool<ConnectionManager<C>>,
+        handler: F,
+        shutdown: &Shutdown,
+    ) -> Stopped<Deliveries>
+    where
+        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+        E: fmt::Display,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        // The service's threads report where the caller's thread does: to
+        // its subscriber (also one set with `with_default`), inside its
+        // current span.
+        let dispatch = tracing::dispatcher::get_default(Dispatch::clone);
+        let span = Span::current();
+        // The listener keeps its connection while the service runs: on a
+        // pool that cannot spare one besides the workers' it would take the
+        // one they need, so there they find new messages by polling alone.
+        let announces = announces::<C>();
+        let listens = announces && pool.max_size() as usize > self.workers;
+        if announces && !listens {
+            telemetry::relay::not_listening(pool.max_size(), self.workers);
+        }
+        // The listener serves the workers: it stops with the last of them,
+        // also when a panic ended them before `shutdown` was triggered.
+        let working = AtomicUsize::new(self.workers);
+        let stopped = || shutdown.is_triggered() || working.load(Ordering::SeqCst) == 0;
+        let stops: Vec<thread::Result<Stopped<Deliveries>>> = thread::scope(|scope| {
+            if listens {
+                scope.spawn(|| traced(&dispatch, &span, || self.listen(pool, shutdown, &stopped)));
+            }
+            let workers: Vec<_> = (0..self.workers)
+                .map(|worker| {
+                    let (handler, dispatch, span, working) = (&handler, &dispatch, &span, &working);
+                    scope.spawn(move || {
+                        let _leaving = Leaving(working);
+                        traced(dispatch, span, || self.work(worker, pool, handler, shutdown))
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|worker| worker.join()).collect()
+        });
+        let mut total = Stopped::default();
+        for stopped in stops {
+            match stopped {
+                Ok(stopped) => total += stopped,
+                Err(payload) => std::panic::resume_unwind(payload),
+            }
+        }
+        total
+    }
+
+    /// One worker of [`run`](Relay::run).
+    fn work<C, E, F>(
+        &self,
+        worker: usize,
+        pool: &Pool<ConnectionManager<C>>,
+        handler: &F,
+        shutdown: &Shutdown,
+    ) -> Stopped<Deliveries>
+    where
+        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+        E: fmt::Display,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        let mut stats_due = Instant::now();
+        let patience = self.poll_interval.max(CHECKOUT_WAIT);
+        let stop = || shutdown.is_triggered();
+        serve("relay", pool, shutdown, patience, &stop, |conn, done| {
+            let conn: &mut C = conn;
+            if worker == 0 && Instant::now() >= stats_due {
+                // Keeps the backlog gauges current for monitoring.
+                stats_due = Instant::now() + STATS_EVERY;
+                self.stats(conn)?;
+            }
+            Ok(self.step(conn, handler, shutdown, done)?)
+        })
+    }
+
+    /// Delivers one batch if a message is due, counted into `done`;
+    /// otherwise says how long to sleep.
+    fn step<C, E, F>(
+        &self,
+        conn: &mut C,
+        handler: &F,
+        shutdown: &Shutdown,
+        done: &mut Deliveries,
+    ) -> Result<Next, Error>
+    where
+        C: StoreConnection,
+        E: fmt::Display,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        let conn = conn.raw();
+        let now = self.clock.now(conn)?;
+        match conn.next_due()? {
+            Some(Due::Now) => self.deliver_due(conn, handler, shutdown, done),
+            Some(Due::At(due)) if due <= now => self.deliver_due(conn, handler, shutdown, done),
+            Some(Due::At(due)) => {
+                let until_due = (due - now).to_std().unwrap_or_default();
+                Ok(Next::Sleep(until_due.min(self.poll_interval)))
+            }
+            None => Ok(Next::Sleep(self.poll_interval)),
+        }
+    }
+
+    /// Delivers one batch of the messages due, counted into `done`.
+    fn deliver_due<C, E, F>(
+        &self,
+        conn: &mut C,
+        handler: &F,
+        shutdown: &Shutdown,
+        done: &mut Deliveries,
+    ) -> Result<Next, Error>
+    where
+        C: RawConnection,
+        E: fmt::Display,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        let mut report = Deliveries::default();
+        let passed = self.pass(
+            conn,
+            &mut |message: &Message| handler(message),
+            &|| shutdown.is_triggered(),
+            &mut report,
+        );
+        *done += report;
+        passed?;
+        Ok(if report.claimed == 0 {
+            // Due, but another relay claimed it first.
+            Next::Sleep(self.poll_interval)
+        } else {
+            Next::Now
+        })
+    }
+
+    /// Listens for announced messages and wakes the workers, on backends
+    /// that announce them, until `stopped`; reconnects after a lost
+    /// connection.
+    fn listen<C>(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown, stopped: &dyn Fn() -> bool)
+    where
+        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+    {
+        serve("relay listener", pool, shutdown, CHECKOUT_WAIT, stopped, |conn, ()| {
+            Ok(match listen_on(&mut **conn, shutdown, stopped)? {
+                true => Next::Now,
+                false => Next::Stop,
+            })
+        });
+    }
+}
+
+/// Listens on `conn` and wakes the workers at every announcement until
+/// `stopped`; `false` at once where the backend announces nothing.
+fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown, stopped: &dyn Fn() -> bool) -> Result<bool, Error> {
+    let conn = conn.raw();
+    if !conn.listen()? {
+        return Ok(false);
+    }
+    // Wakes once now: a message committed before LISTEN took effect was
+    // announced to nobody.
+    shutdown.wake();
+    while !stopped() {
+        if conn.announced()? {
+            shutdown.wake();
+        }
+        shutdown.wait(LISTEN_POLL);
+    }
+    conn.unlisten()?;
+    Ok(true)
+}
+
+/// Counts a worker out when its thread ends, by return or by panic.
+struct Leaving<'a>(&'a AtomicUsize);
+
+impl Drop for Leaving<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Whether connections of type `C` announce new messages to listeners.
+/// (Generic over any `StoreConnection`, where `C::Raw` stays a projection
+/// whose bounds the compiler knows.)
+fn announces<C: StoreConnection>() -> bool {
+    <C::Raw as OutboxStore>::ANNOUNCES
+}
+
+/// Runs `f` with `dispatch` as the thread's subscriber, inside `span`.
+fn traced<T>(dispatch: &Dispatch, span: &Span, f: impl FnOnce() -> T) -> T {
+    tracing::dispatcher::with_default(dispatch, || span.in_scope(f))
+}
