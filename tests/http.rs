@@ -92,6 +92,15 @@ on_every_backend!(
     example_binary_serves_the_lost_response_story_and_stops_on_sigterm,
 );
 
+/// How long a request that the server can refuse without its database may
+/// take to be answered: generous for an answer computed in microseconds,
+/// and well below [`EXHAUSTED_CHECKOUT`], so that a request that waited
+/// for a connection cannot pass for one answered at once.
+const AT_ONCE: Duration = Duration::from_secs(1);
+
+/// The checkout timeout of the pools that tests hold empty.
+const EXHAUSTED_CHECKOUT: Duration = Duration::from_secs(5);
+
 async fn lost_response_is_replayed_with_the_first_status_body_and_location(backend: Backend) {
     let db = TestDb::new(backend).await;
     let server = Server::start(&db, Settings::default()).await;
@@ -698,6 +707,86 @@ mod library {
         assert_eq!(body["type"], "about:blank");
         assert_eq!(body["title"], "Service Unavailable");
         assert_eq!(answer(&app, note(Some("n-3"))).await.0, StatusCode::CREATED);
+    }
+
+    /// A caller whose scope breaks the key rules: the application's
+    /// mistake, not the client's.
+    struct Misnamed;
+
+    impl<S: Sync> FromRequestParts<S> for Misnamed {
+        type Rejection = StatusCode;
+
+        async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+            Ok(Misnamed)
+        }
+    }
+
+    impl Caller for Misnamed {
+        fn scope(&self) -> Cow<'_, str> {
+            Cow::Borrowed("two words")
+        }
+    }
+
+    async fn post_misnamed_note(State(notes): State<Notes>, key: IdempotencyKey<Misnamed>) -> axum::response::Response {
+        let outcome: NoteResponse = http::run(&notes.pool, &notes.config, &key, (), |conn, ()| add_note(conn)).await;
+        outcome.into_response()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keys_and_scopes_the_rules_refuse_are_answered_at_once_while_the_pool_is_exhausted() {
+        let db = idempotency::testing::SqliteFile::new();
+        db.conn()
+            .batch_execute("CREATE TABLE notes (id INTEGER PRIMARY KEY)")
+            .expect("create notes");
+        let pool = Pool::builder()
+            .max_size(1)
+            .connection_timeout(EXHAUSTED_CHECKOUT)
+            .build(ConnectionManager::new(db.path().to_str().expect("utf-8 path")))
+            .expect("a pool");
+        let notes = Notes {
+            pool: pool.clone(),
+            config: Config::default(),
+        };
+        let app = Router::new()
+            .route("/notes", post(post_note))
+            .route("/misnamed-notes", post(post_misnamed_note))
+            .with_state(notes);
+        let _held = pool.get().expect("the pool's one connection");
+
+        let long_key = "k".repeat(300);
+        let misnamed = Request::post("/misnamed-notes")
+            .header("idempotency-key", "n-5")
+            .body(axum::body::Body::empty())
+            .expect("a request");
+        let cases = [
+            ("a 300-character key", note(Some(&long_key)), StatusCode::BAD_REQUEST),
+            (
+                "a key like a card number",
+                note(Some("4111111111111111")),
+                StatusCode::BAD_REQUEST,
+            ),
+            ("a scope with a space", misnamed, StatusCode::INTERNAL_SERVER_ERROR),
+        ];
+        let refused = async {
+            for (case, request, status) in cases {
+                let (answered, retry_after, body) = tokio::time::timeout(AT_ONCE, answer(&app, request))
+                    .await
+                    .unwrap_or_else(|_| panic!("{case}: no answer within {AT_ONCE:?} while the pool was exhausted"));
+                assert_eq!((answered, retry_after), (status, None), "{case}: {body}");
+            }
+        };
+        // The valid request is sent first and answered last: the pool
+        // stays exhausted throughout.
+        let valid = async {
+            tokio::time::timeout(PATIENCE, answer(&app, note(Some("n-4"))))
+                .await
+                .unwrap_or_else(|_| panic!("the valid request was not answered within {PATIENCE:?}"))
+        };
+        let ((status, retry_after, _), ()) = tokio::join!(valid, refused);
+        assert_eq!(
+            (status, retry_after.as_deref()),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("1"))
+        );
     }
 
     /// A payment provider that deduplicates on its key, fails its first
