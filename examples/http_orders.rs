@@ -37,7 +37,7 @@ use axum::{Extension, Json, Router};
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool, R2D2Connection};
-use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, Problems, StoredResponse};
+use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse};
 use idempotency::{Config, InFlight, Outcome, StoreConnection};
 use serde::{Deserialize, Serialize};
 
@@ -53,6 +53,14 @@ diesel::table! {
 /// Where the problems of this API are documented: each `type` is this
 /// followed by the problem's name.
 const PROBLEMS: &str = "https://orders.example/problems/";
+
+/// How long a request waits for a pooled connection; then it is answered
+/// 503 with `Retry-After`. A transaction here takes milliseconds, so a
+/// request that finds no connection free for 2 s meets a database that is
+/// overloaded or gone, and the client is better told at once when to come
+/// back than held for r2d2's default of 30 s, longer than many clients and
+/// proxies wait for a whole response.
+pub const CHECKOUT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How often the background thread purges expired keys.
 const PURGE_EVERY: Duration = Duration::from_secs(60);
@@ -300,6 +308,11 @@ impl IntoResponse for OrderError {
     }
 }
 
+/// How the service describes its problems.
+fn problems() -> Problems {
+    Problems::documented_at(PROBLEMS)
+}
+
 fn internal_error() -> Problem {
     problem(
         StatusCode::INTERNAL_SERVER_ERROR,
@@ -310,14 +323,27 @@ fn internal_error() -> Problem {
 }
 
 /// What the service can be told besides its database.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Settings {
     /// What a request does while another holds its key.
     pub in_flight: InFlight,
+    /// How long a request waits for a pooled connection
+    /// ([`CHECKOUT_TIMEOUT`] unless told otherwise).
+    pub checkout_timeout: Duration,
     /// Called inside an order's transaction after the order is written,
     /// before the commit. Tests hold transactions open with it; the
     /// service has none.
     pub before_commit: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            in_flight: InFlight::default(),
+            checkout_timeout: CHECKOUT_TIMEOUT,
+            before_commit: None,
+        }
+    }
 }
 
 struct App<C: R2D2Connection + 'static> {
@@ -362,7 +388,15 @@ async fn place_order<C: OrderStore>(
     outcome
 }
 
+/// What went wrong on a read route's blocking thread.
+enum ReadFailure {
+    Checkout(diesel::r2d2::PoolError),
+    Query(diesel::result::Error),
+}
+
 /// Runs sync diesel work on the blocking pool with a pooled connection.
+/// No connection within the checkout timeout is a 503 with `Retry-After`,
+/// as on the idempotent route: the client may retry.
 async fn blocking<C, T>(
     pool: &Pool<ConnectionManager<C>>,
     work: impl FnOnce(&mut C) -> QueryResult<T> + Send + 'static,
@@ -373,12 +407,18 @@ where
 {
     let pool = pool.clone();
     let task = tokio::task::spawn_blocking(move || {
-        let mut conn = pool.get().map_err(|error| error.to_string())?;
-        work(&mut conn).map_err(|error| error.to_string())
+        let mut conn = pool.get().map_err(ReadFailure::Checkout)?;
+        work(&mut conn).map_err(ReadFailure::Query)
     });
     match task.await {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(error)) => {
+        Ok(Err(ReadFailure::Checkout(error))) => {
+            eprintln!("reading orders: no connection: {error}");
+            Err(problems()
+                .problem(ProblemKind::Unavailable)
+                .with_detail("the server is busy; retry later"))
+        }
+        Ok(Err(ReadFailure::Query(error))) => {
             eprintln!("reading orders failed: {error}");
             Err(internal_error())
         }
@@ -446,7 +486,7 @@ pub fn service_on<C: OrderStore>(pool: Pool<ConnectionManager<C>>, settings: Set
     let router = Router::new()
         .route("/orders", get(list_orders::<C>).post(place_order::<C>))
         .route("/orders/{id}", get(get_order::<C>))
-        .layer(Extension(Problems::documented_at(PROBLEMS)))
+        .layer(Extension(problems()))
         .with_state(app);
     let purge = move || {
         let mut conn = pool.get()?;
@@ -487,13 +527,14 @@ pub enum Database {
 /// # Errors
 ///
 /// When the database cannot be opened.
-pub fn open(database: &str) -> anyhow::Result<Database> {
+pub fn open(database: &str, checkout_timeout: Duration) -> anyhow::Result<Database> {
     if database.starts_with("postgres://") || database.starts_with("postgresql://") {
         #[cfg(feature = "postgres")]
         {
             let pool = Pool::builder()
                 .max_size(16)
                 .min_idle(Some(2))
+                .connection_timeout(checkout_timeout)
                 .build(ConnectionManager::<PgConnection>::new(database))
                 .context("connect to PostgreSQL")?;
             return Ok(Database::Postgres(pool));
@@ -507,6 +548,7 @@ pub fn open(database: &str) -> anyhow::Result<Database> {
             let pool = Pool::builder()
                 .max_size(16)
                 .min_idle(Some(2))
+                .connection_timeout(checkout_timeout)
                 .build(ConnectionManager::<MysqlConnection>::new(database))
                 .context("connect to MySQL")?;
             return Ok(Database::Mysql(pool));
@@ -521,6 +563,7 @@ pub fn open(database: &str) -> anyhow::Result<Database> {
         .context("enable WAL")?;
     let pool = Pool::builder()
         .max_size(8)
+        .connection_timeout(checkout_timeout)
         .connection_customizer(Box::new(SqliteSetup))
         .build(ConnectionManager::<SqliteConnection>::new(database))
         .with_context(|| format!("open {database}"))?;
@@ -533,7 +576,7 @@ pub fn open(database: &str) -> anyhow::Result<Database> {
 ///
 /// When the database cannot be opened or prepared.
 pub fn service(database: &str, settings: Settings) -> anyhow::Result<Service> {
-    match open(database)? {
+    match open(database, settings.checkout_timeout)? {
         Database::Sqlite(pool) => service_on(pool, settings),
         #[cfg(feature = "postgres")]
         Database::Postgres(pool) => service_on(pool, settings),
@@ -614,7 +657,7 @@ fn main() -> anyhow::Result<()> {
         &args.database,
         Settings {
             in_flight: args.in_flight,
-            before_commit: None,
+            ..Settings::default()
         },
     )?);
 

@@ -90,6 +90,7 @@ on_every_backend!(
     validation_failure_leaves_the_key_free,
     bad_bodies_are_refused_without_echo_and_leave_the_key_free,
     example_binary_serves_the_lost_response_story_and_stops_on_sigterm,
+    no_free_connection_is_503_with_retry_after_on_every_route,
 );
 
 /// How long a request that the server can refuse without its database may
@@ -100,6 +101,10 @@ const AT_ONCE: Duration = Duration::from_secs(1);
 
 /// The checkout timeout of the pools that tests hold empty.
 const EXHAUSTED_CHECKOUT: Duration = Duration::from_secs(5);
+
+/// How long a request may wait for a connection in the example as it is
+/// configured: the wait of a web request, not r2d2's default of 30 s.
+const WEB_CHECKOUT_BOUND: Duration = Duration::from_secs(10);
 
 async fn lost_response_is_replayed_with_the_first_status_body_and_location(backend: Backend) {
     let db = TestDb::new(backend).await;
@@ -161,6 +166,7 @@ async fn duplicate_in_progress_is_409_with_retry_after_then_replays(backend: Bac
     let settings = Settings {
         in_flight: InFlight::Reject,
         before_commit: Some(hook),
+        ..Settings::default()
     };
     let server = Server::start(&db, settings).await;
     let client = client();
@@ -538,6 +544,36 @@ async fn example_binary_serves_the_lost_response_story_and_stops_on_sigterm(back
     assert!(success, "the service exits with success on SIGTERM");
     assert_eq!(more_output, "", "one line on stdout, no more");
     assert_eq!(db.order_count().await, 1);
+}
+
+async fn no_free_connection_is_503_with_retry_after_on_every_route(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let (server, _held) = Server::start_exhausted(&db, Settings::default()).await;
+    let client = client();
+    let routes = [
+        (
+            "POST /orders",
+            post_order(&client, &server.url(""), "acct-1", &["busy-1"], BODY),
+        ),
+        ("GET /orders", client.get(server.url("/orders")).bearer_auth("acct-1")),
+        (
+            "GET /orders/1",
+            client.get(server.url("/orders/1")).bearer_auth("acct-1"),
+        ),
+    ];
+    // All at once: each waits out the checkout timeout.
+    let mut requests = tokio::task::JoinSet::new();
+    for (route, request) in routes {
+        requests.spawn(async move { (route, tokio::time::timeout(WEB_CHECKOUT_BOUND, send(request)).await) });
+    }
+    for (route, answer) in requests.join_all().await {
+        let answer = answer.unwrap_or_else(|_| {
+            panic!("{route}: no answer within {WEB_CHECKOUT_BOUND:?} while the pool was exhausted")
+        });
+        assert_eq!(answer.status, 503, "{route}: {answer:?}");
+        let answer = answer.assert_problem(503);
+        assert_eq!(answer.retry_after.as_deref(), Some("1"), "{route}: {answer:?}");
+    }
 }
 
 #[test]

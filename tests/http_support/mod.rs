@@ -20,7 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::http_orders::{self, Settings};
+use crate::http_orders::{self, Database, OrderStore, Service, Settings};
 
 /// How long a test waits for something that a healthy run does in
 /// milliseconds; only a hanging test reaches it.
@@ -219,10 +219,32 @@ impl Server {
             .await
             .expect("start the service")
             .expect("open the service's database");
+        Server::serve(wrap(service.router)).await
+    }
+
+    /// The service with every connection of its pool checked out and held
+    /// by the second value, until it is dropped.
+    pub async fn start_exhausted(db: &TestDb, settings: Settings) -> (Server, HeldPool) {
+        let database = db.database().to_owned();
+        let (service, held) = tokio::task::spawn_blocking(move || {
+            match http_orders::open(&database, settings.checkout_timeout).expect("open the service's database") {
+                Database::Sqlite(pool) => exhaust(pool, settings),
+                #[cfg(feature = "postgres")]
+                Database::Postgres(pool) => exhaust(pool, settings),
+                #[cfg(feature = "mysql")]
+                Database::Mysql(pool) => exhaust(pool, settings),
+            }
+        })
+        .await
+        .expect("start the service");
+        (Server::serve(service.router).await, held)
+    }
+
+    /// Serves `router` on a free port until dropped.
+    pub async fn serve(router: Router) -> Server {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("listen on a free port");
         let addr = listener.local_addr().expect("the listening address");
         let (stop, stopped) = oneshot::channel::<()>();
-        let router = wrap(service.router);
         tokio::spawn(async move {
             axum::serve(listener, router)
                 .with_graceful_shutdown(async {
@@ -241,6 +263,27 @@ impl Server {
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
+}
+
+/// Connections of a service's pool, checked out and held.
+pub struct HeldPool {
+    _connections: Box<dyn std::any::Any + Send>,
+}
+
+/// The service on `pool`, and every connection of the pool.
+fn exhaust<C: OrderStore>(
+    pool: diesel::r2d2::Pool<diesel::r2d2::ConnectionManager<C>>,
+    settings: Settings,
+) -> (Service, HeldPool) {
+    let service = http_orders::service_on(pool.clone(), settings).expect("prepare the service's database");
+    let connections: Vec<_> = (0..pool.max_size())
+        .map(|_| pool.get().expect("check out a connection of the pool"))
+        .collect();
+    assert_eq!(pool.state().idle_connections, 0, "every connection of the pool is held");
+    let held = HeldPool {
+        _connections: Box::new(connections),
+    };
+    (service, held)
 }
 
 /// A client over keep-alive connections, without proxies from the
