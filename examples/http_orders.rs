@@ -65,6 +65,15 @@ pub const CHECKOUT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often the background thread purges expired keys.
 const PURGE_EVERY: Duration = Duration::from_secs(60);
 
+/// The longest `item` of an order, in characters. The same request must
+/// get the same answer on every backend, so the bound is one that all of
+/// them store: MariaDB's `TEXT`, the tightest, holds 65,535 bytes, and
+/// 1,000 characters take at most 4,000 bytes of UTF-8.
+pub const MAX_ITEM_CHARS: usize = 1_000;
+
+/// What an order with a longer item is told.
+const ITEM_TOO_LONG: &str = "item must be at most 1000 characters long";
+
 /// The body of `POST /orders`. Unknown fields are refused rather than
 /// ignored: an ignored field would not be part of the fingerprint, and a
 /// retry that changed it would replay instead of being told it differs.
@@ -73,6 +82,25 @@ const PURGE_EVERY: Duration = Duration::from_secs(60);
 pub struct NewOrder {
     pub item: String,
     pub quantity: i32,
+}
+
+impl NewOrder {
+    /// Why the order cannot be placed, if it cannot. Checked before any
+    /// database work, so that a request that can never succeed is refused
+    /// even while every connection is busy, with the same answer on every
+    /// backend: PostgreSQL's text cannot hold U+0000, which the others
+    /// store, so no backend gets it.
+    pub fn refusal(&self) -> Option<&'static str> {
+        if self.quantity < 1 {
+            Some("quantity must be at least 1")
+        } else if self.item.contains('\0') {
+            Some("item must not contain U+0000 (NUL)")
+        } else if self.item.chars().count() > MAX_ITEM_CHARS {
+            Some(ITEM_TOO_LONG)
+        } else {
+            None
+        }
+    }
 }
 
 /// An order as the API shows it.
@@ -280,11 +308,14 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for Body<T> 
     }
 }
 
-/// Why an order was not placed. An `Err` of the operation: nothing is
-/// stored and the key stays free for the corrected request.
+/// Why an order was not placed. Nothing is stored and the key stays free
+/// for the corrected request or the retry.
 #[derive(Debug)]
 pub enum OrderError {
-    InvalidQuantity,
+    /// The order breaks a rule ([`NewOrder::refusal`]); found before the
+    /// idempotent call.
+    Invalid(&'static str),
+    /// The operation's statements failed.
     Database(diesel::result::Error),
 }
 
@@ -297,8 +328,8 @@ impl From<diesel::result::Error> for OrderError {
 impl IntoResponse for OrderError {
     fn into_response(self) -> Response {
         match self {
-            OrderError::InvalidQuantity => problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-order", "Invalid order")
-                .with_detail("quantity must be at least 1")
+            OrderError::Invalid(detail) => problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-order", "Invalid order")
+                .with_detail(detail)
                 .into_response(),
             OrderError::Database(error) => {
                 eprintln!("placing an order failed: {error}");
@@ -367,12 +398,12 @@ async fn place_order<C: OrderStore>(
     key: IdempotencyKey<Account>,
     Body(order): Body<NewOrder>,
 ) -> Result<Outcome<StoredResponse<Order>>, Failure<OrderError>> {
+    if let Some(detail) = order.refusal() {
+        return Err(Failure::Operation(OrderError::Invalid(detail)));
+    }
     let account = key.caller().clone();
     let before_commit = app.before_commit.clone();
     let outcome = http::run(&app.pool, &app.config, &key, order, move |conn, order| {
-        if order.quantity < 1 {
-            return Err(OrderError::InvalidQuantity);
-        }
         let placed = conn.insert_order(&account.0, order)?;
         if let Some(hook) = &before_commit {
             hook();

@@ -90,7 +90,9 @@ on_every_backend!(
     validation_failure_leaves_the_key_free,
     bad_bodies_are_refused_without_echo_and_leave_the_key_free,
     example_binary_serves_the_lost_response_story_and_stops_on_sigterm,
+    requests_refused_by_rule_are_answered_at_once_while_the_pool_is_exhausted,
     no_free_connection_is_503_with_retry_after_on_every_route,
+    items_no_backend_can_store_are_422_on_every_backend,
 );
 
 /// How long a request that the server can refuse without its database may
@@ -546,6 +548,74 @@ async fn example_binary_serves_the_lost_response_story_and_stops_on_sigterm(back
     assert_eq!(db.order_count().await, 1);
 }
 
+async fn requests_refused_by_rule_are_answered_at_once_while_the_pool_is_exhausted(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let settings = Settings {
+        checkout_timeout: EXHAUSTED_CHECKOUT,
+        ..Settings::default()
+    };
+    let (server, _held) = Server::start_exhausted(&db, settings).await;
+    let client = client();
+    let base = server.url("");
+    // Sent first and answered last: the pool stays exhausted throughout.
+    let valid = tokio::spawn(send(post_order(&client, &base, "acct-1", &["valid-1"], BODY)));
+
+    let long_key = "k".repeat(300);
+    let long_token = "t".repeat(256);
+    let nul_item = r#"{"item": "a\u0000b", "quantity": 1}"#;
+    let long_item = format!(r#"{{"item": "{}", "quantity": 1}}"#, "x".repeat(65_536));
+    let cases = [
+        ("a 300-character key", "acct-1", vec![long_key.as_str()], BODY, 400),
+        (
+            "a key like a card number",
+            "acct-1",
+            vec!["4111111111111111"],
+            BODY,
+            400,
+        ),
+        ("a key with a space", "acct-1", vec![r#""with space""#], BODY, 400),
+        (
+            "a token too long for a scope",
+            long_token.as_str(),
+            vec!["k-1"],
+            BODY,
+            401,
+        ),
+        ("no key", "acct-1", vec![], BODY, 400),
+        ("two keys", "acct-1", vec!["k-1", "k-2"], BODY, 400),
+        ("a body that is not JSON", "acct-1", vec!["k-1"], r#"{"item": "#, 400),
+        (
+            "a body without a quantity",
+            "acct-1",
+            vec!["k-1"],
+            r#"{"item": "book"}"#,
+            422,
+        ),
+        (
+            "a quantity of 0",
+            "acct-1",
+            vec!["k-1"],
+            r#"{"item": "book", "quantity": 0}"#,
+            422,
+        ),
+        ("an item with NUL", "acct-1", vec!["k-1"], nul_item, 422),
+        ("an item of 65,536 bytes", "acct-1", vec!["k-1"], &long_item, 422),
+    ];
+    for (case, account, keys, body, status) in cases {
+        let request = post_order(&client, &base, account, &keys, body);
+        let answer = tokio::time::timeout(AT_ONCE, send(request))
+            .await
+            .unwrap_or_else(|_| panic!("{case}: no answer within {AT_ONCE:?} while the pool was exhausted"));
+        assert_eq!(answer.status, status, "{case}: {answer:?}");
+        answer.assert_problem(status);
+    }
+
+    let valid = valid.await.expect("the valid request").assert_problem(503);
+    assert_eq!(valid.retry_after.as_deref(), Some("1"));
+    assert_eq!(db.order_count().await, 0);
+    assert_eq!(db.key_count().await, 0);
+}
+
 async fn no_free_connection_is_503_with_retry_after_on_every_route(backend: Backend) {
     let db = TestDb::new(backend).await;
     let (server, _held) = Server::start_exhausted(&db, Settings::default()).await;
@@ -574,6 +644,53 @@ async fn no_free_connection_is_503_with_retry_after_on_every_route(backend: Back
         let answer = answer.assert_problem(503);
         assert_eq!(answer.retry_after.as_deref(), Some("1"), "{route}: {answer:?}");
     }
+}
+
+async fn items_no_backend_can_store_are_422_on_every_backend(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let order = |item: &str| serde_json::to_string(&json!({"item": item, "quantity": 1})).expect("JSON");
+    let longest = "\u{1f4e6}".repeat(http_orders::MAX_ITEM_CHARS);
+    let refused = [
+        ("an item with NUL", order("a\u{0}b"), "U+0000"),
+        ("an item of 65,536 bytes", order(&"x".repeat(65_536)), "1000 characters"),
+        (
+            "an item one character too long",
+            order(&"x".repeat(http_orders::MAX_ITEM_CHARS + 1)),
+            "1000 characters",
+        ),
+    ];
+    for (case, body, detail) in refused {
+        let answer = send(post_order(&client, &server.url(""), "acct-1", &["item-1"], &body)).await;
+        assert_eq!(answer.status, 422, "{case}: {answer:?}");
+        let answer = answer.assert_problem(422);
+        assert_eq!(
+            answer.body["type"], "https://orders.example/problems/invalid-order",
+            "{case}"
+        );
+        let said = answer.body["detail"].as_str().expect("a detail");
+        assert!(said.contains(detail), "{case}: {said}");
+    }
+    assert_eq!(db.order_count().await, 0);
+    assert_eq!(db.key_count().await, 0);
+
+    // The longest item, in four-byte characters, is stored and replayed.
+    let body = order(&longest);
+    let first = send(post_order(&client, &server.url(""), "acct-1", &["item-1"], &body)).await;
+    assert_eq!(
+        (first.status, first.replayed.as_deref()),
+        (201, None),
+        "{:?}",
+        first.status
+    );
+    assert_eq!(first.body["item"], longest);
+    let again = send(post_order(&client, &server.url(""), "acct-1", &["item-1"], &body)).await;
+    assert_eq!((again.status, again.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(again.body, first.body);
+    let location = first.location.as_deref().expect("a location");
+    let stored = send(client.get(server.url(location)).bearer_auth("acct-1")).await;
+    assert_eq!(stored.body["item"], longest);
 }
 
 #[test]
