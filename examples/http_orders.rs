@@ -332,11 +332,36 @@ impl IntoResponse for OrderError {
                 .with_detail(detail)
                 .into_response(),
             OrderError::Database(error) => {
-                eprintln!("placing an order failed: {error}");
+                eprintln!("placing an order failed: {}", causes(&error));
                 internal_error().into_response()
             }
         }
     }
+}
+
+/// `error` and each of its sources, joined by `: `, so that a log line
+/// carries the database's own message and not only the failure it caused.
+/// A JSON error is shown by its category and position: its message may
+/// quote the body it was reading.
+pub fn causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = String::new();
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        match error.downcast_ref::<serde_json::Error>() {
+            Some(json) => line.push_str(&format!(
+                "JSON {:?} error at line {} column {}",
+                json.classify(),
+                json.line(),
+                json.column()
+            )),
+            None => line.push_str(&error.to_string()),
+        }
+        next = error.source();
+    }
+    line
 }
 
 /// How the service describes its problems.
@@ -414,7 +439,7 @@ async fn place_order<C: OrderStore>(
     .await;
     if let Err(Failure::Failed { cause, .. }) = &outcome {
         // The key is a technical identifier and may be logged; the body not.
-        eprintln!("POST /orders, key {:?}: {cause}", key.key());
+        eprintln!("POST /orders, key {:?}: {}", key.key(), causes(&**cause));
     }
     outcome
 }
@@ -444,17 +469,17 @@ where
     match task.await {
         Ok(Ok(value)) => Ok(value),
         Ok(Err(ReadFailure::Checkout(error))) => {
-            eprintln!("reading orders: no connection: {error}");
+            eprintln!("reading orders: no connection: {}", causes(&error));
             Err(problems()
                 .problem(ProblemKind::Unavailable)
                 .with_detail("the server is busy; retry later"))
         }
         Ok(Err(ReadFailure::Query(error))) => {
-            eprintln!("reading orders failed: {error}");
+            eprintln!("reading orders failed: {}", causes(&error));
             Err(internal_error())
         }
         Err(error) => {
-            eprintln!("reading orders failed: {error}");
+            eprintln!("reading orders failed: {}", causes(&error));
             Err(internal_error())
         }
     }
@@ -702,7 +727,7 @@ fn main() -> anyhow::Result<()> {
                 match service.purge_expired() {
                     Ok(0) => {}
                     Ok(purged) => eprintln!("purged {purged} expired keys"),
-                    Err(error) => eprintln!("purging expired keys failed: {error:#}"),
+                    Err(error) => eprintln!("purging expired keys failed: {}", causes(error.as_ref())),
                 }
             }
         })

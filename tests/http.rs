@@ -93,6 +93,7 @@ on_every_backend!(
     requests_refused_by_rule_are_answered_at_once_while_the_pool_is_exhausted,
     no_free_connection_is_503_with_retry_after_on_every_route,
     items_no_backend_can_store_are_422_on_every_backend,
+    a_failed_call_is_logged_with_the_database_message_and_without_the_body,
 );
 
 /// How long a request that the server can refuse without its database may
@@ -691,6 +692,79 @@ async fn items_no_backend_can_store_are_422_on_every_backend(backend: Backend) {
     let location = first.location.as_deref().expect("a location");
     let stored = send(client.get(server.url(location)).bearer_auth("acct-1")).await;
     assert_eq!(stored.body["item"], longest);
+}
+
+/// Drops `table` from the test's database, under the running service.
+async fn drop_table(db: &TestDb, table: &'static str) {
+    let database = db.database().to_owned();
+    let backend = db.backend();
+    tokio::task::spawn_blocking(move || {
+        let statement = format!("DROP TABLE {table}");
+        match backend {
+            Backend::Sqlite => SqliteConnection::establish(&database)
+                .expect("open the test database")
+                .batch_execute(&statement),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres => PgConnection::establish(&database)
+                .expect("connect to the test schema")
+                .batch_execute(&statement),
+            #[cfg(feature = "mysql")]
+            Backend::Mysql => MysqlConnection::establish(&database)
+                .expect("connect to the test database")
+                .batch_execute(&statement),
+        }
+        .expect("drop the table");
+    })
+    .await
+    .expect("drop the table");
+}
+
+async fn a_failed_call_is_logged_with_the_database_message_and_without_the_body(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let args = ["--addr", "127.0.0.1:0", "--database", db.database()];
+    let launch = Launch { capture_stderr: true };
+    let mut service = ExampleProcess::start_with(args.iter().map(|arg| arg.to_string()).collect(), launch).await;
+    let client = client();
+    let secret = r#"{"item": "secret-123", "quantity": 1}"#;
+
+    drop_table(&db, "idempotency_keys").await;
+    send(post_order(&client, &service.base, "acct-1", &["log-1"], secret))
+        .await
+        .assert_problem(500);
+    let line = service.log_line("\"log-1\"").await;
+    let missing = missing_table(backend, "idempotency_keys");
+    assert!(
+        line.contains(&missing),
+        "the database's message ({missing}) is logged: {line}"
+    );
+
+    drop_table(&db, "orders").await;
+    send(client.get(format!("{}/orders", service.base)).bearer_auth("acct-1"))
+        .await
+        .assert_problem(500);
+    let line = service.log_line("reading orders failed").await;
+    let missing = missing_table(backend, "orders");
+    assert!(
+        line.contains(&missing),
+        "the database's message ({missing}) is logged: {line}"
+    );
+
+    let (success, logged) = service.terminate_and_read_log().await;
+    assert!(success, "the service exits with success on SIGTERM");
+    for line in logged {
+        assert!(!line.contains("secret-123"), "no body in the log: {line}");
+    }
+}
+
+/// What `backend` says of a statement on a table that does not exist.
+fn missing_table(backend: Backend, table: &str) -> String {
+    match backend {
+        Backend::Sqlite => format!("no such table: {table}"),
+        #[cfg(feature = "postgres")]
+        Backend::Postgres => format!("relation \"{table}\" does not exist"),
+        #[cfg(feature = "mysql")]
+        Backend::Mysql => format!(".{table}' doesn't exist"),
+    }
 }
 
 #[test]

@@ -136,6 +136,16 @@ impl TestDb {
         }
     }
 
+    pub fn backend(&self) -> Backend {
+        match self {
+            TestDb::Sqlite { .. } => Backend::Sqlite,
+            #[cfg(feature = "postgres")]
+            TestDb::Postgres { .. } => Backend::Postgres,
+            #[cfg(feature = "mysql")]
+            TestDb::Mysql { .. } => Backend::Mysql,
+        }
+    }
+
     /// What the service's `--database` takes.
     pub fn database(&self) -> &str {
         match self {
@@ -541,26 +551,56 @@ fn example_binary() -> PathBuf {
     binary
 }
 
+/// How the example binary is started besides its arguments.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Launch {
+    /// Collect what it writes to stderr, for [`ExampleProcess::log_line`];
+    /// it is passed on to the test's stderr too.
+    pub capture_stderr: bool,
+}
+
 /// The example binary running as a child process; killed if the test ends
 /// without stopping it.
 pub struct ExampleProcess {
     child: Child,
     stdout: std::io::BufReader<std::process::ChildStdout>,
+    stderr: Option<mpsc::UnboundedReceiver<String>>,
+    logged: Vec<String>,
     pub base: String,
 }
 
 impl ExampleProcess {
     /// Starts the binary with `args` and waits for its one line on stdout.
     pub async fn start(args: Vec<String>) -> ExampleProcess {
+        ExampleProcess::start_with(args, Launch::default()).await
+    }
+
+    /// Starts the binary with `args` as `launch` says and waits for its one
+    /// line on stdout.
+    pub async fn start_with(args: Vec<String>, launch: Launch) -> ExampleProcess {
         tokio::task::spawn_blocking(move || {
             use std::io::BufRead;
-            let mut child = Command::new(example_binary())
-                .args(&args)
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .expect("start the example");
+            let mut command = Command::new(example_binary());
+            command.args(&args).stdin(Stdio::null()).stdout(Stdio::piped());
+            command.stderr(if launch.capture_stderr {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            });
+            let mut child = command.spawn().expect("start the example");
+            let stderr = child.stderr.take().map(|stderr| {
+                let (lines, received) = mpsc::unbounded_channel();
+                std::thread::spawn(move || {
+                    for line in std::io::BufReader::new(stderr).lines() {
+                        let Ok(line) = line else { break };
+                        eprintln!("{line}");
+                        if lines.send(line).is_err() {
+                            break;
+                        }
+                    }
+                });
+                received
+            });
             let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped stdout"));
             let mut line = String::new();
             stdout.read_line(&mut line).expect("read the first line");
@@ -569,10 +609,38 @@ impl ExampleProcess {
                 .and_then(|rest| rest.strip_suffix('\n'))
                 .unwrap_or_else(|| panic!("the first line announces the address, got {line:?}"))
                 .to_owned();
-            ExampleProcess { child, stdout, base }
+            ExampleProcess {
+                child,
+                stdout,
+                stderr,
+                logged: Vec::new(),
+                base,
+            }
         })
         .await
         .expect("start the example")
+    }
+
+    /// Waits for a line on stderr that contains `text` and returns it.
+    pub async fn log_line(&mut self, text: &str) -> String {
+        if let Some(line) = self.logged.iter().find(|line| line.contains(text)) {
+            return line.clone();
+        }
+        let stderr = self
+            .stderr
+            .as_mut()
+            .expect("stderr is captured: start the example with Launch { capture_stderr: true, .. }");
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let line = tokio::time::timeout_at(deadline, stderr.recv())
+                .await
+                .unwrap_or_else(|_| panic!("no line containing {text:?} on the example's stderr within {PATIENCE:?}"))
+                .unwrap_or_else(|| panic!("the example closed stderr before a line containing {text:?}"));
+            self.logged.push(line.clone());
+            if line.contains(text) {
+                return line;
+            }
+        }
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -608,6 +676,28 @@ impl ExampleProcess {
         })
         .await
         .expect("stop the example")
+    }
+}
+
+impl ExampleProcess {
+    /// [`terminate`](ExampleProcess::terminate), then every line it wrote
+    /// to stderr, from the first.
+    pub async fn terminate_and_read_log(mut self) -> (bool, Vec<String>) {
+        let mut logged = std::mem::take(&mut self.logged);
+        let mut stderr = self
+            .stderr
+            .take()
+            .expect("stderr is captured: start the example with Launch { capture_stderr: true, .. }");
+        let (success, _) = self.terminate().await;
+        // The reader ends at the end of the stream, which the exit brings.
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while let Some(line) = tokio::time::timeout_at(deadline, stderr.recv())
+            .await
+            .unwrap_or_else(|_| panic!("the example's stderr did not end within {PATIENCE:?} of its exit"))
+        {
+            logged.push(line);
+        }
+        (success, logged)
     }
 }
 
