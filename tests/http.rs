@@ -29,12 +29,12 @@ use axum::{Extension, Router};
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
-use http_orders::Settings;
+use http_orders::{Limits, Settings};
 use http_support::*;
 use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse};
 use idempotency::{Config, InFlight, Outcome};
 use serde_json::{Value, json};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tower::ServiceExt;
 
@@ -93,7 +93,9 @@ on_every_backend!(
     requests_refused_by_rule_are_answered_at_once_while_the_pool_is_exhausted,
     no_free_connection_is_503_with_retry_after_on_every_route,
     items_no_backend_can_store_are_422_on_every_backend,
+    idle_sockets_do_not_keep_a_new_client_from_being_served,
     a_failed_call_is_logged_with_the_database_message_and_without_the_body,
+    a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout,
 );
 
 /// How long a request that the server can refuse without its database may
@@ -694,6 +696,54 @@ async fn items_no_backend_can_store_are_422_on_every_backend(backend: Backend) {
     assert_eq!(stored.body["item"], longest);
 }
 
+async fn idle_sockets_do_not_keep_a_new_client_from_being_served(backend: Backend) {
+    const IDLE_SOCKETS: usize = 300;
+    const OPEN_FILES: u64 = 256;
+    /// Below the example's header read timeout: the new client is served
+    /// because an idle socket made room, not because one timed out.
+    const SERVED_WITHIN: Duration = Duration::from_secs(5);
+    assert!(SERVED_WITHIN < http_orders::HEADER_READ_TIMEOUT);
+    let db = TestDb::new(backend).await;
+    let args = ["--addr", "127.0.0.1:0", "--database", db.database()];
+    let launch = Launch {
+        max_open_files: Some(OPEN_FILES),
+        ..Launch::default()
+    };
+    let service = ExampleProcess::start_with(args.iter().map(|arg| arg.to_string()).collect(), launch).await;
+
+    let mut connecting = tokio::task::JoinSet::new();
+    for _ in 0..IDLE_SOCKETS {
+        let addr = service.addr();
+        connecting.spawn(async move { tokio::time::timeout(PATIENCE, tokio::net::TcpStream::connect(addr)).await });
+    }
+    let idle: Vec<_> = connecting
+        .join_all()
+        .await
+        .into_iter()
+        .map(|connected| {
+            connected
+                .unwrap_or_else(|_| panic!("an idle socket connected within {PATIENCE:?}"))
+                .expect("connect an idle socket")
+        })
+        .collect();
+
+    let fresh = client();
+    let served = tokio::time::timeout(
+        SERVED_WITHIN,
+        send(post_order(&fresh, &service.base, "acct-1", &["fresh-1"], BODY)),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        panic!("a new client was not served within {SERVED_WITHIN:?} while {IDLE_SOCKETS} idle sockets were open")
+    });
+    assert_eq!(served.status, 201, "{served:?}");
+    drop(idle);
+
+    let (success, _) = service.terminate().await;
+    assert!(success, "the service exits with success on SIGTERM");
+    assert_eq!(db.order_count().await, 1);
+}
+
 /// Drops `table` from the test's database, under the running service.
 async fn drop_table(db: &TestDb, table: &'static str) {
     let database = db.database().to_owned();
@@ -722,7 +772,10 @@ async fn drop_table(db: &TestDb, table: &'static str) {
 async fn a_failed_call_is_logged_with_the_database_message_and_without_the_body(backend: Backend) {
     let db = TestDb::new(backend).await;
     let args = ["--addr", "127.0.0.1:0", "--database", db.database()];
-    let launch = Launch { capture_stderr: true };
+    let launch = Launch {
+        capture_stderr: true,
+        ..Launch::default()
+    };
     let mut service = ExampleProcess::start_with(args.iter().map(|arg| arg.to_string()).collect(), launch).await;
     let client = client();
     let secret = r#"{"item": "secret-123", "quantity": 1}"#;
@@ -765,6 +818,50 @@ fn missing_table(backend: Backend, table: &str) -> String {
         #[cfg(feature = "mysql")]
         Backend::Mysql => format!(".{table}' doesn't exist"),
     }
+}
+
+async fn a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let limits = Limits {
+        header_read_timeout: Duration::from_millis(300),
+        body_read_timeout: Duration::from_millis(300),
+        ..Limits::of_this_process()
+    };
+    let server = Server::start_limited(&db, limits).await;
+
+    let mut head_only = tokio::net::TcpStream::connect(server.addr()).await.expect("connect");
+    head_only
+        .write_all(b"POST /orders HTTP/1.1\r\nhost: orders\r\n")
+        .await
+        .expect("send part of a head");
+    let mut rest = Vec::new();
+    tokio::time::timeout(PATIENCE, head_only.read_to_end(&mut rest))
+        .await
+        .unwrap_or_else(|_| panic!("the connection of a stalled head was not closed within {PATIENCE:?}"))
+        .expect("read to the end");
+    assert!(
+        rest.is_empty() || rest.starts_with(b"HTTP/1.1 408"),
+        "{}",
+        String::from_utf8_lossy(&rest)
+    );
+
+    let mut half_body = tokio::net::TcpStream::connect(server.addr()).await.expect("connect");
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nhost: orders\r\nauthorization: Bearer acct-1\r\nidempotency-key: stall-1\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        BODY.len()
+    );
+    half_body.write_all(head.as_bytes()).await.expect("send the head");
+    half_body
+        .write_all(&BODY.as_bytes()[..10])
+        .await
+        .expect("send part of the body");
+    let answer = tokio::time::timeout(PATIENCE, read_response(&mut half_body))
+        .await
+        .unwrap_or_else(|_| panic!("a stalled body was not answered within {PATIENCE:?}"));
+    assert_eq!(answer.status, 408, "{answer:?}");
+    assert_eq!(answer.header("content-type"), Some("application/problem+json"));
+    assert_eq!(db.key_count().await, 0);
 }
 
 #[test]

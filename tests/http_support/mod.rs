@@ -20,7 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::http_orders::{self, Database, OrderStore, Service, Settings};
+use crate::http_orders::{self, Database, Limits, OrderStore, Service, Settings};
 
 /// How long a test waits for something that a healthy run does in
 /// milliseconds; only a hanging test reaches it.
@@ -229,7 +229,7 @@ impl Server {
             .await
             .expect("start the service")
             .expect("open the service's database");
-        Server::serve(wrap(service.router)).await
+        Server::serve(wrap(service.router), Limits::of_this_process()).await
     }
 
     /// The service with every connection of its pool checked out and held
@@ -247,27 +247,33 @@ impl Server {
         })
         .await
         .expect("start the service");
-        (Server::serve(service.router).await, held)
+        (Server::serve(service.router, Limits::of_this_process()).await, held)
     }
 
-    /// Serves `router` on a free port until dropped.
-    pub async fn serve(router: Router) -> Server {
+    /// Serves `router` as the example does, on a free port, until dropped.
+    pub async fn serve(router: Router, limits: Limits) -> Server {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("listen on a free port");
         let addr = listener.local_addr().expect("the listening address");
         let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(async move {
-            axum::serve(listener, router)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await
-                .expect("serve");
-        });
+        tokio::spawn(http_orders::serve(listener, router, limits, async {
+            let _ = stopped.await;
+        }));
         Server { addr, _stop: stop }
     }
 
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The service on `db` with the default settings, served within
+    /// `limits`.
+    pub async fn start_limited(db: &TestDb, limits: Limits) -> Server {
+        let database = db.database().to_owned();
+        let service = tokio::task::spawn_blocking(move || http_orders::service(&database, Settings::default()))
+            .await
+            .expect("start the service")
+            .expect("open the service's database");
+        Server::serve(service.router, limits).await
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -449,6 +455,12 @@ async fn read_message<R: tokio::io::AsyncRead + Unpin>(stream: &mut R) -> (Strin
     (head, body)
 }
 
+/// Reads one response from `stream`.
+pub async fn read_response<R: tokio::io::AsyncRead + Unpin>(stream: &mut R) -> RawResponse {
+    let (head, body) = read_message(stream).await;
+    RawResponse::parse(&head, body)
+}
+
 /// Sends a POST with `body` over a connection of its own and reads the
 /// answer, whether or not the server reads the whole body first: a server
 /// that refuses a body by its length answers and closes while the body is
@@ -554,6 +566,8 @@ fn example_binary() -> PathBuf {
 /// How the example binary is started besides its arguments.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Launch {
+    /// The open-file limit (`RLIMIT_NOFILE`, soft and hard) of its process.
+    pub max_open_files: Option<u64>,
     /// Collect what it writes to stderr, for [`ExampleProcess::log_line`];
     /// it is passed on to the test's stderr too.
     pub capture_stderr: bool,
@@ -587,6 +601,9 @@ impl ExampleProcess {
             } else {
                 Stdio::inherit()
             });
+            if let Some(files) = launch.max_open_files {
+                limit_open_files(&mut command, files);
+            }
             let mut child = command.spawn().expect("start the example");
             let stderr = child.stderr.take().map(|stderr| {
                 let (lines, received) = mpsc::unbounded_channel();
@@ -677,6 +694,29 @@ impl ExampleProcess {
         .await
         .expect("stop the example")
     }
+}
+
+/// Sets the open-file limit of the process `command` starts.
+#[cfg(unix)]
+fn limit_open_files(command: &mut Command, files: u64) {
+    use std::os::unix::process::CommandExt;
+    let limit = rustix::process::Rlimit {
+        current: Some(files),
+        maximum: Some(files),
+    };
+    // SAFETY: the closure runs in the child between fork and exec, where
+    // only async-signal-safe calls are allowed; setrlimit is one, and the
+    // closure allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            rustix::process::setrlimit(rustix::process::Resource::Nofile, limit).map_err(std::io::Error::from)
+        });
+    }
+}
+
+#[cfg(not(unix))]
+fn limit_open_files(_: &mut Command, _: u64) {
+    panic!("the open-file limit is set on Unix only");
 }
 
 impl ExampleProcess {
