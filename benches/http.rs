@@ -358,7 +358,7 @@ async fn batch(
 fn run(args: &Args) -> anyhow::Result<()> {
     let sizes = if args.quick { QUICK } else { FULL };
     let (_scratch, url) = database(&args.backend)?;
-    let router = match http_orders::open(&url)? {
+    let router = match http_orders::open(&url, http_orders::CHECKOUT_TIMEOUT)? {
         Database::Sqlite(pool) => router(pool)?,
         #[cfg(feature = "postgres")]
         Database::Postgres(pool) => router(pool)?,

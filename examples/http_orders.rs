@@ -17,7 +17,20 @@
 //!
 //! The bearer token stands in for a real credential: it is the account id,
 //! and the account is the scope of its idempotency keys. Errors are RFC 9457
-//! problems. When ready the service prints one line to stdout,
+//! problems. An order needs a quantity of at least 1 and an item of at most
+//! 1,000 characters without U+0000; what breaks a rule is refused (422)
+//! before any database work, so that every backend gives the same answer.
+//! Every route answers 503 with `Retry-After` when no database connection
+//! is free within 2 s.
+//!
+//! The server guards itself against clients that hold connections: a
+//! request head must arrive within 10 s (also the idle timeout between
+//! requests), a body must not stall for 10 s, and at the connection limit
+//! (1,024, or fewer under a lower open-file limit) a new connection takes
+//! the place of the one idle the longest. Errors are logged to stderr with
+//! their causes, never with a body.
+//!
+//! When ready the service prints one line to stdout,
 //! `listening on http://HOST:PORT`; Ctrl-C or SIGTERM stop it after the
 //! requests in progress. A background thread purges expired keys.
 
@@ -37,7 +50,7 @@ use axum::{Extension, Json, Router};
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool, R2D2Connection};
-use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, Problems, StoredResponse};
+use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse};
 use idempotency::{Config, InFlight, Outcome, StoreConnection};
 use serde::{Deserialize, Serialize};
 
@@ -54,8 +67,25 @@ diesel::table! {
 /// followed by the problem's name.
 const PROBLEMS: &str = "https://orders.example/problems/";
 
+/// How long a request waits for a pooled connection; then it is answered
+/// 503 with `Retry-After`. A transaction here takes milliseconds, so a
+/// request that finds no connection free for 2 s meets a database that is
+/// overloaded or gone, and the client is better told at once when to come
+/// back than held for r2d2's default of 30 s, longer than many clients and
+/// proxies wait for a whole response.
+pub const CHECKOUT_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How often the background thread purges expired keys.
 const PURGE_EVERY: Duration = Duration::from_secs(60);
+
+/// The longest `item` of an order, in characters. The same request must
+/// get the same answer on every backend, so the bound is one that all of
+/// them store: MariaDB's `TEXT`, the tightest, holds 65,535 bytes, and
+/// 1,000 characters take at most 4,000 bytes of UTF-8.
+pub const MAX_ITEM_CHARS: usize = 1_000;
+
+/// What an order with a longer item is told.
+const ITEM_TOO_LONG: &str = "item must be at most 1000 characters long";
 
 /// The body of `POST /orders`. Unknown fields are refused rather than
 /// ignored: an ignored field would not be part of the fingerprint, and a
@@ -65,6 +95,25 @@ const PURGE_EVERY: Duration = Duration::from_secs(60);
 pub struct NewOrder {
     pub item: String,
     pub quantity: i32,
+}
+
+impl NewOrder {
+    /// Why the order cannot be placed, if it cannot. Checked before any
+    /// database work, so that a request that can never succeed is refused
+    /// even while every connection is busy, with the same answer on every
+    /// backend: PostgreSQL's text cannot hold U+0000, which the others
+    /// store, so no backend gets it.
+    pub fn refusal(&self) -> Option<&'static str> {
+        if self.quantity < 1 {
+            Some("quantity must be at least 1")
+        } else if self.item.contains('\0') {
+            Some("item must not contain U+0000 (NUL)")
+        } else if self.item.chars().count() > MAX_ITEM_CHARS {
+            Some(ITEM_TOO_LONG)
+        } else {
+            None
+        }
+    }
 }
 
 /// An order as the API shows it.
@@ -256,6 +305,12 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for Body<T> 
     async fn from_request(request: Request, state: &S) -> Result<Self, Problem> {
         match Json::<T>::from_request(request, state).await {
             Ok(Json(body)) => Ok(Body(body)),
+            Err(rejection) if stalled(&rejection) => {
+                Err(
+                    problem(StatusCode::REQUEST_TIMEOUT, "body-timeout", "Request body timed out")
+                        .with_detail("the body stopped arriving; send it again"),
+                )
+            }
             Err(rejection) => {
                 let detail = match &rejection {
                     JsonRejection::JsonDataError(_) => {
@@ -272,11 +327,27 @@ impl<S: Send + Sync, T: serde::de::DeserializeOwned> FromRequest<S> for Body<T> 
     }
 }
 
-/// Why an order was not placed. An `Err` of the operation: nothing is
-/// stored and the key stays free for the corrected request.
+/// Whether `error` comes from a body that stopped arriving for longer than
+/// the body read timeout of [`serve`].
+fn stalled(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if error.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        next = error.source();
+    }
+    false
+}
+
+/// Why an order was not placed. Nothing is stored and the key stays free
+/// for the corrected request or the retry.
 #[derive(Debug)]
 pub enum OrderError {
-    InvalidQuantity,
+    /// The order breaks a rule ([`NewOrder::refusal`]); found before the
+    /// idempotent call.
+    Invalid(&'static str),
+    /// The operation's statements failed.
     Database(diesel::result::Error),
 }
 
@@ -289,15 +360,45 @@ impl From<diesel::result::Error> for OrderError {
 impl IntoResponse for OrderError {
     fn into_response(self) -> Response {
         match self {
-            OrderError::InvalidQuantity => problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-order", "Invalid order")
-                .with_detail("quantity must be at least 1")
+            OrderError::Invalid(detail) => problem(StatusCode::UNPROCESSABLE_ENTITY, "invalid-order", "Invalid order")
+                .with_detail(detail)
                 .into_response(),
             OrderError::Database(error) => {
-                eprintln!("placing an order failed: {error}");
+                eprintln!("placing an order failed: {}", causes(&error));
                 internal_error().into_response()
             }
         }
     }
+}
+
+/// `error` and each of its sources, joined by `: `, so that a log line
+/// carries the database's own message and not only the failure it caused.
+/// A JSON error is shown by its category and position: its message may
+/// quote the body it was reading.
+pub fn causes(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = String::new();
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        match error.downcast_ref::<serde_json::Error>() {
+            Some(json) => line.push_str(&format!(
+                "JSON {:?} error at line {} column {}",
+                json.classify(),
+                json.line(),
+                json.column()
+            )),
+            None => line.push_str(&error.to_string()),
+        }
+        next = error.source();
+    }
+    line
+}
+
+/// How the service describes its problems.
+fn problems() -> Problems {
+    Problems::documented_at(PROBLEMS)
 }
 
 fn internal_error() -> Problem {
@@ -310,14 +411,27 @@ fn internal_error() -> Problem {
 }
 
 /// What the service can be told besides its database.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Settings {
     /// What a request does while another holds its key.
     pub in_flight: InFlight,
+    /// How long a request waits for a pooled connection
+    /// ([`CHECKOUT_TIMEOUT`] unless told otherwise).
+    pub checkout_timeout: Duration,
     /// Called inside an order's transaction after the order is written,
     /// before the commit. Tests hold transactions open with it; the
     /// service has none.
     pub before_commit: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            in_flight: InFlight::default(),
+            checkout_timeout: CHECKOUT_TIMEOUT,
+            before_commit: None,
+        }
+    }
 }
 
 struct App<C: R2D2Connection + 'static> {
@@ -341,12 +455,12 @@ async fn place_order<C: OrderStore>(
     key: IdempotencyKey<Account>,
     Body(order): Body<NewOrder>,
 ) -> Result<Outcome<StoredResponse<Order>>, Failure<OrderError>> {
+    if let Some(detail) = order.refusal() {
+        return Err(Failure::Operation(OrderError::Invalid(detail)));
+    }
     let account = key.caller().clone();
     let before_commit = app.before_commit.clone();
     let outcome = http::run(&app.pool, &app.config, &key, order, move |conn, order| {
-        if order.quantity < 1 {
-            return Err(OrderError::InvalidQuantity);
-        }
         let placed = conn.insert_order(&account.0, order)?;
         if let Some(hook) = &before_commit {
             hook();
@@ -357,12 +471,20 @@ async fn place_order<C: OrderStore>(
     .await;
     if let Err(Failure::Failed { cause, .. }) = &outcome {
         // The key is a technical identifier and may be logged; the body not.
-        eprintln!("POST /orders, key {:?}: {cause}", key.key());
+        eprintln!("POST /orders, key {:?}: {}", key.key(), causes(&**cause));
     }
     outcome
 }
 
+/// What went wrong on a read route's blocking thread.
+enum ReadFailure {
+    Checkout(diesel::r2d2::PoolError),
+    Query(diesel::result::Error),
+}
+
 /// Runs sync diesel work on the blocking pool with a pooled connection.
+/// No connection within the checkout timeout is a 503 with `Retry-After`,
+/// as on the idempotent route: the client may retry.
 async fn blocking<C, T>(
     pool: &Pool<ConnectionManager<C>>,
     work: impl FnOnce(&mut C) -> QueryResult<T> + Send + 'static,
@@ -373,17 +495,23 @@ where
 {
     let pool = pool.clone();
     let task = tokio::task::spawn_blocking(move || {
-        let mut conn = pool.get().map_err(|error| error.to_string())?;
-        work(&mut conn).map_err(|error| error.to_string())
+        let mut conn = pool.get().map_err(ReadFailure::Checkout)?;
+        work(&mut conn).map_err(ReadFailure::Query)
     });
     match task.await {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(error)) => {
-            eprintln!("reading orders failed: {error}");
+        Ok(Err(ReadFailure::Checkout(error))) => {
+            eprintln!("reading orders: no connection: {}", causes(&error));
+            Err(problems()
+                .problem(ProblemKind::Unavailable)
+                .with_detail("the server is busy; retry later"))
+        }
+        Ok(Err(ReadFailure::Query(error))) => {
+            eprintln!("reading orders failed: {}", causes(&error));
             Err(internal_error())
         }
         Err(error) => {
-            eprintln!("reading orders failed: {error}");
+            eprintln!("reading orders failed: {}", causes(&error));
             Err(internal_error())
         }
     }
@@ -446,7 +574,7 @@ pub fn service_on<C: OrderStore>(pool: Pool<ConnectionManager<C>>, settings: Set
     let router = Router::new()
         .route("/orders", get(list_orders::<C>).post(place_order::<C>))
         .route("/orders/{id}", get(get_order::<C>))
-        .layer(Extension(Problems::documented_at(PROBLEMS)))
+        .layer(Extension(problems()))
         .with_state(app);
     let purge = move || {
         let mut conn = pool.get()?;
@@ -487,13 +615,14 @@ pub enum Database {
 /// # Errors
 ///
 /// When the database cannot be opened.
-pub fn open(database: &str) -> anyhow::Result<Database> {
+pub fn open(database: &str, checkout_timeout: Duration) -> anyhow::Result<Database> {
     if database.starts_with("postgres://") || database.starts_with("postgresql://") {
         #[cfg(feature = "postgres")]
         {
             let pool = Pool::builder()
                 .max_size(16)
                 .min_idle(Some(2))
+                .connection_timeout(checkout_timeout)
                 .build(ConnectionManager::<PgConnection>::new(database))
                 .context("connect to PostgreSQL")?;
             return Ok(Database::Postgres(pool));
@@ -507,6 +636,7 @@ pub fn open(database: &str) -> anyhow::Result<Database> {
             let pool = Pool::builder()
                 .max_size(16)
                 .min_idle(Some(2))
+                .connection_timeout(checkout_timeout)
                 .build(ConnectionManager::<MysqlConnection>::new(database))
                 .context("connect to MySQL")?;
             return Ok(Database::Mysql(pool));
@@ -521,6 +651,7 @@ pub fn open(database: &str) -> anyhow::Result<Database> {
         .context("enable WAL")?;
     let pool = Pool::builder()
         .max_size(8)
+        .connection_timeout(checkout_timeout)
         .connection_customizer(Box::new(SqliteSetup))
         .build(ConnectionManager::<SqliteConnection>::new(database))
         .with_context(|| format!("open {database}"))?;
@@ -533,7 +664,7 @@ pub fn open(database: &str) -> anyhow::Result<Database> {
 ///
 /// When the database cannot be opened or prepared.
 pub fn service(database: &str, settings: Settings) -> anyhow::Result<Service> {
-    match open(database)? {
+    match open(database, settings.checkout_timeout)? {
         Database::Sqlite(pool) => service_on(pool, settings),
         #[cfg(feature = "postgres")]
         Database::Postgres(pool) => service_on(pool, settings),
@@ -584,6 +715,291 @@ pub fn parse_args(args: impl IntoIterator<Item = String>) -> Result<Args, String
     Ok(parsed)
 }
 
+/// A client has this long to send a request's head, from the moment the
+/// server waits for one: on a new connection, and on a kept-alive
+/// connection between requests, so it is the idle timeout too. A head is a
+/// few hundred bytes that a client sends at once; 10 s tolerates a stalled
+/// mobile link and soon frees the slot of a socket that says nothing. A
+/// client that finds its kept-alive connection closed retries on a new
+/// one, which the Idempotency-Key makes safe for a POST.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A request body may stall this long between two reads; then the request
+/// is answered 408. The bodies here are small JSON, sent at once.
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most connections served at once, unless the open-file limit leaves
+/// room for fewer.
+pub const MAX_CONNECTIONS: usize = 1024;
+
+/// Open files kept free of client connections: the database pool's
+/// sockets or SQLite's files (three a connection), the runtime, stdio.
+#[cfg(unix)]
+const RESERVED_FILES: u64 = 64;
+
+/// How the server protects itself from clients that hold connections
+/// without using them.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// See [`HEADER_READ_TIMEOUT`].
+    pub header_read_timeout: Duration,
+    /// See [`BODY_READ_TIMEOUT`].
+    pub body_read_timeout: Duration,
+    /// The most connections served at once. At the limit a new connection
+    /// takes the place of the one idle the longest; when none is idle it
+    /// waits in the listen queue until one is.
+    pub max_connections: usize,
+}
+
+impl Limits {
+    /// The constants above, with no more connections than the process's
+    /// open-file limit leaves room for: a process out of descriptors cannot
+    /// accept, nor open a database connection, whoever is waiting.
+    pub fn of_this_process() -> Limits {
+        Limits {
+            header_read_timeout: HEADER_READ_TIMEOUT,
+            body_read_timeout: BODY_READ_TIMEOUT,
+            max_connections: room_for_connections(),
+        }
+    }
+}
+
+#[cfg(unix)]
+fn room_for_connections() -> usize {
+    match rustix::process::getrlimit(rustix::process::Resource::Nofile).current {
+        Some(files) => usize::try_from(files.saturating_sub(RESERVED_FILES))
+            .unwrap_or(MAX_CONNECTIONS)
+            .clamp(1, MAX_CONNECTIONS),
+        None => MAX_CONNECTIONS,
+    }
+}
+
+#[cfg(not(unix))]
+fn room_for_connections() -> usize {
+    MAX_CONNECTIONS
+}
+
+/// The connections being served: whether each is in a request, and since
+/// when the others have been idle, so that the server can close the one
+/// idle the longest when it needs room.
+#[derive(Default)]
+struct Connections {
+    table: std::sync::Mutex<ConnectionTable>,
+    /// A request ended or a connection closed.
+    changed: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct ConnectionTable {
+    /// Counts accepts and ended requests: the order in which connections
+    /// became idle.
+    clock: u64,
+    open: std::collections::HashMap<u64, Tracked>,
+}
+
+struct Tracked {
+    requests: usize,
+    idle_since: u64,
+    closing: bool,
+    close: Arc<tokio::sync::Notify>,
+}
+
+impl Connections {
+    fn table(&self) -> std::sync::MutexGuard<'_, ConnectionTable> {
+        // Every change to the table is a single step: a panic elsewhere
+        // cannot leave it half done.
+        self.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn len(&self) -> usize {
+        self.table().open.len()
+    }
+
+    /// Registers an accepted connection, idle until its first request.
+    fn open(self: &Arc<Self>) -> Tracking {
+        let close = Arc::new(tokio::sync::Notify::new());
+        let mut table = self.table();
+        table.clock += 1;
+        let id = table.clock;
+        let tracked = Tracked {
+            requests: 0,
+            idle_since: id,
+            closing: false,
+            close: close.clone(),
+        };
+        table.open.insert(id, tracked);
+        Tracking {
+            connections: self.clone(),
+            id,
+            close,
+        }
+    }
+
+    /// Asks the connection idle the longest to close, unless one is
+    /// closing already. Returns whether one is closing.
+    fn make_room(&self) -> bool {
+        let mut table = self.table();
+        if table.open.values().any(|tracked| tracked.closing) {
+            return true;
+        }
+        let oldest = table
+            .open
+            .values_mut()
+            .filter(|tracked| tracked.requests == 0)
+            .min_by_key(|tracked| tracked.idle_since);
+        match oldest {
+            Some(tracked) => {
+                tracked.closing = true;
+                tracked.close.notify_one();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Asks every connection to close once its request is answered.
+    fn close_all(&self) {
+        for tracked in self.table().open.values_mut() {
+            tracked.closing = true;
+            tracked.close.notify_one();
+        }
+    }
+}
+
+/// A connection's entry, removed when the connection's task ends.
+struct Tracking {
+    connections: Arc<Connections>,
+    id: u64,
+    close: Arc<tokio::sync::Notify>,
+}
+
+impl Tracking {
+    /// Marks the connection in a request until the guard is dropped.
+    fn request(self: &Arc<Self>) -> InRequest {
+        if let Some(tracked) = self.connections.table().open.get_mut(&self.id) {
+            tracked.requests += 1;
+        }
+        InRequest(self.clone())
+    }
+}
+
+impl Drop for Tracking {
+    fn drop(&mut self) {
+        self.connections.table().open.remove(&self.id);
+        self.connections.changed.notify_one();
+    }
+}
+
+struct InRequest(Arc<Tracking>);
+
+impl Drop for InRequest {
+    fn drop(&mut self) {
+        let connections = &self.0.connections;
+        let mut table = connections.table();
+        table.clock += 1;
+        let now = table.clock;
+        if let Some(tracked) = table.open.get_mut(&self.0.id) {
+            tracked.requests -= 1;
+            tracked.idle_since = now;
+        }
+        drop(table);
+        connections.changed.notify_one();
+    }
+}
+
+/// How long the accept loop pauses after an error it cannot make room for.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Serves `router` on `listener` within `limits` until `shutdown`
+/// resolves, then lets the requests in progress finish.
+///
+/// axum's own `serve` has no header or idle timeout, nor a limit on
+/// connections: a client that opens sockets and sends nothing holds them
+/// forever, and once the process is out of descriptors no one else is
+/// served. Here every connection is HTTP/1.1 with hyper's header read
+/// timeout, bodies have a read timeout, and at the connection limit the
+/// connection idle the longest makes room for a new one.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    limits: Limits,
+    shutdown: impl Future<Output = ()>,
+) {
+    let router = router.layer(tower_http::timeout::RequestBodyTimeoutLayer::new(
+        limits.body_read_timeout,
+    ));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    let connections = Arc::new(Connections::default());
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    'accept: loop {
+        let accepted = tokio::select! {
+            () = &mut shutdown => break 'accept,
+            Some(_) = tasks.join_next() => continue,
+            accepted = listener.accept() => accepted,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                // The new connection waits here, unserved, until there is
+                // room: while it does, no other is accepted.
+                while connections.len() >= limits.max_connections {
+                    connections.make_room();
+                    tokio::select! {
+                        () = &mut shutdown => break 'accept,
+                        () = connections.changed.notified() => {}
+                    }
+                }
+                let tracking = Arc::new(connections.open());
+                tasks.spawn(serve_connection(stream, router.clone(), http.clone(), tracking));
+            }
+            // Out of descriptors or memory: a connection closed gives some
+            // back. Other errors concern one connection that never was.
+            Err(error) => {
+                eprintln!("accepting a connection failed: {}", causes(&error));
+                if connections.make_room() {
+                    let _ = tokio::time::timeout(ACCEPT_BACKOFF, connections.changed.notified()).await;
+                } else {
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                }
+            }
+        }
+    }
+    drop(listener);
+    connections.close_all();
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Serves one connection until the client closes it, a timeout does, or
+/// the server asks it to close (which waits for the response in progress).
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    router: Router,
+    http: hyper::server::conn::http1::Builder,
+    tracking: Arc<Tracking>,
+) {
+    let close = tracking.close.clone();
+    let service = hyper::service::service_fn(move |request: hyper::Request<hyper::body::Incoming>| {
+        let in_request = tracking.request();
+        let response = tower::ServiceExt::oneshot(router.clone(), request);
+        async move {
+            let response = response.await;
+            drop(in_request);
+            response
+        }
+    });
+    let connection = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+    let mut connection = std::pin::pin!(connection);
+    // A connection's errors (a client gone, a timeout) are the client's
+    // business, not the service's: they are not logged.
+    tokio::select! {
+        _ = connection.as_mut() => return,
+        () = close.notified() => connection.as_mut().graceful_shutdown(),
+    }
+    let _ = connection.await;
+}
+
 /// Resolves on Ctrl-C or SIGTERM.
 async fn shutdown_signal() {
     let ctrl_c = async {
@@ -614,7 +1030,7 @@ fn main() -> anyhow::Result<()> {
         &args.database,
         Settings {
             in_flight: args.in_flight,
-            before_commit: None,
+            ..Settings::default()
         },
     )?);
 
@@ -628,7 +1044,7 @@ fn main() -> anyhow::Result<()> {
                 match service.purge_expired() {
                     Ok(0) => {}
                     Ok(purged) => eprintln!("purged {purged} expired keys"),
-                    Err(error) => eprintln!("purging expired keys failed: {error:#}"),
+                    Err(error) => eprintln!("purging expired keys failed: {}", causes(error.as_ref())),
                 }
             }
         })
@@ -644,10 +1060,14 @@ fn main() -> anyhow::Result<()> {
         writeln!(stdout, "listening on http://{addr}")?;
         stdout.flush()?;
         drop(stdout);
-        axum::serve(listener, service.router.clone())
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-            .context("serve")
+        serve(
+            listener,
+            service.router.clone(),
+            Limits::of_this_process(),
+            shutdown_signal(),
+        )
+        .await;
+        anyhow::Ok(())
     })?;
     // Dropping the runtime waits for the blocking tasks, so transactions in
     // progress finish before the process ends.

@@ -29,12 +29,12 @@ use axum::{Extension, Router};
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
-use http_orders::Settings;
+use http_orders::{Limits, Settings};
 use http_support::*;
 use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse};
 use idempotency::{Config, InFlight, Outcome};
 use serde_json::{Value, json};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 use tower::ServiceExt;
 
@@ -90,7 +90,26 @@ on_every_backend!(
     validation_failure_leaves_the_key_free,
     bad_bodies_are_refused_without_echo_and_leave_the_key_free,
     example_binary_serves_the_lost_response_story_and_stops_on_sigterm,
+    requests_refused_by_rule_are_answered_at_once_while_the_pool_is_exhausted,
+    no_free_connection_is_503_with_retry_after_on_every_route,
+    items_no_backend_can_store_are_422_on_every_backend,
+    idle_sockets_do_not_keep_a_new_client_from_being_served,
+    a_failed_call_is_logged_with_the_database_message_and_without_the_body,
+    a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout,
 );
+
+/// How long a request that the server can refuse without its database may
+/// take to be answered: generous for an answer computed in microseconds,
+/// and well below [`EXHAUSTED_CHECKOUT`], so that a request that waited
+/// for a connection cannot pass for one answered at once.
+const AT_ONCE: Duration = Duration::from_secs(1);
+
+/// The checkout timeout of the pools that tests hold empty.
+const EXHAUSTED_CHECKOUT: Duration = Duration::from_secs(5);
+
+/// How long a request may wait for a connection in the example as it is
+/// configured: the wait of a web request, not r2d2's default of 30 s.
+const WEB_CHECKOUT_BOUND: Duration = Duration::from_secs(10);
 
 async fn lost_response_is_replayed_with_the_first_status_body_and_location(backend: Backend) {
     let db = TestDb::new(backend).await;
@@ -152,6 +171,7 @@ async fn duplicate_in_progress_is_409_with_retry_after_then_replays(backend: Bac
     let settings = Settings {
         in_flight: InFlight::Reject,
         before_commit: Some(hook),
+        ..Settings::default()
     };
     let server = Server::start(&db, settings).await;
     let client = client();
@@ -531,6 +551,319 @@ async fn example_binary_serves_the_lost_response_story_and_stops_on_sigterm(back
     assert_eq!(db.order_count().await, 1);
 }
 
+async fn requests_refused_by_rule_are_answered_at_once_while_the_pool_is_exhausted(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let settings = Settings {
+        checkout_timeout: EXHAUSTED_CHECKOUT,
+        ..Settings::default()
+    };
+    let (server, _held) = Server::start_exhausted(&db, settings).await;
+    let client = client();
+    let base = server.url("");
+    // Sent first and answered last: the pool stays exhausted throughout.
+    let valid = tokio::spawn(send(post_order(&client, &base, "acct-1", &["valid-1"], BODY)));
+
+    let long_key = "k".repeat(300);
+    let long_token = "t".repeat(256);
+    let nul_item = r#"{"item": "a\u0000b", "quantity": 1}"#;
+    let long_item = format!(r#"{{"item": "{}", "quantity": 1}}"#, "x".repeat(65_536));
+    let cases = [
+        ("a 300-character key", "acct-1", vec![long_key.as_str()], BODY, 400),
+        (
+            "a key like a card number",
+            "acct-1",
+            vec!["4111111111111111"],
+            BODY,
+            400,
+        ),
+        ("a key with a space", "acct-1", vec![r#""with space""#], BODY, 400),
+        (
+            "a token too long for a scope",
+            long_token.as_str(),
+            vec!["k-1"],
+            BODY,
+            401,
+        ),
+        ("no key", "acct-1", vec![], BODY, 400),
+        ("two keys", "acct-1", vec!["k-1", "k-2"], BODY, 400),
+        ("a body that is not JSON", "acct-1", vec!["k-1"], r#"{"item": "#, 400),
+        (
+            "a body without a quantity",
+            "acct-1",
+            vec!["k-1"],
+            r#"{"item": "book"}"#,
+            422,
+        ),
+        (
+            "a quantity of 0",
+            "acct-1",
+            vec!["k-1"],
+            r#"{"item": "book", "quantity": 0}"#,
+            422,
+        ),
+        ("an item with NUL", "acct-1", vec!["k-1"], nul_item, 422),
+        ("an item of 65,536 bytes", "acct-1", vec!["k-1"], &long_item, 422),
+    ];
+    for (case, account, keys, body, status) in cases {
+        let request = post_order(&client, &base, account, &keys, body);
+        let answer = tokio::time::timeout(AT_ONCE, send(request))
+            .await
+            .unwrap_or_else(|_| panic!("{case}: no answer within {AT_ONCE:?} while the pool was exhausted"));
+        assert_eq!(answer.status, status, "{case}: {answer:?}");
+        answer.assert_problem(status);
+    }
+
+    let valid = valid.await.expect("the valid request").assert_problem(503);
+    assert_eq!(valid.retry_after.as_deref(), Some("1"));
+    assert_eq!(db.order_count().await, 0);
+    assert_eq!(db.key_count().await, 0);
+}
+
+async fn no_free_connection_is_503_with_retry_after_on_every_route(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let (server, _held) = Server::start_exhausted(&db, Settings::default()).await;
+    let client = client();
+    let routes = [
+        (
+            "POST /orders",
+            post_order(&client, &server.url(""), "acct-1", &["busy-1"], BODY),
+        ),
+        ("GET /orders", client.get(server.url("/orders")).bearer_auth("acct-1")),
+        (
+            "GET /orders/1",
+            client.get(server.url("/orders/1")).bearer_auth("acct-1"),
+        ),
+    ];
+    // All at once: each waits out the checkout timeout.
+    let mut requests = tokio::task::JoinSet::new();
+    for (route, request) in routes {
+        requests.spawn(async move { (route, tokio::time::timeout(WEB_CHECKOUT_BOUND, send(request)).await) });
+    }
+    for (route, answer) in requests.join_all().await {
+        let answer = answer.unwrap_or_else(|_| {
+            panic!("{route}: no answer within {WEB_CHECKOUT_BOUND:?} while the pool was exhausted")
+        });
+        assert_eq!(answer.status, 503, "{route}: {answer:?}");
+        let answer = answer.assert_problem(503);
+        assert_eq!(answer.retry_after.as_deref(), Some("1"), "{route}: {answer:?}");
+    }
+}
+
+async fn items_no_backend_can_store_are_422_on_every_backend(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let order = |item: &str| serde_json::to_string(&json!({"item": item, "quantity": 1})).expect("JSON");
+    let longest = "\u{1f4e6}".repeat(http_orders::MAX_ITEM_CHARS);
+    let refused = [
+        ("an item with NUL", order("a\u{0}b"), "U+0000"),
+        ("an item of 65,536 bytes", order(&"x".repeat(65_536)), "1000 characters"),
+        (
+            "an item one character too long",
+            order(&"x".repeat(http_orders::MAX_ITEM_CHARS + 1)),
+            "1000 characters",
+        ),
+    ];
+    for (case, body, detail) in refused {
+        let answer = send(post_order(&client, &server.url(""), "acct-1", &["item-1"], &body)).await;
+        assert_eq!(answer.status, 422, "{case}: {answer:?}");
+        let answer = answer.assert_problem(422);
+        assert_eq!(
+            answer.body["type"], "https://orders.example/problems/invalid-order",
+            "{case}"
+        );
+        let said = answer.body["detail"].as_str().expect("a detail");
+        assert!(said.contains(detail), "{case}: {said}");
+    }
+    assert_eq!(db.order_count().await, 0);
+    assert_eq!(db.key_count().await, 0);
+
+    // The longest item, in four-byte characters, is stored and replayed.
+    let body = order(&longest);
+    let first = send(post_order(&client, &server.url(""), "acct-1", &["item-1"], &body)).await;
+    assert_eq!(
+        (first.status, first.replayed.as_deref()),
+        (201, None),
+        "{:?}",
+        first.status
+    );
+    assert_eq!(first.body["item"], longest);
+    let again = send(post_order(&client, &server.url(""), "acct-1", &["item-1"], &body)).await;
+    assert_eq!((again.status, again.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(again.body, first.body);
+    let location = first.location.as_deref().expect("a location");
+    let stored = send(client.get(server.url(location)).bearer_auth("acct-1")).await;
+    assert_eq!(stored.body["item"], longest);
+}
+
+async fn idle_sockets_do_not_keep_a_new_client_from_being_served(backend: Backend) {
+    const IDLE_SOCKETS: usize = 300;
+    const OPEN_FILES: u64 = 256;
+    /// Below the example's header read timeout: the new client is served
+    /// because an idle socket made room, not because one timed out.
+    const SERVED_WITHIN: Duration = Duration::from_secs(5);
+    assert!(SERVED_WITHIN < http_orders::HEADER_READ_TIMEOUT);
+    let db = TestDb::new(backend).await;
+    let args = ["--addr", "127.0.0.1:0", "--database", db.database()];
+    let launch = Launch {
+        max_open_files: Some(OPEN_FILES),
+        ..Launch::default()
+    };
+    let service = ExampleProcess::start_with(args.iter().map(|arg| arg.to_string()).collect(), launch).await;
+
+    let mut connecting = tokio::task::JoinSet::new();
+    for _ in 0..IDLE_SOCKETS {
+        let addr = service.addr();
+        connecting.spawn(async move { tokio::time::timeout(PATIENCE, tokio::net::TcpStream::connect(addr)).await });
+    }
+    let idle: Vec<_> = connecting
+        .join_all()
+        .await
+        .into_iter()
+        .map(|connected| {
+            connected
+                .unwrap_or_else(|_| panic!("an idle socket connected within {PATIENCE:?}"))
+                .expect("connect an idle socket")
+        })
+        .collect();
+
+    let fresh = client();
+    let served = tokio::time::timeout(
+        SERVED_WITHIN,
+        send(post_order(&fresh, &service.base, "acct-1", &["fresh-1"], BODY)),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        panic!("a new client was not served within {SERVED_WITHIN:?} while {IDLE_SOCKETS} idle sockets were open")
+    });
+    assert_eq!(served.status, 201, "{served:?}");
+    drop(idle);
+
+    let (success, _) = service.terminate().await;
+    assert!(success, "the service exits with success on SIGTERM");
+    assert_eq!(db.order_count().await, 1);
+}
+
+/// Drops `table` from the test's database, under the running service.
+async fn drop_table(db: &TestDb, table: &'static str) {
+    let database = db.database().to_owned();
+    let backend = db.backend();
+    tokio::task::spawn_blocking(move || {
+        let statement = format!("DROP TABLE {table}");
+        match backend {
+            Backend::Sqlite => SqliteConnection::establish(&database)
+                .expect("open the test database")
+                .batch_execute(&statement),
+            #[cfg(feature = "postgres")]
+            Backend::Postgres => PgConnection::establish(&database)
+                .expect("connect to the test schema")
+                .batch_execute(&statement),
+            #[cfg(feature = "mysql")]
+            Backend::Mysql => MysqlConnection::establish(&database)
+                .expect("connect to the test database")
+                .batch_execute(&statement),
+        }
+        .expect("drop the table");
+    })
+    .await
+    .expect("drop the table");
+}
+
+async fn a_failed_call_is_logged_with_the_database_message_and_without_the_body(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let args = ["--addr", "127.0.0.1:0", "--database", db.database()];
+    let launch = Launch {
+        capture_stderr: true,
+        ..Launch::default()
+    };
+    let mut service = ExampleProcess::start_with(args.iter().map(|arg| arg.to_string()).collect(), launch).await;
+    let client = client();
+    let secret = r#"{"item": "secret-123", "quantity": 1}"#;
+
+    drop_table(&db, "idempotency_keys").await;
+    send(post_order(&client, &service.base, "acct-1", &["log-1"], secret))
+        .await
+        .assert_problem(500);
+    let line = service.log_line("\"log-1\"").await;
+    let missing = missing_table(backend, "idempotency_keys");
+    assert!(
+        line.contains(&missing),
+        "the database's message ({missing}) is logged: {line}"
+    );
+
+    drop_table(&db, "orders").await;
+    send(client.get(format!("{}/orders", service.base)).bearer_auth("acct-1"))
+        .await
+        .assert_problem(500);
+    let line = service.log_line("reading orders failed").await;
+    let missing = missing_table(backend, "orders");
+    assert!(
+        line.contains(&missing),
+        "the database's message ({missing}) is logged: {line}"
+    );
+
+    let (success, logged) = service.terminate_and_read_log().await;
+    assert!(success, "the service exits with success on SIGTERM");
+    for line in logged {
+        assert!(!line.contains("secret-123"), "no body in the log: {line}");
+    }
+}
+
+/// What `backend` says of a statement on a table that does not exist.
+fn missing_table(backend: Backend, table: &str) -> String {
+    match backend {
+        Backend::Sqlite => format!("no such table: {table}"),
+        #[cfg(feature = "postgres")]
+        Backend::Postgres => format!("relation \"{table}\" does not exist"),
+        #[cfg(feature = "mysql")]
+        Backend::Mysql => format!(".{table}' doesn't exist"),
+    }
+}
+
+async fn a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout(backend: Backend) {
+    let db = TestDb::new(backend).await;
+    let limits = Limits {
+        header_read_timeout: Duration::from_millis(300),
+        body_read_timeout: Duration::from_millis(300),
+        ..Limits::of_this_process()
+    };
+    let server = Server::start_limited(&db, limits).await;
+
+    let mut head_only = tokio::net::TcpStream::connect(server.addr()).await.expect("connect");
+    head_only
+        .write_all(b"POST /orders HTTP/1.1\r\nhost: orders\r\n")
+        .await
+        .expect("send part of a head");
+    let mut rest = Vec::new();
+    tokio::time::timeout(PATIENCE, head_only.read_to_end(&mut rest))
+        .await
+        .unwrap_or_else(|_| panic!("the connection of a stalled head was not closed within {PATIENCE:?}"))
+        .expect("read to the end");
+    assert!(
+        rest.is_empty() || rest.starts_with(b"HTTP/1.1 408"),
+        "{}",
+        String::from_utf8_lossy(&rest)
+    );
+
+    let mut half_body = tokio::net::TcpStream::connect(server.addr()).await.expect("connect");
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nhost: orders\r\nauthorization: Bearer acct-1\r\nidempotency-key: stall-1\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        BODY.len()
+    );
+    half_body.write_all(head.as_bytes()).await.expect("send the head");
+    half_body
+        .write_all(&BODY.as_bytes()[..10])
+        .await
+        .expect("send part of the body");
+    let answer = tokio::time::timeout(PATIENCE, read_response(&mut half_body))
+        .await
+        .unwrap_or_else(|_| panic!("a stalled body was not answered within {PATIENCE:?}"));
+    assert_eq!(answer.status, 408, "{answer:?}");
+    assert_eq!(answer.header("content-type"), Some("application/problem+json"));
+    assert_eq!(db.key_count().await, 0);
+}
+
 #[test]
 fn in_flight_wait_zero_rejects_at_once() {
     let args = |list: &[&str]| http_orders::parse_args(list.iter().map(|arg| arg.to_string()));
@@ -698,6 +1031,86 @@ mod library {
         assert_eq!(body["type"], "about:blank");
         assert_eq!(body["title"], "Service Unavailable");
         assert_eq!(answer(&app, note(Some("n-3"))).await.0, StatusCode::CREATED);
+    }
+
+    /// A caller whose scope breaks the key rules: the application's
+    /// mistake, not the client's.
+    struct Misnamed;
+
+    impl<S: Sync> FromRequestParts<S> for Misnamed {
+        type Rejection = StatusCode;
+
+        async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+            Ok(Misnamed)
+        }
+    }
+
+    impl Caller for Misnamed {
+        fn scope(&self) -> Cow<'_, str> {
+            Cow::Borrowed("two words")
+        }
+    }
+
+    async fn post_misnamed_note(State(notes): State<Notes>, key: IdempotencyKey<Misnamed>) -> axum::response::Response {
+        let outcome: NoteResponse = http::run(&notes.pool, &notes.config, &key, (), |conn, ()| add_note(conn)).await;
+        outcome.into_response()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keys_and_scopes_the_rules_refuse_are_answered_at_once_while_the_pool_is_exhausted() {
+        let db = idempotency::testing::SqliteFile::new();
+        db.conn()
+            .batch_execute("CREATE TABLE notes (id INTEGER PRIMARY KEY)")
+            .expect("create notes");
+        let pool = Pool::builder()
+            .max_size(1)
+            .connection_timeout(EXHAUSTED_CHECKOUT)
+            .build(ConnectionManager::new(db.path().to_str().expect("utf-8 path")))
+            .expect("a pool");
+        let notes = Notes {
+            pool: pool.clone(),
+            config: Config::default(),
+        };
+        let app = Router::new()
+            .route("/notes", post(post_note))
+            .route("/misnamed-notes", post(post_misnamed_note))
+            .with_state(notes);
+        let _held = pool.get().expect("the pool's one connection");
+
+        let long_key = "k".repeat(300);
+        let misnamed = Request::post("/misnamed-notes")
+            .header("idempotency-key", "n-5")
+            .body(axum::body::Body::empty())
+            .expect("a request");
+        let cases = [
+            ("a 300-character key", note(Some(&long_key)), StatusCode::BAD_REQUEST),
+            (
+                "a key like a card number",
+                note(Some("4111111111111111")),
+                StatusCode::BAD_REQUEST,
+            ),
+            ("a scope with a space", misnamed, StatusCode::INTERNAL_SERVER_ERROR),
+        ];
+        let refused = async {
+            for (case, request, status) in cases {
+                let (answered, retry_after, body) = tokio::time::timeout(AT_ONCE, answer(&app, request))
+                    .await
+                    .unwrap_or_else(|_| panic!("{case}: no answer within {AT_ONCE:?} while the pool was exhausted"));
+                assert_eq!((answered, retry_after), (status, None), "{case}: {body}");
+            }
+        };
+        // The valid request is sent first and answered last: the pool
+        // stays exhausted throughout.
+        let valid = async {
+            tokio::time::timeout(PATIENCE, answer(&app, note(Some("n-4"))))
+                .await
+                .unwrap_or_else(|_| panic!("the valid request was not answered within {PATIENCE:?}"))
+        };
+        let ((status, retry_after, _), ()) = tokio::join!(valid, refused);
+        assert_eq!(
+            (status, retry_after.as_deref()),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("1"))
+        );
     }
 
     /// A payment provider that deduplicates on its key, fails its first

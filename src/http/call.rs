@@ -10,8 +10,11 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::{IdempotencyKey, Problem, ProblemKind, Problems};
+use crate::outcome::Recorded;
 use crate::phased::{Finished, Phased, Steps};
-use crate::{Config, Error, Outcome, RawConnection, StoreConnection};
+use crate::store::KeyStore;
+use crate::telemetry::CallTrace;
+use crate::{Config, Error, Outcome, RawConnection, StoreConnection, key as rules};
 
 /// Why [`run`] gave no outcome, and the response that says so.
 ///
@@ -92,6 +95,11 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 ///
 /// How it behaves, and why:
 ///
+/// - **What the key rules refuse is answered at once.** The scope and the
+///   key are checked against the rules of `config` before a connection is
+///   checked out: a request that can never succeed gets its 400 (or, for
+///   the scope, 500) even while the pool is exhausted, not a 503 that tells
+///   the client to retry it.
 /// - **No async worker blocks.** Checkout, the transaction and any wait
 ///   for a request in progress with the same key (the
 ///   [`InFlight`](crate::InFlight) policy of `config`) all happen on a
@@ -112,11 +120,11 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// | failure | status | when |
 /// | --- | --- | --- |
 /// | [`Failure::Operation`] | `E`'s | `op` returned `Err` |
-/// | [`Failure::Refused`] | 400 | the key breaks the key rules of `config` |
+/// | [`Failure::Refused`] | 400 | the key breaks the key rules of `config` (checked before the checkout) |
 /// | [`Failure::Refused`] | 422 | the key was used with a different request |
 /// | [`Failure::Refused`] | 409 + `Retry-After` | a request with the key is in progress beyond the in-flight wait (on SQLite, any write that holds the database that long) |
 /// | [`Failure::Failed`] | 503 + `Retry-After` | no connection from `pool` within its connection timeout |
-/// | [`Failure::Failed`] | 500 | storage or JSON failed, an invalid scope, or `op` panicked |
+/// | [`Failure::Failed`] | 500 | storage or JSON failed, an invalid scope (checked before the checkout), or `op` panicked |
 ///
 /// ```
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -182,6 +190,7 @@ where
     E: Send + 'static,
     F: FnOnce(&mut C, &Q) -> Result<R, E> + Send + 'static,
 {
+    refuse_by_rule::<C, A, E>(config, key)?;
     let config = config.clone();
     blocking(pool, key, move |conn, scope, key| {
         config.run(conn, scope, key, &request, |tx| op(tx, &request))
@@ -222,6 +231,25 @@ where
         phased.run(conn, scope, key, &request, |steps| body(steps, &request))
     })
     .await
+}
+
+/// Refuses a scope or key that breaks the key rules of `config` on the
+/// backend of `C` before any connection is checked out. Such a request can never
+/// succeed, so it must not wait for a busy pool and then be told to retry
+/// (503 with `Retry-After`): it gets its answer at once, traced and counted
+/// as the call would have been.
+fn refuse_by_rule<C: StoreConnection, A, E>(config: &Config, key: &IdempotencyKey<A>) -> Result<(), Failure<E>> {
+    let max_len = config.key_len_limit::<C::Raw>();
+    let broken = match rules::validate_scope(key.scope(), max_len) {
+        Err(reason) => Error::InvalidScope(reason),
+        Ok(()) => match rules::validate_key(key.key(), max_len) {
+            Err(reason) => Error::InvalidKey(reason),
+            Ok(()) => return Ok(()),
+        },
+    };
+    let refused: Result<Recorded<()>, Error<E>> = Err(broken);
+    CallTrace::start(<C::Raw as KeyStore>::BACKEND).finish(&refused);
+    refused.map(drop).map_err(|error| failure(error, key.problems()))
 }
 
 /// Checks a connection out of `pool` and makes `call` with it and the key on

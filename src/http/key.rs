@@ -63,7 +63,8 @@ pub trait Caller {
 /// the [`Problems`] found among the request's extensions (the default if
 /// none). The key rules (length, visible ASCII, no card numbers) are those
 /// of the [`Config`](crate::Config) that [`run`](super::run) is given, and
-/// `run` answers a key that breaks them with the same 400.
+/// `run` answers a key that breaks them with the same 400, before it checks
+/// out a connection.
 ///
 /// Where the key is optional, extract `Option<IdempotencyKey<A>>`: `None`
 /// without the header (authentication is then left to the handler), the

@@ -20,7 +20,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::http_orders::{self, Settings};
+use crate::http_orders::{self, Database, Limits, OrderStore, Service, Settings};
 
 /// How long a test waits for something that a healthy run does in
 /// milliseconds; only a hanging test reaches it.
@@ -136,6 +136,16 @@ impl TestDb {
         }
     }
 
+    pub fn backend(&self) -> Backend {
+        match self {
+            TestDb::Sqlite { .. } => Backend::Sqlite,
+            #[cfg(feature = "postgres")]
+            TestDb::Postgres { .. } => Backend::Postgres,
+            #[cfg(feature = "mysql")]
+            TestDb::Mysql { .. } => Backend::Mysql,
+        }
+    }
+
     /// What the service's `--database` takes.
     pub fn database(&self) -> &str {
         match self {
@@ -219,18 +229,35 @@ impl Server {
             .await
             .expect("start the service")
             .expect("open the service's database");
+        Server::serve(wrap(service.router), Limits::of_this_process()).await
+    }
+
+    /// The service with every connection of its pool checked out and held
+    /// by the second value, until it is dropped.
+    pub async fn start_exhausted(db: &TestDb, settings: Settings) -> (Server, HeldPool) {
+        let database = db.database().to_owned();
+        let (service, held) = tokio::task::spawn_blocking(move || {
+            match http_orders::open(&database, settings.checkout_timeout).expect("open the service's database") {
+                Database::Sqlite(pool) => exhaust(pool, settings),
+                #[cfg(feature = "postgres")]
+                Database::Postgres(pool) => exhaust(pool, settings),
+                #[cfg(feature = "mysql")]
+                Database::Mysql(pool) => exhaust(pool, settings),
+            }
+        })
+        .await
+        .expect("start the service");
+        (Server::serve(service.router, Limits::of_this_process()).await, held)
+    }
+
+    /// Serves `router` as the example does, on a free port, until dropped.
+    pub async fn serve(router: Router, limits: Limits) -> Server {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("listen on a free port");
         let addr = listener.local_addr().expect("the listening address");
         let (stop, stopped) = oneshot::channel::<()>();
-        let router = wrap(service.router);
-        tokio::spawn(async move {
-            axum::serve(listener, router)
-                .with_graceful_shutdown(async {
-                    let _ = stopped.await;
-                })
-                .await
-                .expect("serve");
-        });
+        tokio::spawn(http_orders::serve(listener, router, limits, async {
+            let _ = stopped.await;
+        }));
         Server { addr, _stop: stop }
     }
 
@@ -238,9 +265,41 @@ impl Server {
         self.addr
     }
 
+    /// The service on `db` with the default settings, served within
+    /// `limits`.
+    pub async fn start_limited(db: &TestDb, limits: Limits) -> Server {
+        let database = db.database().to_owned();
+        let service = tokio::task::spawn_blocking(move || http_orders::service(&database, Settings::default()))
+            .await
+            .expect("start the service")
+            .expect("open the service's database");
+        Server::serve(service.router, limits).await
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
+}
+
+/// Connections of a service's pool, checked out and held.
+pub struct HeldPool {
+    _connections: Box<dyn std::any::Any + Send>,
+}
+
+/// The service on `pool`, and every connection of the pool.
+fn exhaust<C: OrderStore>(
+    pool: diesel::r2d2::Pool<diesel::r2d2::ConnectionManager<C>>,
+    settings: Settings,
+) -> (Service, HeldPool) {
+    let service = http_orders::service_on(pool.clone(), settings).expect("prepare the service's database");
+    let connections: Vec<_> = (0..pool.max_size())
+        .map(|_| pool.get().expect("check out a connection of the pool"))
+        .collect();
+    assert_eq!(pool.state().idle_connections, 0, "every connection of the pool is held");
+    let held = HeldPool {
+        _connections: Box::new(connections),
+    };
+    (service, held)
 }
 
 /// A client over keep-alive connections, without proxies from the
@@ -396,6 +455,12 @@ async fn read_message<R: tokio::io::AsyncRead + Unpin>(stream: &mut R) -> (Strin
     (head, body)
 }
 
+/// Reads one response from `stream`.
+pub async fn read_response<R: tokio::io::AsyncRead + Unpin>(stream: &mut R) -> RawResponse {
+    let (head, body) = read_message(stream).await;
+    RawResponse::parse(&head, body)
+}
+
 /// Sends a POST with `body` over a connection of its own and reads the
 /// answer, whether or not the server reads the whole body first: a server
 /// that refuses a body by its length answers and closes while the body is
@@ -498,26 +563,61 @@ fn example_binary() -> PathBuf {
     binary
 }
 
+/// How the example binary is started besides its arguments.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Launch {
+    /// The open-file limit (`RLIMIT_NOFILE`, soft and hard) of its process.
+    pub max_open_files: Option<u64>,
+    /// Collect what it writes to stderr, for [`ExampleProcess::log_line`];
+    /// it is passed on to the test's stderr too.
+    pub capture_stderr: bool,
+}
+
 /// The example binary running as a child process; killed if the test ends
 /// without stopping it.
 pub struct ExampleProcess {
     child: Child,
     stdout: std::io::BufReader<std::process::ChildStdout>,
+    stderr: Option<mpsc::UnboundedReceiver<String>>,
+    logged: Vec<String>,
     pub base: String,
 }
 
 impl ExampleProcess {
     /// Starts the binary with `args` and waits for its one line on stdout.
     pub async fn start(args: Vec<String>) -> ExampleProcess {
+        ExampleProcess::start_with(args, Launch::default()).await
+    }
+
+    /// Starts the binary with `args` as `launch` says and waits for its one
+    /// line on stdout.
+    pub async fn start_with(args: Vec<String>, launch: Launch) -> ExampleProcess {
         tokio::task::spawn_blocking(move || {
             use std::io::BufRead;
-            let mut child = Command::new(example_binary())
-                .args(&args)
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .expect("start the example");
+            let mut command = Command::new(example_binary());
+            command.args(&args).stdin(Stdio::null()).stdout(Stdio::piped());
+            command.stderr(if launch.capture_stderr {
+                Stdio::piped()
+            } else {
+                Stdio::inherit()
+            });
+            if let Some(files) = launch.max_open_files {
+                limit_open_files(&mut command, files);
+            }
+            let mut child = command.spawn().expect("start the example");
+            let stderr = child.stderr.take().map(|stderr| {
+                let (lines, received) = mpsc::unbounded_channel();
+                std::thread::spawn(move || {
+                    for line in std::io::BufReader::new(stderr).lines() {
+                        let Ok(line) = line else { break };
+                        eprintln!("{line}");
+                        if lines.send(line).is_err() {
+                            break;
+                        }
+                    }
+                });
+                received
+            });
             let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped stdout"));
             let mut line = String::new();
             stdout.read_line(&mut line).expect("read the first line");
@@ -526,10 +626,38 @@ impl ExampleProcess {
                 .and_then(|rest| rest.strip_suffix('\n'))
                 .unwrap_or_else(|| panic!("the first line announces the address, got {line:?}"))
                 .to_owned();
-            ExampleProcess { child, stdout, base }
+            ExampleProcess {
+                child,
+                stdout,
+                stderr,
+                logged: Vec::new(),
+                base,
+            }
         })
         .await
         .expect("start the example")
+    }
+
+    /// Waits for a line on stderr that contains `text` and returns it.
+    pub async fn log_line(&mut self, text: &str) -> String {
+        if let Some(line) = self.logged.iter().find(|line| line.contains(text)) {
+            return line.clone();
+        }
+        let stderr = self
+            .stderr
+            .as_mut()
+            .expect("stderr is captured: start the example with Launch { capture_stderr: true, .. }");
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let line = tokio::time::timeout_at(deadline, stderr.recv())
+                .await
+                .unwrap_or_else(|_| panic!("no line containing {text:?} on the example's stderr within {PATIENCE:?}"))
+                .unwrap_or_else(|| panic!("the example closed stderr before a line containing {text:?}"));
+            self.logged.push(line.clone());
+            if line.contains(text) {
+                return line;
+            }
+        }
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -565,6 +693,51 @@ impl ExampleProcess {
         })
         .await
         .expect("stop the example")
+    }
+}
+
+/// Sets the open-file limit of the process `command` starts.
+#[cfg(unix)]
+fn limit_open_files(command: &mut Command, files: u64) {
+    use std::os::unix::process::CommandExt;
+    let limit = rustix::process::Rlimit {
+        current: Some(files),
+        maximum: Some(files),
+    };
+    // SAFETY: the closure runs in the child between fork and exec, where
+    // only async-signal-safe calls are allowed; setrlimit is one, and the
+    // closure allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            rustix::process::setrlimit(rustix::process::Resource::Nofile, limit).map_err(std::io::Error::from)
+        });
+    }
+}
+
+#[cfg(not(unix))]
+fn limit_open_files(_: &mut Command, _: u64) {
+    panic!("the open-file limit is set on Unix only");
+}
+
+impl ExampleProcess {
+    /// [`terminate`](ExampleProcess::terminate), then every line it wrote
+    /// to stderr, from the first.
+    pub async fn terminate_and_read_log(mut self) -> (bool, Vec<String>) {
+        let mut logged = std::mem::take(&mut self.logged);
+        let mut stderr = self
+            .stderr
+            .take()
+            .expect("stderr is captured: start the example with Launch { capture_stderr: true, .. }");
+        let (success, _) = self.terminate().await;
+        // The reader ends at the end of the stream, which the exit brings.
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while let Some(line) = tokio::time::timeout_at(deadline, stderr.recv())
+            .await
+            .unwrap_or_else(|_| panic!("the example's stderr did not end within {PATIENCE:?} of its exit"))
+        {
+            logged.push(line);
+        }
+        (success, logged)
     }
 }
 
