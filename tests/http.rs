@@ -1071,10 +1071,15 @@ mod library {
             pool: pool.clone(),
             config: Config::default(),
         };
+        let charges = Charges {
+            pool: pool.clone(),
+            provider: Provider::default(),
+        };
         let app = Router::new()
             .route("/notes", post(post_note))
             .route("/misnamed-notes", post(post_misnamed_note))
-            .with_state(notes);
+            .with_state(notes)
+            .merge(Router::new().route("/charges", post(post_charge)).with_state(charges));
         let _held = pool.get().expect("the pool's one connection");
 
         let long_key = "k".repeat(300);
@@ -1090,6 +1095,14 @@ mod library {
                 StatusCode::BAD_REQUEST,
             ),
             ("a scope with a space", misnamed, StatusCode::INTERNAL_SERVER_ERROR),
+            (
+                "a phased call's 300-character key",
+                Request::post("/charges")
+                    .header("idempotency-key", &long_key)
+                    .body(axum::body::Body::empty())
+                    .expect("a request"),
+                StatusCode::BAD_REQUEST,
+            ),
         ];
         let refused = async {
             for (case, request, status) in cases {

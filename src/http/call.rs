@@ -10,9 +10,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::{IdempotencyKey, Problem, ProblemKind, Problems};
+use crate::backend::KeyStore;
 use crate::outcome::Recorded;
 use crate::phased::{Finished, Phased, Steps};
-use crate::store::KeyStore;
 use crate::telemetry::CallTrace;
 use crate::{Config, Error, Outcome, RawConnection, StoreConnection, key as rules};
 
@@ -226,6 +226,7 @@ where
     E: Send + 'static,
     F: FnOnce(&mut Steps<'_, C>, &Q) -> Result<Finished<R>, Error<E>> + Send + 'static,
 {
+    refuse_by_rule::<C, A, E>(&phased.config, key)?;
     let phased = phased.clone();
     blocking(pool, key, move |conn, scope, key| {
         phased.run(conn, scope, key, &request, |steps| body(steps, &request))

@@ -46,7 +46,7 @@ const LEASE_POLL: std::time::Duration = std::time::Duration::from_millis(25);
 #[derive(Debug, Clone)]
 pub struct Phased {
     name: String,
-    config: Config,
+    pub(crate) config: Config,
     lease: Duration,
     provider_horizon: Duration,
     store_requests: bool,
