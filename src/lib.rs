@@ -77,7 +77,6 @@
 //! [performance](guide::performance).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
-
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
