@@ -122,6 +122,21 @@ compile_error!("enable at least one backend feature: `sqlite` (the default), `po
 /// Guides: documentation only. These modules hold no items; each one's page
 /// is a guide from the crate's `docs/` folder, and every Rust example in
 /// them is compiled and run as a doctest.
+///
+/// | guide | what it covers |
+/// | --- | --- |
+/// | [`contract`](guide::contract) | what spends a key, retention, fingerprints, which errors spend a key, racing requests on each backend, HTTP statuses |
+/// | [`http`](guide::http) | the `Idempotency-Key` header with axum: a working handler, the answers, the example service |
+/// | [`backends`](guide::backends) | connection types, versions tested, code for every backend, the tables, the test suites |
+/// | [`sqlite`](guide::sqlite), [`postgres`](guide::postgres), [`mysql`](guide::mysql) | what each backend does underneath and asks of its sessions |
+/// | [`repository`](guide::repository) | existing repository functions made idempotent |
+/// | [`outbox`](guide::outbox) | messages to other systems, committed with the operation |
+/// | [`phased`](guide::phased) | operations with a foreign call in the middle |
+/// | [`batch`](guide::batch) | jobs that are safe to rerun |
+/// | [`testing`](guide::testing) | domain tests with in-memory SQLite and the stories that matter |
+/// | [`production`](guide::production) | the services, what to watch, events, metrics |
+/// | [`high_availability`](guide::high_availability) | failover, and what clients should do |
+/// | [`performance`](guide::performance) | what a call costs, measured |
 pub mod guide {
     pub mod contract {
         #![doc = include_str!("../docs/contract.md")]
