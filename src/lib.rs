@@ -4,18 +4,10 @@
 //! server performs it twice: two orders, two charges. With this crate the
 //! client sends one *idempotency key* with every retry of one logical
 //! operation; the server runs the operation at most once and answers every
-//! retry with the first result.
-//!
-//! [`run_idempotent`] writes the key record and the operation's own writes
-//! in **one database transaction**:
-//!
-//! - a worker that crashes mid-operation rolls back both, so no key is left
-//!   stranded "in progress" and no executed operation lacks its stored result;
-//! - a key is *spent* exactly when that transaction commits. An operation
-//!   that returns `Err` spends nothing: the client may correct the request
-//!   and retry with the same key. A failure that should be remembered (a
-//!   declined card) is returned as `Ok` with a response describing it, and is
-//!   replayed like any other result.
+//! retry with the first result. [`run_idempotent`] writes the key record and
+//! the operation's own writes in **one database transaction**, so a key is
+//! spent exactly when that transaction commits: the whole contract is in
+//! [`guide::contract`].
 //!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -50,60 +42,41 @@
 //! # }
 //! ```
 //!
-//! # The contract
+//! # Layers
 //!
-//! - **Scope.** Records are looked up by `(scope, key)` only; the same key
-//!   under two scopes is two independent operations, and one tenant can never
-//!   read another's result. Use the tenant or client id as scope.
-//! - **Fingerprint.** A key is bound to the SHA-256 of the request's
-//!   canonical JSON. The same key with another request is
-//!   [`Error::Mismatch`]. The fingerprint covers the request alone: where one
-//!   scope serves several operations, put the operation's name in the
-//!   request or the scope.
-//! - **Retention.** A completed key is remembered for
-//!   [`Config::retention`] (default 24 hours), counted from the call that
-//!   executed it. After that the key may execute
-//!   again as new. [`Config::purge_expired`] deletes expired records.
-//! - **What spends a key.** Only a committed `Ok`. [`Error::Operation`], a
-//!   panic, a killed process, a lost connection before the commit and every
-//!   other error of a call that would have executed leave the key free.
-//!   [`Error::Mismatch`], and [`Error::Codec`] for a stored response that no
-//!   longer decodes, leave a spent key as it was; [`Error::OutcomeUnknown`]
-//!   (the connection was lost during the commit) may have spent it, and a
-//!   retry with the same key and request tells which.
-//! - **Concurrent requests with one key.** On PostgreSQL the second request
-//!   blocks on the key's advisory lock until the first commits (it then
-//!   replays) or rolls back (it then executes), bounded by
-//!   [`InFlight`]; on timeout it fails with [`Error::InProgress`]. On MySQL
-//!   and MariaDB it waits the same way on a named lock of the key. On SQLite,
-//!   writers queue for the database lock, bounded by the same policy as the
-//!   busy timeout. Either way the operation runs once.
+//! Each layer uses only the ones below it:
 //!
-//! # Backends
+//! - **integrations**: [`http`] for axum (feature `axum`), [`testing`] for
+//!   domain tests;
+//! - **services**, background loops stopped by a [`Shutdown`]: the outbox
+//!   [`Relay`](outbox::Relay), the [`Purger`], the phased
+//!   [`Completer`](phased::Completer);
+//! - **features**: the combinator ([`run_idempotent`], [`Config::run`]),
+//!   the [`outbox`], [`phased`] operations, [`batch`] jobs, the
+//!   [`Idempotent`] repository wrapper, purging
+//!   ([`Config::purge_expired`]);
+//! - **backends**: SQLite, PostgreSQL and MySQL/MariaDB, each a cargo
+//!   feature, behind [`StoreConnection`]; the tables come from
+//!   [`run_migrations`] or [`MIGRATIONS`];
+//! - **ground**: errors ([`Error`], [`KeyError`]), the in-flight policy
+//!   ([`InFlight`]), ids, the JSON codec, the request fingerprint, the key
+//!   rules ([`key`]), [`Outcome`], the schema.
 //!
-//! `sqlite` (default, compiled in), `postgres` (needs libpq) and `mysql`
-//! (MySQL 8.0+ or MariaDB 10.6+; needs libmysqlclient or libmariadb), each a
-//! cargo feature. Calls take `&mut SqliteConnection`, `&mut PgConnection`,
-//! `&mut MysqlConnection`, or an r2d2 pooled connection of any of them; see
-//! [`StoreConnection`]. Apply the tables with [`run_migrations`] or embed
-//! [`MIGRATIONS`] with your own.
+//! # Guides
 //!
-//! # Beyond the single call
-//!
-//! - [`Idempotent`] makes an existing repository function idempotent at its
-//!   call site: `create_order.idempotent(conn, scope, key, &new_order)`.
-//! - [`batch::Runner`] reruns batch jobs safely, with keys derived from the
-//!   job and the item.
-//! - [`outbox`] writes messages for other systems in the same transaction
-//!   and delivers them afterwards, at least once, with a stable key.
-//! - [`testing`] has what domain tests need: in-memory SQLite with the
-//!   migrations applied, a manual clock, and the stories that matter (a lost
-//!   response, a crash, expiry, a racing duplicate).
-//!
-//! On SQLite, enable WAL (`PRAGMA journal_mode = WAL`) for file databases
-//! shared by several connections, so that replays, which only read, do not
-//! queue behind writers.
+//! The [`guide`] modules hold the documentation beyond the API, every
+//! example in them compiled and run as a test:
+//! [contract](guide::contract), [HTTP](guide::http),
+//! [backends](guide::backends) ([SQLite](guide::sqlite),
+//! [PostgreSQL](guide::postgres), [MySQL and MariaDB](guide::mysql)),
+//! [repository functions](guide::repository), [outbox](guide::outbox),
+//! [phased operations](guide::phased), [batch jobs](guide::batch),
+//! [testing your domain](guide::testing),
+//! [running in production](guide::production),
+//! [high availability](guide::high_availability),
+//! [performance](guide::performance).
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
@@ -144,3 +117,71 @@ pub use telemetry::describe_metrics;
 
 #[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
 compile_error!("enable at least one backend feature: `sqlite` (the default), `postgres` or `mysql`");
+
+/// Guides: documentation only. These modules hold no items; each one's page
+/// is a guide from the crate's `docs/` folder, and every Rust example in
+/// them is compiled and run as a doctest.
+///
+/// | guide | what it covers |
+/// | --- | --- |
+/// | [`contract`](guide::contract) | what spends a key, retention, fingerprints, which errors spend a key, racing requests on each backend, HTTP statuses |
+/// | [`http`](guide::http) | the `Idempotency-Key` header with axum: a working handler, the answers, the example service |
+/// | [`backends`](guide::backends) | connection types, versions tested, code for every backend, the tables, the test suites |
+/// | [`sqlite`](guide::sqlite), [`postgres`](guide::postgres), [`mysql`](guide::mysql) | what each backend does underneath and asks of its sessions |
+/// | [`repository`](guide::repository) | existing repository functions made idempotent |
+/// | [`outbox`](guide::outbox) | messages to other systems, committed with the operation |
+/// | [`phased`](guide::phased) | operations with a foreign call in the middle |
+/// | [`batch`](guide::batch) | jobs that are safe to rerun |
+/// | [`testing`](guide::testing) | domain tests with in-memory SQLite and the stories that matter |
+/// | [`production`](guide::production) | the services, what to watch, events, metrics |
+/// | [`high_availability`](guide::high_availability) | failover, and what clients should do |
+/// | [`performance`](guide::performance) | what a call costs, measured |
+pub mod guide {
+    pub mod contract {
+        #![doc = include_str!("../docs/contract.md")]
+    }
+    pub mod http {
+        #![doc = include_str!("../docs/http.md")]
+    }
+    pub mod backends {
+        #![doc = include_str!("../docs/backends.md")]
+    }
+    pub mod sqlite {
+        #![doc = include_str!("../docs/sqlite.md")]
+    }
+    pub mod postgres {
+        #![doc = include_str!("../docs/postgres.md")]
+    }
+    pub mod mysql {
+        #![doc = include_str!("../docs/mysql.md")]
+    }
+    pub mod repository {
+        #![doc = include_str!("../docs/repository.md")]
+    }
+    pub mod outbox {
+        #![doc = include_str!("../docs/outbox.md")]
+    }
+    pub mod phased {
+        #![doc = include_str!("../docs/phased.md")]
+    }
+    pub mod batch {
+        #![doc = include_str!("../docs/batch.md")]
+    }
+    pub mod testing {
+        #![doc = include_str!("../docs/testing.md")]
+    }
+    pub mod production {
+        #![doc = include_str!("../docs/production.md")]
+    }
+    pub mod high_availability {
+        #![doc = include_str!("../docs/high_availability.md")]
+    }
+    pub mod performance {
+        #![doc = include_str!("../docs/performance.md")]
+    }
+}
+
+/// The README's examples, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
