@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use crate::common::TestDb;
 use crate::common::http::*;
 use crate::http_orders::{self, Limits, Settings};
 use axum::extract::{FromRequestParts, State};
@@ -34,41 +35,8 @@ use tower::ServiceExt;
 
 const BODY: &str = r#"{"item": "book", "quantity": 2}"#;
 
-/// Expands each named test body (an `async fn(Backend)` below) into a test
-/// per backend: `sqlite::name` and, with their features, `postgres::name`
-/// and `mysql::name`.
-macro_rules! on_every_backend {
-    ($($test:ident),* $(,)?) => {
-        mod sqlite {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    super::$test(super::Backend::Sqlite).await;
-                }
-            )*
-        }
-        #[cfg(feature = "postgres")]
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    super::$test(super::Backend::Postgres).await;
-                }
-            )*
-        }
-        #[cfg(feature = "mysql")]
-        mod mysql {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    super::$test(super::Backend::Mysql).await;
-                }
-            )*
-        }
-    };
-}
-
-on_every_backend!(
+crate::common::backend_tests!(
+    async:
     lost_response_is_replayed_with_the_first_status_body_and_location,
     concurrent_posts_with_one_key_place_one_order,
     duplicate_in_progress_is_409_with_retry_after_then_replays,
@@ -105,8 +73,8 @@ const EXHAUSTED_CHECKOUT: Duration = Duration::from_secs(5);
 /// configured: the wait of a web request, not r2d2's default of 30 s.
 const WEB_CHECKOUT_BOUND: Duration = Duration::from_secs(10);
 
-async fn lost_response_is_replayed_with_the_first_status_body_and_location(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn lost_response_is_replayed_with_the_first_status_body_and_location<D: TestDb>() {
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let (proxy, lost) = losing_proxy(server.addr()).await;
@@ -129,12 +97,12 @@ async fn lost_response_is_replayed_with_the_first_status_body_and_location(backe
     let id = &retry.body["id"];
     assert_eq!(retry.body, json!({"id": id, "item": "book", "quantity": 2}));
     assert_eq!(retry.location, Some(format!("/orders/{id}")));
-    assert_eq!(db.order_count().await, 1);
+    assert_eq!(order_count(&db).await, 1);
 }
 
-async fn concurrent_posts_with_one_key_place_one_order(backend: Backend) {
+async fn concurrent_posts_with_one_key_place_one_order<D: TestDb>() {
     const CLIENTS: usize = 32;
-    let db = TestDb::new(backend).await;
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let barrier = Arc::new(tokio::sync::Barrier::new(CLIENTS));
@@ -156,11 +124,11 @@ async fn concurrent_posts_with_one_key_place_one_order(backend: Backend) {
     }
     let executed = answers.iter().filter(|a| a.replayed.is_none()).count();
     assert_eq!(executed, 1, "one request executed, the others replayed");
-    assert_eq!(db.order_count().await, 1);
+    assert_eq!(order_count(&db).await, 1);
 }
 
-async fn duplicate_in_progress_is_409_with_retry_after_then_replays(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn duplicate_in_progress_is_409_with_retry_after_then_replays<D: TestDb>() {
+    let db = database::<D>().await;
     let (mut gate, hook) = Gate::new();
     let settings = Settings {
         in_flight: InFlight::Reject,
@@ -188,7 +156,7 @@ async fn duplicate_in_progress_is_409_with_retry_after_then_replays(backend: Bac
     let later = send(post()).await;
     assert_eq!((later.status, later.replayed.as_deref()), (201, Some("true")));
     assert_eq!(later.body, first.body);
-    assert_eq!(db.order_count().await, 1);
+    assert_eq!(order_count(&db).await, 1);
 }
 
 /// Sends a message when dropped unless disarmed: tells whether a handler's
@@ -210,8 +178,8 @@ impl Drop for DroppedEarly {
     }
 }
 
-async fn client_gone_mid_request_commits_once_and_the_retry_replays(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn client_gone_mid_request_commits_once_and_the_retry_replays<D: TestDb>() {
+    let db = database::<D>().await;
     let (mut gate, hook) = Gate::new();
     let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
     let watch_handlers = move |router: Router| {
@@ -252,12 +220,12 @@ async fn client_gone_mid_request_commits_once_and_the_retry_replays(backend: Bac
     let client = client();
     let retry = send(post_order(&client, &server.url(""), "acct-1", &["gone-1"], BODY)).await;
     assert_eq!((retry.status, retry.replayed.as_deref()), (201, Some("true")));
-    assert_eq!(db.order_count().await, 1);
-    assert_eq!(db.key_count().await, 1);
+    assert_eq!(order_count(&db).await, 1);
+    assert_eq!(key_count(&db).await, 1);
 }
 
-async fn panic_in_the_operation_is_500_and_commits_nothing(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn panic_in_the_operation_is_500_and_commits_nothing<D: TestDb>() {
+    let db = database::<D>().await;
     let panicked = Arc::new(AtomicBool::new(false));
     let hook = {
         let panicked = panicked.clone();
@@ -277,16 +245,16 @@ async fn panic_in_the_operation_is_500_and_commits_nothing(backend: Backend) {
 
     let failed = send(post()).await.assert_problem(500);
     assert!(!failed.body.to_string().contains("fails after"), "{failed:?}");
-    assert_eq!(db.order_count().await, 0);
-    assert_eq!(db.key_count().await, 0);
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
 
     let retry = send(post()).await;
     assert_eq!((retry.status, retry.replayed.as_deref()), (201, None));
-    assert_eq!(db.order_count().await, 1);
+    assert_eq!(order_count(&db).await, 1);
 }
 
-async fn missing_key_is_400(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn missing_key_is_400<D: TestDb>() {
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let answer = send(post_order(&client(), &server.url(""), "acct-1", &[], BODY))
         .await
@@ -295,11 +263,11 @@ async fn missing_key_is_400(backend: Backend) {
         answer.body["type"],
         "https://orders.example/problems/idempotency-key-missing"
     );
-    assert_eq!(db.order_count().await, 0);
+    assert_eq!(order_count(&db).await, 0);
 }
 
-async fn two_key_headers_are_400(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn two_key_headers_are_400<D: TestDb>() {
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     for keys in [["a-1", "a-2"], ["a-1", "a-1"]] {
@@ -311,11 +279,11 @@ async fn two_key_headers_are_400(backend: Backend) {
             "https://orders.example/problems/idempotency-key-invalid"
         );
     }
-    assert_eq!(db.order_count().await, 0);
+    assert_eq!(order_count(&db).await, 0);
 }
 
-async fn malformed_keys_and_keys_breaking_the_rules_are_400(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn malformed_keys_and_keys_breaking_the_rules_are_400<D: TestDb>() {
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let too_long = "k".repeat(256);
@@ -340,12 +308,12 @@ async fn malformed_keys_and_keys_breaking_the_rules_are_400(backend: Backend) {
             "the key is not echoed: {detail}"
         );
     }
-    assert_eq!(db.order_count().await, 0);
-    assert_eq!(db.key_count().await, 0);
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
 }
 
-async fn quoted_and_bare_keys_are_one_key(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn quoted_and_bare_keys_are_one_key<D: TestDb>() {
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let first = send(post_order(&client, &server.url(""), "acct-1", &[r#""k-7""#], BODY)).await;
@@ -355,11 +323,11 @@ async fn quoted_and_bare_keys_are_one_key(backend: Backend) {
         assert_eq!(again.replayed.as_deref(), Some("true"), "{spelling}");
         assert_eq!((again.status, &again.body), (201, &first.body), "{spelling}");
     }
-    assert_eq!(db.order_count().await, 1);
+    assert_eq!(order_count(&db).await, 1);
 }
 
-async fn reuse_with_another_body_is_422(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn reuse_with_another_body_is_422<D: TestDb>() {
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let first = send(post_order(&client, &server.url(""), "acct-1", &["k-8"], BODY)).await;
@@ -378,11 +346,11 @@ async fn reuse_with_another_body_is_422(backend: Backend) {
     // The first result stays replayable.
     let again = send(post_order(&client, &server.url(""), "acct-1", &["k-8"], BODY)).await;
     assert_eq!((again.status, again.replayed.as_deref()), (201, Some("true")));
-    assert_eq!(db.order_count().await, 1);
+    assert_eq!(order_count(&db).await, 1);
 }
 
-async fn missing_or_malformed_credentials_are_401(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn missing_or_malformed_credentials_are_401<D: TestDb>() {
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let without = client
@@ -407,11 +375,11 @@ async fn missing_or_malformed_credentials_are_401(backend: Backend) {
     }
     let listing = client.get(server.url("/orders")).send().await.expect("send");
     Answer::of(listing).await.assert_problem(401);
-    assert_eq!(db.order_count().await, 0);
+    assert_eq!(order_count(&db).await, 0);
 }
 
-async fn accounts_neither_see_nor_replay_each_other(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn accounts_neither_see_nor_replay_each_other<D: TestDb>() {
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let alice = send(post_order(&client, &server.url(""), "alice", &["shared-1"], BODY)).await;
@@ -436,11 +404,11 @@ async fn accounts_neither_see_nor_replay_each_other(backend: Backend) {
     send(client.get(server.url("/orders/not-a-number")).bearer_auth("bob"))
         .await
         .assert_problem(404);
-    assert_eq!(db.order_count().await, 3);
+    assert_eq!(order_count(&db).await, 3);
 }
 
-async fn validation_failure_leaves_the_key_free(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn validation_failure_leaves_the_key_free<D: TestDb>() {
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let zero = r#"{"item": "book", "quantity": 0}"#;
@@ -448,17 +416,17 @@ async fn validation_failure_leaves_the_key_free(backend: Backend) {
         .await
         .assert_problem(422);
     assert_eq!(refused.body["type"], "https://orders.example/problems/invalid-order");
-    assert_eq!(db.order_count().await, 0);
-    assert_eq!(db.key_count().await, 0);
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
 
     let corrected = send(post_order(&client, &server.url(""), "acct-1", &["fix-1"], BODY)).await;
     assert_eq!((corrected.status, corrected.replayed.as_deref()), (201, None));
     assert_eq!(corrected.body["quantity"], 2);
-    assert_eq!(db.order_count().await, 1);
+    assert_eq!(order_count(&db).await, 1);
 }
 
-async fn bad_bodies_are_refused_without_echo_and_leave_the_key_free(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn bad_bodies_are_refused_without_echo_and_leave_the_key_free<D: TestDb>() {
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let nested = format!(
@@ -499,20 +467,20 @@ async fn bad_bodies_are_refused_without_echo_and_leave_the_key_free(backend: Bac
         .header("idempotency-key", "body-1")
         .body(BODY);
     send(no_type).await.assert_problem(415);
-    assert_eq!(db.order_count().await, 0);
-    assert_eq!(db.key_count().await, 0);
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
 
     let corrected = send(post_order(&client, &server.url(""), "acct-1", &["body-1"], BODY)).await;
     assert_eq!((corrected.status, corrected.replayed.as_deref()), (201, None));
 }
 
-async fn example_binary_serves_the_lost_response_story_and_stops_on_sigterm(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn example_binary_serves_the_lost_response_story_and_stops_on_sigterm<D: TestDb>() {
+    let db = database::<D>().await;
     let args = [
         "--addr",
         "127.0.0.1:0",
         "--database",
-        db.database(),
+        db.url(),
         "--in-flight-wait",
         "2000",
     ];
@@ -542,11 +510,11 @@ async fn example_binary_serves_the_lost_response_story_and_stops_on_sigterm(back
     let (success, more_output) = service.terminate().await;
     assert!(success, "the service exits with success on SIGTERM");
     assert_eq!(more_output, "", "one line on stdout, no more");
-    assert_eq!(db.order_count().await, 1);
+    assert_eq!(order_count(&db).await, 1);
 }
 
-async fn requests_refused_by_rule_are_answered_at_once_while_the_pool_is_exhausted(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn requests_refused_by_rule_are_answered_at_once_while_the_pool_is_exhausted<D: TestDb>() {
+    let db = database::<D>().await;
     let settings = Settings {
         checkout_timeout: EXHAUSTED_CHECKOUT,
         ..Settings::default()
@@ -609,12 +577,12 @@ async fn requests_refused_by_rule_are_answered_at_once_while_the_pool_is_exhaust
 
     let valid = valid.await.expect("the valid request").assert_problem(503);
     assert_eq!(valid.retry_after.as_deref(), Some("1"));
-    assert_eq!(db.order_count().await, 0);
-    assert_eq!(db.key_count().await, 0);
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
 }
 
-async fn no_free_connection_is_503_with_retry_after_on_every_route(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn no_free_connection_is_503_with_retry_after_on_every_route<D: TestDb>() {
+    let db = database::<D>().await;
     let (server, _held) = Server::start_exhausted(&db, Settings::default()).await;
     let client = client();
     let routes = [
@@ -643,8 +611,8 @@ async fn no_free_connection_is_503_with_retry_after_on_every_route(backend: Back
     }
 }
 
-async fn items_no_backend_can_store_are_422_on_every_backend(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn items_no_backend_can_store_are_422_on_every_backend<D: TestDb>() {
+    let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let order = |item: &str| serde_json::to_string(&json!({"item": item, "quantity": 1})).expect("JSON");
@@ -669,8 +637,8 @@ async fn items_no_backend_can_store_are_422_on_every_backend(backend: Backend) {
         let said = answer.body["detail"].as_str().expect("a detail");
         assert!(said.contains(detail), "{case}: {said}");
     }
-    assert_eq!(db.order_count().await, 0);
-    assert_eq!(db.key_count().await, 0);
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
 
     // The longest item, in four-byte characters, is stored and replayed.
     let body = order(&longest);
@@ -690,15 +658,15 @@ async fn items_no_backend_can_store_are_422_on_every_backend(backend: Backend) {
     assert_eq!(stored.body["item"], longest);
 }
 
-async fn idle_sockets_do_not_keep_a_new_client_from_being_served(backend: Backend) {
+async fn idle_sockets_do_not_keep_a_new_client_from_being_served<D: TestDb>() {
     const IDLE_SOCKETS: usize = 300;
     const OPEN_FILES: u64 = 256;
     /// Below the example's header read timeout: the new client is served
     /// because an idle socket made room, not because one timed out.
     const SERVED_WITHIN: Duration = Duration::from_secs(5);
     assert!(SERVED_WITHIN < http_orders::HEADER_READ_TIMEOUT);
-    let db = TestDb::new(backend).await;
-    let args = ["--addr", "127.0.0.1:0", "--database", db.database()];
+    let db = database::<D>().await;
+    let args = ["--addr", "127.0.0.1:0", "--database", db.url()];
     let launch = Launch {
         max_open_files: Some(OPEN_FILES),
         ..Launch::default()
@@ -735,37 +703,12 @@ async fn idle_sockets_do_not_keep_a_new_client_from_being_served(backend: Backen
 
     let (success, _) = service.terminate().await;
     assert!(success, "the service exits with success on SIGTERM");
-    assert_eq!(db.order_count().await, 1);
+    assert_eq!(order_count(&db).await, 1);
 }
 
-/// Drops `table` from the test's database, under the running service.
-async fn drop_table(db: &TestDb, table: &'static str) {
-    let database = db.database().to_owned();
-    let backend = db.backend();
-    tokio::task::spawn_blocking(move || {
-        let statement = format!("DROP TABLE {table}");
-        match backend {
-            Backend::Sqlite => SqliteConnection::establish(&database)
-                .expect("open the test database")
-                .batch_execute(&statement),
-            #[cfg(feature = "postgres")]
-            Backend::Postgres => PgConnection::establish(&database)
-                .expect("connect to the test schema")
-                .batch_execute(&statement),
-            #[cfg(feature = "mysql")]
-            Backend::Mysql => MysqlConnection::establish(&database)
-                .expect("connect to the test database")
-                .batch_execute(&statement),
-        }
-        .expect("drop the table");
-    })
-    .await
-    .expect("drop the table");
-}
-
-async fn a_failed_call_is_logged_with_the_database_message_and_without_the_body(backend: Backend) {
-    let db = TestDb::new(backend).await;
-    let args = ["--addr", "127.0.0.1:0", "--database", db.database()];
+async fn a_failed_call_is_logged_with_the_database_message_and_without_the_body<D: TestDb>() {
+    let db = database::<D>().await;
+    let args = ["--addr", "127.0.0.1:0", "--database", db.url()];
     let launch = Launch {
         capture_stderr: true,
         ..Launch::default()
@@ -779,7 +722,7 @@ async fn a_failed_call_is_logged_with_the_database_message_and_without_the_body(
         .await
         .assert_problem(500);
     let line = service.log_line("\"log-1\"").await;
-    let missing = missing_table(backend, "idempotency_keys");
+    let missing = missing_table::<D>("idempotency_keys");
     assert!(
         line.contains(&missing),
         "the database's message ({missing}) is logged: {line}"
@@ -790,7 +733,7 @@ async fn a_failed_call_is_logged_with_the_database_message_and_without_the_body(
         .await
         .assert_problem(500);
     let line = service.log_line("reading orders failed").await;
-    let missing = missing_table(backend, "orders");
+    let missing = missing_table::<D>("orders");
     assert!(
         line.contains(&missing),
         "the database's message ({missing}) is logged: {line}"
@@ -803,19 +746,18 @@ async fn a_failed_call_is_logged_with_the_database_message_and_without_the_body(
     }
 }
 
-/// What `backend` says of a statement on a table that does not exist.
-fn missing_table(backend: Backend, table: &str) -> String {
-    match backend {
-        Backend::Sqlite => format!("no such table: {table}"),
-        #[cfg(feature = "postgres")]
-        Backend::Postgres => format!("relation \"{table}\" does not exist"),
-        #[cfg(feature = "mysql")]
-        Backend::Mysql => format!(".{table}' doesn't exist"),
+/// What backend `D` says of a statement on a table that does not exist.
+fn missing_table<D: TestDb>(table: &str) -> String {
+    match D::BACKEND {
+        "sqlite" => format!("no such table: {table}"),
+        "postgres" => format!("relation \"{table}\" does not exist"),
+        "mysql" => format!(".{table}' doesn't exist"),
+        other => panic!("no message known for a missing table on {other}"),
     }
 }
 
-async fn a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout(backend: Backend) {
-    let db = TestDb::new(backend).await;
+async fn a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout<D: TestDb>() {
+    let db = database::<D>().await;
     let limits = Limits {
         header_read_timeout: Duration::from_millis(300),
         body_read_timeout: Duration::from_millis(300),
@@ -855,7 +797,7 @@ async fn a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout(backend: 
         .unwrap_or_else(|_| panic!("a stalled body was not answered within {PATIENCE:?}"));
     assert_eq!(answer.status, 408, "{answer:?}");
     assert_eq!(answer.header("content-type"), Some("application/problem+json"));
-    assert_eq!(db.key_count().await, 0);
+    assert_eq!(key_count(&db).await, 0);
 }
 
 #[test]

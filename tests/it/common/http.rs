@@ -1,4 +1,4 @@
-//! What the HTTP tests stand on: a database per test on each backend, the
+//! What the HTTP tests stand on, beside the databases of [`TestDb`]: the
 //! order service served on 127.0.0.1, a client, a proxy that loses
 //! responses, the compiled example binary, and a gate that holds an order's
 //! transaction open.
@@ -6,209 +6,48 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-use std::sync::atomic::AtomicU64;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
 use diesel::connection::SimpleConnection;
-use diesel::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
+use super::TestDb;
 use crate::http_orders::{self, Database, Limits, OrderStore, Service, Settings};
 
 /// How long a test waits for something that a healthy run does in
 /// milliseconds; only a hanging test reaches it.
 pub const PATIENCE: Duration = Duration::from_secs(30);
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    Sqlite,
-    #[cfg(feature = "postgres")]
-    Postgres,
-    #[cfg(feature = "mysql")]
-    Mysql,
+/// A database of the test's own on backend `D`, empty: the service sets it
+/// up.
+pub async fn database<D: TestDb>() -> D {
+    tokio::task::spawn_blocking(D::empty)
+        .await
+        .expect("create the test database")
 }
 
-/// A database of one test: a SQLite file in a temporary directory, a
-/// PostgreSQL schema of its own in the database of `DATABASE_URL`, reached
-/// through `search_path`, or a MySQL database of its own on the server of
-/// `MYSQL_URL`; the last two dropped afterwards.
-pub enum TestDb {
-    Sqlite {
-        _dir: tempfile::TempDir,
-        path: String,
-    },
-    #[cfg(feature = "postgres")]
-    Postgres {
-        base_url: String,
-        schema: String,
-        url: String,
-    },
-    #[cfg(feature = "mysql")]
-    Mysql {
-        base_url: String,
-        name: String,
-        url: String,
-    },
+/// How many orders `db` holds, all accounts together.
+pub async fn order_count<D: TestDb>(db: &D) -> i64 {
+    tokio::task::block_in_place(|| D::order_count(&mut db.conn()))
 }
 
-/// A name no other test, in this process or another, is using.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-fn unique_name(prefix: &str) -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!(
-        "{prefix}_{}_{}_{nanos}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
+/// How many key records `db` holds, all accounts together.
+pub async fn key_count<D: TestDb>(db: &D) -> i64 {
+    tokio::task::block_in_place(|| D::key_count(&mut db.conn()))
 }
 
-/// `url` with its database replaced by `database`.
-#[cfg(feature = "mysql")]
-fn url_of_database(url: &str, database: &str) -> String {
-    let (address, query) = match url.split_once('?') {
-        Some((address, query)) => (address, Some(query)),
-        None => (url, None),
-    };
-    let authority_start = address.find("://").map_or(0, |at| at + 3);
-    let base = match address[authority_start..].find('/') {
-        Some(slash) => &address[..authority_start + slash],
-        None => address,
-    };
-    match query {
-        Some(query) => format!("{base}/{database}?{query}"),
-        None => format!("{base}/{database}"),
-    }
-}
-
-impl TestDb {
-    pub async fn new(backend: Backend) -> TestDb {
-        tokio::task::spawn_blocking(move || TestDb::create(backend))
-            .await
-            .expect("create the test database")
-    }
-
-    fn create(backend: Backend) -> TestDb {
-        match backend {
-            Backend::Sqlite => {
-                let dir = tempfile::tempdir().expect("create a temporary directory");
-                let path = dir.path().join("orders.db").to_str().expect("utf-8 path").to_owned();
-                TestDb::Sqlite { _dir: dir, path }
-            }
-            #[cfg(feature = "postgres")]
-            Backend::Postgres => {
-                let base_url = std::env::var("DATABASE_URL").expect(
-                    "the postgres tests need DATABASE_URL, e.g. \
-                     DATABASE_URL=postgres://postgres@127.0.0.1:5432/test cargo test --features axum,postgres",
-                );
-                let schema = unique_name("idem_http");
-                let separator = if base_url.contains('?') { '&' } else { '?' };
-                let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
-                PgConnection::establish(&base_url)
-                    .expect("connect to DATABASE_URL")
-                    .batch_execute(&format!("CREATE SCHEMA {schema}"))
-                    .expect("create the test schema");
-                TestDb::Postgres { base_url, schema, url }
-            }
-            #[cfg(feature = "mysql")]
-            Backend::Mysql => {
-                let base_url = std::env::var("MYSQL_URL").expect(
-                    "the mysql tests need MYSQL_URL, e.g. \
-                     MYSQL_URL=mysql://root@127.0.0.1:3306/test cargo test --features axum,mysql",
-                );
-                let name = unique_name("idem_http");
-                MysqlConnection::establish(&base_url)
-                    .expect("connect to MYSQL_URL")
-                    .batch_execute(&format!("CREATE DATABASE {name}"))
-                    .expect("create the test database");
-                let url = url_of_database(&base_url, &name);
-                TestDb::Mysql { base_url, name, url }
-            }
-        }
-    }
-
-    pub fn backend(&self) -> Backend {
-        match self {
-            TestDb::Sqlite { .. } => Backend::Sqlite,
-            #[cfg(feature = "postgres")]
-            TestDb::Postgres { .. } => Backend::Postgres,
-            #[cfg(feature = "mysql")]
-            TestDb::Mysql { .. } => Backend::Mysql,
-        }
-    }
-
-    /// What the service's `--database` takes.
-    pub fn database(&self) -> &str {
-        match self {
-            TestDb::Sqlite { path, .. } => path,
-            #[cfg(feature = "postgres")]
-            TestDb::Postgres { url, .. } => url,
-            #[cfg(feature = "mysql")]
-            TestDb::Mysql { url, .. } => url,
-        }
-    }
-
-    /// How many rows `table` has, all accounts together.
-    pub async fn count(&self, table: &'static str) -> i64 {
-        #[derive(QueryableByName)]
-        struct Count {
-            #[diesel(sql_type = diesel::sql_types::BigInt)]
-            n: i64,
-        }
-        let query = diesel::sql_query(format!("SELECT count(*) AS n FROM {table}"));
-        let database = self.database().to_owned();
-        let count = match self {
-            TestDb::Sqlite { .. } => tokio::task::spawn_blocking(move || {
-                let mut conn = SqliteConnection::establish(&database).expect("open the test database");
-                query.get_result::<Count>(&mut conn).expect("count rows")
-            }),
-            #[cfg(feature = "postgres")]
-            TestDb::Postgres { .. } => tokio::task::spawn_blocking(move || {
-                let mut conn = PgConnection::establish(&database).expect("connect to the test schema");
-                query.get_result::<Count>(&mut conn).expect("count rows")
-            }),
-            #[cfg(feature = "mysql")]
-            TestDb::Mysql { .. } => tokio::task::spawn_blocking(move || {
-                let mut conn = MysqlConnection::establish(&database).expect("connect to the test database");
-                query.get_result::<Count>(&mut conn).expect("count rows")
-            }),
-        };
-        count.await.expect("count rows").n
-    }
-
-    pub async fn order_count(&self) -> i64 {
-        self.count("orders").await
-    }
-
-    pub async fn key_count(&self) -> i64 {
-        self.count("idempotency_keys").await
-    }
-}
-
-impl Drop for TestDb {
-    fn drop(&mut self) {
-        #[cfg(feature = "postgres")]
-        if let TestDb::Postgres { base_url, schema, .. } = self {
-            if let Ok(mut admin) = PgConnection::establish(base_url) {
-                let _ = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
-            }
-        }
-        #[cfg(feature = "mysql")]
-        if let TestDb::Mysql { base_url, name, .. } = self {
-            if let Ok(mut admin) = MysqlConnection::establish(base_url) {
-                let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}"));
-            }
-        }
-    }
+/// Drops `table` from `db`, under the running service.
+pub async fn drop_table<D: TestDb>(db: &D, table: &str) {
+    tokio::task::block_in_place(|| {
+        db.conn()
+            .batch_execute(&format!("DROP TABLE {table}"))
+            .expect("drop the table")
+    });
 }
 
 /// The order service, served in this process on 127.0.0.1 on a free port.
@@ -218,13 +57,13 @@ pub struct Server {
 }
 
 impl Server {
-    pub async fn start(db: &TestDb, settings: Settings) -> Server {
+    pub async fn start(db: &impl TestDb, settings: Settings) -> Server {
         Server::start_with(db, settings, |router| router).await
     }
 
     /// Serves the service's routes as `wrap` changes them.
-    pub async fn start_with(db: &TestDb, settings: Settings, wrap: impl FnOnce(Router) -> Router) -> Server {
-        let database = db.database().to_owned();
+    pub async fn start_with(db: &impl TestDb, settings: Settings, wrap: impl FnOnce(Router) -> Router) -> Server {
+        let database = db.url().to_owned();
         let service = tokio::task::spawn_blocking(move || http_orders::service(&database, settings))
             .await
             .expect("start the service")
@@ -234,8 +73,8 @@ impl Server {
 
     /// The service with every connection of its pool checked out and held
     /// by the second value, until it is dropped.
-    pub async fn start_exhausted(db: &TestDb, settings: Settings) -> (Server, HeldPool) {
-        let database = db.database().to_owned();
+    pub async fn start_exhausted(db: &impl TestDb, settings: Settings) -> (Server, HeldPool) {
+        let database = db.url().to_owned();
         let (service, held) = tokio::task::spawn_blocking(move || {
             match http_orders::open(&database, settings.checkout_timeout).expect("open the service's database") {
                 Database::Sqlite(pool) => exhaust(pool, settings),
@@ -267,8 +106,8 @@ impl Server {
 
     /// The service on `db` with the default settings, served within
     /// `limits`.
-    pub async fn start_limited(db: &TestDb, limits: Limits) -> Server {
-        let database = db.database().to_owned();
+    pub async fn start_limited(db: &impl TestDb, limits: Limits) -> Server {
+        let database = db.url().to_owned();
         let service = tokio::task::spawn_blocking(move || http_orders::service(&database, Settings::default()))
             .await
             .expect("start the service")
