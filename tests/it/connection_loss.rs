@@ -1,16 +1,20 @@
 //! A connection lost at each moment of a call, on PostgreSQL: before the
 //! commit (the transaction rolled back: `Storage`, and a retry executes) and
 //! at the commit (it may or may not have committed: `OutcomeUnknown`, and a
-//! retry replays or executes). The connection runs through a TCP proxy in
-//! the test that cuts the client off when it sends a chosen statement,
-//! before or after passing it on, and lets the server end the session;
-//! everything else is checked on a direct connection.
+//! retry replays or executes). The connection runs through a proxy in the
+//! test, on 127.0.0.1, that reaches the server as `DATABASE_URL` does (over
+//! TCP or the server's Unix socket), cuts the client off when it sends a
+//! chosen statement, before or after passing it on, and lets the server end
+//! the session; everything else is checked on a direct connection.
 
-use std::io::{Read, Write};
-use std::net::{self, SocketAddr, TcpListener, TcpStream};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{self, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::thread;
+use std::time::{Duration, Instant};
 
 use diesel::pg::PgConnection;
 use diesel::r2d2::event::TimeoutEvent;
@@ -23,6 +27,7 @@ use idempotency::{Error, Outcome, Purger, Shutdown, run_idempotent};
 
 use crate::common::TestDb;
 use crate::common::pg::{Db, database_url};
+use crate::common::wait::{self, PATIENCE};
 
 /// Whether the proxy passes the statement it cuts at on to the server.
 #[derive(Clone, Copy)]
@@ -34,51 +39,229 @@ enum Cut {
     BeforeSending,
 }
 
-/// Proxies one connection to the test server, cutting it at the first
-/// client message that contains `needle`.
-struct Proxy {
-    addr: SocketAddr,
-    pump: thread::JoinHandle<()>,
+/// Where the server named by `DATABASE_URL` listens, as libpq finds it: a
+/// TCP address, or the Unix socket of a directory (a host that is a path,
+/// in the url or in its `host` parameter; no host at all: `PGHOST`, or the
+/// socket directory of Debian's and most builds of libpq).
+#[derive(Debug)]
+enum Server {
+    Tcp(String),
+    Unix(PathBuf),
 }
 
-/// The `host:port` of the server named by `DATABASE_URL`.
-fn server_address() -> String {
-    let url = database_url();
-    let rest = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest);
-    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
-    let host = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
-    if host.contains(':') {
-        host.to_owned()
-    } else {
-        format!("{host}:5432")
+impl Server {
+    fn of_database_url() -> Server {
+        let url = database_url();
+        let rest = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest);
+        let (address, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let authority = address.split('/').next().unwrap_or(address);
+        let host_port = authority.rsplit_once('@').map_or(authority, |(_, host)| host);
+        let parameter = |name: &str| {
+            query
+                .split('&')
+                .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
+                .map(percent_decoded)
+        };
+        let (host, port) = match host_port.strip_prefix('[') {
+            Some(bracketed) => {
+                let (host, after) = bracketed.split_once(']').unwrap_or((bracketed, ""));
+                (format!("[{host}]"), after.strip_prefix(':').map(str::to_owned))
+            }
+            None => match host_port.rsplit_once(':') {
+                Some((host, port)) => (percent_decoded(host), Some(port.to_owned())),
+                None => (percent_decoded(host_port), None),
+            },
+        };
+        let host = parameter("host")
+            .or((!host.is_empty()).then_some(host))
+            .or_else(|| std::env::var("PGHOST").ok());
+        let port = parameter("port")
+            .or(port)
+            .or_else(|| std::env::var("PGPORT").ok())
+            .unwrap_or_else(|| "5432".to_owned());
+        assert!(
+            !host.as_deref().unwrap_or_default().contains(','),
+            "the connection-loss tests proxy one server; DATABASE_URL names several: {url}"
+        );
+        match host {
+            Some(directory) if directory.starts_with('/') => Server::socket_in(&[&directory], &port, &url),
+            Some(host) if host.contains(':') && !host.starts_with('[') => Server::Tcp(format!("[{host}]:{port}")),
+            Some(host) => Server::Tcp(format!("{host}:{port}")),
+            None => Server::socket_in(&["/var/run/postgresql", "/tmp"], &port, &url),
+        }
     }
+
+    /// The server's socket for `port` in the first of `directories` that
+    /// has one.
+    fn socket_in(directories: &[&str], port: &str, url: &str) -> Server {
+        directories
+            .iter()
+            .map(|directory| Path::new(directory).join(format!(".s.PGSQL.{port}")))
+            .find(|socket| socket.exists())
+            .map(Server::Unix)
+            .unwrap_or_else(|| {
+                panic!("DATABASE_URL ({url}) reaches the server over a Unix socket, and no socket for port {port} is in {directories:?}")
+            })
+    }
+
+    fn connect(&self) -> std::io::Result<Stream> {
+        Ok(match self {
+            Server::Tcp(address) => {
+                let address = address
+                    .to_socket_addrs()?
+                    .next()
+                    .ok_or_else(|| std::io::Error::other(format!("{address} resolves to nothing")))?;
+                Stream::Tcp(TcpStream::connect_timeout(&address, PATIENCE)?)
+            }
+            Server::Unix(socket) => Stream::Unix(UnixStream::connect(socket)?),
+        })
+    }
+}
+
+/// `text` with its `%XX` escapes decoded.
+fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = (bytes[i] == b'%')
+            .then(|| text.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(byte) => {
+                decoded.push(byte);
+                i += 3;
+            }
+            None => {
+                decoded.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(decoded).expect("a url in UTF-8")
+}
+
+/// One end of a proxied session: the client's, or the server's over TCP or
+/// a Unix socket.
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> std::io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(stream) => Stream::Tcp(stream.try_clone()?),
+            Stream::Unix(stream) => Stream::Unix(stream.try_clone()?),
+        })
+    }
+
+    fn shutdown(&self, how: net::Shutdown) {
+        let _ = match self {
+            Stream::Tcp(stream) => stream.shutdown(how),
+            Stream::Unix(stream) => stream.shutdown(how),
+        };
+    }
+
+    /// Bounds every read: a session that goes quiet for [`PATIENCE`] ends
+    /// the proxy with an error instead of holding the test.
+    fn bound_reads(&self) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(stream) => stream.set_read_timeout(Some(PATIENCE)),
+            Stream::Unix(stream) => stream.set_read_timeout(Some(PATIENCE)),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.read(buffer),
+            Stream::Unix(stream) => stream.read(buffer),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buffer: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(stream) => stream.write(buffer),
+            Stream::Unix(stream) => stream.write(buffer),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(stream) => stream.flush(),
+            Stream::Unix(stream) => stream.flush(),
+        }
+    }
+}
+
+/// Whether a read ended because the peer said nothing for too long.
+fn timed_out(error: &std::io::Error) -> bool {
+    matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut)
+}
+
+/// Proxies one connection on 127.0.0.1 to the test server, over TCP or the
+/// server's Unix socket, cutting it at the first client message that
+/// contains `needle`. Every wait of the proxy is bounded: it waits
+/// [`PATIENCE`] for its client and for each read, and then fails the test
+/// saying what it waited for.
+struct Proxy {
+    addr: SocketAddr,
+    pump: thread::JoinHandle<Result<(), String>>,
 }
 
 impl Proxy {
     fn start(needle: &'static [u8], cut: Cut) -> Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").expect("a port for the proxy");
         let addr = listener.local_addr().expect("the proxy's address");
-        let upstream = server_address();
+        let server = Server::of_database_url();
         let pump = thread::spawn(move || {
-            let (client, _) = listener.accept().expect("the client connects");
-            let server = TcpStream::connect(&upstream).expect("the proxy reaches the server");
-            let (mut from_server, mut to_client) =
-                (server.try_clone().expect("clone"), client.try_clone().expect("clone"));
+            let client = accept_within(&listener, PATIENCE)
+                .map_err(|error| format!("no client connected to the proxy at {addr}: {error}"))?;
+            let server = server
+                .connect()
+                .map_err(|error| format!("the proxy could not reach the server at {server:?}: {error}"))?;
+            let client = Stream::Tcp(client);
+            for end in [&client, &server] {
+                end.bound_reads()
+                    .map_err(|error| format!("bound the proxy's reads: {error}"))?;
+            }
+            let (mut from_server, mut to_client) = (
+                server.try_clone().map_err(|e| e.to_string())?,
+                client.try_clone().map_err(|e| e.to_string())?,
+            );
             // Reads the server to its end, passing on what the client can
             // still hear: the proxy finishes only once the server has closed
             // the session, after committing or rolling back what it got.
             let backwards = thread::spawn(move || {
                 let mut buffer = vec![0; 64 * 1024];
                 let mut client_hears = true;
-                while let Ok(read @ 1..) = from_server.read(&mut buffer) {
-                    client_hears = client_hears && to_client.write_all(&buffer[..read]).is_ok();
+                loop {
+                    match from_server.read(&mut buffer) {
+                        Ok(0) => return Ok(()),
+                        Ok(read) => client_hears = client_hears && to_client.write_all(&buffer[..read]).is_ok(),
+                        Err(error) if timed_out(&error) => {
+                            return Err(format!("the server did not end the session within {PATIENCE:?}"));
+                        }
+                        Err(_) => return Ok(()),
+                    }
                 }
             });
             let (mut from_client, mut to_server) = (client, server);
             let mut buffer = vec![0; 64 * 1024];
+            let mut outcome = Ok(());
             loop {
                 let read = match from_client.read(&mut buffer) {
-                    Ok(0) | Err(_) => break,
+                    Ok(0) => break,
+                    Err(error) if timed_out(&error) => {
+                        outcome = Err(format!("the client sent nothing for {PATIENCE:?}"));
+                        break;
+                    }
+                    Err(_) => break,
                     Ok(read) => read,
                 };
                 let chunk = &buffer[..read];
@@ -90,27 +273,77 @@ impl Proxy {
                 if cut_here {
                     // The client hears nothing more, and the server reads the
                     // end of its session after what was passed on.
-                    let _ = from_client.shutdown(net::Shutdown::Both);
+                    from_client.shutdown(net::Shutdown::Both);
                     break;
                 }
             }
-            let _ = to_server.shutdown(net::Shutdown::Write);
-            let _ = backwards.join();
+            to_server.shutdown(net::Shutdown::Write);
+            let backwards = wait::join(backwards, "the proxy's thread from the server");
+            outcome.and(backwards)
         });
         Proxy { addr, pump }
     }
 
-    /// A url that reaches `db`'s schema through the proxy.
+    /// A url that reaches `db`'s schema through the proxy: `db`'s url with
+    /// the proxy for its host and port, whatever the server's were.
     fn url(&self, db: &Db) -> String {
-        let server = server_address();
-        let through = db.url().replacen(&server, &self.addr.to_string(), 1);
+        let url = db.url();
+        let (scheme, rest) = url.split_once("://").expect("a url with a scheme");
+        let (address, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let (authority, database) = address.split_once('/').unwrap_or((address, ""));
+        let user = authority.rsplit_once('@').map_or("", |(user, _)| user);
+        let user = if user.is_empty() {
+            String::new()
+        } else {
+            format!("{user}@")
+        };
+        let query: Vec<&str> = query
+            .split('&')
+            .filter(|pair| !pair.is_empty())
+            .filter(|pair| {
+                !["host=", "hostaddr=", "port=", "sslmode="]
+                    .iter()
+                    .any(|name| pair.starts_with(name))
+            })
+            .collect();
         // An encrypted session would hide the statements from the proxy.
-        format!("{through}&sslmode=disable")
+        format!(
+            "{scheme}://{user}{}/{database}?{}&sslmode=disable&connect_timeout={}",
+            self.addr,
+            query.join("&"),
+            PATIENCE.as_secs()
+        )
     }
 
     /// Waits until the server has closed the session.
     fn finish(self) {
-        self.pump.join().expect("the proxy's threads end");
+        if let Err(error) = wait::join(self.pump, "the proxy") {
+            panic!("{error}");
+        }
+    }
+}
+
+/// The first client of `listener`, if one connects within `patience`.
+fn accept_within(listener: &TcpListener, patience: Duration) -> std::io::Result<TcpStream> {
+    listener.set_nonblocking(true)?;
+    let deadline = Instant::now() + patience;
+    loop {
+        match listener.accept() {
+            Ok((client, _)) => {
+                client.set_nonblocking(false)?;
+                return Ok(client);
+            }
+            Err(error) if error.kind() == ErrorKind::WouldBlock && Instant::now() < deadline => {
+                thread::sleep(Duration::from_millis(5));
+            }
+            Err(error) if error.kind() == ErrorKind::WouldBlock => {
+                return Err(std::io::Error::new(
+                    ErrorKind::TimedOut,
+                    format!("none within {patience:?}"),
+                ));
+            }
+            Err(error) => return Err(error),
+        }
     }
 }
 
