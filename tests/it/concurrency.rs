@@ -3,13 +3,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, mpsc};
+use std::sync::{Arc, mpsc};
 use std::thread;
 
 use chrono::Duration;
 use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
 
 use crate::common::TestDb;
+use crate::common::wait::{self, Barrier};
 
 crate::common::backend_tests!(
     concurrent_retries_execute_once,
@@ -41,7 +42,7 @@ fn concurrent_retries_execute_once<D: TestDb>() {
             })
         })
         .collect();
-    let outcomes: Vec<Outcome<i64>> = handles.into_iter().map(|h| h.join().expect("thread")).collect();
+    let outcomes: Vec<Outcome<i64>> = handles.into_iter().map(|h| wait::join(h, "a racing thread")).collect();
 
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the operation ran once");
     assert_eq!(outcomes.iter().filter(|o| !o.is_replayed()).count(), 1, "one execution");
@@ -83,7 +84,7 @@ fn overlapping_keys_execute_once_each<D: TestDb>() {
         .collect();
     let mut seen: HashMap<usize, i64> = HashMap::new();
     for handle in handles {
-        for (k, value) in handle.join().expect("thread") {
+        for (k, value) in wait::join(handle, "a racing thread") {
             assert_eq!(*seen.entry(k).or_insert(value), value, "key {k} answered two values");
         }
     }
@@ -102,12 +103,12 @@ fn hold_key<D: TestDb>(db: &D, key: &'static str, release: mpsc::Receiver<()>) -
         run_idempotent(&mut conn, "shop", key, &1, |tx| {
             let id = D::place_order(tx, "held", 1)?;
             held_tx.send(()).expect("signal held");
-            release.recv().expect("release");
+            wait::recv(&release, "release");
             Ok::<_, diesel::result::Error>(id)
         })
         .expect("holder commits")
     });
-    held_rx.recv().expect("the holder claims the key");
+    wait::recv(&held_rx, "the holder claims the key");
     handle
 }
 
@@ -128,7 +129,7 @@ fn reject_policy_fails_fast_while_the_key_is_held<D: TestDb>() {
     assert_eq!(calls.load(Ordering::SeqCst), 0);
 
     release.send(()).expect("release the holder");
-    let first = holder.join().expect("holder thread").into_inner();
+    let first = wait::join(holder, "the holder thread").into_inner();
     // The same connection is usable and now replays the holder's result.
     let retry = config
         .run(&mut conn, "shop", "held-key", &1, |tx| D::place_order(tx, "second", 1))
@@ -148,7 +149,7 @@ fn wait_policy_times_out_while_the_key_stays_held<D: TestDb>() {
     assert!(matches!(result, Err(Error::InProgress)), "{result:?}");
 
     release.send(()).expect("release the holder");
-    holder.join().expect("holder thread");
+    wait::join(holder, "the holder thread");
     let retry = config
         .run(&mut conn, "shop", "slow-key", &1, |tx| D::place_order(tx, "second", 1))
         .expect("retry");
@@ -222,12 +223,12 @@ mod sqlite_busy_timeout {
             writer
                 .immediate_transaction(|_| {
                     held_tx.send(()).expect("signal");
-                    released.recv().expect("release");
+                    wait::recv(&released, "release");
                     Ok::<_, diesel::result::Error>(())
                 })
                 .expect("writer transaction");
         });
-        held_rx.recv().expect("the writer holds the lock");
+        wait::recv(&held_rx, "the writer holds the lock");
         let reject = Config::default().in_flight(InFlight::Reject);
         let replay = reject
             .run(&mut conn, "shop", "done", &1, |_| Ok::<_, Error>(0))
@@ -239,7 +240,7 @@ mod sqlite_busy_timeout {
             "a new key needs the lock: {fresh:?}"
         );
         release.send(()).expect("release");
-        holder.join().expect("writer thread");
+        wait::join(holder, "the writer thread");
     }
 
     /// Outside WAL mode a reader is locked out while a writer commits; with
@@ -281,7 +282,7 @@ mod sqlite_busy_timeout {
                 })
             })
             .collect();
-        let failures: usize = handles.into_iter().map(|h| h.join().expect("thread")).sum();
+        let failures: usize = handles.into_iter().map(|h| wait::join(h, "a reading thread")).sum();
         assert_eq!(failures, 0);
         let mut conn = diesel::SqliteConnection::establish(&url).expect("open");
         assert_eq!(Db::order_count(&mut conn), i64::try_from(ITEMS).expect("small"));

@@ -519,7 +519,7 @@ fn services_stop_at_once_while_the_database_is_unreachable() {
     stopped_services.sort_unstable();
     assert_eq!(stopped_services, ["completer", "purger", "relay"]);
     for service in services {
-        service.join().expect("the service does not panic");
+        wait::join(service, "a service thread");
     }
 }
 

@@ -13,8 +13,7 @@ use diesel::sql_types::{Integer, Nullable, Text};
 use idempotency::{Config, Outcome};
 
 use crate::common::pg_cluster::Cluster;
-
-const PATIENCE: Duration = Duration::from_secs(30);
+use crate::common::wait::PATIENCE;
 
 #[derive(QueryableByName)]
 struct Pid {

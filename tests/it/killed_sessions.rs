@@ -12,8 +12,8 @@
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
-use std::sync::{Barrier, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -21,6 +21,7 @@ use idempotency::phased::Phased;
 use idempotency::{Config, Error, InFlight, Outcome};
 
 use crate::common::ServerDb;
+use crate::common::wait::Barrier;
 
 crate::common::server_backend_tests!(
     killed_sessions_leave_every_call_told_what_committed,

@@ -18,6 +18,7 @@ use metrics_util::MetricKind;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
 use crate::common::TestDb;
+use crate::common::wait;
 
 crate::common::backend_tests!(
     calls_count_by_outcome_and_time_their_duration_and_wait,
@@ -172,11 +173,11 @@ fn calls_count_by_outcome_and_time_their_duration_and_wait<D: TestDb>() {
         let holder = scope.spawn(move || {
             config.run(&mut db.conn(), "shop", "k-busy", &1, |_| {
                 entered.send(()).expect("the test waits");
-                released.recv().expect("the test releases the key");
+                wait::recv(&released, "the test releases the key");
                 Ok::<_, String>(1)
             })
         });
-        holding.recv().expect("the holder runs its operation");
+        wait::recv(&holding, "the holder runs its operation");
         let waiting = config.clone().in_flight(InFlight::Wait(Duration::milliseconds(50)));
         let taken = metrics::with_local_recorder(&recorder, || {
             let busy = waiting.run(&mut conn, "shop", "k-busy", &1, respond);

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, Mutex, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
 
 use chrono::{Duration, Utc};
 use diesel::Connection;
@@ -14,6 +14,7 @@ use idempotency::{Error, Outcome, run_idempotent};
 
 use crate::common::TestDb;
 use crate::common::child::{Child, report_and_wait_for_the_kill};
+use crate::common::wait::{self, Barrier};
 
 /// Set in a child process: the database the child relay works on.
 const CHILD_DB: &str = "IDEMPOTENCY_OUTBOX_CHILD_DB";
@@ -482,11 +483,11 @@ fn relay_whose_lease_was_taken_over_cannot_settle_the_message<D: TestDb>() {
             let mut conn = db.conn();
             relay.run_once(&mut conn, |_| {
                 entered_too.send("slow").unwrap();
-                slow_may_return.recv().unwrap();
+                wait::recv(&slow_may_return, "the slow handler is released");
                 Err("gateway timed out")
             })
         });
-        assert_eq!(in_handler.recv().unwrap(), "slow");
+        assert_eq!(wait::recv(&in_handler, "a handler runs"), "slow");
         // The slow handler outlives its lease: another relay claims the
         // message and is delivering it when the slow one gives up.
         clock.advance(Duration::seconds(31));
@@ -494,12 +495,12 @@ fn relay_whose_lease_was_taken_over_cannot_settle_the_message<D: TestDb>() {
             let mut conn = db.conn();
             relay.run_once(&mut conn, |message| {
                 entered.send("fast").unwrap();
-                fast_may_return.recv().unwrap();
+                wait::recv(&fast_may_return, "the fast handler is released");
                 assert_eq!(message.attempt, 2);
                 Ok::<_, &str>(())
             })
         });
-        assert_eq!(in_handler.recv().unwrap(), "fast");
+        assert_eq!(wait::recv(&in_handler, "a handler runs"), "fast");
         release_slow.send(()).unwrap();
         let slow = slow.join().unwrap().expect("slow relay");
         assert_eq!(

@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::os::unix::process::ExitStatusExt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, Mutex, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::Instant;
 
 use chrono::Duration;
@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::common::TestDb;
 use crate::common::child::{Child, report_and_wait_for_the_kill};
+use crate::common::wait::{self, Barrier, PATIENCE};
 
 const SCOPE: &str = "riders";
 const KEY: &str = "ride-7c1e";
@@ -37,10 +38,6 @@ const RECEIPTS: &str = "ride-receipt";
 const CHILD_URL: &str = "IDEMPOTENCY_TEST_PHASED_CHILD_URL";
 /// What the child prints once it stands at the boundary it is killed at.
 const CHILD_READY: &str = "phased-child-ready";
-
-/// How long a test waits for something that takes milliseconds when the
-/// machine is healthy; it only ends a test that hangs.
-const PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
 crate::common::backend_tests!(
     killed_inside_the_first_phase_leaves_the_key_free,
@@ -425,7 +422,7 @@ impl<D: RideDb> Provider<D> {
             Behaviour::FailBefore => return Err(ProviderError::Unavailable),
             Behaviour::Block(gate) => {
                 gate.entered.send(()).expect("the test waits at the gate");
-                gate.release.recv().expect("the test opens the gate");
+                wait::recv(&gate.release, "the test opens the gate");
             }
             Behaviour::Apply | Behaviour::TimeOutAfter => {}
         }
@@ -1012,7 +1009,7 @@ fn concurrent_retries_during_a_blocked_call_charge_once<D: RideDb>() {
     };
     std::thread::scope(|s| {
         let first = s.spawn(|| rides.create(&mut pool.get().expect("a connection"), KEY, &ada()));
-        arrived.recv().expect("the first attempt reaches the provider");
+        wait::recv(&arrived, "the first attempt reaches the provider");
         let rejected: Vec<_> = (0..RETRIES / 2).map(|_| s.spawn(|| retry(&rejecting))).collect();
         let waited: Vec<_> = (0..RETRIES / 2).map(|_| s.spawn(|| retry(&waiting))).collect();
         for retry in rejected {
@@ -1038,7 +1035,7 @@ fn attempt_whose_lease_ran_out_mid_call_is_fenced_out<D: RideDb>() {
     rides.provider.then(Behaviour::Block(gate));
     std::thread::scope(|s| {
         let late = s.spawn(|| rides.create(&mut db.conn(), KEY, &ada()));
-        arrived.recv().expect("the first attempt reaches the provider");
+        wait::recv(&arrived, "the first attempt reaches the provider");
         clock.advance(Duration::minutes(2));
 
         let mut conn = db.conn();
@@ -1076,7 +1073,7 @@ fn retry_taking_over_after_another_attempt_progressed_resumes_from_its_progress<
         Phased::new(OPERATION).config(Config::default().clock(move || {
             if armed.swap(false, Ordering::SeqCst) {
                 read_tx.send(()).expect("the test waits for the read");
-                go_rx.lock().expect("the gate").recv().expect("the test lets it go");
+                wait::recv(&go_rx.lock().expect("the gate"), "the test lets it go");
             }
             clock.now()
         }))
@@ -1107,7 +1104,7 @@ fn retry_taking_over_after_another_attempt_progressed_resumes_from_its_progress<
     armed.store(true, Ordering::SeqCst);
     std::thread::scope(|s| {
         let late = s.spawn(|| attempt(&pausing, None));
-        read.recv().expect("the late attempt read the operation");
+        wait::recv(&read, "the late attempt read the operation");
         assert!(
             attempt(&plain, Some(2)).is_err(),
             "another attempt queued the receipt and gave up"
@@ -1249,7 +1246,7 @@ fn completer_skips_operations_in_their_grace_period_or_under_lease<D: RideDb>() 
     rides.provider.then(Behaviour::Block(gate));
     std::thread::scope(|s| {
         let held = s.spawn(|| rides.create(&mut db.conn(), "held", &ada()));
-        arrived.recv().expect("the held attempt reaches the provider");
+        wait::recv(&arrived, "the held attempt reaches the provider");
 
         clock.advance(Duration::minutes(4));
         assert_eq!(
@@ -1673,7 +1670,7 @@ fn postgres_finish_fenced_after_its_lease_ran_out_rolls_back_its_writes() {
     let hold_inside_finish = |reached: Boundary| {
         if reached == Boundary::InsideFinish {
             inside_tx.send(()).expect("the test waits");
-            go_rx.lock().expect("the gate").recv().expect("the test lets it go");
+            wait::recv(&go_rx.lock().expect("the gate"), "the test lets it go");
         }
     };
     let mut admin = db.conn();
@@ -1681,9 +1678,7 @@ fn postgres_finish_fenced_after_its_lease_ran_out_rolls_back_its_writes() {
     let retry_session = Db::session_id(&mut retry_conn);
     let reply = std::thread::scope(|s| {
         let late = s.spawn(|| rides.create_stopping(&mut db.conn(), KEY, &ada(), &hold_inside_finish));
-        inside
-            .recv()
-            .expect("the late attempt wrote the charge and the receipt");
+        wait::recv(&inside, "the late attempt wrote the charge and the receipt");
         clock.advance(Duration::minutes(2));
         let retry = s.spawn(|| rides.create(&mut retry_conn, KEY, &ada()));
         // The retry took the operation over and waits for the key, which

@@ -167,7 +167,7 @@ fn purge_between_the_read_and_the_store_of_a_takeover_does_not_fail_the_call() {
         let taker = s.spawn(move || {
             config.run(&mut db.conn(), SCOPE, "k-expiring", REQUEST, |tx| {
                 entered.send(()).expect("the test waits");
-                resumed.recv().expect("the test resumes the operation");
+                wait::recv(&resumed, "the test resumes the operation");
                 counted::<Db>(calls, "takeover")(tx)
             })
         });

@@ -2,10 +2,10 @@
 //! call, deletes what has expired by the clock of its `Config` and the
 //! retention of its `Relay`, keeps everything else, and stops when told.
 
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Barrier, Mutex};
 use std::thread;
-use std::time::{Duration as StdDuration, Instant};
+use std::time::Duration as StdDuration;
 
 use chrono::Duration;
 use idempotency::outbox::{self, Relay};
@@ -13,35 +13,13 @@ use idempotency::testing::ManualClock;
 use idempotency::{Config, Purged, Purger, Shutdown, Stopped};
 
 use crate::common::TestDb;
+use crate::common::wait::{Barrier, StopOnDrop, wait_for};
 
 crate::common::backend_tests!(
     purger_beside_live_traffic_fails_no_call_and_purges_only_expired_records,
     purger_deletes_delivered_messages_after_retention_and_stops_at_once,
     purger_stops_between_batches_once_shutdown_is_triggered,
 );
-
-/// How long a test waits for the purger before it fails; far beyond what
-/// it needs, so it only ends a test that hangs.
-const PATIENCE: StdDuration = StdDuration::from_secs(30);
-
-/// Triggers the shutdown however the test ends, so that a failed assertion
-/// inside `thread::scope` does not wait forever for the purger.
-struct StopOnDrop<'a>(&'a Shutdown);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.trigger();
-    }
-}
-
-/// Polls until `condition` holds: the purger works on its own schedule.
-fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        thread::sleep(StdDuration::from_millis(5));
-    }
-}
 
 fn purger_beside_live_traffic_fails_no_call_and_purges_only_expired_records<D: TestDb>() {
     const THREADS: usize = 4;

@@ -25,6 +25,7 @@ use idempotency::outbox::{self, Message, Relay};
 use crate::common::TestDb;
 use crate::common::pg::{Db, backend_pid};
 use crate::common::pg_cluster::Cluster;
+use crate::common::wait::{self, PATIENCE, StopOnDrop, wait_for};
 
 /// The relays' poll interval in the wake-up tests: far longer than a test
 /// waits, so a message that arrives came through a notification.
@@ -36,20 +37,6 @@ const POLL_INTERVAL: Duration = Duration::from_secs(120);
 /// notification from a poll. The latency itself is measured by the
 /// benchmark.
 const WAKE_BOUND: Duration = Duration::from_secs(2);
-
-/// How long a test waits for the server or a delivery before it fails;
-/// far beyond what either needs, so it only ends a test that hangs.
-const PATIENCE: Duration = Duration::from_secs(30);
-
-/// Triggers the shutdown however the test ends, so that a failed assertion
-/// inside `thread::scope` does not wait forever for the relay.
-struct StopOnDrop<'a>(&'a Shutdown);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.trigger();
-    }
-}
 
 /// Stops the producer however the test ends, so that a failed assertion
 /// inside `thread::scope` does not wait forever for it.
@@ -195,16 +182,6 @@ fn enqueue_notifies_at_commit_and_never_for_a_rollback() {
     assert_eq!(from_writer(&seen), 0, "one notification per commit: {seen:?}");
 }
 
-/// Polls until `condition` holds; the server and the relay change these
-/// states on their own.
-fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + PATIENCE;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        thread::sleep(Duration::from_millis(10));
-    }
-}
-
 #[derive(QueryableByName)]
 struct Count {
     #[diesel(sql_type = diesel::sql_types::BigInt)]
@@ -340,6 +317,6 @@ fn relay_returns_with_the_panic_of_its_only_worker() {
     };
     let ended = ending.recv_timeout(PATIENCE);
     shutdown.trigger();
-    service.join().expect("the service thread ends");
+    wait::join(service, "the service thread");
     assert_eq!(ended, Ok(true), "run returned with the handler's panic");
 }

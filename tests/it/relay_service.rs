@@ -22,6 +22,7 @@ use idempotency::outbox::{self, Deliveries, Message, Relay};
 use idempotency::testing::ManualClock;
 
 use crate::common::TestDb;
+use crate::common::wait::{PATIENCE, StopOnDrop};
 
 crate::common::backend_tests!(
     messages_enqueued_before_and_during_the_run_are_each_delivered_once,
@@ -34,20 +35,6 @@ crate::common::backend_tests!(
     relay_on_a_pool_of_one_connection_delivers_without_errors,
     relay_with_a_clock_behind_the_database_delivers_at_once,
 );
-
-/// How long a test waits for a delivery before it fails; far beyond what a
-/// healthy relay needs, so it only ends a test that hangs.
-const PATIENCE: StdDuration = StdDuration::from_secs(30);
-
-/// Triggers the shutdown however the test ends, so that a failed assertion
-/// inside `thread::scope` does not wait forever for the relay.
-struct StopOnDrop<'a>(&'a Shutdown);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.trigger();
-    }
-}
 
 /// A handler's report: the message id and its attempt.
 type Handed = (String, u32);

@@ -28,6 +28,7 @@ use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 
 use crate::common::TestDb;
+use crate::common::wait::{self, PATIENCE};
 
 crate::common::backend_tests!(
     call_decisions_are_events_of_the_call_span_without_payload_text,
@@ -39,10 +40,6 @@ crate::common::backend_tests!(
 
 /// In every request, response, payload and handler error.
 const SENTINEL: &str = "PAYLOAD-SENTINEL-7731";
-
-/// How long a test waits for an event of a background service; far beyond
-/// what it needs, so it only ends a test that hangs.
-const PATIENCE: StdDuration = StdDuration::from_secs(30);
 
 /// A span (when it closed, with every field it was given) or an event.
 #[derive(Debug, Clone)]
@@ -232,12 +229,12 @@ fn call_decisions_are_events_of_the_call_span_without_payload_text<D: TestDb>() 
             capture.run(|| {
                 config.run(&mut db.conn(), "shop", "k-busy", request, |_| {
                     entered.send(()).expect("the test waits");
-                    released.recv().expect("the test releases the key");
+                    wait::recv(&released, "the test releases the key");
                     Ok::<_, String>(response.clone())
                 })
             })
         });
-        holding.recv().expect("the holder runs its operation");
+        wait::recv(&holding, "the holder runs its operation");
         let waiting = config.clone().in_flight(InFlight::Wait(Duration::milliseconds(50)));
         let busy = capture.run(|| waiting.run(&mut conn, "shop", "k-busy", request, respond));
         assert!(matches!(busy, Err(Error::InProgress)), "{busy:?}");

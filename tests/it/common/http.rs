@@ -19,9 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::TestDb;
 use crate::http_orders::{self, Database, Limits, OrderStore, Service, Settings};
 
-/// How long a test waits for something that a healthy run does in
-/// milliseconds; only a hanging test reaches it.
-pub const PATIENCE: Duration = Duration::from_secs(30);
+pub use super::wait::PATIENCE;
 
 /// A database of the test's own on backend `D`, empty: the service sets it
 /// up.
@@ -320,7 +318,9 @@ pub async fn post_raw(addr: SocketAddr, path: &str, headers: &[(&str, &str)], bo
         let _ = writer.write_all(head.as_bytes()).await;
         let _ = writer.write_all(body.as_bytes()).await;
     });
-    let (head, body) = read_message(&mut reader).await;
+    let (head, body) = tokio::time::timeout(PATIENCE, read_message(&mut reader))
+        .await
+        .unwrap_or_else(|_| panic!("no answer to the POST within {PATIENCE:?}"));
     sending.abort();
     RawResponse::parse(&head, body)
 }
@@ -331,7 +331,7 @@ pub async fn post_raw(addr: SocketAddr, path: &str, headers: &[(&str, &str)], bo
 pub async fn losing_proxy(upstream: SocketAddr) -> (SocketAddr, tokio::task::JoinHandle<RawResponse>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("listen for the proxy");
     let addr = listener.local_addr().expect("the proxy's address");
-    let task = tokio::spawn(async move {
+    let exchange = async move {
         let (mut client, _) = listener.accept().await.expect("accept the client");
         let (head, body) = read_message(&mut client).await;
         let mut server = TcpStream::connect(upstream).await.expect("connect to the service");
@@ -340,6 +340,11 @@ pub async fn losing_proxy(upstream: SocketAddr) -> (SocketAddr, tokio::task::Joi
         let (head, body) = read_message(&mut server).await;
         drop(client);
         RawResponse::parse(&head, body)
+    };
+    let task = tokio::spawn(async move {
+        tokio::time::timeout(PATIENCE, exchange)
+            .await
+            .unwrap_or_else(|_| panic!("the proxy at {addr} saw no whole request and response within {PATIENCE:?}"))
     });
     (addr, task)
 }
@@ -457,14 +462,33 @@ impl ExampleProcess {
                 });
                 received
             });
-            let mut stdout = std::io::BufReader::new(child.stdout.take().expect("piped stdout"));
-            let mut line = String::new();
-            stdout.read_line(&mut line).expect("read the first line");
-            let base = line
+            // Read on a thread of its own, so that an example that never
+            // announces itself fails the test instead of holding it.
+            let stdout = child.stdout.take().expect("piped stdout");
+            let (first_line, announced) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let mut stdout = std::io::BufReader::new(stdout);
+                let mut line = String::new();
+                let read = stdout.read_line(&mut line).map(|_| line);
+                let _ = first_line.send((read, stdout));
+            });
+            let kill = |child: &mut Child| {
+                let _ = child.kill();
+                let _ = child.wait();
+            };
+            let Ok((read, stdout)) = announced.recv_timeout(PATIENCE) else {
+                kill(&mut child);
+                panic!("the example did not announce its address on stdout within {PATIENCE:?}");
+            };
+            let line = read.expect("read the first line");
+            let Some(base) = line
                 .strip_prefix("listening on ")
                 .and_then(|rest| rest.strip_suffix('\n'))
-                .unwrap_or_else(|| panic!("the first line announces the address, got {line:?}"))
-                .to_owned();
+                .map(str::to_owned)
+            else {
+                kill(&mut child);
+                panic!("the first line announces the address, got {line:?}");
+            };
             ExampleProcess {
                 child,
                 stdout,

@@ -28,12 +28,12 @@ pub fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
 }
 
 /// The next value from `rx`, which a thread sends once it has reached a
-/// point: `what` names that point for the failure message.
+/// point: `what` says what the value means, for the failure message.
 pub fn recv<T>(rx: &Receiver<T>, what: &str) -> T {
     match rx.recv_timeout(PATIENCE) {
         Ok(value) => value,
-        Err(RecvTimeoutError::Timeout) => panic!("timed out after {PATIENCE:?} waiting for {what}"),
-        Err(RecvTimeoutError::Disconnected) => panic!("{what}: the sending thread ended without it"),
+        Err(RecvTimeoutError::Timeout) => panic!("{what}: nothing came within {PATIENCE:?}"),
+        Err(RecvTimeoutError::Disconnected) => panic!("{what}: the sender is gone without sending"),
     }
 }
 
