@@ -12,10 +12,7 @@ use idempotency::{Error, KeyError};
 use serde::Serialize;
 
 use crate::common::TestDb;
-use crate::common::child::Child;
-
-/// Set in the child process of the kill test: the database it works on.
-const CHILD_URL: &str = "IDEMPOTENCY_TEST_BATCH_CHILD_URL";
+use crate::common::child::{Child, parent_database};
 
 #[derive(Debug, PartialEq)]
 struct OutOfStock;
@@ -238,7 +235,7 @@ fn killed_job_rerun_executes_every_item_exactly_once<D: TestDb>() {
     const KILL_AFTER: usize = 1_500;
     let job = |pool| Runner::new(pool).workers(8).scope("jobs");
 
-    if let Ok(url) = std::env::var(CHILD_URL) {
+    if let Some(url) = parent_database() {
         // The child: the job as a real process would run it, printing
         // its progress until the parent kills it.
         let runner = job(D::pool_at(&url, 8)).on_progress(|progress| println!("progress {}", progress.processed));
@@ -250,7 +247,7 @@ fn killed_job_rerun_executes_every_item_exactly_once<D: TestDb>() {
 
     let db = D::new();
     let name = crate::common::test_name::<D>(module_path!(), "killed_job_rerun_executes_every_item_exactly_once");
-    let mut child = Child::start(&name, &[(CHILD_URL, db.url())]);
+    let mut child = Child::start(&name, db.url());
     child.wait_for(&format!("processing {KILL_AFTER} items"), |line| {
         line.strip_prefix("progress ")
             .and_then(|n| n.parse::<usize>().ok())

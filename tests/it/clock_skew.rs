@@ -11,11 +11,9 @@ use diesel::prelude::*;
 use idempotency::{Config, Outcome};
 
 use crate::common::TestDb;
-use crate::common::child::Child;
+use crate::common::child::{Child, parent_database};
 use crate::common::pg::Db;
 
-/// Set in the child: the database url of the parent's test schema.
-const CHILD_URL: &str = "IDEMPOTENCY_TEST_SKEWED_CHILD_URL";
 /// The line the child prints: its clock's lead over the server's, and its
 /// outcome.
 const CHILD_REPORT: &str = "skewed-child skew_minutes=";
@@ -55,7 +53,7 @@ fn skewed_child(url: &str) -> ! {
 
 #[test]
 fn a_process_whose_clock_runs_hours_ahead_replays_what_the_others_keep() {
-    if let Ok(url) = std::env::var(CHILD_URL) {
+    if let Some(url) = parent_database() {
         skewed_child(&url);
     }
     assert!(
@@ -71,9 +69,8 @@ fn a_process_whose_clock_runs_hours_ahead_replays_what_the_others_keep() {
         module_path!(),
         "a_process_whose_clock_runs_hours_ahead_replays_what_the_others_keep",
     );
-    let mut child = Child::start_with(&test, |command| {
+    let mut child = Child::start_with(&test, db.url(), |command| {
         command
-            .env(CHILD_URL, db.url())
             .env("LD_PRELOAD", FAKETIME)
             .env("FAKETIME", "+3h")
             .env("FAKETIME_DONT_FAKE_MONOTONIC", "1");

@@ -350,13 +350,9 @@ fn accept_within(listener: &TcpListener, patience: Duration) -> std::io::Result<
 const COMMIT: &[u8] = b"COMMIT\0";
 const KEY_INSERT: &[u8] = b"INSERT INTO \"idempotency_keys\"";
 
-/// One call through a proxy that cuts at `needle`; returns its result and
-/// how often its operation ran.
-fn call_through(
-    db: &Db,
-    needle: &'static [u8],
-    cut: Cut,
-) -> (Result<Outcome<i64>, Error<diesel::result::Error>>, usize) {
+/// One call through a proxy that cuts at `needle`; asserts that its
+/// operation ran once, and returns its result.
+fn call_through(db: &Db, needle: &'static [u8], cut: Cut) -> Result<Outcome<i64>, CallError> {
     let proxy = Proxy::start(needle, cut);
     let mut conn = PgConnection::establish(&proxy.url(db)).expect("connect through the proxy");
     let calls = AtomicUsize::new(0);
@@ -366,71 +362,111 @@ fn call_through(
     });
     drop(conn);
     proxy.finish();
-    (result, calls.into_inner())
+    assert_eq!(calls.into_inner(), 1, "the operation ran once");
+    result
 }
 
-/// A retry on a direct connection, as the client's next attempt.
-fn retry(db: &Db) -> Outcome<i64> {
-    run_idempotent(&mut db.conn(), "shop", "order-1", &"one book", |tx| {
+type CallError = Error<diesel::result::Error>;
+
+/// On a database of its own, one call through a proxy that cuts at
+/// `needle`, which must fail with an error that `expected` accepts and that
+/// says a retry may succeed; then the checks of [`assert_the_retry_finds`],
+/// for a call that `committed` or not. Returns the call's error.
+fn lose_the_connection(
+    needle: &'static [u8],
+    cut: Cut,
+    expected: fn(&CallError) -> bool,
+    committed: bool,
+) -> CallError {
+    let db = Db::new();
+    let result = call_through(&db, needle, cut);
+    let Err(error) = result else {
+        panic!("the call fails: {result:?}")
+    };
+    assert!(expected(&error), "{error:?}");
+    assert!(error.is_retryable(), "{error:?}");
+    assert_the_retry_finds(&db, committed);
+    error
+}
+
+/// The call cannot know whether its commit happened.
+fn unknown(error: &CallError) -> bool {
+    matches!(error, Error::OutcomeUnknown(_))
+}
+
+/// The call knows that it was rolled back: not unknown.
+fn rolled_back(error: &CallError) -> bool {
+    matches!(error, Error::Storage(_))
+}
+
+/// Asserts that the call through the proxy committed, or that nothing
+/// did, as `committed` says; then that a retry with its key on a direct
+/// connection, as the client's next attempt, replays or executes it
+/// accordingly, so that the order exists once.
+fn assert_the_retry_finds(db: &Db, committed: bool) {
+    let mut conn = db.conn();
+    Db::await_order_writers(&mut conn);
+    let what = if committed {
+        "the server committed"
+    } else {
+        "nothing committed"
+    };
+    assert_eq!(Db::key_count(&mut conn), i64::from(committed), "{what}");
+    let retried = run_idempotent(&mut db.conn(), "shop", "order-1", &"one book", |tx| {
         Db::place_order(tx, "retry", 1)
     })
-    .expect("the retry answers")
+    .expect("the retry answers");
+    assert_eq!(
+        retried.is_replayed(),
+        committed,
+        "the retry replays what committed: {retried:?}"
+    );
+    let once = if committed { "book" } else { "retry" };
+    assert_eq!(Db::order_items(&mut conn), [once], "executed once");
 }
 
 #[test]
 fn commit_whose_answer_is_lost_is_an_unknown_outcome_and_the_retry_replays() {
-    let db = Db::new();
-    let (result, calls) = call_through(&db, COMMIT, Cut::AfterSending);
-    assert_eq!(calls, 1);
-    let Err(error) = result else {
-        panic!("the call cannot know: {result:?}")
-    };
-    assert!(matches!(error, Error::OutcomeUnknown(_)), "{error:?}");
-    assert!(error.is_retryable());
+    let error = lose_the_connection(COMMIT, Cut::AfterSending, unknown, true);
     assert_eq!(error.status_code(), 503);
-
-    let mut conn = db.conn();
-    assert_eq!(Db::key_count(&mut conn), 1, "the server committed");
-    let retried = retry(&db);
-    assert!(retried.is_replayed(), "the retry replays: {retried:?}");
-    assert_eq!(Db::order_items(&mut conn), ["book"], "executed once");
 }
 
+/// The crate cannot tell this case from the one above.
 #[test]
 fn commit_that_never_arrived_is_an_unknown_outcome_and_the_retry_executes() {
-    let db = Db::new();
-    let (result, calls) = call_through(&db, COMMIT, Cut::BeforeSending);
-    assert_eq!(calls, 1);
-    // The crate cannot tell this case from the one above.
-    assert!(matches!(result, Err(Error::OutcomeUnknown(_))), "{result:?}");
-
-    let mut conn = db.conn();
-    Db::await_order_writers(&mut conn);
-    assert_eq!(Db::key_count(&mut conn), 0, "nothing committed");
-    let retried = retry(&db);
-    assert!(!retried.is_replayed(), "the retry executes: {retried:?}");
-    assert_eq!(Db::order_items(&mut conn), ["retry"], "executed once, by the retry");
+    lose_the_connection(COMMIT, Cut::BeforeSending, unknown, false);
 }
 
 #[test]
 fn connection_lost_before_the_commit_is_a_storage_error_and_the_retry_executes() {
-    let db = Db::new();
-    let (result, calls) = call_through(&db, KEY_INSERT, Cut::AfterSending);
-    assert_eq!(calls, 1);
-    let Err(error) = result else {
-        panic!("the call fails: {result:?}")
-    };
-    assert!(
-        matches!(error, Error::Storage(_)),
-        "rolled back, not unknown: {error:?}"
-    );
-    assert!(error.is_retryable());
+    lose_the_connection(KEY_INSERT, Cut::AfterSending, rolled_back, false);
+}
 
-    let mut conn = db.conn();
-    Db::await_order_writers(&mut conn);
-    assert_eq!(Db::key_count(&mut conn), 0);
-    assert!(!retry(&db).is_replayed());
-    assert_eq!(Db::order_items(&mut conn), ["retry"]);
+/// Runs a job of `items` items with `workers` workers on `pool`, whose
+/// item `lost` ends its own session the first time it runs, as a failover
+/// would; asserts that no item failed, each executed once, and `lost` ran
+/// again on a fresh connection.
+fn run_a_job_losing_a_connection(
+    db: &Db,
+    pool: Pool<ConnectionManager<PgConnection>>,
+    workers: usize,
+    items: i64,
+    lost: i64,
+) {
+    let attempts = AtomicUsize::new(0);
+    let report = Runner::new(pool)
+        .workers(workers)
+        .run("job-1", 1..=items, |tx, item| {
+            if *item == lost && attempts.fetch_add(1, Ordering::SeqCst) == 0 {
+                diesel::sql_query("SELECT pg_terminate_backend(pg_backend_pid())").execute(tx)?;
+            }
+            Db::place_order(tx, &item.to_string(), 1)
+        })
+        .expect("the run");
+    assert!(report.failed.is_empty(), "{:?}", report.failed);
+    assert_eq!(report.executed, usize::try_from(items).expect("a count"));
+    assert_eq!(attempts.into_inner(), 2, "item {lost} ran again on a fresh connection");
+    assert_eq!(Db::order_count(&mut db.conn()), items);
 }
 
 /// An item's connection dies under it (the operation ends its own session,
@@ -439,20 +475,7 @@ fn connection_lost_before_the_commit_is_a_storage_error_and_the_retry_executes()
 #[test]
 fn batch_worker_replaces_a_lost_connection_and_runs_the_item_again() {
     let db = Db::new();
-    let attempts = AtomicUsize::new(0);
-    let runner = Runner::new(db.pool(2)).workers(2);
-    let report = runner
-        .run("job-1", 1..=20_i64, |tx, item| {
-            if *item == 7 && attempts.fetch_add(1, Ordering::SeqCst) == 0 {
-                diesel::sql_query("SELECT pg_terminate_backend(pg_backend_pid())").execute(tx)?;
-            }
-            Db::place_order(tx, &item.to_string(), 1)
-        })
-        .expect("the run");
-    assert!(report.failed.is_empty(), "{:?}", report.failed);
-    assert_eq!(report.executed, 20);
-    assert_eq!(attempts.into_inner(), 2, "item 7 ran again on a fresh connection");
-    assert_eq!(Db::order_count(&mut db.conn()), 20);
+    run_a_job_losing_a_connection(&db, db.pool(2), 2, 20, 7);
 }
 
 /// A worker whose pool has no connection besides the one it holds gives the
@@ -460,7 +483,6 @@ fn batch_worker_replaces_a_lost_connection_and_runs_the_item_again() {
 #[test]
 fn batch_worker_with_a_pool_of_one_replaces_a_lost_connection() {
     let db = Db::new();
-    let attempts = AtomicUsize::new(0);
     // Short, so that a worker waiting for a connection it holds itself fails
     // the item instead of holding the test up.
     let pool = Pool::builder()
@@ -468,19 +490,7 @@ fn batch_worker_with_a_pool_of_one_replaces_a_lost_connection() {
         .connection_timeout(std::time::Duration::from_secs(3))
         .build(ConnectionManager::<PgConnection>::new(db.url()))
         .expect("a pool");
-    let report = Runner::new(pool)
-        .workers(1)
-        .run("job-1", 1..=5_i64, |tx, item| {
-            if *item == 2 && attempts.fetch_add(1, Ordering::SeqCst) == 0 {
-                diesel::sql_query("SELECT pg_terminate_backend(pg_backend_pid())").execute(tx)?;
-            }
-            Db::place_order(tx, &item.to_string(), 1)
-        })
-        .expect("the run");
-    assert!(report.failed.is_empty(), "{:?}", report.failed);
-    assert_eq!(report.executed, 5);
-    assert_eq!(attempts.into_inner(), 2, "item 2 ran again on a fresh connection");
-    assert_eq!(Db::order_count(&mut db.conn()), 5);
+    run_a_job_losing_a_connection(&db, pool, 1, 5, 2);
 }
 
 /// Triggers the shutdown when a checkout from its pool times out: the

@@ -156,14 +156,19 @@ fn racing_duplicates_place_one_order() {
     assert_eq!(shop::order_count(&mut db.conn()), 1);
 }
 
+/// An order placed in the shop, and the refund of it as damaged.
+fn damaged_order(conn: &mut SqliteConnection) -> NewRefund {
+    let order = shop::create_order(conn, &book()).expect("an order");
+    NewRefund {
+        order_id: order.id,
+        reason: "damaged".into(),
+    }
+}
+
 #[test]
 fn retried_refund_takes_effect_once() {
     let mut conn = testing::sqlite_memory_with(MIGRATIONS);
-    let order = shop::create_order(&mut conn, &book()).expect("an order");
-    let refund = NewRefund {
-        order_id: order.id,
-        reason: "damaged".into(),
-    };
+    let refund = damaged_order(&mut conn);
     testing::lost_response(&mut conn, |conn| {
         shop::refund_order.idempotent(conn, "shop", "refund-1", &refund)
     });
@@ -173,11 +178,7 @@ fn retried_refund_takes_effect_once() {
 #[test]
 fn second_refund_under_a_new_key_is_refused_by_the_domain() {
     let mut conn = testing::sqlite_memory_with(MIGRATIONS);
-    let order = shop::create_order(&mut conn, &book()).expect("an order");
-    let refund = NewRefund {
-        order_id: order.id,
-        reason: "damaged".into(),
-    };
+    let refund = damaged_order(&mut conn);
     shop::refund_order
         .idempotent(&mut conn, "shop", "refund-1", &refund)
         .expect("first refund");
@@ -197,11 +198,7 @@ fn refund_retried_after_the_retention_is_still_refused_by_the_domain() {
     let mut conn = testing::sqlite_memory_with(MIGRATIONS);
     let clock = ManualClock::new();
     let config = Config::default().clock(clock.source());
-    let order = shop::create_order(&mut conn, &book()).expect("an order");
-    let refund = NewRefund {
-        order_id: order.id,
-        reason: "damaged".into(),
-    };
+    let refund = damaged_order(&mut conn);
     let refund_once =
         |conn: &mut SqliteConnection| shop::refund_order.idempotent_with(&config, conn, "shop", "refund-1", &refund);
     assert!(matches!(refund_once(&mut conn), Ok(Outcome::Executed(_))));

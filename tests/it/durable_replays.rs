@@ -9,23 +9,12 @@ use std::time::{Duration, Instant};
 use diesel::connection::SimpleConnection;
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
-use diesel::sql_types::{Integer, Nullable, Text};
+use diesel::sql_types::Integer;
 use idempotency::{Config, Outcome};
 
+use crate::common::pg::{activity, backend_pid};
 use crate::common::pg_cluster::Cluster;
 use crate::common::wait::PATIENCE;
-
-#[derive(QueryableByName)]
-struct Pid {
-    #[diesel(sql_type = Integer)]
-    pid: i32,
-}
-
-#[derive(QueryableByName)]
-struct WaitEvent {
-    #[diesel(sql_type = Nullable<Text>)]
-    wait_event: Option<String>,
-}
 
 fn connect(url: &str) -> PgConnection {
     PgConnection::establish(url).expect("connect to the test's cluster")
@@ -39,20 +28,8 @@ fn local_commits(url: &str) -> PgConnection {
     conn
 }
 
-fn backend_pid(conn: &mut PgConnection) -> i32 {
-    diesel::sql_query("SELECT pg_backend_pid() AS pid")
-        .get_result::<Pid>(conn)
-        .expect("the backend's pid")
-        .pid
-}
-
 fn wait_event(admin: &mut PgConnection, pid: i32) -> Option<String> {
-    diesel::sql_query("SELECT wait_event FROM pg_stat_activity WHERE pid = $1")
-        .bind::<Integer, _>(pid)
-        .get_result::<WaitEvent>(admin)
-        .optional()
-        .expect("the backend's activity")
-        .and_then(|activity| activity.wait_event)
+    activity(admin, pid, "wait_event").filter(|event| !event.is_empty())
 }
 
 /// Ends a backend when dropped, so that a failed assertion does not leave

@@ -18,6 +18,7 @@ use metrics_util::MetricKind;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
 use crate::common::TestDb;
+use crate::common::outbox::FourWebhooks;
 use crate::common::wait;
 
 crate::common::backend_tests!(
@@ -208,28 +209,9 @@ fn relay_deliveries_backlog_and_purges_have_their_metrics<D: TestDb>() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let clock = ManualClock::new();
-    let lease = Duration::seconds(10);
-    let relay = Relay::default()
-        .clock(clock.source())
-        .lease(lease)
-        .max_attempts(2)
-        .backoff(Duration::seconds(1), Duration::seconds(1))
-        .retention(Duration::days(1));
     let config = Config::default().clock(clock.source()).retention(Duration::hours(1));
-    let ids: Vec<String> = (0..4)
-        .map(|i| outbox::enqueue(&mut conn, "webhooks", &i).expect("enqueue"))
-        .collect();
-    // Delivered; failed, then dead; delivered while the lease runs out;
-    // reached after the lease, then delivered.
-    let handler = |message: &Message| {
-        if message.id == ids[1] {
-            return Err("503");
-        }
-        if message.id == ids[2] {
-            clock.advance(lease + Duration::seconds(1));
-        }
-        Ok(())
-    };
+    let webhooks = FourWebhooks::enqueue::<D, _>(&mut conn, &clock, |i| i);
+    let (relay, handler) = (&webhooks.relay, webhooks.handler(&clock, "503"));
     let deliveries = |taken: &Taken, result: &str| {
         taken.counter("idempotency_outbox_deliveries_total", &[&format!("result={result}")])
     };
@@ -240,7 +222,7 @@ fn relay_deliveries_backlog_and_purges_have_their_metrics<D: TestDb>() {
             .expect("a key record to purge later");
         Taken::of(&snapshotter);
 
-        relay.run_once(&mut conn, handler).expect("first pass");
+        relay.run_once(&mut conn, &handler).expect("first pass");
         let taken = Taken::of(&snapshotter);
         let counts: Vec<u64> = ["delivered", "retried", "dead", "lost"]
             .iter()
@@ -268,7 +250,7 @@ fn relay_deliveries_backlog_and_purges_have_their_metrics<D: TestDb>() {
             age.as_secs_f64()
         );
 
-        relay.run_once(&mut conn, handler).expect("second pass");
+        relay.run_once(&mut conn, &handler).expect("second pass");
         let taken = Taken::of(&snapshotter);
         let counts: Vec<u64> = ["delivered", "retried", "dead", "lost"]
             .iter()

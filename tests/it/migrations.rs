@@ -8,14 +8,18 @@ use diesel_migrations::MigrationHarness;
 use idempotency::outbox::{self, Relay};
 use idempotency::{Outcome, StoreConnection, run_idempotent};
 
+use crate::common::TestDb;
+
 /// The last migration of the previous release: the outbox.
 const PREVIOUS_RELEASE: &str = "20261130000000";
 
-/// Applies the crate's migrations up to the previous release only.
-fn migrate_to_previous_release<DB, C>(conn: &mut C)
+/// Applies the crate's migrations up to the previous release only, writes
+/// records under that schema, and upgrades it with the crate's migrations;
+/// returns the calls recorded before the upgrade.
+fn upgrade_from_the_previous_release<DB, C>(conn: &mut C) -> Vec<Outcome<String>>
 where
     DB: diesel::backend::Backend,
-    C: MigrationHarness<DB>,
+    C: MigrationHarness<DB> + StoreConnection,
     idempotency::Migrations: MigrationSource<DB>,
 {
     let migrations = MigrationSource::<DB>::migrations(&idempotency::MIGRATIONS).expect("the crate's migrations");
@@ -31,6 +35,9 @@ where
         conn.run_migration(&**migration)
             .expect("apply a migration of the previous release");
     }
+    let calls = write_old_records(conn);
+    idempotency::run_migrations(conn).expect("the upgrade");
+    calls
 }
 
 /// Records written under the previous release's schema: executed calls and
@@ -69,13 +76,9 @@ fn assert_old_records_survive<C: StoreConnection>(conn: &mut C, calls: Vec<Outco
 
 #[test]
 fn sqlite_upgrade_keeps_records_and_moves_keys_to_a_table_without_rowid() {
-    let dir = tempfile::tempdir().expect("a temporary directory");
-    let url = dir.path().join("old.db").to_str().expect("utf-8 path").to_owned();
-    let mut conn = SqliteConnection::establish(&url).expect("open");
-    migrate_to_previous_release(&mut conn);
-    let calls = write_old_records(&mut conn);
-
-    idempotency::run_migrations(&mut conn).expect("the upgrade");
+    let db = crate::common::sqlite::Db::empty();
+    let mut conn = db.conn();
+    let calls = upgrade_from_the_previous_release(&mut conn);
 
     #[derive(QueryableByName)]
     struct Sql {
@@ -92,31 +95,14 @@ fn sqlite_upgrade_keeps_records_and_moves_keys_to_a_table_without_rowid() {
 #[cfg(feature = "postgres")]
 #[test]
 fn postgres_upgrade_keeps_records_and_adds_the_new_tables() {
-    use diesel::connection::SimpleConnection;
-
-    let base_url = crate::common::pg::database_url();
-    let schema = crate::common::unique_name("idem_upgrade");
-    let mut admin = PgConnection::establish(&base_url).expect("connect");
-    admin
-        .batch_execute(&format!("CREATE SCHEMA {schema}"))
-        .expect("a schema of the test's own");
-    let separator = if base_url.contains('?') { '&' } else { '?' };
-    let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
-    let result = std::panic::catch_unwind(|| {
-        let mut conn = PgConnection::establish(&url).expect("connect to the schema");
-        migrate_to_previous_release(&mut conn);
-        let calls = write_old_records(&mut conn);
-        idempotency::run_migrations(&mut conn).expect("the upgrade");
-        assert_old_records_survive(&mut conn, calls);
-        let phased = idempotency::phased::Phased::new("after-upgrade").run(&mut conn, "shop", "p-1", &1, |s| {
-            s.finish(|_| Ok::<_, std::convert::Infallible>(1))
-        });
-        assert_eq!(phased.expect("the new table works"), Outcome::Executed(1));
+    let db = crate::common::pg::Db::empty();
+    let mut conn = db.conn();
+    let calls = upgrade_from_the_previous_release(&mut conn);
+    assert_old_records_survive(&mut conn, calls);
+    let phased = idempotency::phased::Phased::new("after-upgrade").run(&mut conn, "shop", "p-1", &1, |s| {
+        s.finish(|_| Ok::<_, std::convert::Infallible>(1))
     });
-    let _ = admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE"));
-    if let Err(panic) = result {
-        std::panic::resume_unwind(panic);
-    }
+    assert_eq!(phased.expect("the new table works"), Outcome::Executed(1));
 }
 
 /// The versions of a migration set.
@@ -139,8 +125,6 @@ where
 #[cfg(feature = "mysql")]
 #[test]
 fn mysql_migrations_keep_the_versions_of_the_other_sets_and_revert_cleanly() {
-    use diesel::connection::SimpleConnection;
-
     let mysql = versions::<diesel::mysql::Mysql>();
     assert_eq!(mysql, ["20261129000000", "20261130000000", "20261203000000"]);
     let sqlite = versions::<diesel::sqlite::Sqlite>();
@@ -151,30 +135,18 @@ fn mysql_migrations_keep_the_versions_of_the_other_sets_and_revert_cleanly() {
         assert!(mysql.iter().all(|version| postgres.contains(version)), "{postgres:?}");
     }
 
-    let base_url = crate::common::mysql::database_url();
-    let name = crate::common::unique_name("idem_migrations");
-    let mut admin = MysqlConnection::establish(&base_url).expect("connect");
-    admin
-        .batch_execute(&format!("CREATE DATABASE {name}"))
-        .expect("a database of the test's own");
-    let url = crate::common::mysql::url_of_database(&base_url, &name);
-    let result = std::panic::catch_unwind(|| {
-        let mut conn = MysqlConnection::establish(&url).expect("connect to the database");
-        idempotency::run_migrations(&mut conn).expect("migrate");
-        let calls = write_old_records(&mut conn);
-        assert_old_records_survive(&mut conn, calls);
-        conn.revert_all_migrations(idempotency::MIGRATIONS)
-            .expect("revert every migration");
-        let tables: Vec<String> = diesel::dsl::sql::<diesel::sql_types::Text>(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE 'idempotency%'",
-        )
-        .load(&mut conn)
-        .expect("the tables left");
-        assert!(tables.is_empty(), "{tables:?}");
-        idempotency::run_migrations(&mut conn).expect("migrate again");
-    });
-    let _ = admin.batch_execute(&format!("DROP DATABASE {name}"));
-    if let Err(panic) = result {
-        std::panic::resume_unwind(panic);
-    }
+    let db = crate::common::mysql::Db::empty();
+    let mut conn = db.conn();
+    idempotency::run_migrations(&mut conn).expect("migrate");
+    let calls = write_old_records(&mut conn);
+    assert_old_records_survive(&mut conn, calls);
+    conn.revert_all_migrations(idempotency::MIGRATIONS)
+        .expect("revert every migration");
+    let tables: Vec<String> = diesel::dsl::sql::<diesel::sql_types::Text>(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE 'idempotency%'",
+    )
+    .load(&mut conn)
+    .expect("the tables left");
+    assert!(tables.is_empty(), "{tables:?}");
+    idempotency::run_migrations(&mut conn).expect("migrate again");
 }

@@ -16,25 +16,14 @@ use chrono::Duration;
 use diesel::connection::SimpleConnection;
 use diesel::mysql::MysqlConnection;
 use diesel::prelude::*;
-use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use idempotency::outbox::{self, Relay};
-use idempotency::testing::ManualClock;
-use idempotency::{Config, Error, InFlight, KeyError, Outcome, run_idempotent};
+use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
 
+use crate::common::kept_an_hour;
 use crate::common::mysql::*;
 use crate::common::server::{self, *};
 use crate::common::wait::{self, Barrier};
 use crate::common::{Isolation, ServerDb, TestDb};
-
-fn is_deadlock<T: std::fmt::Debug>(result: &Result<T, Error<DomainError>>) -> bool {
-    matches!(
-        result,
-        Err(Error::Storage(DieselError::DatabaseError(
-            DatabaseErrorKind::SerializationFailure,
-            _
-        )))
-    )
-}
 
 /// A caller's transaction in which a nested call executed the key and
 /// finished: its savepoint is released and so is the key's named lock, but
@@ -73,6 +62,17 @@ impl Caller {
     }
 }
 
+/// A caller whose nested call executed `key`, and a top-level request for
+/// the key, returned once the server shows its claim waiting for the
+/// caller's row.
+fn caller_and_top_level_waiter(db: &Db, key: &str) -> (Caller, Waiter<MysqlConnection>) {
+    let mut admin = db.conn();
+    let caller = Caller::executed(db, key);
+    let waiter = Waiter::start(db, key, long_wait(), top_level::<Db>);
+    wait_until_waiting_for_row_lock(&mut admin, waiter.session);
+    (caller, waiter)
+}
+
 #[test]
 fn sixteen_requests_racing_for_a_fresh_key_execute_it_once() {
     let db = Db::new();
@@ -92,10 +92,7 @@ fn sixteen_requests_racing_for_a_fresh_key_execute_it_once() {
 #[test]
 fn top_level_waiter_replays_a_callers_nested_call_once_the_caller_commits() {
     let db = Db::new();
-    let mut admin = db.conn();
-    let caller = Caller::executed(&db, "k-nested");
-    let waiter = Waiter::start(&db, "k-nested", long_wait(), top_level::<Db>);
-    wait_until_waiting_for_row_lock(&mut admin, waiter.session);
+    let (caller, waiter) = caller_and_top_level_waiter(&db, "k-nested");
 
     let executed = caller.finish(Release::Commit).expect("the caller commits").into_inner();
     let (mut conn, waited, calls) = waiter.join();
@@ -107,10 +104,7 @@ fn top_level_waiter_replays_a_callers_nested_call_once_the_caller_commits() {
 #[test]
 fn top_level_waiter_executes_once_the_caller_of_a_nested_call_rolls_back() {
     let db = Db::new();
-    let mut admin = db.conn();
-    let caller = Caller::executed(&db, "k-nested");
-    let waiter = Waiter::start(&db, "k-nested", long_wait(), top_level::<Db>);
-    wait_until_waiting_for_row_lock(&mut admin, waiter.session);
+    let (caller, waiter) = caller_and_top_level_waiter(&db, "k-nested");
 
     let rolled_back = caller.finish(Release::Fail);
     assert!(matches!(rolled_back, Err(Error::Operation(DomainError::Refused))));
@@ -142,10 +136,7 @@ fn row_lock_wait_that_runs_out_is_in_progress_and_leaves_the_connection_usable()
     assert!(!Db::in_transaction(&mut conn));
     assert_eq!(open_write_transactions(&mut admin, id), 0);
     assert_eq!(lock_wait_timeout(&mut conn), 1, "the session's own setting");
-    assert_eq!(
-        named_lock_holder(&mut admin, &lock_name(db.name(), SCOPE, "k-nested")),
-        None
-    );
+    assert_eq!(db.key_lock_holder(&mut admin, SCOPE, "k-nested"), None);
     let other = run_idempotent(&mut conn, SCOPE, "k-other", REQUEST, counted::<Db>(&calls, "other"));
     assert!(matches!(other, Ok(Outcome::Executed(_))), "usable: {other:?}");
 
@@ -287,7 +278,10 @@ fn deadlock_between_callers_rolls_one_back_and_executes_each_key_once() {
         .map(|caller| wait::join(caller, "a caller's thread"))
         .collect();
 
-    let victims = results.iter().filter(|(result, _)| is_deadlock(result)).count();
+    let victims = results
+        .iter()
+        .filter(|(result, _)| is_serialization_failure(result))
+        .count();
     assert_eq!(victims, 1, "{results:?}");
     assert!(results.iter().all(|(_, in_transaction)| !in_transaction));
     let (survivor, _) = results
@@ -309,57 +303,13 @@ fn deadlock_between_callers_rolls_one_back_and_executes_each_key_once() {
 /// The operation runs once per key. A caller whose transaction is rolled
 /// back by a deadlock retries it, as deadlocks ask, and replays.
 fn racing_calls_execute_each_key_once(isolation: Isolation, nested: bool) {
-    const ROUNDS: usize = 20;
     let db = Db::new();
-    let barrier = Barrier::new(2);
-    let calls: Vec<AtomicUsize> = (0..ROUNDS).map(|_| AtomicUsize::new(0)).collect();
-    let deadlocks = AtomicUsize::new(0);
-    let call = |conn: &mut MysqlConnection, round: usize| {
-        let key = format!("k-{round}");
-        let op = counted::<Db>(&calls[round], "racer");
-        if nested {
-            conn.transaction(|tx| long_wait().run(tx, SCOPE, &key, REQUEST, op))
-        } else {
-            long_wait().run(conn, SCOPE, &key, REQUEST, op)
-        }
+    let call = |conn: &mut MysqlConnection, round: usize, calls: &AtomicUsize| {
+        let call = if nested { server::nested::<Db> } else { top_level::<Db> };
+        call(conn, &long_wait(), &format!("k-{round}"), counted::<Db>(calls, "racer"))
     };
-    let values: Vec<Vec<i64>> = thread::scope(|s| {
-        let racers: Vec<_> = (0..2)
-            .map(|_| {
-                s.spawn(|| {
-                    let mut conn = db.session_at(isolation);
-                    (0..ROUNDS)
-                        .map(|round| {
-                            barrier.wait();
-                            let result = call(&mut conn, round);
-                            if is_deadlock(&result) {
-                                deadlocks.fetch_add(1, Ordering::SeqCst);
-                                let retry = call(&mut conn, round).expect("the retry");
-                                assert!(retry.is_replayed(), "{isolation:?} round {round}: {retry:?}");
-                                return retry.into_inner();
-                            }
-                            match result {
-                                Ok(outcome) => outcome.into_inner(),
-                                Err(error) => panic!("{isolation:?} round {round}: {error:?}"),
-                            }
-                        })
-                        .collect()
-                })
-            })
-            .collect();
-        racers
-            .into_iter()
-            .map(|racer| racer.join().expect("racer does not panic"))
-            .collect()
-    });
-    println!(
-        "{isolation:?}, nested {nested}: {} of {ROUNDS} races ended in a deadlock",
-        deadlocks.into_inner()
-    );
-    for round in 0..ROUNDS {
-        assert_eq!(calls[round].load(Ordering::SeqCst), 1, "{isolation:?} round {round}");
-        assert_eq!(values[0][round], values[1][round], "{isolation:?} round {round}");
-    }
+    let deadlocks = race_in_rounds(&format!("{isolation:?}"), || db.session_at(isolation), call, true);
+    println!("{isolation:?}, nested {nested}: {deadlocks} of {ROUNDS} races ended in a deadlock");
     let mut conn = db.conn();
     assert_eq!(Db::order_count(&mut conn), ROUNDS as i64);
     assert_eq!(Db::key_count(&mut conn), ROUNDS as i64);
@@ -411,49 +361,17 @@ fn key_longer_than_the_key_column_is_refused_not_cut() {
     let db = Db::new();
     let mut conn = db.conn();
     let config = Config::default().max_key_len(1000);
-    let calls = AtomicUsize::new(0);
+    assert_the_longest_fits_and_longer_is_refused::<Db>(&mut conn, &config, 255, |len, _| "k".repeat(len));
     let long = "k".repeat(256);
-
-    let refused = config.run(&mut conn, SCOPE, &long, REQUEST, counted::<Db>(&calls, "long"));
-    assert!(
-        matches!(
-            refused,
-            Err(Error::InvalidKey(KeyError::TooLong { len: 256, max: 255 }))
-        ),
-        "{refused:?}"
-    );
-    let refused = config.run(&mut conn, &long, "k", REQUEST, counted::<Db>(&calls, "long"));
-    assert!(
-        matches!(
-            refused,
-            Err(Error::InvalidScope(KeyError::TooLong { len: 256, max: 255 }))
-        ),
-        "{refused:?}"
-    );
-    assert_eq!(calls.load(Ordering::SeqCst), 0);
-    assert_eq!(Db::key_count(&mut conn), 0);
-
-    let longest = "k".repeat(255);
-    assert!(
-        !config
-            .run(&mut conn, &longest, &longest, REQUEST, counted::<Db>(&calls, "longest"))
-            .expect("fits")
-            .is_replayed()
-    );
-    assert!(
-        config
-            .run(&mut conn, &longest, &longest, REQUEST, counted::<Db>(&calls, "longest"))
-            .expect("replays")
-            .is_replayed()
-    );
     let phased =
         idempotency::phased::Phased::new("long")
             .config(config.clone())
             .run(&mut conn, SCOPE, &long, &1, |steps| {
                 steps.finish(|_| Ok::<_, std::convert::Infallible>(1))
             });
-    assert!(
-        matches!(phased, Err(Error::InvalidKey(KeyError::TooLong { max: 255, .. }))),
+    assert_eq!(
+        too_long(&phased).map(|(what, _, max)| (what, max)),
+        Some(("key", 255)),
         "{phased:?}"
     );
 }
@@ -527,8 +445,7 @@ fn retention_of_a_hundred_years_is_kept_past_2038() {
 #[test]
 fn purge_passes_over_an_expired_record_a_live_call_is_taking_over() {
     let db = Db::new();
-    let clock = ManualClock::new();
-    let config = Config::default().retention(Duration::hours(1)).clock(clock.source());
+    let (clock, config) = kept_an_hour();
     let mut conn = db.conn();
     for key in ["k-taken-over", "k-1", "k-2", "k-3"] {
         config

@@ -13,11 +13,10 @@ use idempotency::testing::ManualClock;
 use idempotency::{Error, Outcome, run_idempotent};
 
 use crate::common::TestDb;
-use crate::common::child::{Child, report_and_wait_for_the_kill};
+use crate::common::child::{Child, parent_database, report_and_wait_for_the_kill};
+use crate::common::outbox::{deliver_receipts_and_a_poison, refusing_poison, relay_keeping_delivered_for};
 use crate::common::wait::{self, Barrier};
 
-/// Set in a child process: the database the child relay works on.
-const CHILD_DB: &str = "IDEMPOTENCY_OUTBOX_CHILD_DB";
 /// What the child relay prints once its consumer has committed the effect.
 const DELIVERING: &str = "outbox-child-delivering:";
 
@@ -598,7 +597,7 @@ fn redelivered_message_is_absorbed_by_the_idempotent_consumer<D: TestDb>() {
 
 fn relay_killed_mid_delivery_is_redelivered_and_consumed_once<D: TestDb>() {
     let lease = Duration::seconds(60);
-    if let Ok(url) = std::env::var(CHILD_DB) {
+    if let Some(url) = parent_database() {
         // The child: a relay on the real clock whose consumer commits the
         // receipt, then the process hangs before the relay records the
         // delivery, until the parent kills it.
@@ -620,7 +619,7 @@ fn relay_killed_mid_delivery_is_redelivered_and_consumed_once<D: TestDb>() {
         module_path!(),
         "relay_killed_mid_delivery_is_redelivered_and_consumed_once",
     );
-    let mut child = Child::start(&test, &[(CHILD_DB, db.url())]);
+    let mut child = Child::start(&test, db.url());
     let key = child.wait_for("the delivery", |line| {
         line.split_once(DELIVERING).map(|(_, key)| key.trim().to_owned())
     });
@@ -728,33 +727,12 @@ fn delivered_messages_are_purged_after_retention_in_batches<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
     let clock = ManualClock::new();
-    let relay = Relay::default()
-        .clock(clock.source())
-        .retention(Duration::days(2))
-        .max_attempts(1);
-    for i in 0..5 {
-        outbox::enqueue(&mut conn, "receipts", &i).expect("enqueue");
-    }
-    outbox::enqueue(&mut conn, "poison", &"x").expect("enqueue");
-    relay
-        .run_once(&mut conn, |message| {
-            if message.topic == "poison" {
-                Err("rejected")
-            } else {
-                Ok(())
-            }
-        })
-        .expect("deliver");
+    let relay = relay_keeping_delivered_for(&clock, Duration::days(2));
+    deliver_receipts_and_a_poison::<D>(&mut conn, &relay, 5);
     clock.advance(Duration::days(1));
     outbox::enqueue(&mut conn, "receipts", &"later").expect("enqueue");
     relay
-        .run_once(&mut conn, |message| {
-            if message.topic == "poison" {
-                Err("rejected")
-            } else {
-                Ok(())
-            }
-        })
+        .run_once(&mut conn, refusing_poison)
         .expect("deliver the later one");
     let pending = outbox::enqueue(&mut conn, "receipts", &"pending").expect("enqueue");
 

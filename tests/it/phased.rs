@@ -26,7 +26,7 @@ use idempotency::{Config, Error, InFlight, Outcome};
 use serde::{Deserialize, Serialize};
 
 use crate::common::TestDb;
-use crate::common::child::{Child, report_and_wait_for_the_kill};
+use crate::common::child::{Child, parent_database, report_and_wait_for_the_kill};
 use crate::common::wait::{self, Barrier, PATIENCE};
 
 const SCOPE: &str = "riders";
@@ -34,8 +34,6 @@ const KEY: &str = "ride-7c1e";
 const OPERATION: &str = "create-ride";
 const RECEIPTS: &str = "ride-receipt";
 
-/// Set in a child process: the database the child works on.
-const CHILD_URL: &str = "IDEMPOTENCY_TEST_PHASED_CHILD_URL";
 /// What the child prints once it stands at the boundary it is killed at.
 const CHILD_READY: &str = "phased-child-ready";
 
@@ -665,7 +663,7 @@ fn crashing_child<D: RideDb>(url: &str, boundary: Boundary) {
 /// SIGKILL once it stands at its boundary.
 fn kill_child_at_its_boundary<D: RideDb>(db: &D, test: &str) {
     let test = crate::common::test_name::<D>(module_path!(), test);
-    let mut child = Child::start(&test, &[(CHILD_URL, db.url())]);
+    let mut child = Child::start(&test, db.url());
     child.wait_for("its boundary", |line| (line == CHILD_READY).then_some(()));
     let status = child.kill();
     assert_eq!(status.signal(), Some(9), "the child was killed, not finished: {status}");
@@ -705,7 +703,7 @@ fn left_behind(boundary: Boundary) -> Option<Vec<String>> {
 /// completer. Each way ends with one ride, charged once, one receipt and
 /// the same reply on every retry.
 fn killed_at<D: RideDb>(boundary: Boundary, test: &str) {
-    if let Ok(url) = std::env::var(CHILD_URL) {
+    if let Some(url) = parent_database() {
         return crashing_child::<D>(&url, boundary);
     }
     // Only a kill after the provider answered leaves a request to repeat;

@@ -14,13 +14,13 @@ use chrono::Duration;
 use diesel::connection::SimpleConnection;
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
-use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use idempotency::testing::ManualClock;
-use idempotency::{Config, Error, InFlight, KeyError, Outcome, run_idempotent};
+use diesel::result::Error as DieselError;
+use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
 
+use crate::common::kept_an_hour;
 use crate::common::pg::{Db, show_lock_timeout};
 use crate::common::server::*;
-use crate::common::wait::{self, Barrier};
+use crate::common::wait;
 use crate::common::{Isolation, ServerDb, TestDb};
 
 /// Runs `f` in a transaction of the caller's at `isolation`.
@@ -79,34 +79,8 @@ fn incompressible(len: usize, seed: u64) -> String {
 #[test]
 fn key_too_long_for_the_index_is_refused_before_the_operation_runs() {
     let db = Db::new();
-    let mut conn = db.conn();
     let config = Config::default().max_key_len(10_000);
-    let calls = AtomicUsize::new(0);
-
-    let refused = config.run(
-        &mut conn,
-        SCOPE,
-        &incompressible(1301, 1),
-        REQUEST,
-        counted::<Db>(&calls, "long"),
-    );
-    assert!(
-        matches!(
-            refused,
-            Err(Error::InvalidKey(KeyError::TooLong { len: 1301, max: 1300 }))
-        ),
-        "{refused:?}"
-    );
-    assert_eq!(calls.load(Ordering::SeqCst), 0);
-    assert_eq!(Db::key_count(&mut conn), 0);
-
-    // The longest scope and key together fit, even incompressible.
-    let (scope, key) = (incompressible(1300, 2), incompressible(1300, 3));
-    let first = config.run(&mut conn, &scope, &key, REQUEST, counted::<Db>(&calls, "longest"));
-    assert!(!first.expect("fits the index").is_replayed());
-    let again = config.run(&mut conn, &scope, &key, REQUEST, counted::<Db>(&calls, "longest"));
-    assert!(again.expect("replays").is_replayed());
-    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert_the_longest_fits_and_longer_is_refused::<Db>(&mut db.conn(), &config, 1300, incompressible);
 }
 
 /// A caller's `statement_timeout` shorter than the in-flight wait ends the
@@ -120,14 +94,10 @@ fn statement_timeout_shorter_than_the_wait_is_in_progress_too() {
         .expect("the caller's own setting");
     let calls = AtomicUsize::new(0);
 
-    let long_wait = Config::default().in_flight(InFlight::Wait(Duration::seconds(30)));
-    let waited = long_wait.run(
-        &mut conn,
-        SCOPE,
-        "k-short-statements",
-        REQUEST,
-        counted::<Db>(&calls, "waiter"),
-    );
+    let call = |conn: &mut PgConnection, item| {
+        top_level::<Db>(conn, &long_wait(), "k-short-statements", counted::<Db>(&calls, item))
+    };
+    let waited = call(&mut conn, "waiter");
     let Err(error) = waited else {
         panic!("the waiter gives up, got {waited:?}")
     };
@@ -136,21 +106,13 @@ fn statement_timeout_shorter_than_the_wait_is_in_progress_too() {
     assert_eq!(calls.load(Ordering::SeqCst), 0);
     assert!(!Db::in_transaction(&mut conn));
     holder.finish(Release::Commit).expect("the holder commits");
-    let replayed = long_wait.run(
-        &mut conn,
-        SCOPE,
-        "k-short-statements",
-        REQUEST,
-        counted::<Db>(&calls, "retry"),
-    );
-    assert!(replayed.expect("the retry replays").is_replayed());
+    assert!(call(&mut conn, "retry").expect("the retry replays").is_replayed());
 }
 
 #[test]
 fn purge_between_the_read_and_the_store_of_a_takeover_does_not_fail_the_call() {
     let db = Db::new();
-    let clock = ManualClock::new();
-    let config = Config::default().retention(Duration::hours(1)).clock(clock.source());
+    let (clock, config) = kept_an_hour();
     let mut conn = db.conn();
     let calls = AtomicUsize::new(0);
     config
@@ -198,10 +160,7 @@ fn purge_between_the_read_and_the_store_of_a_takeover_does_not_fail_the_call() {
 /// transaction, as serialization failures ask, replays the first result.
 fn nested_race_executes_once(isolation: Isolation) {
     let db = Db::new();
-    let mut admin = db.conn();
-    let holder = Holder::claim_with(&db, "k-isolated", Config::default(), in_isolation(isolation));
-    let waiter = Waiter::start(&db, "k-isolated", long_wait(), in_isolation(isolation));
-    Db::wait_until_waiting_for_a_key(&mut admin, waiter.session);
+    let (holder, waiter) = holder_and_waiter(&db, "k-isolated", in_isolation(isolation), in_isolation(isolation));
 
     let held = holder.finish(Release::Commit).expect("the first caller commits");
     let (mut conn, waited, calls) = waiter.join();
@@ -209,16 +168,7 @@ fn nested_race_executes_once(isolation: Isolation) {
     let Outcome::Executed(order_id) = held else {
         panic!("the first request executes, got {held:?}")
     };
-    assert!(
-        matches!(
-            waited,
-            Err(Error::Storage(DieselError::DatabaseError(
-                DatabaseErrorKind::SerializationFailure,
-                _
-            )))
-        ),
-        "{isolation:?}: {waited:?}"
-    );
+    assert!(is_serialization_failure(&waited), "{isolation:?}: {waited:?}");
     assert_eq!(calls, 0, "the second request's operation did not run");
     assert!(!Db::in_transaction(&mut conn), "the caller's transaction rolled back");
 
@@ -245,6 +195,30 @@ fn racing_calls_nested_in_serializable_execute_once() {
     nested_race_executes_once(Isolation::Serializable);
 }
 
+/// Races two callers round after round (see [`race_in_rounds`]) at
+/// `REPEATABLE READ` and then at `SERIALIZABLE`: each racer on a connection
+/// that `connect` makes for the level, each call of key
+/// `{prefix}-{level}-{round}` as `call` makes it at that level. Returns how
+/// many calls were retried at each level.
+fn race_at_the_isolated_levels(
+    prefix: &str,
+    connect: impl Fn(Isolation) -> PgConnection + Sync,
+    call: impl Fn(&mut PgConnection, Isolation, &str, Op<'_, PgConnection>) -> CallResult + Sync,
+    retry_replays: bool,
+) -> Vec<(Isolation, usize)> {
+    [Isolation::RepeatableRead, Isolation::Serializable]
+        .into_iter()
+        .map(|isolation| {
+            let call = |conn: &mut PgConnection, round: usize, calls: &AtomicUsize| {
+                let key = format!("{prefix}-{isolation:?}-{round}");
+                call(conn, isolation, &key, counted::<Db>(calls, "racer"))
+            };
+            let retried = race_in_rounds(&format!("{isolation:?}"), || connect(isolation), call, retry_replays);
+            (isolation, retried)
+        })
+        .collect()
+}
+
 /// The same race left to the scheduler: two callers released together,
 /// round after round. Depending on when the loser takes its snapshot it
 /// replays at once (the winner had committed), fails with a serialization
@@ -252,57 +226,12 @@ fn racing_calls_nested_in_serializable_execute_once() {
 /// fails. A failed caller retries its whole transaction and replays.
 #[test]
 fn callers_racing_in_isolated_transactions_execute_each_key_once() {
-    const ROUNDS: usize = 20;
     let db = Db::new();
-    for isolation in [Isolation::RepeatableRead, Isolation::Serializable] {
-        let barrier = Barrier::new(2);
-        let calls: Vec<AtomicUsize> = (0..ROUNDS).map(|_| AtomicUsize::new(0)).collect();
-        let failures = AtomicUsize::new(0);
-        let call = |conn: &mut PgConnection, round: usize| {
-            let key = format!("k-{isolation:?}-{round}");
-            in_caller_transaction(conn, isolation, |tx| {
-                run_idempotent(tx, SCOPE, &key, REQUEST, counted::<Db>(&calls[round], "racer"))
-            })
-        };
-        let values: Vec<Vec<i64>> = thread::scope(|s| {
-            let racers: Vec<_> = (0..2)
-                .map(|_| {
-                    s.spawn(|| {
-                        let mut conn = db.conn();
-                        (0..ROUNDS)
-                            .map(|round| {
-                                barrier.wait();
-                                match call(&mut conn, round) {
-                                    Ok(outcome) => outcome.into_inner(),
-                                    Err(Error::Storage(DieselError::DatabaseError(
-                                        DatabaseErrorKind::SerializationFailure,
-                                        _,
-                                    ))) => {
-                                        failures.fetch_add(1, Ordering::SeqCst);
-                                        let retry = call(&mut conn, round).expect("the retried transaction");
-                                        assert!(retry.is_replayed(), "{isolation:?} round {round}: {retry:?}");
-                                        retry.into_inner()
-                                    }
-                                    Err(error) => panic!("{isolation:?} round {round}: {error:?}"),
-                                }
-                            })
-                            .collect()
-                    })
-                })
-                .collect();
-            racers
-                .into_iter()
-                .map(|racer| racer.join().expect("racer does not panic"))
-                .collect()
-        });
-        println!(
-            "{isolation:?}: {} of {ROUNDS} races ended in a serialization failure",
-            failures.into_inner()
-        );
-        for round in 0..ROUNDS {
-            assert_eq!(calls[round].load(Ordering::SeqCst), 1, "{isolation:?} round {round}");
-            assert_eq!(values[0][round], values[1][round], "{isolation:?} round {round}");
-        }
+    let in_their_transactions = |conn: &mut PgConnection, isolation, key: &str, op: Op<'_, PgConnection>| {
+        in_caller_transaction(conn, isolation, |tx| run_idempotent(tx, SCOPE, key, REQUEST, op))
+    };
+    for (isolation, failures) in race_at_the_isolated_levels("k-nested", |_| db.conn(), in_their_transactions, true) {
+        println!("{isolation:?}: {failures} of {ROUNDS} races ended in a serialization failure");
     }
     let mut conn = db.conn();
     assert_eq!(Db::order_count(&mut conn), 2 * ROUNDS as i64);
@@ -364,24 +293,34 @@ fn lock_timeout_of_the_claim_does_not_leak_into_the_operation_or_the_session() {
     assert_eq!(show_lock_timeout(&mut conn), "3s");
 }
 
+/// Runs `f` in a transaction of the caller's that has set its own
+/// `lock_timeout`, 3 s, and returns what `f` says.
+fn in_a_transaction_with_its_lock_timeout_at_3s(
+    conn: &mut PgConnection,
+    f: impl FnOnce(&mut PgConnection) -> String,
+) -> String {
+    conn.transaction(|tx| {
+        tx.batch_execute("SET LOCAL lock_timeout = '3s'")?;
+        Ok::<_, DieselError>(f(tx))
+    })
+    .expect("caller's transaction")
+}
+
 #[test]
 fn nested_call_that_claims_nothing_leaves_the_callers_lock_timeout() {
     let db = Db::new();
     let mut conn = db.conn();
     let config = Config::default().in_flight(InFlight::Wait(Duration::milliseconds(250)));
-    let after_inner = conn
-        .transaction(|conn| {
-            conn.batch_execute("SET LOCAL lock_timeout = '3s'")?;
-            let outcome = config.run(conn, "settings", "k-1", &1, |tx| {
-                // The same key, claimed by the enclosing call on this
-                // connection: the inner call claims nothing.
-                let inner = config.run(tx, "settings", "k-1", &1, |_| Ok::<_, Error>(String::new()));
-                assert!(matches!(inner, Err(Error::InProgress)), "got {inner:?}");
-                Ok::<_, Error>(show_lock_timeout(tx))
-            });
-            Ok::<_, DieselError>(outcome.expect("outer call").into_inner())
-        })
-        .expect("caller's transaction");
+    let after_inner = in_a_transaction_with_its_lock_timeout_at_3s(&mut conn, |conn| {
+        let outcome = config.run(conn, "settings", "k-1", &1, |tx| {
+            // The same key, claimed by the enclosing call on this
+            // connection: the inner call claims nothing.
+            let inner = config.run(tx, "settings", "k-1", &1, |_| Ok::<_, Error>(String::new()));
+            assert!(matches!(inner, Err(Error::InProgress)), "got {inner:?}");
+            Ok::<_, Error>(show_lock_timeout(tx))
+        });
+        outcome.expect("outer call").into_inner()
+    });
     assert_eq!(after_inner, "3s");
 }
 
@@ -389,17 +328,14 @@ fn nested_call_that_claims_nothing_leaves_the_callers_lock_timeout() {
 fn relay_inside_a_callers_transaction_leaves_its_lock_timeout() {
     let db = Db::new();
     let mut conn = db.conn();
-    let after = conn
-        .transaction(|tx| {
-            tx.batch_execute("SET LOCAL lock_timeout = '3s'")?;
-            idempotency::outbox::enqueue(tx, "receipts", &1).expect("enqueue");
-            let batch = idempotency::outbox::Relay::default()
-                .run_once(tx, |_| Ok::<_, std::convert::Infallible>(()))
-                .expect("relay");
-            assert_eq!(batch.delivered, 1);
-            Ok::<_, DieselError>(show_lock_timeout(tx))
-        })
-        .expect("caller's transaction");
+    let after = in_a_transaction_with_its_lock_timeout_at_3s(&mut conn, |tx| {
+        idempotency::outbox::enqueue(tx, "receipts", &1).expect("enqueue");
+        let batch = idempotency::outbox::Relay::default()
+            .run_once(tx, |_| Ok::<_, std::convert::Infallible>(()))
+            .expect("relay");
+        assert_eq!(batch.delivered, 1);
+        show_lock_timeout(tx)
+    });
     assert_eq!(after, "3s");
 }
 
@@ -427,68 +363,22 @@ fn longest_in_flight_wait_is_accepted() {
 /// operation runs and replays on its retry. The operation runs once.
 #[test]
 fn racing_calls_from_isolated_sessions_execute_each_key_once() {
-    const ROUNDS: usize = 20;
     let db = Db::new();
-    for isolation in [Isolation::RepeatableRead, Isolation::Serializable] {
-        let barrier = Barrier::new(2);
-        let calls: Vec<AtomicUsize> = (0..ROUNDS).map(|_| AtomicUsize::new(0)).collect();
-        let values: Vec<Vec<i64>> = thread::scope(|s| {
-            let racers: Vec<_> = (0..2)
-                .map(|_| {
-                    s.spawn(|| {
-                        let mut conn = db.session_at(isolation);
-                        (0..ROUNDS)
-                            .map(|round| {
-                                let key = format!("k-{isolation:?}-{round}");
-                                barrier.wait();
-                                let call = |conn: &mut PgConnection| {
-                                    run_idempotent(conn, SCOPE, &key, REQUEST, counted::<Db>(&calls[round], "racer"))
-                                };
-                                match call(&mut conn) {
-                                    Ok(outcome) => outcome.into_inner(),
-                                    Err(Error::Storage(DieselError::DatabaseError(
-                                        DatabaseErrorKind::SerializationFailure,
-                                        _,
-                                    ))) => call(&mut conn).expect("the retry").into_inner(),
-                                    Err(error) => panic!("{isolation:?} round {round}: {error:?}"),
-                                }
-                            })
-                            .collect()
-                    })
-                })
-                .collect();
-            racers
-                .into_iter()
-                .map(|racer| racer.join().expect("racer does not panic"))
-                .collect()
-        });
-        for round in 0..ROUNDS {
-            assert_eq!(calls[round].load(Ordering::SeqCst), 1, "{isolation:?} round {round}");
-            assert_eq!(values[0][round], values[1][round], "{isolation:?} round {round}");
-        }
-    }
+    let at_the_top_level =
+        |conn: &mut PgConnection, _, key: &str, op: Op<'_, PgConnection>| run_idempotent(conn, SCOPE, key, REQUEST, op);
+    let session = |isolation| db.session_at(isolation);
+    race_at_the_isolated_levels("k", session, at_the_top_level, false);
     let mut conn = db.conn();
     assert_eq!(Db::order_count(&mut conn), 2 * ROUNDS as i64);
 }
 
 #[test]
 fn nested_holder_and_top_level_waiter_serialize_on_one_lock() {
-    let db = Db::new();
-    let mut admin = db.conn();
-    let holder = Holder::claim_with(
-        &db,
+    the_waiter_replays_the_holders_commit::<Db>(
         "k-mixed-nested-holder",
-        Config::default(),
         in_isolation(Isolation::ReadCommitted),
+        top_level::<Db>,
     );
-    let waiter = Waiter::start(&db, "k-mixed-nested-holder", long_wait(), top_level::<Db>);
-    Db::wait_until_waiting_for_a_key(&mut admin, waiter.session);
-
-    let held = holder.finish(Release::Commit).expect("the holder commits").into_inner();
-    let (mut conn, waited, calls) = waiter.join();
-    assert_eq!(waited.expect("the top-level waiter replays"), Outcome::Replayed(held));
-    assert_eq!(calls, 0, "the waiter's operation never ran");
-    assert_eq!(Db::order_count(&mut conn), 1);
 }
 
 /// The crate locks keys in PostgreSQL's two-integer advisory key space;

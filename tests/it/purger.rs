@@ -8,11 +8,13 @@ use std::thread;
 use std::time::Duration as StdDuration;
 
 use chrono::Duration;
-use idempotency::outbox::{self, Relay};
+use idempotency::outbox;
 use idempotency::testing::ManualClock;
 use idempotency::{Config, Purged, Purger, Shutdown, Stopped};
 
 use crate::common::TestDb;
+use crate::common::kept_an_hour;
+use crate::common::outbox::{deliver_receipts_and_a_poison, relay_keeping_delivered_for};
 use crate::common::wait::{Barrier, StopOnDrop, wait_for};
 
 crate::common::backend_tests!(
@@ -27,8 +29,7 @@ fn purger_beside_live_traffic_fails_no_call_and_purges_only_expired_records<D: T
     const NEW: usize = 40;
     let db = D::new();
     let pool = db.pool(THREADS as u32 + 1);
-    let clock = ManualClock::new();
-    let config = Config::default().retention(Duration::hours(1)).clock(clock.source());
+    let (clock, config) = kept_an_hour();
     let purger = Purger::default()
         .interval(StdDuration::from_millis(5))
         .batch_size(10)
@@ -134,23 +135,8 @@ fn purger_deletes_delivered_messages_after_retention_and_stops_at_once<D: TestDb
     let pool = db.pool(1);
     let mut conn = db.conn();
     let clock = ManualClock::new();
-    let relay = Relay::default()
-        .clock(clock.source())
-        .retention(Duration::days(7))
-        .max_attempts(1);
-    for i in 0..25 {
-        outbox::enqueue(&mut conn, "receipts", &i).expect("enqueue");
-    }
-    outbox::enqueue(&mut conn, "receipts", &"refused").expect("enqueue");
-    let report = relay
-        .run_once(&mut conn, |message| {
-            if message.payload_json.contains("refused") {
-                Err("410 gone")
-            } else {
-                Ok(())
-            }
-        })
-        .expect("deliver");
+    let relay = relay_keeping_delivered_for(&clock, Duration::days(7));
+    let report = deliver_receipts_and_a_poison::<D>(&mut conn, &relay, 25);
     assert_eq!((report.delivered, report.dead), (25, 1));
     outbox::enqueue(&mut conn, "receipts", &"pending").expect("enqueue");
     clock.advance(Duration::days(7));

@@ -7,6 +7,7 @@ use idempotency::testing::ManualClock;
 use idempotency::{Config, Error};
 
 use crate::common::TestDb;
+use crate::common::kept_an_hour;
 
 crate::common::backend_tests!(
     key_replays_until_retention_ends,
@@ -21,15 +22,10 @@ crate::common::backend_tests!(
     record_expiring_past_the_year_9999_is_kept_until_then,
 );
 
-fn config(clock: &ManualClock) -> Config {
-    Config::default().retention(Duration::hours(1)).clock(clock.source())
-}
-
 fn key_replays_until_retention_ends<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let config = config(&clock);
+    let (clock, config) = kept_an_hour();
     let first = config
         .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
         .expect("first");
@@ -45,8 +41,7 @@ fn key_replays_until_retention_ends<D: TestDb>() {
 fn expired_key_executes_again_as_new<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let config = config(&clock);
+    let (clock, config) = kept_an_hour();
     config
         .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
         .expect("first");
@@ -72,8 +67,7 @@ fn expired_key_executes_again_as_new<D: TestDb>() {
 fn expired_key_accepts_a_different_request<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let config = config(&clock);
+    let (clock, config) = kept_an_hour();
     config
         .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
         .expect("first");
@@ -89,8 +83,7 @@ fn expired_key_accepts_a_different_request<D: TestDb>() {
 fn failed_takeover_of_an_expired_key_keeps_the_old_record_until_purged<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let config = config(&clock);
+    let (clock, config) = kept_an_hour();
     config
         .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
         .expect("first");
@@ -104,8 +97,7 @@ fn failed_takeover_of_an_expired_key_keeps_the_old_record_until_purged<D: TestDb
 fn purge_deletes_only_expired_records_in_batches<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let config = config(&clock);
+    let (clock, config) = kept_an_hour();
     for i in 0..25 {
         config
             .run(&mut conn, "shop", &format!("old-{i}"), &i, |_| Ok::<_, Error>(i))
@@ -131,8 +123,7 @@ fn purge_deletes_only_expired_records_in_batches<D: TestDb>() {
 fn purge_with_exact_multiple_of_batch_size_deletes_all<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let config = config(&clock);
+    let (clock, config) = kept_an_hour();
     for i in 0..20 {
         config
             .run(&mut conn, "shop", &format!("k-{i}"), &i, |_| Ok::<_, Error>(i))
@@ -147,8 +138,7 @@ fn purge_with_exact_multiple_of_batch_size_deletes_all<D: TestDb>() {
 fn purge_inside_a_caller_transaction_rolls_back_with_it<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let config = config(&clock);
+    let (clock, config) = kept_an_hour();
     config
         .run(&mut conn, "shop", "k", &1, |_| Ok::<_, Error>(1))
         .expect("call");
@@ -268,7 +258,7 @@ fn record_expiring_past_the_year_9999_is_kept_until_then<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
     let clock = ManualClock::at(Utc.with_ymd_and_hms(9999, 12, 31, 12, 0, 0).unwrap());
-    let config = config(&clock).retention(Duration::hours(24));
+    let config = Config::default().clock(clock.source()).retention(Duration::hours(24));
     let first = config
         .run(&mut conn, "shop", "late", &1, |tx| D::place_order(tx, "late", 1))
         .expect("executes");

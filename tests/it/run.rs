@@ -181,29 +181,34 @@ fn undecodable_stored_response_is_a_codec_error_not_a_rerun<D: TestDb>() {
     assert_eq!(D::order_count(&mut conn), 1);
 }
 
-fn unserializable_result_rolls_back<D: TestDb>() {
+/// A call of `request` whose operation places an order and returns
+/// `result`: asserts that it fails with `Codec` and leaves no order and no
+/// key record.
+fn assert_codec_error_and_nothing_written<D: TestDb, Q: Serialize, R>(request: &Q, result: R)
+where
+    R: Serialize + serde::de::DeserializeOwned + std::fmt::Debug,
+{
     let db = D::new();
     let mut conn = db.conn();
-    let mut map = std::collections::HashMap::new();
-    map.insert(vec![1u8], 1);
-    let result = run_idempotent(&mut conn, "shop", "k-unser", &1, |tx| {
+    let refused = run_idempotent(&mut conn, "shop", "k-codec", request, |tx| {
         D::place_order(tx, "book", 1)?;
-        Ok::<_, diesel::result::Error>(map)
+        Ok::<_, diesel::result::Error>(result)
     });
-    assert!(matches!(result, Err(Error::Codec(_))), "{result:?}");
+    assert!(matches!(refused, Err(Error::Codec(_))), "{refused:?}");
     assert_eq!(D::order_count(&mut conn), 0);
     assert_eq!(D::key_count(&mut conn), 0);
 }
 
+fn unserializable_result_rolls_back<D: TestDb>() {
+    let mut map = std::collections::HashMap::new();
+    map.insert(vec![1u8], 1);
+    assert_codec_error_and_nothing_written::<D, _, _>(&1, map);
+}
+
 fn unserializable_request_is_refused_before_anything_runs<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
     let mut request = std::collections::HashMap::new();
     request.insert((1, 2), "tuple keys are not json object keys");
-    let result = run_idempotent(&mut conn, "shop", "k", &request, |tx| D::place_order(tx, "book", 1));
-    assert!(matches!(result, Err(Error::Codec(_))), "{result:?}");
-    assert_eq!(D::order_count(&mut conn), 0);
-    assert_eq!(D::key_count(&mut conn), 0);
+    assert_codec_error_and_nothing_written::<D, _, _>(&request, 0_i64);
 }
 
 fn panicking_operation_leaves_nothing_and_connection_usable<D: TestDb>() {

@@ -19,7 +19,7 @@ use diesel::prelude::*;
 use idempotency::testing::ManualClock;
 use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
 
-use crate::common::child::{Child, report_and_wait_for_the_kill};
+use crate::common::child::{Child, parent_database, report_and_wait_for_the_kill};
 use crate::common::server::*;
 use crate::common::wait::{self, Barrier};
 use crate::common::{Isolation, ServerDb, test_name};
@@ -41,30 +41,12 @@ crate::common::server_backend_tests!(
 );
 
 fn waiter_replays_when_the_holder_commits_within_the_wait<D: ServerDb>() {
-    let db = D::new();
-    let mut admin = db.conn();
-    let holder = Holder::claim(&db, "k-commit");
-    let waiter = Waiter::start(&db, "k-commit", long_wait(), top_level::<D>);
-    D::wait_until_waiting_for_a_key(&mut admin, waiter.session);
-
-    let held = holder.finish(Release::Commit).expect("holder commits");
-    let (mut conn, waited, calls) = waiter.join();
-
-    let Outcome::Executed(order_id) = held else {
-        panic!("the holder executes, got {held:?}")
-    };
-    assert_eq!(waited.expect("the waiter replays"), Outcome::Replayed(order_id));
-    assert_eq!(calls, 0, "the waiter's operation is never called");
-    assert_eq!(D::order_count(&mut conn), 1);
-    assert_eq!(D::key_count(&mut conn), 1);
+    the_waiter_replays_the_holders_commit::<D>("k-commit", top_level::<D>, top_level::<D>);
 }
 
 fn waiter_executes_when_the_holder_rolls_back<D: ServerDb>() {
     let db = D::new();
-    let mut admin = db.conn();
-    let holder = Holder::claim(&db, "k-rollback");
-    let waiter = Waiter::start(&db, "k-rollback", long_wait(), top_level::<D>);
-    D::wait_until_waiting_for_a_key(&mut admin, waiter.session);
+    let (holder, waiter) = holder_and_waiter(&db, "k-rollback", top_level::<D>, top_level::<D>);
 
     let held = holder.finish(Release::Fail);
     let (mut conn, waited, calls) = waiter.join();
@@ -191,17 +173,7 @@ fn in_progress_inside_a_callers_transaction_leaves_that_transaction_usable<D: Se
 }
 
 fn top_level_holder_and_nested_waiter_serialize_on_one_lock<D: ServerDb>() {
-    let db = D::new();
-    let mut admin = db.conn();
-    let holder = Holder::claim(&db, "k-mixed");
-    let waiter = Waiter::start(&db, "k-mixed", long_wait(), nested::<D>);
-    D::wait_until_waiting_for_a_key(&mut admin, waiter.session);
-
-    let held = holder.finish(Release::Commit).expect("the holder commits").into_inner();
-    let (mut conn, waited, calls) = waiter.join();
-    assert_eq!(waited.expect("the nested waiter replays"), Outcome::Replayed(held));
-    assert_eq!(calls, 0, "the waiter's operation never ran");
-    assert_eq!(D::order_count(&mut conn), 1);
+    the_waiter_replays_the_holders_commit::<D>("k-mixed", top_level::<D>, nested::<D>);
 }
 
 fn expired_key_is_taken_over_by_exactly_one_of_sixteen_racing_requests<D: ServerDb>() {
@@ -302,9 +274,6 @@ fn panic_on_a_lost_connection_still_reaches_the_caller<D: ServerDb>() {
     assert_crash_left_nothing_and_retry_executes_once(&db, "k-lost");
 }
 
-/// Set in the child process of the SIGKILL test: the url of the parent's
-/// test database.
-const CRASH_CHILD_URL: &str = "IDEMPOTENCY_TEST_CRASH_CHILD_URL";
 /// The line the child prints once its operation runs, followed by its
 /// session id.
 const CRASH_CHILD_READY: &str = "crash-child-ready session=";
@@ -330,12 +299,12 @@ fn crash_child<D: ServerDb>(url: &str) -> ! {
 }
 
 fn killed_worker_process_leaves_no_key_and_no_domain_row<D: ServerDb>() {
-    if let Ok(url) = std::env::var(CRASH_CHILD_URL) {
+    if let Some(url) = parent_database() {
         crash_child::<D>(&url);
     }
     let db = D::new();
     let test = test_name::<D>(module_path!(), "killed_worker_process_leaves_no_key_and_no_domain_row");
-    let mut child = Child::start(&test, &[(CRASH_CHILD_URL, db.url())]);
+    let mut child = Child::start(&test, db.url());
     let id = child.wait_for("that its operation runs", |line| {
         line.split_once(CRASH_CHILD_READY)
             .map(|(_, id)| id.trim().parse::<i64>().expect("the child's session id"))

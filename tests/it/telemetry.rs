@@ -17,7 +17,7 @@ use std::time::{Duration as StdDuration, Instant};
 
 use chrono::Duration;
 use diesel::connection::SimpleConnection;
-use idempotency::outbox::{self, Message, Relay};
+use idempotency::outbox::Relay;
 use idempotency::phased::{Completer, Phased};
 use idempotency::testing::ManualClock;
 use idempotency::{Config, Error, InFlight, Purger, RawConnection, Shutdown};
@@ -28,6 +28,8 @@ use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use tracing_subscriber::registry::LookupSpan;
 
 use crate::common::TestDb;
+use crate::common::kept_an_hour;
+use crate::common::outbox::FourWebhooks;
 use crate::common::wait::{self, PATIENCE};
 
 crate::common::backend_tests!(
@@ -179,8 +181,7 @@ fn call_decisions_are_events_of_the_call_span_without_payload_text<D: TestDb>() 
     let db = D::new();
     let mut conn = db.conn();
     let capture = Capture::default();
-    let clock = ManualClock::new();
-    let config = Config::default().retention(Duration::hours(1)).clock(clock.source());
+    let (clock, config) = kept_an_hour();
     let request = format!("{SENTINEL} request");
     let response = format!("{SENTINEL} response");
     let respond = |_: &mut D::Conn| Ok::<_, String>(response.clone());
@@ -312,32 +313,13 @@ fn relay_and_purge_decisions_are_events_without_payload_text<D: TestDb>() {
     let mut conn = db.conn();
     let capture = Capture::default();
     let clock = ManualClock::new();
-    let lease = Duration::seconds(10);
-    let relay = Relay::default()
-        .clock(clock.source())
-        .lease(lease)
-        .max_attempts(2)
-        .backoff(Duration::seconds(1), Duration::seconds(1))
-        .retention(Duration::days(1));
-    let ids: Vec<String> = (0..4)
-        .map(|i| outbox::enqueue(&mut conn, "webhooks", &format!("{SENTINEL} payload {i}")).expect("enqueue"))
-        .collect();
-    // The first pass: delivered, failed, delivered while the lease runs
-    // out, reached after the lease. The second: failed for the last time,
-    // delivered on its second attempt.
-    let handler = |message: &Message| {
-        if message.id == ids[1] {
-            return Err(format!("{SENTINEL} endpoint said no"));
-        }
-        if message.id == ids[2] {
-            clock.advance(lease + Duration::seconds(1));
-        }
-        Ok(())
-    };
+    let webhooks = FourWebhooks::enqueue::<D, _>(&mut conn, &clock, |i| format!("{SENTINEL} payload {i}"));
+    let (relay, ids) = (&webhooks.relay, &webhooks.ids);
+    let handler = webhooks.handler(&clock, format!("{SENTINEL} endpoint said no"));
     capture.run(|| {
-        let first = relay.run_once(&mut conn, handler).expect("first pass");
+        let first = relay.run_once(&mut conn, &handler).expect("first pass");
         assert_eq!((first.delivered, first.retried, first.lost), (2, 1, 1), "{first:?}");
-        let second = relay.run_once(&mut conn, handler).expect("second pass");
+        let second = relay.run_once(&mut conn, &handler).expect("second pass");
         assert_eq!((second.delivered, second.dead), (1, 1), "{second:?}");
         clock.advance(Duration::days(1));
         assert_eq!(relay.purge_delivered(&mut conn, 2).expect("purge"), 3);

@@ -1,8 +1,9 @@
 //! A test that runs itself again as a child process: a worker, a relay or a
 //! job that the parent kills mid-flight with SIGKILL, as a crash would, or
 //! runs under another clock. The child is this test binary, started with
-//! `--exact` and the test's name, and tells itself apart by a variable of
-//! its environment; it reports on stdout.
+//! `--exact` and the test's name; it tells itself apart by the url of its
+//! parent's database in its environment ([`parent_database`]), and reports
+//! on stdout.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, ExitStatus, Stdio};
@@ -11,6 +12,15 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use super::wait::PATIENCE;
+
+/// The variable by which a child learns the url of its parent's database.
+const PARENT_DATABASE: &str = "IDEMPOTENCY_TEST_PARENT_DATABASE";
+
+/// In the child that a [`Child`] started: the url of the parent's database;
+/// `None` in a test that runs as itself.
+pub fn parent_database() -> Option<String> {
+    std::env::var(PARENT_DATABASE).ok()
+}
 
 /// The child process; killed and reaped when dropped, however the test
 /// ends, so that none outlives it (a child left alive would keep its
@@ -22,18 +32,18 @@ pub struct Child {
 
 impl Child {
     /// Runs test `test` (its full name, see [`super::test_path`]) as a
-    /// child with the variables `env`.
-    pub fn start(test: &str, env: &[(&str, &str)]) -> Child {
-        Child::start_with(test, |command| {
-            command.envs(env.iter().copied());
-        })
+    /// child on the database at `database`, which the child finds with
+    /// [`parent_database`].
+    pub fn start(test: &str, database: &str) -> Child {
+        Child::start_with(test, database, |_| {})
     }
 
-    /// As [`Child::start`], with the command set up by `setup`.
-    pub fn start_with(test: &str, setup: impl FnOnce(&mut Command)) -> Child {
+    /// As [`Child::start`], with the command set up further by `setup`.
+    pub fn start_with(test: &str, database: &str, setup: impl FnOnce(&mut Command)) -> Child {
         let mut command = Command::new(std::env::current_exe().expect("the test binary"));
         command
             .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(PARENT_DATABASE, database)
             .stdout(Stdio::piped());
         setup(&mut command);
         let mut process = command

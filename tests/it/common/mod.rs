@@ -42,6 +42,7 @@ pub mod child;
 pub mod http;
 #[cfg(feature = "mysql")]
 pub mod mysql;
+pub mod outbox;
 #[cfg(feature = "postgres")]
 pub mod pg;
 #[cfg(feature = "postgres")]
@@ -176,7 +177,9 @@ pub trait TestDb: Sized + Send + Sync + 'static {
     fn url(&self) -> &str;
 
     /// A new connection to this database.
-    fn conn(&self) -> Self::Conn;
+    fn conn(&self) -> Self::Conn {
+        Self::Conn::establish(self.url()).unwrap_or_else(|error| panic!("connect to the test's database: {error}"))
+    }
 
     /// A pool of `size` connections to this database.
     fn pool(&self, size: u32) -> Pool<ConnectionManager<Self::Conn>> {
@@ -185,7 +188,12 @@ pub trait TestDb: Sized + Send + Sync + 'static {
 
     /// A pool on a database that `new` made, by its url: for a child process
     /// that works on its parent's database.
-    fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<Self::Conn>>;
+    fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<Self::Conn>> {
+        Pool::builder()
+            .max_size(size)
+            .build(ConnectionManager::new(url))
+            .expect("build a pool")
+    }
 
     /// Inserts an order and returns its id.
     fn place_order(conn: &mut Self::Conn, item: &str, quantity: i32) -> QueryResult<i64>;
@@ -194,7 +202,9 @@ pub trait TestDb: Sized + Send + Sync + 'static {
     fn order_count(conn: &mut Self::Conn) -> i64;
 
     /// The items of all orders, in the order they were placed.
-    fn order_items(conn: &mut Self::Conn) -> Vec<String>;
+    fn order_items(conn: &mut Self::Conn) -> Vec<String> {
+        Self::orders(conn).into_iter().map(|(_, item)| item).collect()
+    }
 
     /// The ids and items of all orders, in the order they were placed.
     fn orders(conn: &mut Self::Conn) -> Vec<(i64, String)>;
@@ -228,23 +238,36 @@ pub trait TestDb: Sized + Send + Sync + 'static {
 }
 
 /// The queries of [`TestDb`] that read the same on every backend, for the
-/// `impl TestDb` of a backend's `Db`, whose connection is `$conn`.
+/// `impl TestDb` of a backend's `Db`, whose connection is `$conn`; with
+/// `with_returning`, also those written with `RETURNING`, which MySQL does
+/// not have.
 macro_rules! same_on_every_backend {
+    ($conn:ty, with_returning) => {
+        fn place_order(conn: &mut $conn, item: &str, quantity: i32) -> QueryResult<i64> {
+            use $crate::common::orders;
+            diesel::insert_into(orders::table)
+                .values((orders::item.eq(item), orders::quantity.eq(quantity)))
+                .returning(orders::id)
+                .get_result(conn)
+        }
+
+        fn outbox_schedule(conn: &mut $conn, id: &str) -> $crate::common::OutboxSchedule {
+            use $crate::common::idempotency_outbox as o;
+            o::table
+                .find(id)
+                .select((o::available_at, o::delivered_at))
+                .get_result(conn)
+                .expect("read the message's schedule")
+        }
+
+        $crate::common::same_on_every_backend!($conn);
+    };
     ($conn:ty) => {
         fn order_count(conn: &mut $conn) -> i64 {
             $crate::common::orders::table
                 .count()
                 .get_result(conn)
                 .expect("count orders")
-        }
-
-        fn order_items(conn: &mut $conn) -> Vec<String> {
-            use $crate::common::orders;
-            orders::table
-                .order(orders::id)
-                .select(orders::item)
-                .load(conn)
-                .expect("read the orders")
         }
 
         fn orders(conn: &mut $conn) -> Vec<(i64, String)> {
@@ -384,12 +407,49 @@ pub trait ServerDb: TestDb {
     }
 }
 
-/// A pool of `size` connections to the database at `url`.
-pub fn pool_at<C: R2D2Connection + Send + 'static>(url: &str, size: u32) -> Pool<ConnectionManager<C>> {
-    Pool::builder()
-        .max_size(size)
-        .build(ConnectionManager::new(url))
-        .expect("build a pool")
+/// Runs `statement` on a connection of its own to the server at `url`.
+fn execute_at<C: Connection>(url: &str, statement: &str) -> Result<(), String> {
+    let mut conn = C::establish(url).map_err(|error| format!("connect to {url}: {error}"))?;
+    conn.batch_execute(statement)
+        .map_err(|error| format!("{statement}: {error}"))
+}
+
+/// A schema or a database of a test's own on a server: made by a statement
+/// on the server, and dropped by another when this is dropped, however the
+/// test ends.
+pub struct OnServer {
+    server: String,
+    drop: String,
+    execute: fn(&str, &str) -> Result<(), String>,
+}
+
+impl OnServer {
+    /// Runs `create` on the server at `server` (a connection of backend
+    /// `C`), and `drop` there once this is dropped.
+    pub fn create<C: Connection>(server: &str, create: &str, drop: String) -> OnServer {
+        execute_at::<C>(server, create).unwrap_or_else(|error| panic!("make the test's database: {error}"));
+        OnServer {
+            server: server.to_owned(),
+            drop,
+            execute: execute_at::<C>,
+        }
+    }
+}
+
+impl Drop for OnServer {
+    fn drop(&mut self) {
+        let _ = (self.execute)(&self.server, &self.drop);
+    }
+}
+
+/// A policy that keeps records an hour by a clock of the test's own, which
+/// the test advances past it: for the tests of expiry.
+pub fn kept_an_hour() -> (idempotency::testing::ManualClock, idempotency::Config) {
+    let clock = idempotency::testing::ManualClock::new();
+    let config = idempotency::Config::default()
+        .retention(chrono::Duration::hours(1))
+        .clock(clock.source());
+    (clock, config)
 }
 
 /// The SHA-256 by which the crate locks `(scope, key)`: each part prefixed

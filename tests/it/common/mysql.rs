@@ -10,9 +10,9 @@ use diesel::r2d2::{ConnectionManager, Pool};
 use super::{Isolation, OutboxSchedule, ServerDb, TestDb, orders};
 
 pub struct Db {
-    base_url: String,
     url: String,
     name: String,
+    _database: super::OnServer,
 }
 
 pub fn database_url() -> String {
@@ -44,13 +44,6 @@ diesel::define_sql_function! {
     fn last_insert_id() -> diesel::sql_types::Unsigned<diesel::sql_types::BigInt>;
 }
 
-impl Db {
-    /// The name of the test's database.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-}
-
 impl TestDb for Db {
     type Conn = MysqlConnection;
     const BACKEND: &'static str = "mysql";
@@ -61,24 +54,19 @@ impl TestDb for Db {
     fn empty() -> Db {
         let base_url = database_url();
         let name = super::unique_name("idem_test");
-        let mut admin = MysqlConnection::establish(&base_url).expect("connect to MYSQL_URL");
-        admin
-            .batch_execute(&format!("CREATE DATABASE {name}"))
-            .expect("create the test database");
+        let create = format!("CREATE DATABASE {name}");
+        let drop = format!("DROP DATABASE IF EXISTS {name}");
+        let own = super::OnServer::create::<MysqlConnection>(&base_url, &create, drop);
         let url = url_of_database(&base_url, &name);
-        Db { base_url, url, name }
+        Db {
+            url,
+            name,
+            _database: own,
+        }
     }
 
     fn url(&self) -> &str {
         &self.url
-    }
-
-    fn conn(&self) -> MysqlConnection {
-        MysqlConnection::establish(&self.url).expect("connect to the test database")
-    }
-
-    fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<MysqlConnection>> {
-        super::pool_at(url, size)
     }
 
     fn place_order(conn: &mut MysqlConnection, item: &str, quantity: i32) -> QueryResult<i64> {
@@ -116,14 +104,6 @@ impl TestDb for Db {
     }
 }
 
-impl Drop for Db {
-    fn drop(&mut self) {
-        if let Ok(mut admin) = MysqlConnection::establish(&self.base_url) {
-            let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {}", self.name));
-        }
-    }
-}
-
 impl ServerDb for Db {
     fn session_id(conn: &mut MysqlConnection) -> i64 {
         i64::try_from(connection_id(conn)).expect("a connection id within i64")
@@ -152,7 +132,7 @@ impl ServerDb for Db {
     }
 
     fn key_lock_holder(&self, admin: &mut MysqlConnection, scope: &str, key: &str) -> Option<i64> {
-        named_lock_holder(admin, &lock_name(self.name(), scope, key))
+        named_lock_holder(admin, &lock_name(&self.name, scope, key))
             .map(|id| i64::try_from(id).expect("a connection id within i64"))
     }
 

@@ -10,9 +10,8 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use super::{Isolation, OutboxSchedule, ServerDb, TestDb, idempotency_outbox, orders};
 
 pub struct Db {
-    base_url: String,
     url: String,
-    schema: String,
+    _schema: super::OnServer,
 }
 
 pub fn database_url() -> String {
@@ -20,12 +19,6 @@ pub fn database_url() -> String {
         "the postgres tests need DATABASE_URL, e.g. DATABASE_URL=postgres://localhost/test \
          cargo test --features postgres",
     )
-}
-
-impl Db {
-    pub fn schema(&self) -> &str {
-        &self.schema
-    }
 }
 
 impl TestDb for Db {
@@ -39,42 +32,17 @@ impl TestDb for Db {
         let schema = super::unique_name("idem_test");
         let separator = if base_url.contains('?') { '&' } else { '?' };
         let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
-        let mut admin = PgConnection::establish(&base_url).expect("connect to DATABASE_URL");
-        admin
-            .batch_execute(&format!("CREATE SCHEMA {schema}"))
-            .expect("create the test schema");
-        Db { base_url, url, schema }
+        let create = format!("CREATE SCHEMA {schema}");
+        let drop = format!("DROP SCHEMA IF EXISTS {schema} CASCADE");
+        let own = super::OnServer::create::<PgConnection>(&base_url, &create, drop);
+        Db { url, _schema: own }
     }
 
     fn url(&self) -> &str {
         &self.url
     }
 
-    fn conn(&self) -> PgConnection {
-        PgConnection::establish(&self.url).expect("connect to the test schema")
-    }
-
-    fn pool_at(url: &str, size: u32) -> Pool<ConnectionManager<PgConnection>> {
-        super::pool_at(url, size)
-    }
-
-    fn place_order(conn: &mut PgConnection, item: &str, quantity: i32) -> QueryResult<i64> {
-        diesel::insert_into(orders::table)
-            .values((orders::item.eq(item), orders::quantity.eq(quantity)))
-            .returning(orders::id)
-            .get_result(conn)
-    }
-
-    super::same_on_every_backend!(PgConnection);
-
-    fn outbox_schedule(conn: &mut PgConnection, id: &str) -> OutboxSchedule {
-        use idempotency_outbox as o;
-        o::table
-            .find(id)
-            .select((o::available_at, o::delivered_at))
-            .get_result(conn)
-            .expect("read the message's schedule")
-    }
+    super::same_on_every_backend!(PgConnection, with_returning);
 
     fn await_order_writers(conn: &mut PgConnection) {
         // A COMMIT a client sent just before it died may still be in the
@@ -82,14 +50,6 @@ impl TestDb for Db {
         // orders to end.
         conn.transaction(|tx| diesel::sql_query("LOCK TABLE orders IN SHARE MODE").execute(tx))
             .expect("wait for the transactions that wrote orders");
-    }
-}
-
-impl Drop for Db {
-    fn drop(&mut self) {
-        if let Ok(mut admin) = PgConnection::establish(&self.base_url) {
-            let _ = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema));
-        }
     }
 }
 
@@ -221,15 +181,23 @@ struct Count {
 /// The state of session `pid` in `pg_stat_activity` (`idle`, `idle in
 /// transaction`, ...); `None` once the session has ended.
 pub fn backend_state(admin: &mut PgConnection, pid: i32) -> Option<String> {
+    activity(admin, pid, "state")
+}
+
+/// Column `column` of session `pid` in `pg_stat_activity`, empty where it is
+/// null; `None` once the session has ended.
+pub fn activity(admin: &mut PgConnection, pid: i32, column: &str) -> Option<String> {
     #[derive(QueryableByName)]
-    struct State {
+    struct Activity {
         #[diesel(sql_type = Text)]
-        state: String,
+        value: String,
     }
-    diesel::sql_query("SELECT coalesce(state, '') AS state FROM pg_stat_activity WHERE pid = $1")
-        .bind::<Integer, _>(pid)
-        .get_result::<State>(admin)
-        .optional()
-        .expect("read pg_stat_activity")
-        .map(|row| row.state)
+    diesel::sql_query(format!(
+        "SELECT coalesce({column}::text, '') AS value FROM pg_stat_activity WHERE pid = $1"
+    ))
+    .bind::<Integer, _>(pid)
+    .get_result::<Activity>(admin)
+    .optional()
+    .expect("read pg_stat_activity")
+    .map(|row| row.value)
 }

@@ -10,8 +10,8 @@ use std::thread;
 
 use chrono::Duration;
 use diesel::Connection;
-use diesel::result::Error as DieselError;
-use idempotency::{Config, Error, InFlight, Outcome};
+use diesel::result::{DatabaseErrorKind, Error as DieselError};
+use idempotency::{Config, Error, InFlight, KeyError, Outcome};
 
 use super::wait::{self, Barrier};
 use super::{ServerDb, TestDb};
@@ -200,4 +200,161 @@ impl Prng {
     pub fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
     }
+}
+
+/// Whether a call failed with a serialization failure: PostgreSQL's, or a
+/// deadlock that MySQL rolled back the caller's transaction for.
+pub fn is_serialization_failure<T>(result: &Result<T, Error<DomainError>>) -> bool {
+    matches!(
+        result,
+        Err(Error::Storage(DieselError::DatabaseError(
+            DatabaseErrorKind::SerializationFailure,
+            _
+        )))
+    )
+}
+
+/// How many rounds [`race_in_rounds`] runs.
+pub const ROUNDS: usize = 20;
+
+/// Two racers, each on a connection that `connect` makes, released together
+/// round after round; in round `n` each makes the call `call(conn, n,
+/// calls)` with a key of that round, whose operation counts itself in
+/// `calls`. A racer whose call fails with a serialization failure retries
+/// it once, as those failures ask; the retry must succeed, and replay where
+/// `retry_replays`. Any other failure fails the test. Asserts that each
+/// round's operation ran once and both racers got its value, and returns
+/// how many calls were retried. `what` names the race in the messages.
+pub fn race_in_rounds<C>(
+    what: &str,
+    connect: impl Fn() -> C + Sync,
+    call: impl Fn(&mut C, usize, &AtomicUsize) -> CallResult + Sync,
+    retry_replays: bool,
+) -> usize {
+    let barrier = Barrier::new(2);
+    let calls: Vec<AtomicUsize> = (0..ROUNDS).map(|_| AtomicUsize::new(0)).collect();
+    let retries = AtomicUsize::new(0);
+    let values: Vec<Vec<i64>> = thread::scope(|s| {
+        let racers: Vec<_> = (0..2)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut conn = connect();
+                    (0..ROUNDS)
+                        .map(|round| {
+                            barrier.wait();
+                            let result = call(&mut conn, round, &calls[round]);
+                            if is_serialization_failure(&result) {
+                                retries.fetch_add(1, Ordering::SeqCst);
+                                let retry = call(&mut conn, round, &calls[round]).expect("the retry");
+                                assert!(!retry_replays || retry.is_replayed(), "{what} round {round}: {retry:?}");
+                                return retry.into_inner();
+                            }
+                            match result {
+                                Ok(outcome) => outcome.into_inner(),
+                                Err(error) => panic!("{what} round {round}: {error:?}"),
+                            }
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        racers
+            .into_iter()
+            .map(|racer| racer.join().expect("racer does not panic"))
+            .collect()
+    });
+    for round in 0..ROUNDS {
+        assert_eq!(calls[round].load(Ordering::SeqCst), 1, "{what} round {round}");
+        assert_eq!(values[0][round], values[1][round], "{what} round {round}");
+    }
+    retries.into_inner()
+}
+
+/// A holder of `key`, claimed as `holder` makes a call, and a waiter for
+/// it, started as `waiter` makes a call; returned once the server shows
+/// the waiter waiting for the key.
+pub fn holder_and_waiter<D: ServerDb>(
+    db: &D,
+    key: &str,
+    holder: Call<D::Conn>,
+    waiter: Call<D::Conn>,
+) -> (Holder, Waiter<D::Conn>) {
+    let mut admin = db.conn();
+    let holder = Holder::claim_with(db, key, Config::default(), holder);
+    let waiter = Waiter::start(db, key, long_wait(), waiter);
+    D::wait_until_waiting_for_a_key(&mut admin, waiter.session);
+    (holder, waiter)
+}
+
+/// On a database of its own: a holder of `key`, claimed as `holder` makes
+/// a call, commits while a waiter, started as `waiter` makes a call, waits
+/// for the key; asserts that the waiter replays what the holder executed,
+/// without running its own operation.
+pub fn the_waiter_replays_the_holders_commit<D: ServerDb>(key: &str, holder: Call<D::Conn>, waiter: Call<D::Conn>) {
+    let db = D::new();
+    let (holder, waiter) = holder_and_waiter(&db, key, holder, waiter);
+    let held = holder.finish(Release::Commit).expect("the holder commits");
+    let (mut conn, waited, calls) = waiter.join();
+
+    let Outcome::Executed(order_id) = held else {
+        panic!("the holder executes, got {held:?}")
+    };
+    assert_eq!(waited.expect("the waiter replays"), Outcome::Replayed(order_id));
+    assert_eq!(calls, 0, "the waiter's operation is never called");
+    assert_eq!(D::order_count(&mut conn), 1);
+    assert_eq!(D::key_count(&mut conn), 1);
+}
+
+/// What a call refused for a key or a scope over the length limit says:
+/// which of the two, its length and the limit; `None` for any other result.
+pub fn too_long<T, E>(result: &Result<T, Error<E>>) -> Option<(&'static str, usize, usize)> {
+    match result {
+        Err(Error::InvalidKey(KeyError::TooLong { len, max })) => Some(("key", *len, *max)),
+        Err(Error::InvalidScope(KeyError::TooLong { len, max })) => Some(("scope", *len, *max)),
+        _ => None,
+    }
+}
+
+/// A call as `config` makes it, of `key` in `scope`, refused for a length
+/// over the limit; asserts that it was refused before its operation ran and
+/// wrote nothing, and says what [`too_long`] says of it.
+pub fn refused_as_too_long<D: TestDb>(
+    config: &Config,
+    conn: &mut D::Conn,
+    scope: &str,
+    key: &str,
+) -> Option<(&'static str, usize, usize)> {
+    let calls = AtomicUsize::new(0);
+    let refused = config.run(conn, scope, key, REQUEST, counted::<D>(&calls, "long"));
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "{refused:?}");
+    assert_eq!(D::key_count(conn), 0, "{refused:?}");
+    too_long(&refused)
+}
+
+/// Under `config`, which allows longer keys than the backend holds (`max`
+/// bytes): a key, and a scope, one byte longer are refused before the
+/// operation runs, and the longest scope and key together fit, execute and
+/// replay. `text(len, seed)` makes the text of a key or scope.
+pub fn assert_the_longest_fits_and_longer_is_refused<D: TestDb>(
+    conn: &mut D::Conn,
+    config: &Config,
+    max: usize,
+    text: impl Fn(usize, u64) -> String,
+) {
+    let too_long = Some(("key", max + 1, max));
+    assert_eq!(
+        refused_as_too_long::<D>(config, conn, SCOPE, &text(max + 1, 1)),
+        too_long
+    );
+    let too_long = Some(("scope", max + 1, max));
+    assert_eq!(refused_as_too_long::<D>(config, conn, &text(max + 1, 1), "k"), too_long);
+
+    // The longest scope and key together fit, even incompressible.
+    let calls = AtomicUsize::new(0);
+    let (scope, key) = (text(max, 2), text(max, 3));
+    let first = config.run(conn, &scope, &key, REQUEST, counted::<D>(&calls, "longest"));
+    assert!(!first.expect("fits").is_replayed());
+    let again = config.run(conn, &scope, &key, REQUEST, counted::<D>(&calls, "longest"));
+    assert!(again.expect("replays").is_replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }

@@ -53,23 +53,7 @@ impl TestDb for Db {
             .expect("build a pool")
     }
 
-    fn place_order(conn: &mut SqliteConnection, item: &str, quantity: i32) -> QueryResult<i64> {
-        diesel::insert_into(orders::table)
-            .values((orders::item.eq(item), orders::quantity.eq(quantity)))
-            .returning(orders::id)
-            .get_result(conn)
-    }
-
-    super::same_on_every_backend!(SqliteConnection);
-
-    fn outbox_schedule(conn: &mut SqliteConnection, id: &str) -> OutboxSchedule {
-        use idempotency_outbox as o;
-        o::table
-            .find(id)
-            .select((o::available_at, o::delivered_at))
-            .get_result(conn)
-            .expect("read the message's schedule")
-    }
+    super::same_on_every_backend!(SqliteConnection, with_returning);
 
     fn await_order_writers(_conn: &mut SqliteConnection) {
         // A writer's lock on the file ends with its process; what it had not
