@@ -80,7 +80,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
-mod backend;
+pub mod backend;
 pub mod batch;
 mod clock;
 mod codec;

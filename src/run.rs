@@ -9,11 +9,11 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::backend::{self, COMPLETED, Hold, KeyStore, PROCESSING, Read, Record, StoreConnection, Stored};
+use crate::codec;
 use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::{Outcome, Recorded};
 use crate::telemetry::CallTrace;
-use crate::{codec, fingerprint, key};
 
 /// Runs `op` at most once for `(scope, key)` with [`Config::default()`]; see
 /// [`Config::run`].
@@ -215,12 +215,7 @@ impl Config {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut C) -> Result<R, E>,
     {
-        let max_len = self.key_len_limit::<C>();
-        key::validate_scope(scope, max_len).map_err(Error::InvalidScope)?;
-        trace.scope(scope);
-        key::validate_key(key, max_len).map_err(Error::InvalidKey)?;
-        trace.key(key);
-        let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
+        let request_hash = self.admit::<C, Q, E>(scope, key, request, trace)?;
         // The record this call writes if it executes, claimed as of `now`:
         // to the microsecond, as PostgreSQL keeps times, so that the times
         // an execution reports are the ones its replays read back.
@@ -259,10 +254,7 @@ impl Config {
             }
             Err(error) => Err(Error::Storage(error)),
         };
-        recorded.map_err(|error| match error {
-            Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
-            other => other,
-        })
+        recorded.map_err(|error| backend::call_error::<C, E>(error, false))
     }
 
     /// The write path: hold the key, then replay what another call stored
@@ -333,16 +325,10 @@ impl Config {
         if let Some(payload) = panicked {
             panic::resume_unwind(payload);
         }
-        let result = match result {
-            Err(Error::Storage(error)) if commits && committing && !C::commit_rolled_back(&error) => {
-                Err(Error::OutcomeUnknown(error))
-            }
-            other => other,
-        };
         if matches!(&result, Err(Error::Storage(error)) if C::is_in_flight_timeout(error)) {
             trace.waited(started.elapsed());
         }
-        result
+        result.map_err(|error| backend::call_error::<C, E>(error, commits && committing))
     }
 }
 

@@ -77,8 +77,10 @@ pub enum Settlement {
     Dead { error: String, attempts: i32 },
 }
 
-/// The outbox statements, implemented by the diesel connection types only;
-/// the relay is written against this trait alone.
+/// The outbox's statements, one implementation per backend: a supertrait
+/// of [`RawConnection`](crate::RawConnection), nameable in bounds. Its
+/// methods are the crate's internals: only the crate implements and calls
+/// them, and the relay is written against this trait alone.
 pub trait OutboxStore: KeyStore {
     /// Leases up to `limit` pending messages due at `now`, oldest first:
     /// each gets one more attempt, `lease_token` and `available_at =

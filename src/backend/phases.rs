@@ -77,8 +77,10 @@ pub struct ParkedRow {
     pub(crate) updated_at: NaiveDateTime,
 }
 
-/// The statements of operations in phases, implemented by the diesel
-/// connection types only.
+/// The statements of phased operations, one implementation per backend: a
+/// supertrait of [`RawConnection`](crate::RawConnection), nameable in
+/// bounds. Its methods are the crate's internals: only the crate implements
+/// and calls them.
 pub trait PhaseStore: KeyStore {
     /// The operation for `(scope, key)` and the database's time, in one
     /// statement.

@@ -16,7 +16,7 @@ use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::Outcome;
 use crate::telemetry::CallTrace;
-use crate::{codec, fingerprint, id, key, telemetry};
+use crate::{codec, id, key, telemetry};
 
 /// How often a retry looks again while another attempt holds the lease.
 const LEASE_POLL: std::time::Duration = std::time::Duration::from_millis(25);
@@ -183,13 +183,7 @@ impl Phased {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut Steps<'_, C>) -> Result<Finished<R>, Error<E>>,
     {
-        // Refused values never reach the span: see `telemetry::CallTrace`.
-        let max_len = self.config.key_len_limit::<C>();
-        key::validate_scope(scope, max_len).map_err(Error::InvalidScope)?;
-        trace.scope(scope);
-        key::validate_key(key, max_len).map_err(Error::InvalidKey)?;
-        trace.key(key);
-        let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
+        let request_hash = self.config.admit::<C, Q, E>(scope, key, request, trace)?;
         let request_json = match self.store_requests {
             true => Some(codec::to_readable_json(request).map_err(Error::Codec)?),
             false => None,
@@ -643,11 +637,7 @@ impl<C: PhaseStore> Steps<'_, C> {
         if let Some(payload) = panicked {
             panic::resume_unwind(payload);
         }
-        let result = result.map_err(|error| match error {
-            Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
-            Error::Storage(storage) if committing && !C::commit_rolled_back(&storage) => Error::OutcomeUnknown(storage),
-            other => other,
-        })?;
+        let result = result.map_err(|error| backend::call_error::<C, E>(error, committing))?;
         match (&mut self.held, claim) {
             (Held::Leased { points: held, .. }, None) => *held = points,
             (held, Some((_, op_id))) => *held = Held::Leased { op_id, points },
