@@ -321,99 +321,33 @@ impl ser::Serializer for Check {
     }
 }
 
-impl ser::SerializeSeq for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
+// The seven compound serializers differ only in the names serde gives their
+// methods: each part is checked as a value of its own.
+macro_rules! check_parts {
+    ($($compound:ident { $($method:ident($($name:ty)?)),+ })*) => {$(
+        impl ser::$compound for Check {
+            type Ok = ();
+            type Error = serde_json::Error;
 
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(*self)
-    }
+            $(fn $method<T: Serialize + ?Sized>(&mut self, $(_: $name,)? value: &T) -> Checked {
+                value.serialize(*self)
+            })+
 
-    fn end(self) -> Checked {
-        Ok(())
-    }
+            fn end(self) -> Checked {
+                Ok(())
+            }
+        }
+    )*};
 }
 
-impl ser::SerializeTuple for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
-}
-
-impl ser::SerializeTupleStruct for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
-}
-
-impl ser::SerializeTupleVariant for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
-}
-
-impl ser::SerializeMap for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_key<T: Serialize + ?Sized>(&mut self, key: &T) -> Checked {
-        key.serialize(*self)
-    }
-
-    fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
-}
-
-impl ser::SerializeStruct for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, _: &'static str, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
-}
-
-impl ser::SerializeStructVariant for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, _: &'static str, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
+check_parts! {
+    SerializeSeq { serialize_element() }
+    SerializeTuple { serialize_element() }
+    SerializeTupleStruct { serialize_field() }
+    SerializeTupleVariant { serialize_field() }
+    SerializeMap { serialize_key(), serialize_value() }
+    SerializeStruct { serialize_field(&'static str) }
+    SerializeStructVariant { serialize_field(&'static str) }
 }
 
 #[cfg(test)]
