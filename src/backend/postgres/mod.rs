@@ -35,11 +35,10 @@ use sha2::{Digest, Sha256};
 
 use super::row_with::{Head, record_with};
 use super::{
-    Claim, Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_of, sealed,
-    transaction_depth, transaction_with,
+    Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_of, sealed, transaction_depth,
+    transaction_with,
 };
 use crate::in_flight::InFlight;
-use crate::schema::idempotency_keys as k;
 
 impl StoreConnection for PgConnection {
     type Raw = Self;
@@ -191,28 +190,6 @@ impl KeyStore for PgConnection {
         } else {
             hold_by_claiming(self, record)
         }
-    }
-
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim> {
-        // DO NOTHING, not DO UPDATE: a fresh key costs the server
-        // measurably less that way. A record that is already there is taken
-        // over by a second, guarded statement only if its retention has ended.
-        let inserted = diesel::insert_into(k::table)
-            .values(record)
-            .on_conflict_do_nothing()
-            .execute(self)?;
-        if inserted == 1 {
-            return Ok(Claim::Inserted);
-        }
-        let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
-            .filter(k::expires_at.le(record.created_at))
-            .set(record)
-            .execute(self)?;
-        Ok(if taken_over == 1 {
-            Claim::TookOver
-        } else {
-            Claim::Refused
-        })
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {

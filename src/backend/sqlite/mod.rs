@@ -27,11 +27,10 @@ use diesel::sqlite::{Sqlite, SqliteConnection};
 use diesel_migrations::MigrationHarness;
 
 use super::{
-    Claim, Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_by_reading, sealed,
+    Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_by_reading, sealed,
     transaction_depth, transaction_with,
 };
 use crate::in_flight::InFlight;
-use crate::schema::idempotency_keys as k;
 
 impl StoreConnection for SqliteConnection {
     type Raw = Self;
@@ -187,28 +186,6 @@ impl KeyStore for SqliteConnection {
         } else {
             hold_by_claiming(self, record)
         }
-    }
-
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim> {
-        // Two statements rather than one upsert, so that the claim knows
-        // whether it replaced an expired record; the second runs only when
-        // the key has a record.
-        let inserted = diesel::insert_into(k::table)
-            .values(record)
-            .on_conflict_do_nothing()
-            .execute(self)?;
-        if inserted == 1 {
-            return Ok(Claim::Inserted);
-        }
-        let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
-            .filter(k::expires_at.le(record.created_at))
-            .set(record)
-            .execute(self)?;
-        Ok(if taken_over == 1 {
-            Claim::TookOver
-        } else {
-            Claim::Refused
-        })
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {
