@@ -145,6 +145,27 @@ macro_rules! shared_queries {
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use shared_queries;
 
+/// Makes a backend's plain connection a [`RawConnection`]: its own
+/// [`StoreConnection::Raw`].
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! raw_connection {
+    ($conn:ty) => {
+        impl $crate::backend::StoreConnection for $conn {
+            type Raw = Self;
+
+            fn raw(&mut self) -> &mut Self {
+                self
+            }
+        }
+
+        impl $crate::backend::sealed::Sealed for $conn {}
+
+        impl $crate::backend::RawConnection for $conn {}
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+use raw_connection;
+
 pub(crate) mod migrate;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;

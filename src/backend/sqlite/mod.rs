@@ -26,23 +26,10 @@ use diesel::sql_types::{BigInt, Integer, Timestamp};
 use diesel::sqlite::{Sqlite, SqliteConnection};
 use diesel_migrations::MigrationHarness;
 
-use super::{
-    Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_by_reading, sealed,
-    transaction_depth, transaction_with,
-};
+use super::{Hold, KeyStore, Read, Record, hold_by_claiming, hold_by_reading, transaction_depth, transaction_with};
 use crate::in_flight::InFlight;
 
-impl StoreConnection for SqliteConnection {
-    type Raw = Self;
-
-    fn raw(&mut self) -> &mut Self {
-        self
-    }
-}
-
-impl sealed::Sealed for SqliteConnection {}
-
-impl RawConnection for SqliteConnection {}
+super::raw_connection!(SqliteConnection);
 
 /// A PRAGMA that reads or sets an integer, sent as a prepared statement
 /// that diesel caches by its text. (`sql_query` is never cached, and a
