@@ -27,7 +27,7 @@
 
 use std::time::Instant;
 
-use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
+use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
@@ -352,6 +352,7 @@ pub enum Hold {
 /// `at`, moved into the years `first..=last`.
 #[cfg(any(feature = "sqlite", feature = "mysql"))]
 pub(crate) fn within_years(at: NaiveDateTime, first: i32, last: i32) -> NaiveDateTime {
+    use chrono::{NaiveDate, NaiveTime};
     let day = |year, month, date| NaiveDate::from_ymd_opt(year, month, date).expect("a calendar date");
     let earliest = day(first, 1, 1).and_time(NaiveTime::MIN);
     let latest = day(last, 12, 31)
