@@ -59,6 +59,32 @@ macro_rules! shared_queries {
                 .optional()
         }
 
+        fn claim(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<$crate::backend::Claim> {
+            use $($schema)+::idempotency_keys as k;
+            use crate::backend::Claim;
+            use diesel::prelude::*;
+            // DO NOTHING, not DO UPDATE: the claim then knows whether it
+            // replaced an expired record, and a fresh key costs PostgreSQL
+            // measurably less. A record that is already there is taken over
+            // by a second, guarded statement only if its retention has ended.
+            let inserted = diesel::insert_into(k::table)
+                .values(record)
+                .on_conflict_do_nothing()
+                .execute(self)?;
+            if inserted == 1 {
+                return Ok(Claim::Inserted);
+            }
+            let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
+                .filter(k::expires_at.le(record.created_at))
+                .set(record)
+                .execute(self)?;
+            Ok(if taken_over == 1 {
+                Claim::TookOver
+            } else {
+                Claim::Refused
+            })
+        }
+
         fn store(
             &mut self,
             hold: $crate::backend::Hold,
@@ -118,6 +144,27 @@ macro_rules! shared_queries {
 }
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use shared_queries;
+
+/// Makes a backend's plain connection a [`RawConnection`]: its own
+/// [`StoreConnection::Raw`].
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! raw_connection {
+    ($conn:ty) => {
+        impl $crate::backend::StoreConnection for $conn {
+            type Raw = Self;
+
+            fn raw(&mut self) -> &mut Self {
+                self
+            }
+        }
+
+        impl $crate::backend::sealed::Sealed for $conn {}
+
+        impl $crate::backend::RawConnection for $conn {}
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+use raw_connection;
 
 pub(crate) mod migrate;
 #[cfg(feature = "mysql")]

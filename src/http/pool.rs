@@ -59,28 +59,20 @@ where
 {
     type Connection = C;
 
-    fn with_connection<T: Send + 'static>(
-        self,
-        call: Call<C, T>,
-    ) -> impl Future<Output = Result<T, Unavailable>> + Send {
-        let pool = self;
-        async move {
-            // r2d2 waits for a connection by blocking, so the checkout joins
-            // the call on the blocking thread.
-            let task = tokio::task::spawn_blocking(move || {
-                let mut conn = pool.get().map_err(|error| Unavailable::Checkout(Box::new(error)))?;
-                Ok(call(&mut conn))
-            });
-            task.await
-                .unwrap_or_else(|error| Err(Unavailable::Aborted(Box::new(error))))
-        }
+    async fn with_connection<T: Send + 'static>(self, call: Call<C, T>) -> Result<T, Unavailable> {
+        // r2d2 waits for a connection by blocking, so the checkout joins the
+        // call on the blocking thread.
+        let task = tokio::task::spawn_blocking(move || {
+            let mut conn = self.get().map_err(|error| Unavailable::Checkout(Box::new(error)))?;
+            Ok(call(&mut conn))
+        });
+        task.await
+            .unwrap_or_else(|error| Err(Unavailable::Aborted(Box::new(error))))
     }
 }
 
 #[cfg(feature = "deadpool")]
 mod deadpool_diesel_pool {
-    use std::future::Future;
-
     use deadpool::managed::Object;
     use deadpool_diesel::{Manager, Pool};
     use diesel::connection::{AnsiTransactionManager, TransactionManager};
@@ -102,31 +94,25 @@ mod deadpool_diesel_pool {
     {
         type Connection = C;
 
-        fn with_connection<T: Send + 'static>(
-            self,
-            call: Call<C, T>,
-        ) -> impl Future<Output = Result<T, Unavailable>> + Send {
-            let pool = self;
-            async move {
-                let object = pool
-                    .get()
-                    .await
-                    .map_err(|error| Unavailable::Checkout(Box::new(error)))?;
-                let (result, broken) = object
-                    .interact(move |conn| {
-                        let result = call(conn);
-                        (result, AnsiTransactionManager::is_broken_transaction_manager(conn))
-                    })
-                    .await
-                    .map_err(|error| Unavailable::Aborted(error.to_string().into()))?;
-                // deadpool-diesel's default recycling does not look at the
-                // transaction manager: a connection that can run no more
-                // transactions leaves the pool here, as r2d2 discards it.
-                if broken {
-                    drop(Object::take(object));
-                }
-                Ok(result)
+        async fn with_connection<T: Send + 'static>(self, call: Call<C, T>) -> Result<T, Unavailable> {
+            let object = self
+                .get()
+                .await
+                .map_err(|error| Unavailable::Checkout(Box::new(error)))?;
+            let (result, broken) = object
+                .interact(move |conn| {
+                    let result = call(conn);
+                    (result, AnsiTransactionManager::is_broken_transaction_manager(conn))
+                })
+                .await
+                .map_err(|error| Unavailable::Aborted(error.to_string().into()))?;
+            // deadpool-diesel's default recycling does not look at the
+            // transaction manager: a connection that can run no more
+            // transactions leaves the pool here, as r2d2 discards it.
+            if broken {
+                drop(Object::take(object));
             }
+            Ok(result)
         }
     }
 }
