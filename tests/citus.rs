@@ -362,6 +362,16 @@ fn executed(worker: &mut Worker, schema: &str) -> Executed {
     .unwrap_or_else(|e| panic!("read pg_stat_statements on {}: {e}", worker.name))
 }
 
+/// Empties pg_stat_statements on every worker, so that no entry the test
+/// reads is evicted to make room (a cluster keeps 5000 statements).
+fn reset_statements(workers: &mut [Worker]) {
+    for worker in workers {
+        diesel::sql_query("SELECT pg_stat_statements_reset()")
+            .execute(&mut worker.conn)
+            .unwrap_or_else(|e| panic!("reset pg_stat_statements on {}: {e}", worker.name));
+    }
+}
+
 fn executed_on_each(workers: &mut [Worker], schema: &str) -> Vec<Executed> {
     workers.iter_mut().map(|w| executed(w, schema)).collect()
 }
@@ -429,6 +439,7 @@ fn the_first_call_is_one_single_shard_transaction() {
         "the key lookup is one task: {plan:#?}"
     );
 
+    reset_statements(&mut workers);
     let before = executed_on_each(&mut workers, &db.schema);
     let recorded_before = recorded_2pc(&mut admin);
     let outcome = run_idempotent(&mut conn, account, "order-1", &PlaceOrder { item: "book" }, |tx| {
