@@ -10,6 +10,7 @@ use chrono::Duration;
 use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
 
 use crate::common::TestDb;
+use crate::common::race::assert_one_executed_and_all_saw_it;
 use crate::common::wait::{self, Barrier};
 
 crate::common::backend_tests!(
@@ -45,12 +46,7 @@ fn concurrent_retries_execute_once<D: TestDb>() {
     let outcomes: Vec<Outcome<i64>> = handles.into_iter().map(|h| wait::join(h, "a racing thread")).collect();
 
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the operation ran once");
-    assert_eq!(outcomes.iter().filter(|o| !o.is_replayed()).count(), 1, "one execution");
-    let values: Vec<i64> = outcomes.into_iter().map(Outcome::into_inner).collect();
-    assert!(
-        values.windows(2).all(|w| w[0] == w[1]),
-        "every caller got the same value: {values:?}"
-    );
+    assert_one_executed_and_all_saw_it(outcomes);
     assert_eq!(D::order_count(&mut db.conn()), 1);
 }
 

@@ -820,23 +820,6 @@ fn in_flight_wait_zero_rejects_at_once() {
 mod library {
     use super::*;
 
-    /// Anyone is one caller, the `public` scope.
-    struct Anyone;
-
-    impl<S: Sync> FromRequestParts<S> for Anyone {
-        type Rejection = StatusCode;
-
-        async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, StatusCode> {
-            Ok(Anyone)
-        }
-    }
-
-    impl Caller for Anyone {
-        fn scope(&self) -> Cow<'_, str> {
-            Cow::Borrowed("public")
-        }
-    }
-
     #[derive(Clone)]
     struct Notes {
         pool: SqlitePool,

@@ -2,8 +2,9 @@
 //! crate over the one harness in `common`. A module that needs a backend or
 //! a layer of the crate is compiled only with its feature; the tests of every
 //! backend it serves run with it. The failover suite (`tests/failover.rs`)
-//! is a binary of its own: it needs the `failover-tests` feature and a
-//! formation started for it.
+//! and the Citus suite (`tests/citus.rs`) are binaries of their own: each
+//! needs a feature of its own (`failover-tests`, `citus-tests`) and a
+//! cluster started for it.
 
 mod common;
 
@@ -20,6 +21,8 @@ mod clock_skew;
 mod concurrency;
 #[cfg(feature = "postgres")]
 mod connection_loss;
+#[cfg(feature = "deadpool")]
+mod deadpool;
 mod domain;
 #[cfg(feature = "postgres")]
 mod durable_replays;

@@ -21,6 +21,24 @@ use crate::http_orders::{self, Database, Limits, OrderStore, Service, Settings};
 
 pub use super::wait::PATIENCE;
 
+/// Anyone is one caller, the `public` scope: for the parts of
+/// `idempotency::http` that the service leaves out.
+pub struct Anyone;
+
+impl<S: Sync> axum::extract::FromRequestParts<S> for Anyone {
+    type Rejection = axum::http::StatusCode;
+
+    async fn from_request_parts(_: &mut axum::http::request::Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Anyone)
+    }
+}
+
+impl idempotency::http::Caller for Anyone {
+    fn scope(&self) -> std::borrow::Cow<'_, str> {
+        std::borrow::Cow::Borrowed("public")
+    }
+}
+
 /// A database of the test's own on backend `D`, empty: the service sets it
 /// up.
 pub async fn database<D: TestDb>() -> D {

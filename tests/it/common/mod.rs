@@ -22,15 +22,17 @@
 //! `server_backend_tests!` runs a `fn name<D: ServerDb>()` on each of them.
 //!
 //! Beside them: `wait` (every wait a test makes, bounded), `child` (a test
-//! run again as a child process), `server` (the holders, waiters and races of
-//! the server tests), `http` (the HTTP layer's service, client and proxies)
-//! and `pg_cluster` (a PostgreSQL cluster of a test's own).
+//! run again as a child process), `own` (a schema or database of a test's
+//! own on a server), `race` (what a race for one key must come to), `server`
+//! (the holders, waiters and races of the server tests), `outbox` (outbox
+//! scenarios several suites observe), `http` (the HTTP layer's service,
+//! client and proxies) and `pg_cluster` (a PostgreSQL cluster of a test's
+//! own). `wait`, `own` and `race` stand on nothing else of the harness, so
+//! that a suite of its own (`tests/citus.rs`) can use them too.
 
 // With a backend's feature off, the parts of the harness that only its tests
 // use are unused.
 #![allow(dead_code, unused_macros, unused_imports)]
-
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use diesel::QueryResult;
 use diesel::connection::{AnsiTransactionManager, Connection, SimpleConnection, TransactionManager};
@@ -43,14 +45,18 @@ pub mod http;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 pub mod outbox;
+pub mod own;
 #[cfg(feature = "postgres")]
 pub mod pg;
 #[cfg(feature = "postgres")]
 pub mod pg_cluster;
+pub mod race;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod server;
 pub mod sqlite;
 pub mod wait;
+
+pub use own::{OnServer, unique_name};
 
 /// Emits a `#[test]` per backend for each generic test body named: a module
 /// per backend, named as [`TestDb::BACKEND`], whose `name` runs
@@ -407,41 +413,6 @@ pub trait ServerDb: TestDb {
     }
 }
 
-/// Runs `statement` on a connection of its own to the server at `url`.
-fn execute_at<C: Connection>(url: &str, statement: &str) -> Result<(), String> {
-    let mut conn = C::establish(url).map_err(|error| format!("connect to {url}: {error}"))?;
-    conn.batch_execute(statement)
-        .map_err(|error| format!("{statement}: {error}"))
-}
-
-/// A schema or a database of a test's own on a server: made by a statement
-/// on the server, and dropped by another when this is dropped, however the
-/// test ends.
-pub struct OnServer {
-    server: String,
-    drop: String,
-    execute: fn(&str, &str) -> Result<(), String>,
-}
-
-impl OnServer {
-    /// Runs `create` on the server at `server` (a connection of backend
-    /// `C`), and `drop` there once this is dropped.
-    pub fn create<C: Connection>(server: &str, create: &str, drop: String) -> OnServer {
-        execute_at::<C>(server, create).unwrap_or_else(|error| panic!("make the test's database: {error}"));
-        OnServer {
-            server: server.to_owned(),
-            drop,
-            execute: execute_at::<C>,
-        }
-    }
-}
-
-impl Drop for OnServer {
-    fn drop(&mut self) {
-        let _ = (self.execute)(&self.server, &self.drop);
-    }
-}
-
 /// A policy that keeps records an hour by a clock of the test's own, which
 /// the test advances past it: for the tests of expiry.
 pub fn kept_an_hour() -> (idempotency::testing::ManualClock, idempotency::Config) {
@@ -491,17 +462,4 @@ pub fn test_path(module: &str, name: &str) -> String {
 /// the module whose `module_path!()` is `module`.
 pub fn test_name<D: TestDb>(module: &str, name: &str) -> String {
     test_path(module, &format!("{}::{name}", D::BACKEND))
-}
-
-/// A name no other test, in this process or another, is using.
-pub fn unique_name(prefix: &str) -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!(
-        "{prefix}_{}_{}_{nanos}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
 }

@@ -30,8 +30,7 @@ impl TestDb for Db {
     fn empty() -> Db {
         let base_url = database_url();
         let schema = super::unique_name("idem_test");
-        let separator = if base_url.contains('?') { '&' } else { '?' };
-        let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
+        let url = super::own::url_with_search_path(&base_url, &schema);
         let create = format!("CREATE SCHEMA {schema}");
         let drop = format!("DROP SCHEMA IF EXISTS {schema} CASCADE");
         let own = super::OnServer::create::<PgConnection>(&base_url, &create, drop);

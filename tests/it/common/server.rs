@@ -172,17 +172,12 @@ pub fn race_for_one_key<D: TestDb>(db: &D, config: &Config, threads: usize) -> (
 /// Asserts that the racers of [`race_for_one_key`] all succeeded, one of
 /// them executing, and all saw its value; returns the value.
 pub fn assert_one_executed_and_all_saw_it(outcomes: Vec<CallResult>) -> i64 {
-    let outcomes: Vec<Outcome<i64>> = outcomes
-        .into_iter()
-        .map(|outcome| outcome.expect("every racer succeeds"))
-        .collect();
-    assert_eq!(outcomes.iter().filter(|outcome| !outcome.is_replayed()).count(), 1);
-    let value = outcomes[0].clone().into_inner();
-    assert!(
-        outcomes.into_iter().all(|outcome| outcome.into_inner() == value),
-        "every racer sees the same value"
-    );
-    value
+    super::race::assert_one_executed_and_all_saw_it(
+        outcomes
+            .into_iter()
+            .map(|outcome| outcome.expect("every racer succeeds"))
+            .collect(),
+    )
 }
 
 /// splitmix64: deterministic, so a failing run can be repeated.
