@@ -36,7 +36,7 @@
 
 use diesel::QueryResult;
 use diesel::connection::{AnsiTransactionManager, Connection, SimpleConnection, TransactionManager};
-use diesel::r2d2::{ConnectionManager, Pool, PooledConnection, R2D2Connection};
+use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use idempotency::{RawConnection, StoreConnection};
 
 pub mod child;

@@ -5,7 +5,6 @@
 use diesel::connection::SimpleConnection;
 use diesel::mysql::MysqlConnection;
 use diesel::prelude::*;
-use diesel::r2d2::{ConnectionManager, Pool};
 
 use super::{Isolation, OutboxSchedule, ServerDb, TestDb, orders};
 

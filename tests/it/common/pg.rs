@@ -4,10 +4,9 @@
 
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
-use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::{BigInt, Integer, Text};
 
-use super::{Isolation, OutboxSchedule, ServerDb, TestDb, idempotency_outbox, orders};
+use super::{Isolation, ServerDb, TestDb};
 
 pub struct Db {
     url: String,

@@ -6,7 +6,7 @@ use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool};
 use tempfile::TempDir;
 
-use super::{OutboxSchedule, TestDb, idempotency_outbox, orders};
+use super::TestDb;
 
 pub struct Db {
     url: String,
