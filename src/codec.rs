@@ -160,6 +160,25 @@ impl Check {
 
 type Checked = Result<(), serde_json::Error>;
 
+// Serializer methods for values with nothing to refuse.
+macro_rules! accept {
+    ($($method:ident($($ty:ty),+)),* $(,)?) => {$(
+        fn $method(self, $(_: $ty),+) -> Checked {
+            Ok(())
+        }
+    )*};
+}
+
+// Serializer methods that start a compound value: its parts are checked one
+// by one, none of them as a `Some`'s content.
+macro_rules! nest {
+    ($($method:ident($($ty:ty),+)),* $(,)?) => {$(
+        fn $method(self, $(_: $ty),+) -> Result<Self, serde_json::Error> {
+            Ok(self.nested())
+        }
+    )*};
+}
+
 impl ser::Serializer for Check {
     type Ok = ();
     type Error = serde_json::Error;
@@ -171,32 +190,38 @@ impl ser::Serializer for Check {
     type SerializeStruct = Self;
     type SerializeStructVariant = Self;
 
+    accept! {
+        serialize_bool(bool),
+        serialize_i8(i8),
+        serialize_i16(i16),
+        serialize_i32(i32),
+        serialize_i64(i64),
+        serialize_u8(u8),
+        serialize_u16(u16),
+        serialize_u32(u32),
+        serialize_u64(u64),
+        serialize_char(char),
+        serialize_str(&str),
+        serialize_bytes(&[u8]),
+        serialize_unit_variant(&'static str, u32, &'static str),
+    }
+
+    nest! {
+        serialize_seq(Option<usize>),
+        serialize_tuple(usize),
+        serialize_tuple_struct(&'static str, usize),
+        serialize_tuple_variant(&'static str, u32, &'static str, usize),
+        serialize_map(Option<usize>),
+        serialize_struct(&'static str, usize),
+        serialize_struct_variant(&'static str, u32, &'static str, usize),
+    }
+
     fn serialize_f32(self, v: f32) -> Checked {
         if v.is_finite() { Ok(()) } else { Err(non_finite()) }
     }
 
     fn serialize_f64(self, v: f64) -> Checked {
         if v.is_finite() { Ok(()) } else { Err(non_finite()) }
-    }
-
-    fn serialize_bool(self, _: bool) -> Checked {
-        Ok(())
-    }
-
-    fn serialize_i8(self, _: i8) -> Checked {
-        Ok(())
-    }
-
-    fn serialize_i16(self, _: i16) -> Checked {
-        Ok(())
-    }
-
-    fn serialize_i32(self, _: i32) -> Checked {
-        Ok(())
-    }
-
-    fn serialize_i64(self, _: i64) -> Checked {
-        Ok(())
     }
 
     fn serialize_i128(self, v: i128) -> Checked {
@@ -207,40 +232,12 @@ impl ser::Serializer for Check {
         }
     }
 
-    fn serialize_u8(self, _: u8) -> Checked {
-        Ok(())
-    }
-
-    fn serialize_u16(self, _: u16) -> Checked {
-        Ok(())
-    }
-
-    fn serialize_u32(self, _: u32) -> Checked {
-        Ok(())
-    }
-
-    fn serialize_u64(self, _: u64) -> Checked {
-        Ok(())
-    }
-
     fn serialize_u128(self, v: u128) -> Checked {
         if self.narrow && u64::try_from(v).is_err() {
             Err(wide_integer())
         } else {
             Ok(())
         }
-    }
-
-    fn serialize_char(self, _: char) -> Checked {
-        Ok(())
-    }
-
-    fn serialize_str(self, _: &str) -> Checked {
-        Ok(())
-    }
-
-    fn serialize_bytes(self, _: &[u8]) -> Checked {
-        Ok(())
     }
 
     fn serialize_none(self) -> Checked {
@@ -262,10 +259,6 @@ impl ser::Serializer for Check {
         self.null()
     }
 
-    fn serialize_unit_variant(self, _: &'static str, _: u32, _: &'static str) -> Checked {
-        Ok(())
-    }
-
     fn serialize_newtype_struct<T: Serialize + ?Sized>(self, _: &'static str, value: &T) -> Checked {
         value.serialize(self)
     }
@@ -279,141 +272,35 @@ impl ser::Serializer for Check {
     ) -> Checked {
         value.serialize(self.nested())
     }
-
-    fn serialize_seq(self, _: Option<usize>) -> Result<Self, serde_json::Error> {
-        Ok(self.nested())
-    }
-
-    fn serialize_tuple(self, _: usize) -> Result<Self, serde_json::Error> {
-        Ok(self.nested())
-    }
-
-    fn serialize_tuple_struct(self, _: &'static str, _: usize) -> Result<Self, serde_json::Error> {
-        Ok(self.nested())
-    }
-
-    fn serialize_tuple_variant(
-        self,
-        _: &'static str,
-        _: u32,
-        _: &'static str,
-        _: usize,
-    ) -> Result<Self, serde_json::Error> {
-        Ok(self.nested())
-    }
-
-    fn serialize_map(self, _: Option<usize>) -> Result<Self, serde_json::Error> {
-        Ok(self.nested())
-    }
-
-    fn serialize_struct(self, _: &'static str, _: usize) -> Result<Self, serde_json::Error> {
-        Ok(self.nested())
-    }
-
-    fn serialize_struct_variant(
-        self,
-        _: &'static str,
-        _: u32,
-        _: &'static str,
-        _: usize,
-    ) -> Result<Self, serde_json::Error> {
-        Ok(self.nested())
-    }
 }
 
-impl ser::SerializeSeq for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
+// The seven compound serializers differ only in the names serde gives their
+// methods: each part is checked as a value of its own.
+macro_rules! check_parts {
+    ($($compound:ident { $($method:ident($($name:ty)?)),+ })*) => {$(
+        impl ser::$compound for Check {
+            type Ok = ();
+            type Error = serde_json::Error;
 
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(*self)
-    }
+            $(fn $method<T: Serialize + ?Sized>(&mut self, $(_: $name,)? value: &T) -> Checked {
+                value.serialize(*self)
+            })+
 
-    fn end(self) -> Checked {
-        Ok(())
-    }
+            fn end(self) -> Checked {
+                Ok(())
+            }
+        }
+    )*};
 }
 
-impl ser::SerializeTuple for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
-}
-
-impl ser::SerializeTupleStruct for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
-}
-
-impl ser::SerializeTupleVariant for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
-}
-
-impl ser::SerializeMap for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_key<T: Serialize + ?Sized>(&mut self, key: &T) -> Checked {
-        key.serialize(*self)
-    }
-
-    fn serialize_value<T: Serialize + ?Sized>(&mut self, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
-}
-
-impl ser::SerializeStruct for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, _: &'static str, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
-}
-
-impl ser::SerializeStructVariant for Check {
-    type Ok = ();
-    type Error = serde_json::Error;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, _: &'static str, value: &T) -> Checked {
-        value.serialize(*self)
-    }
-
-    fn end(self) -> Checked {
-        Ok(())
-    }
+check_parts! {
+    SerializeSeq { serialize_element() }
+    SerializeTuple { serialize_element() }
+    SerializeTupleStruct { serialize_field() }
+    SerializeTupleVariant { serialize_field() }
+    SerializeMap { serialize_key(), serialize_value() }
+    SerializeStruct { serialize_field(&'static str) }
+    SerializeStructVariant { serialize_field(&'static str) }
 }
 
 #[cfg(test)]

@@ -4,11 +4,14 @@
 use std::fmt;
 
 use chrono::{DateTime, Duration, Utc};
+use serde::Serialize;
 
 use crate::backend::{self, KeyStore, PhaseStore, StoreConnection};
 use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
 use crate::in_flight::InFlight;
+use crate::telemetry::CallTrace;
+use crate::{fingerprint, key};
 
 /// The policy for idempotent calls, built with consuming builder methods.
 ///
@@ -185,6 +188,40 @@ impl Config {
     /// table holds less.
     pub(crate) fn key_len_limit<C: KeyStore>(&self) -> usize {
         C::MAX_KEY_LEN.map_or(self.max_key_len, |limit| limit.min(self.max_key_len))
+    }
+
+    /// The key rules of this policy on backend `C`: the scope's, then the
+    /// key's. With a `trace`, each value is recorded on the call's span
+    /// once it passed (a refused value never reaches the span).
+    pub(crate) fn check_rules<C: KeyStore, E>(
+        &self,
+        scope: &str,
+        key: &str,
+        trace: Option<&CallTrace>,
+    ) -> Result<(), Error<E>> {
+        let max_len = self.key_len_limit::<C>();
+        key::validate_scope(scope, max_len).map_err(Error::InvalidScope)?;
+        if let Some(trace) = trace {
+            trace.scope(scope);
+        }
+        key::validate_key(key, max_len).map_err(Error::InvalidKey)?;
+        if let Some(trace) = trace {
+            trace.key(key);
+        }
+        Ok(())
+    }
+
+    /// What every call does first, a single call and a phased operation
+    /// alike: the key rules, then the request's fingerprint.
+    pub(crate) fn admit<C: KeyStore, Q: Serialize + ?Sized, E>(
+        &self,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        trace: &CallTrace,
+    ) -> Result<String, Error<E>> {
+        self.check_rules::<C, E>(scope, key, Some(trace))?;
+        fingerprint::of(request).map_err(Error::Codec)
     }
 
     /// Deletes every record whose retention has ended (`expires_at <= now`),

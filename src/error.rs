@@ -186,6 +186,73 @@ impl<E> Error<E> {
     }
 }
 
+impl<E> Error<E> {
+    /// The same error with the operation's own error mapped by `f`, as
+    /// [`Result::map_err`] does; every other variant stays as it is. With
+    /// `E = Infallible` it turns an error of a call without an operation
+    /// into an error of any operation type, so that `?` composes:
+    ///
+    /// ```
+    /// use std::convert::Infallible;
+    /// use idempotency::{Config, Error};
+    ///
+    /// #[derive(Debug)]
+    /// struct Rejected;
+    ///
+    /// fn tidy(conn: &mut diesel::SqliteConnection) -> Result<usize, Error<Rejected>> {
+    ///     Config::default().purge_expired(conn, 500).map_err(|error| error.map_operation(|never: Infallible| match never {}))
+    /// }
+    ///
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// assert_eq!(tidy(&mut conn).map_err(|e| e.status_code()), Ok(0));
+    /// assert!(matches!(Error::Operation(1).map_operation(|n| n + 1), Error::Operation(2)));
+    /// ```
+    pub fn map_operation<F>(self, f: impl FnOnce(E) -> F) -> Error<F> {
+        match self {
+            Error::Operation(error) => Error::Operation(f(error)),
+            Error::InvalidKey(reason) => Error::InvalidKey(reason),
+            Error::InvalidScope(reason) => Error::InvalidScope(reason),
+            Error::Mismatch => Error::Mismatch,
+            Error::InProgress => Error::InProgress,
+            Error::Storage(error) => Error::Storage(error),
+            Error::OutcomeUnknown(error) => Error::OutcomeUnknown(error),
+            Error::Codec(error) => Error::Codec(error),
+            Error::Parked => Error::Parked,
+            Error::PhaseRenamed {
+                position,
+                recorded,
+                found,
+            } => Error::PhaseRenamed {
+                position,
+                recorded,
+                found,
+            },
+        }
+    }
+
+    /// The operation's own error as `Ok`, or every other error as `Err`,
+    /// typed without an operation: a handler maps its own errors and passes
+    /// the crate's on (an `Error` is a `std::error::Error` whatever the
+    /// operation's type).
+    ///
+    /// ```
+    /// use idempotency::Error;
+    ///
+    /// assert_eq!(Error::Operation("declined").into_operation().ok(), Some("declined"));
+    /// assert_eq!(Error::<&str>::Mismatch.into_operation().map_err(|e| e.status_code()), Err(422));
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// Every error other than [`Error::Operation`], as `Error<Infallible>`.
+    pub fn into_operation(self) -> Result<E, Error> {
+        match self {
+            Error::Operation(error) => Ok(error),
+            other => Err(other.map_operation(|_| unreachable!("called for Error::Operation only"))),
+        }
+    }
+}
+
 /// Whether `error` says that the connection to the server was lost (or
 /// could not carry the statement): a crash, a failover, a killed session.
 ///

@@ -21,12 +21,19 @@ use crate::error::KeyError;
 /// assert_ne!(key, idempotency::key::derive(&["nightly-invoices-2026-11-29", "customer-43"]));
 /// ```
 pub fn derive(parts: &[&str]) -> String {
+    hex(&digest(parts))
+}
+
+/// The SHA-256 behind [`derive`]: of the parts, each prefixed with its
+/// length. The backends' key locks are named by it as well, so it may never
+/// change.
+pub(crate) fn digest(parts: &[&str]) -> [u8; 32] {
     let mut hasher = Sha256::new();
     for part in parts {
         hasher.update((part.len() as u64).to_be_bytes());
         hasher.update(part.as_bytes());
     }
-    hex(&hasher.finalize())
+    hasher.finalize().into()
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {

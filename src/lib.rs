@@ -48,14 +48,16 @@
 //!
 //! - **integrations**: [`http`] for axum (feature `axum`), [`testing`] for
 //!   domain tests;
-//! - **services**, background loops stopped by a [`Shutdown`]: the outbox
-//!   [`Relay`](outbox::Relay), the [`Purger`], the phased
-//!   [`Completer`](phased::Completer);
+//! - **services** (`src/service/`), background loops stopped by a
+//!   [`Shutdown`], one loop for all: the outbox [`Relay`](outbox::Relay),
+//!   the [`Purger`], the phased [`Completer`](phased::Completer), each
+//!   returning what it did as [`Stopped`];
 //! - **features**: the combinator ([`run_idempotent`], [`Config::run`]),
 //!   the [`outbox`], [`phased`] operations, [`batch`] jobs, the
 //!   [`Idempotent`] repository wrapper, purging
 //!   ([`Config::purge_expired`]);
-//! - **backends**: SQLite, PostgreSQL and MySQL/MariaDB, each a cargo
+//! - **backends** ([`backend`], one folder per database under
+//!   `src/backend/`): SQLite, PostgreSQL and MySQL/MariaDB, each a cargo
 //!   feature, behind [`StoreConnection`]; the tables come from
 //!   [`run_migrations`] or [`MIGRATIONS`];
 //! - **ground**: errors ([`Error`], [`KeyError`]), the in-flight policy
@@ -80,7 +82,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
-mod backend;
+pub mod backend;
 pub mod batch;
 mod clock;
 mod codec;

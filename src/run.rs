@@ -9,11 +9,11 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::backend::{self, COMPLETED, Hold, KeyStore, PROCESSING, Read, Record, StoreConnection, Stored};
+use crate::codec;
 use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::{Outcome, Recorded};
 use crate::telemetry::CallTrace;
-use crate::{codec, fingerprint, key};
 
 /// Runs `op` at most once for `(scope, key)` with [`Config::default()`]; see
 /// [`Config::run`].
@@ -192,77 +192,53 @@ impl Config {
         F: FnOnce(&mut C::Raw) -> Result<R, E>,
     {
         let trace = CallTrace::start(C::Raw::BACKEND);
-        let result = trace
-            .span()
-            .in_scope(|| self.decide(conn.raw(), scope, key, request, op, &trace));
+        let conn = conn.raw();
+        // In the call's span, so that its events carry the scope, the key
+        // and the backend.
+        let result = trace.span().in_scope(|| {
+            let request_hash = self.admit::<C::Raw, Q, E>(scope, key, request, &trace)?;
+            // The record this call writes if it executes, claimed as of `now`:
+            // to the microsecond, as PostgreSQL keeps times, so that the times
+            // an execution reports are the ones its replays read back.
+            let claim = |now: NaiveDateTime| {
+                let now = now.trunc_subsecs(6);
+                Record {
+                    scope,
+                    idempotency_key: key,
+                    request_hash: &request_hash,
+                    status: PROCESSING,
+                    response: None,
+                    created_at: now,
+                    completed_at: None,
+                    expires_at: C::Raw::storable_time(now + self.retention),
+                }
+            };
+            let recorded = match conn.read(scope, key) {
+                Ok(Read { record, now }) => {
+                    let now = self.clock.or_database(now);
+                    match record {
+                        Some(stored) if stored.status == COMPLETED && stored.expires_at > now => {
+                            if self.durable_replays {
+                                conn.await_replication()?;
+                            }
+                            replay(stored, &request_hash)
+                        }
+                        _ => self.execute(conn, claim(now), op, &trace),
+                    }
+                }
+                // A reader kept out by a writer (SQLite outside WAL mode) takes
+                // the write path, which waits as the in-flight policy allows and
+                // reads again once it holds the lock.
+                Err(error) if C::Raw::is_in_flight_timeout(&error) => {
+                    let now = self.clock.now(conn)?;
+                    self.execute(conn, claim(now), op, &trace)
+                }
+                Err(error) => Err(Error::Storage(error)),
+            };
+            recorded.map_err(|error| backend::call_error::<C::Raw, E>(error, false))
+        });
         trace.finish(&result);
         result
-    }
-
-    /// Everything a call does, inside its span.
-    fn decide<C, Q, R, E, F>(
-        &self,
-        conn: &mut C,
-        scope: &str,
-        key: &str,
-        request: &Q,
-        op: F,
-        trace: &CallTrace,
-    ) -> Result<Recorded<R>, Error<E>>
-    where
-        C: KeyStore,
-        Q: Serialize + ?Sized,
-        R: Serialize + DeserializeOwned,
-        F: FnOnce(&mut C) -> Result<R, E>,
-    {
-        let max_len = self.key_len_limit::<C>();
-        key::validate_scope(scope, max_len).map_err(Error::InvalidScope)?;
-        trace.scope(scope);
-        key::validate_key(key, max_len).map_err(Error::InvalidKey)?;
-        trace.key(key);
-        let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
-        // The record this call writes if it executes, claimed as of `now`:
-        // to the microsecond, as PostgreSQL keeps times, so that the times
-        // an execution reports are the ones its replays read back.
-        let claim = |now: NaiveDateTime| {
-            let now = now.trunc_subsecs(6);
-            Record {
-                scope,
-                idempotency_key: key,
-                request_hash: &request_hash,
-                status: PROCESSING,
-                response: None,
-                created_at: now,
-                completed_at: None,
-                expires_at: C::storable_time(now + self.retention),
-            }
-        };
-        let recorded = match conn.read(scope, key) {
-            Ok(Read { record, now }) => {
-                let now = self.clock.or_database(now);
-                match record {
-                    Some(stored) if stored.status == COMPLETED && stored.expires_at > now => {
-                        if self.durable_replays {
-                            conn.await_replication()?;
-                        }
-                        replay(stored, &request_hash)
-                    }
-                    _ => self.execute(conn, claim(now), op, trace),
-                }
-            }
-            // A reader kept out by a writer (SQLite outside WAL mode) takes
-            // the write path, which waits as the in-flight policy allows and
-            // reads again once it holds the lock.
-            Err(error) if C::is_in_flight_timeout(&error) => {
-                let now = self.clock.now(conn)?;
-                self.execute(conn, claim(now), op, trace)
-            }
-            Err(error) => Err(Error::Storage(error)),
-        };
-        recorded.map_err(|error| match error {
-            Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
-            other => other,
-        })
     }
 
     /// The write path: hold the key, then replay what another call stored
@@ -333,16 +309,10 @@ impl Config {
         if let Some(payload) = panicked {
             panic::resume_unwind(payload);
         }
-        let result = match result {
-            Err(Error::Storage(error)) if commits && committing && !C::commit_rolled_back(&error) => {
-                Err(Error::OutcomeUnknown(error))
-            }
-            other => other,
-        };
         if matches!(&result, Err(Error::Storage(error)) if C::is_in_flight_timeout(error)) {
             trace.waited(started.elapsed());
         }
-        result
+        result.map_err(|error| backend::call_error::<C, E>(error, commits && committing))
     }
 }
 

@@ -15,6 +15,7 @@ common::backend_tests!(
     generic_call_executes_replays_and_delivers_once_on_a_pooled_connection,
     generic_nested_call_runs_on_a_plain_connection,
     generic_nested_call_runs_on_a_pooled_connection,
+    the_supertraits_of_a_raw_connection_are_nameable_in_bounds,
 );
 
 fn place_with_receipt<C: StoreConnection>(conn: &mut C, key: &str) -> Result<Outcome<u32>, Error<outbox::Error>> {
@@ -87,4 +88,25 @@ fn generic_nested_call_runs_on_a_pooled_connection<D: TestDb>() {
     nested_call_executes_replays_and_delivers_once(&mut pooled);
     assert_eq!(D::key_count(&mut pooled), 2, "the checkout's key and the order's");
     assert!(!D::in_transaction(&mut pooled));
+}
+
+/// Generic code that spells out what `RawConnection` is made of.
+fn deliver_on_raw<C>(conn: &mut C) -> Result<usize, outbox::Error>
+where
+    C: idempotency::backend::KeyStore
+        + idempotency::backend::OutboxStore
+        + idempotency::backend::PhaseStore
+        + idempotency::RawConnection,
+{
+    deliver_all(conn)
+}
+
+fn the_supertraits_of_a_raw_connection_are_nameable_in_bounds<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    assert_eq!(
+        place_with_receipt(&mut conn, "named-1").expect("the call"),
+        Outcome::Executed(1)
+    );
+    assert_eq!(deliver_on_raw(&mut conn).expect("the relay"), 1);
 }

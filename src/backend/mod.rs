@@ -1,10 +1,17 @@
-//! The backends: the connection types this crate accepts and everything
-//! each database does, one folder per database (`sqlite/`, `postgres/`,
-//! `mysql/`: its connection impls, how it holds a key, its clock, and its
-//! key, outbox and phase statements). What the backends share is written
-//! once here: the key records (this file), the outbox's statements
-//! ([`outbox`]) and the phased operations' ([`phases`]), with the traits
-//! every backend implements.
+//! The backends: the connection types this crate stores keys on, and the
+//! traits generic code names in its bounds.
+//!
+//! Code written once for every backend is generic over
+//! [`StoreConnection`] (a plain diesel connection or a pooled one) or
+//! [`RawConnection`] (the plain connection an operation receives). Their
+//! supertraits [`KeyStore`], [`OutboxStore`] and [`PhaseStore`] are the
+//! statements each database needs; they are sealed, and their methods are
+//! the crate's internals.
+//!
+//! Everything one database does lives in its own folder of the source
+//! (`sqlite/`, `postgres/`, `mysql/`: its connection impls, how it holds a
+//! key, its clock, and its key, outbox and phase statements); what the
+//! backends share is written once beside them.
 //!
 //! A call writes its key record once, completed, after the operation: the
 //! write transaction first holds the key (SQLite: the database's write lock;
@@ -20,11 +27,12 @@
 
 use std::time::Instant;
 
-use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
+use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 
+use crate::error::Error;
 use crate::in_flight::InFlight;
 use crate::schema::idempotency_keys;
 use crate::telemetry;
@@ -49,6 +57,32 @@ macro_rules! shared_queries {
                 .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at))
                 .get_result(self)
                 .optional()
+        }
+
+        fn claim(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<$crate::backend::Claim> {
+            use $($schema)+::idempotency_keys as k;
+            use crate::backend::Claim;
+            use diesel::prelude::*;
+            // DO NOTHING, not DO UPDATE: the claim then knows whether it
+            // replaced an expired record, and a fresh key costs PostgreSQL
+            // measurably less. A record that is already there is taken over
+            // by a second, guarded statement only if its retention has ended.
+            let inserted = diesel::insert_into(k::table)
+                .values(record)
+                .on_conflict_do_nothing()
+                .execute(self)?;
+            if inserted == 1 {
+                return Ok(Claim::Inserted);
+            }
+            let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
+                .filter(k::expires_at.le(record.created_at))
+                .set(record)
+                .execute(self)?;
+            Ok(if taken_over == 1 {
+                Claim::TookOver
+            } else {
+                Claim::Refused
+            })
         }
 
         fn store(
@@ -111,11 +145,34 @@ macro_rules! shared_queries {
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use shared_queries;
 
+/// Makes a backend's plain connection a [`RawConnection`]: its own
+/// [`StoreConnection::Raw`].
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+macro_rules! raw_connection {
+    ($conn:ty) => {
+        impl $crate::backend::StoreConnection for $conn {
+            type Raw = Self;
+
+            fn raw(&mut self) -> &mut Self {
+                self
+            }
+        }
+
+        impl $crate::backend::sealed::Sealed for $conn {}
+
+        impl $crate::backend::RawConnection for $conn {}
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+use raw_connection;
+
 pub(crate) mod migrate;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;
-pub(crate) mod outbox;
-pub(crate) mod phases;
+#[doc(hidden)]
+pub mod outbox;
+#[doc(hidden)]
+pub mod phases;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -123,8 +180,8 @@ pub(crate) mod row_with;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-pub(crate) use outbox::OutboxStore;
-pub(crate) use phases::PhaseStore;
+pub use outbox::OutboxStore;
+pub use phases::PhaseStore;
 
 pub(crate) const PROCESSING: &str = "processing";
 pub(crate) const COMPLETED: &str = "completed";
@@ -208,6 +265,7 @@ pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
+#[doc(hidden)]
 /// A key record as this crate writes it: claimed (`processing`, no response
 /// yet) or completed with its response.
 #[derive(Insertable, AsChangeset, Clone, Copy)]
@@ -223,6 +281,7 @@ pub struct Record<'a> {
     pub(crate) expires_at: NaiveDateTime,
 }
 
+#[doc(hidden)]
 /// What a replay needs of a stored record.
 #[derive(Queryable, Debug)]
 pub struct Stored {
@@ -233,6 +292,7 @@ pub struct Stored {
     pub(crate) expires_at: NaiveDateTime,
 }
 
+#[doc(hidden)]
 /// What the replay read outside the write transaction found.
 pub struct Read {
     /// The record, whatever its state.
@@ -241,6 +301,7 @@ pub struct Read {
     pub(crate) now: NaiveDateTime,
 }
 
+#[doc(hidden)]
 /// What a guarded claim of a key did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claim {
@@ -263,6 +324,7 @@ impl Claim {
     }
 }
 
+#[doc(hidden)]
 /// How a write transaction holds its key, decided once it holds the key's
 /// lock, and so how the operation's result is stored.
 #[derive(Debug)]
@@ -290,6 +352,7 @@ pub enum Hold {
 /// `at`, moved into the years `first..=last`.
 #[cfg(any(feature = "sqlite", feature = "mysql"))]
 pub(crate) fn within_years(at: NaiveDateTime, first: i32, last: i32) -> NaiveDateTime {
+    use chrono::{NaiveDate, NaiveTime};
     let day = |year, month, date| NaiveDate::from_ymd_opt(year, month, date).expect("a calendar date");
     let earliest = day(first, 1, 1).and_time(NaiveTime::MIN);
     let latest = day(last, 12, 31)
@@ -298,9 +361,11 @@ pub(crate) fn within_years(at: NaiveDateTime, first: i32, last: i32) -> NaiveDat
     at.clamp(earliest, latest)
 }
 
-/// The per-backend part of key storage. Implemented by the diesel connection
-/// types only; the combinator in `run.rs` is written against it alone.
-pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Sized {
+/// The key records' statements, one implementation per backend: a
+/// supertrait of [`RawConnection`], nameable in bounds. Sealed, and its
+/// methods are the crate's internals: only the crate implements and calls
+/// them.
+pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Sized + sealed::Sealed {
     /// The backend's name, as events and metrics report it.
     #[doc(hidden)]
     const BACKEND: &'static str;
@@ -427,6 +492,20 @@ pub(crate) fn hold_by_claiming<C: KeyStore>(conn: &mut C, record: &Record<'_>) -
         Some(stored) => Ok(Hold::Taken(stored)),
         // Purged between the claim and this read, so free now.
         None => Ok(conn.claim(record)?.hold().unwrap_or(Hold::Busy)),
+    }
+}
+
+/// What the failure of a call's write transaction tells its caller, the
+/// same for a single call and a phased step. `committing`: the transaction
+/// that holds the key was committing when it failed. A commit that failed
+/// without the database refusing it ([`KeyStore::commit_rolled_back`]) may
+/// have committed: [`Error::OutcomeUnknown`]. A wait for the key, or for
+/// SQLite's write lock, that ran out is [`Error::InProgress`].
+pub(crate) fn call_error<C: KeyStore, E>(error: Error<E>, committing: bool) -> Error<E> {
+    match error {
+        Error::Storage(error) if committing && !C::commit_rolled_back(&error) => Error::OutcomeUnknown(error),
+        Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
+        other => other,
     }
 }
 

@@ -1,9 +1,9 @@
 //! Where outbox messages live: the statements every backend implements.
 //!
 //! The statements whose DSL is the same everywhere are written once in
-//! `shared_queries!`; each backend's `outbox.rs` adds the insert (which
-//! takes the database's time), the claim, which differs in how concurrent
-//! relays keep off each other's messages, and the purge. The claim and the
+//! `shared_queries!`, given each backend's expression for the database's
+//! time; each backend's `outbox.rs` adds the claim, which differs in how
+//! concurrent relays keep off each other's messages, and the purge. The claim and the
 //! purge update or delete through a limited subquery, which diesel's DSL
 //! cannot express, so they are SQL with bound parameters.
 
@@ -77,8 +77,10 @@ pub enum Settlement {
     Dead { error: String, attempts: i32 },
 }
 
-/// The outbox statements, implemented by the diesel connection types only;
-/// the relay is written against this trait alone.
+/// The outbox's statements, one implementation per backend: a supertrait
+/// of [`RawConnection`](crate::RawConnection), nameable in bounds. Its
+/// methods are the crate's internals: only the crate implements and calls
+/// them, and the relay is written against this trait alone.
 pub trait OutboxStore: KeyStore {
     /// Leases up to `limit` pending messages due at `now`, oldest first:
     /// each gets one more attempt, `lease_token` and `available_at =
@@ -158,9 +160,28 @@ pub trait OutboxStore: KeyStore {
 /// The methods of [`OutboxStore`] whose DSL is the same on every backend,
 /// expanded into each backend's impl against its schema module (see
 /// `crate::backend::shared_queries` for why a macro rather than generic
-/// functions).
+/// functions): `shared_queries!(created_at = <the database's time>; <schema
+/// module>)`.
 macro_rules! shared_queries {
-    ($($schema:tt)+) => {
+    (created_at = $now:expr; $($schema:tt)+) => {
+        fn insert_message(&mut self, message: &$crate::backend::outbox::NewMessage<'_>) -> diesel::QueryResult<()> {
+            use crate::backend::outbox::PENDING;
+            use $($schema)+::idempotency_outbox as o;
+            use diesel::prelude::*;
+            diesel::insert_into(o::table)
+                .values((
+                    o::id.eq(message.id),
+                    o::topic.eq(message.topic),
+                    o::payload.eq(message.payload),
+                    o::status.eq(PENDING),
+                    o::attempts.eq(0),
+                    o::available_at.eq(message.not_before),
+                    o::created_at.eq($now),
+                ))
+                .execute(self)?;
+            Ok(())
+        }
+
         fn settle(
             &mut self,
             id: &str,

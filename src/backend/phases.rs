@@ -3,9 +3,10 @@
 //!
 //! Every write of an attempt is guarded by its lease token, so an attempt
 //! whose lease was taken over changes nothing. The statements are the same
-//! DSL on every backend (`shared_queries!`), except the read that brings
-//! the database's time along, the completer's pick of abandoned operations
-//! (`SKIP LOCKED` where the backend has it) and the purge.
+//! DSL on every backend (`shared_queries!`, whose pick of abandoned
+//! operations for a completer locks them `FOR UPDATE SKIP LOCKED` where the
+//! backend has it), except the read that brings the database's time along
+//! and the purge.
 
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
@@ -77,8 +78,10 @@ pub struct ParkedRow {
     pub(crate) updated_at: NaiveDateTime,
 }
 
-/// The statements of operations in phases, implemented by the diesel
-/// connection types only.
+/// The statements of phased operations, one implementation per backend: a
+/// supertrait of [`RawConnection`](crate::RawConnection), nameable in
+/// bounds. Its methods are the crate's internals: only the crate implements
+/// and calls them.
 pub trait PhaseStore: KeyStore {
     /// The operation for `(scope, key)` and the database's time, in one
     /// statement.
@@ -146,6 +149,14 @@ pub trait PhaseStore: KeyStore {
         limit: usize,
     ) -> QueryResult<Vec<PickedRow>>;
 
+    /// Runs `pick`, the statements of [`pick_abandoned`](Self::pick_abandoned):
+    /// as they are, or, where the backend locks the rows a pick reads, in a
+    /// transaction that holds those locks until it commits.
+    #[doc(hidden)]
+    fn picking<T>(&mut self, pick: impl FnOnce(&mut Self) -> QueryResult<T>) -> QueryResult<T> {
+        pick(self)
+    }
+
     /// Parks a running operation that no attempt holds, noting why: one the
     /// completer cannot resume.
     #[doc(hidden)]
@@ -179,15 +190,17 @@ pub trait PhaseStore: KeyStore {
 /// The methods of [`PhaseStore`] whose DSL is the same on every backend,
 /// expanded into each backend's impl against its schema module (see
 /// `crate::backend::shared_queries` for why a macro rather than generic
-/// functions): `shared_queries!(crate::schema)`, or `shared_queries!(strict
-/// ...)` where a duplicate key must fail the insert rather than be ignored.
+/// functions): `shared_queries!(crate::schema)`; `skip_locked` before the
+/// schema where the completer's pick locks its rows `FOR UPDATE SKIP
+/// LOCKED`, and `strict` before that where a duplicate key must fail the
+/// insert rather than be ignored.
 macro_rules! shared_queries {
     // A backend where diesel's `on_conflict_do_nothing` is MySQL's `INSERT
     // IGNORE`, which would also store a value that does not fit cut short,
     // with a warning: a plain `INSERT`, whose duplicate-key error means the
     // key is taken. (MySQL goes on with the transaction after it.)
-    (strict $($schema:tt)+) => {
-        $crate::backend::phases::shared_queries!(@statements $($schema)+);
+    (strict skip_locked $($schema:tt)+) => {
+        $crate::backend::phases::shared_queries!(@statements [for_update skip_locked] $($schema)+);
 
         fn insert_operation(
             &mut self,
@@ -204,7 +217,45 @@ macro_rules! shared_queries {
             }
         }
     };
-    (@statements $($schema:tt)+) => {
+    (skip_locked $($schema:tt)+) => {
+        $crate::backend::phases::shared_queries!(@statements [for_update skip_locked] $($schema)+);
+        $crate::backend::phases::shared_queries!(@insert $($schema)+);
+    };
+    (@statements [$($lock:ident)*] $($schema:tt)+) => {
+        fn pick_abandoned(
+            &mut self,
+            operations: &[&str],
+            now: chrono::NaiveDateTime,
+            idle_since: chrono::NaiveDateTime,
+            until: chrono::NaiveDateTime,
+            limit: usize,
+        ) -> diesel::QueryResult<Vec<$crate::backend::phases::PickedRow>> {
+            use crate::backend::phases::{PickedRow, RUNNING};
+            use $($schema)+::idempotency_phases as p;
+            use diesel::prelude::*;
+            self.picking(|tx| {
+                let picked: Vec<PickedRow> = p::table
+                    .filter(p::status.eq(RUNNING))
+                    .filter(p::operation.eq_any(operations))
+                    // Without its request an operation waits for its client's retry.
+                    .filter(p::request.is_not_null())
+                    .filter(p::lease_until.is_null().or(p::lease_until.le(now)))
+                    .filter(p::updated_at.le(idle_since))
+                    .filter(p::completer_until.is_null().or(p::completer_until.le(now)))
+                    .order(p::updated_at)
+                    .limit($crate::backend::sql_limit(limit))
+                    .select((p::scope, p::idempotency_key, p::operation, p::request.assume_not_null()))
+                    $(.$lock())*
+                    .load(tx)?;
+                for row in &picked {
+                    diesel::update(p::table.find((&row.scope, &row.idempotency_key)))
+                        .set(p::completer_until.eq(until))
+                        .execute(tx)?;
+                }
+                Ok(picked)
+            })
+        }
+
         fn delete_expired_operation(
             &mut self,
             scope: &str,
@@ -446,9 +497,7 @@ macro_rules! shared_queries {
             Ok(updated == 1)
         }
     };
-    ($($schema:tt)+) => {
-        $crate::backend::phases::shared_queries!(@statements $($schema)+);
-
+    (@insert $($schema:tt)+) => {
         fn insert_operation(
             &mut self,
             operation: &$crate::backend::phases::NewOperation<'_>,
@@ -461,6 +510,10 @@ macro_rules! shared_queries {
                 .execute(self)?;
             Ok(inserted == 1)
         }
+    };
+    ($($schema:tt)+) => {
+        $crate::backend::phases::shared_queries!(@statements [] $($schema)+);
+        $crate::backend::phases::shared_queries!(@insert $($schema)+);
     };
 }
 pub(crate) use shared_queries;
@@ -488,34 +541,3 @@ macro_rules! operation_values {
     };
 }
 pub(crate) use operation_values;
-
-/// The DSL of the completer's pick, but for its row locking, which differs
-/// per backend: the `$lock` methods are applied to the select, on the
-/// backend's table `[$table]`. Runs in the caller's transaction.
-macro_rules! pick_abandoned {
-    ([$($table:tt)+], $conn:expr, $operations:expr, $now:expr, $idle_since:expr, $until:expr, $limit:expr $(, $lock:ident)*) => {{
-        use crate::backend::phases::{PickedRow, RUNNING};
-        use $($table)+ as p;
-        use diesel::prelude::*;
-        let picked: Vec<PickedRow> = p::table
-            .filter(p::status.eq(RUNNING))
-            .filter(p::operation.eq_any($operations))
-            // Without its request an operation waits for its client's retry.
-            .filter(p::request.is_not_null())
-            .filter(p::lease_until.is_null().or(p::lease_until.le($now)))
-            .filter(p::updated_at.le($idle_since))
-            .filter(p::completer_until.is_null().or(p::completer_until.le($now)))
-            .order(p::updated_at)
-            .limit($crate::backend::sql_limit($limit))
-            .select((p::scope, p::idempotency_key, p::operation, p::request.assume_not_null()))
-            $(.$lock())*
-            .load($conn)?;
-        for row in &picked {
-            diesel::update(p::table.find((&row.scope, &row.idempotency_key)))
-                .set(p::completer_until.eq($until))
-                .execute($conn)?;
-        }
-        Ok(picked)
-    }};
-}
-pub(crate) use pick_abandoned;

@@ -5,16 +5,16 @@ use std::error::Error as StdError;
 use std::fmt;
 
 use axum::response::{IntoResponse, Response};
-use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::{IdempotencyKey, Problem, ProblemKind, Problems};
+use super::pool::Unavailable;
+use super::{ConnectionPool, IdempotencyKey, Problem, ProblemKind, Problems};
 use crate::backend::KeyStore;
 use crate::outcome::Recorded;
 use crate::phased::{Finished, Phased, Steps};
 use crate::telemetry::CallTrace;
-use crate::{Config, Error, Outcome, RawConnection, StoreConnection, key as rules};
+use crate::{Config, Error, Outcome, StoreConnection};
 
 /// Why [`run`] gave no outcome, and the response that says so.
 ///
@@ -176,21 +176,21 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// # })
 /// # }
 /// ```
-pub async fn run<A, C, Q, R, E, F>(
-    pool: &Pool<ConnectionManager<C>>,
+pub async fn run<A, P, Q, R, E, F>(
+    pool: &P,
     config: &Config,
     key: &IdempotencyKey<A>,
     request: Q,
     op: F,
 ) -> Result<Outcome<R>, Failure<E>>
 where
-    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+    P: ConnectionPool,
     Q: Serialize + Send + 'static,
     R: Serialize + DeserializeOwned + Send + 'static,
     E: Send + 'static,
-    F: FnOnce(&mut C, &Q) -> Result<R, E> + Send + 'static,
+    F: FnOnce(&mut P::Connection, &Q) -> Result<R, E> + Send + 'static,
 {
-    refuse_by_rule::<C, A, E>(config, key)?;
+    refuse_by_rule::<P::Connection, A, E>(config, key)?;
     let config = config.clone();
     blocking(pool, key, move |conn, scope, key| {
         config.run(conn, scope, key, &request, |tx| op(tx, &request))
@@ -212,21 +212,21 @@ where
 /// As [`run`], and [`Error::Parked`] and [`Error::PhaseRenamed`] as 500
 /// problems. [`Failure::Operation`] after the operation's first commit
 /// keeps its recovery point: the client retries the same request.
-pub async fn run_phased<A, C, Q, R, E, F>(
-    pool: &Pool<ConnectionManager<C>>,
+pub async fn run_phased<A, P, Q, R, E, F>(
+    pool: &P,
     phased: &Phased,
     key: &IdempotencyKey<A>,
     request: Q,
     body: F,
 ) -> Result<Outcome<R>, Failure<E>>
 where
-    C: RawConnection + R2D2Connection + Send + 'static,
+    P: ConnectionPool,
     Q: Serialize + Send + 'static,
     R: Serialize + DeserializeOwned + Send + 'static,
     E: Send + 'static,
-    F: FnOnce(&mut Steps<'_, C>, &Q) -> Result<Finished<R>, Error<E>> + Send + 'static,
+    F: FnOnce(&mut Steps<'_, P::Connection>, &Q) -> Result<Finished<R>, Error<E>> + Send + 'static,
 {
-    refuse_by_rule::<C, A, E>(&phased.config, key)?;
+    refuse_by_rule::<P::Connection, A, E>(&phased.config, key)?;
     let phased = phased.clone();
     blocking(pool, key, move |conn, scope, key| {
         phased.run(conn, scope, key, &request, |steps| body(steps, &request))
@@ -240,63 +240,50 @@ where
 /// (503 with `Retry-After`): it gets its answer at once, traced and counted
 /// as the call would have been.
 fn refuse_by_rule<C: StoreConnection, A, E>(config: &Config, key: &IdempotencyKey<A>) -> Result<(), Failure<E>> {
-    let max_len = config.key_len_limit::<C::Raw>();
-    let broken = match rules::validate_scope(key.scope(), max_len) {
-        Err(reason) => Error::InvalidScope(reason),
-        Ok(()) => match rules::validate_key(key.key(), max_len) {
-            Err(reason) => Error::InvalidKey(reason),
-            Ok(()) => return Ok(()),
-        },
+    let Err(broken) = config.check_rules::<C::Raw, E>(key.scope(), key.key(), None) else {
+        return Ok(());
     };
     let refused: Result<Recorded<()>, Error<E>> = Err(broken);
     CallTrace::start(<C::Raw as KeyStore>::BACKEND).finish(&refused);
     refused.map(drop).map_err(|error| failure(error, key.problems()))
 }
 
-/// Checks a connection out of `pool` and makes `call` with it and the key on
-/// tokio's blocking pool; the failures as responses.
-async fn blocking<A, C, R, E, F>(
-    pool: &Pool<ConnectionManager<C>>,
-    key: &IdempotencyKey<A>,
-    call: F,
-) -> Result<Outcome<R>, Failure<E>>
+/// Makes `call` with a connection of `pool` and the key on tokio's blocking
+/// pool; the failures as responses.
+async fn blocking<A, P, R, E, F>(pool: &P, key: &IdempotencyKey<A>, call: F) -> Result<Outcome<R>, Failure<E>>
 where
-    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+    P: ConnectionPool,
     R: Send + 'static,
     E: Send + 'static,
-    F: FnOnce(&mut C, &str, &str) -> Result<Outcome<R>, Error<E>> + Send + 'static,
+    F: FnOnce(&mut P::Connection, &str, &str) -> Result<Outcome<R>, Error<E>> + Send + 'static,
 {
-    let pool = pool.clone();
     let (scope, idempotency_key) = (key.scope().to_owned(), key.key().to_owned());
-    let task = tokio::task::spawn_blocking(move || {
-        let mut conn = pool.get().map_err(Blocked::Checkout)?;
-        call(&mut conn, &scope, &idempotency_key).map_err(Blocked::Call)
-    });
+    let called = pool
+        .clone()
+        .with_connection(Box::new(move |conn| call(conn, &scope, &idempotency_key)))
+        .await;
     let problems = key.problems();
-    match task.await {
+    match called {
         Ok(Ok(outcome)) => Ok(outcome),
-        Ok(Err(Blocked::Call(error))) => Err(failure(error, problems)),
-        Ok(Err(Blocked::Checkout(cause))) => Err(Failure::Failed {
+        Ok(Err(error)) => Err(failure(error, problems)),
+        Err(Unavailable::Checkout(cause)) => Err(Failure::Failed {
             problem: problems
                 .problem(ProblemKind::Unavailable)
                 .with_detail("the server is busy; nothing was done, retry later"),
-            cause: Box::new(cause),
+            cause,
         }),
         // A panic in the operation, or a runtime shutting down before the
         // task started: either way nothing was committed.
-        Err(cause) => Err(internal(problems, Box::new(cause))),
+        Err(Unavailable::Aborted(cause)) => Err(internal(problems, cause)),
     }
 }
 
-/// What went wrong on the blocking thread.
-enum Blocked<E> {
-    Checkout(r2d2::Error),
-    Call(Error<E>),
-}
-
 fn failure<E>(error: Error<E>, problems: &Problems) -> Failure<E> {
-    let cause: Error = match error {
-        Error::Operation(error) => return Failure::Operation(error),
+    let error = match error.into_operation() {
+        Ok(error) => return Failure::Operation(error),
+        Err(error) => error,
+    };
+    let cause = match error {
         Error::InvalidKey(reason) => {
             let problem = problems
                 .problem(ProblemKind::InvalidKey)
@@ -315,34 +302,23 @@ fn failure<E>(error: Error<E>, problems: &Problems) -> Failure<E> {
                 .with_detail("a request with this idempotency key is still being processed; retry later");
             return Failure::Refused(problem);
         }
-        Error::OutcomeUnknown(cause) => {
+        cause @ Error::OutcomeUnknown(_) => {
             return Failure::Failed {
                 problem: problems.problem(ProblemKind::Unavailable).with_detail(
                     "the request may or may not have been carried out; retry it with the same Idempotency-Key to learn which",
                 ),
-                cause: Box::new(Error::<std::convert::Infallible>::OutcomeUnknown(cause)),
+                cause: Box::new(cause),
             };
         }
-        Error::Parked => {
+        cause @ Error::Parked => {
             return Failure::Failed {
                 problem: problems.problem(ProblemKind::Internal).with_detail(
                     "the operation was stopped and waits for the service's operators; retrying does not help",
                 ),
-                cause: Box::new(Error::<std::convert::Infallible>::Parked),
+                cause: Box::new(cause),
             };
         }
-        Error::InvalidScope(reason) => Error::InvalidScope(reason),
-        Error::Storage(error) => Error::Storage(error),
-        Error::Codec(error) => Error::Codec(error),
-        Error::PhaseRenamed {
-            position,
-            recorded,
-            found,
-        } => Error::PhaseRenamed {
-            position,
-            recorded,
-            found,
-        },
+        other => other,
     };
     internal(problems, Box::new(cause))
 }

@@ -9,7 +9,7 @@
 //! | piece | what it does |
 //! | --- | --- |
 //! | [`IdempotencyKey<A>`](IdempotencyKey) | extractor: the header as an sf-string or a bare token, paired with the scope of the caller that the authentication extractor `A` resolved ([`Caller`]) |
-//! | [`run`] | one async call: the key rules checked at once, then pool checkout, [`Config::run`](crate::Config::run) on tokio's blocking pool, join; the failures as responses ([`Failure`]) |
+//! | [`run`] | one async call: the key rules checked at once, then a connection from the pool (r2d2's, or deadpool-diesel's with the feature `deadpool`: [`ConnectionPool`]), [`Config::run`](crate::Config::run) on tokio's blocking pool, join; the failures as responses ([`Failure`]) |
 //! | [`run_phased`] | the same for a [phased operation](crate::phased) with a foreign call in the middle |
 //! | [`StoredResponse<T>`](StoredResponse) | what an operation returns: status, kept headers, JSON body; stored, and replayed as it was |
 //! | `Outcome<R>` as a response | `R`'s response, plus `Idempotent-Replayed: true` on a replay |
@@ -131,11 +131,13 @@ use axum::http::HeaderName;
 mod call;
 mod header;
 mod key;
+mod pool;
 mod problem;
 mod response;
 
 pub use call::{Failure, run, run_phased};
 pub use key::{Caller, IdempotencyKey};
+pub use pool::ConnectionPool;
 pub use problem::{Problem, ProblemKind, Problems};
 pub use response::StoredResponse;
 

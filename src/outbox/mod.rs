@@ -139,7 +139,11 @@ const MAX_TOPIC_LEN: usize = 255;
 ///   read back (a non-finite float, more than 128 levels of nesting);
 ///   nothing was written.
 /// - [`Error::Storage`]: the insert failed. Inside a transaction, the
-///   transaction should be rolled back (on PostgreSQL it cannot go on).
+///   transaction should be rolled back (on PostgreSQL it cannot go on), and
+///   nothing was written. Outside one, the insert commits by itself, and a
+///   connection lost on the way leaves it unknown whether it did: enqueue
+///   in the transaction of the change the message announces, whose commit
+///   decides for both.
 ///
 /// ```
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

@@ -10,13 +10,13 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::phases::{COMPLETED, Lease, NewOperation, OperationRow, PARKED, PhaseStore, RUNNING};
-use crate::backend::{self, KeyStore, RawConnection, StoreConnection, transaction_depth};
+use crate::backend::{self, KeyStore, StoreConnection, transaction_depth};
 use crate::clock::{Reading, assert_duration};
 use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::Outcome;
 use crate::telemetry::CallTrace;
-use crate::{codec, fingerprint, id, key, telemetry};
+use crate::{codec, id, key, telemetry};
 
 /// How often a retry looks again while another attempt holds the lease.
 const LEASE_POLL: std::time::Duration = std::time::Duration::from_millis(25);
@@ -160,81 +160,59 @@ impl Phased {
         F: FnOnce(&mut Steps<'_, C::Raw>) -> Result<Finished<R>, Error<E>>,
     {
         let trace = CallTrace::phased(<C::Raw as KeyStore>::BACKEND, &self.name);
-        let result = trace
-            .span()
-            .in_scope(|| self.attempt(conn.raw(), scope, key, request, body, &trace));
+        let conn = conn.raw();
+        // In the attempt's span, so that its events carry the operation, the
+        // scope, the key and the backend.
+        let result = trace.span().in_scope(|| {
+            let request_hash = self.config.admit::<C::Raw, Q, E>(scope, key, request, &trace)?;
+            let request_json = match self.store_requests {
+                true => Some(codec::to_readable_json(request).map_err(Error::Codec)?),
+                false => None,
+            };
+            if transaction_depth(conn)? > 0 {
+                return Err(Error::Storage(diesel::result::Error::AlreadyInTransaction));
+            }
+            // The lease token of this attempt, whether it claims the operation
+            // or takes it over.
+            let token = id::new();
+            let (start, clock) = match self.start(conn, scope, key, &request_hash, &token)? {
+                Begin::Replay(outcome) => return Ok(outcome),
+                Begin::Attempt(start, clock) => (start, clock),
+            };
+            let mut steps = Steps {
+                phased: self,
+                lease: Lease {
+                    scope,
+                    key,
+                    token: &token,
+                },
+                request_hash: &request_hash,
+                request: request_json.as_deref(),
+                clock,
+                held: start,
+                position: 0,
+                conn,
+            };
+            match panic::catch_unwind(AssertUnwindSafe(|| body(&mut steps))) {
+                Ok(Ok(Finished(response))) if matches!(steps.held, Held::Done) => Ok(Outcome::Executed(response)),
+                Ok(Ok(_)) => {
+                    // Kept from another operation's `finish`: this operation
+                    // stored no response, so it must not answer with one.
+                    steps.release("the body returned a result that its finish did not store");
+                    panic!("the body of a phased operation returned a `Finished` that its own `finish` did not make")
+                }
+                Ok(Err(error)) => {
+                    steps.release(&describe(&error));
+                    Err(error)
+                }
+                Err(payload) => {
+                    steps.release("the attempt panicked");
+                    panic::resume_unwind(payload)
+                }
+            }
+        });
         trace.finish_phased(&result);
         result
-    }
-
-    /// One attempt of [`run`](Phased::run), inside its span.
-    fn attempt<C, Q, R, E, F>(
-        &self,
-        conn: &mut C,
-        scope: &str,
-        key: &str,
-        request: &Q,
-        body: F,
-        trace: &CallTrace,
-    ) -> Result<Outcome<R>, Error<E>>
-    where
-        C: RawConnection,
-        Q: Serialize + ?Sized,
-        R: Serialize + DeserializeOwned,
-        F: FnOnce(&mut Steps<'_, C>) -> Result<Finished<R>, Error<E>>,
-    {
-        // Refused values never reach the span: see `telemetry::CallTrace`.
-        let max_len = self.config.key_len_limit::<C>();
-        key::validate_scope(scope, max_len).map_err(Error::InvalidScope)?;
-        trace.scope(scope);
-        key::validate_key(key, max_len).map_err(Error::InvalidKey)?;
-        trace.key(key);
-        let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
-        let request_json = match self.store_requests {
-            true => Some(codec::to_readable_json(request).map_err(Error::Codec)?),
-            false => None,
-        };
-        if transaction_depth(conn)? > 0 {
-            return Err(Error::Storage(diesel::result::Error::AlreadyInTransaction));
-        }
-        // The lease token of this attempt, whether it claims the operation
-        // or takes it over.
-        let token = id::new();
-        let (start, clock) = match self.start(conn, scope, key, &request_hash, &token)? {
-            Begin::Replay(outcome) => return Ok(outcome),
-            Begin::Attempt(start, clock) => (start, clock),
-        };
-        let mut steps = Steps {
-            phased: self,
-            lease: Lease {
-                scope,
-                key,
-                token: &token,
-            },
-            request_hash: &request_hash,
-            request: request_json.as_deref(),
-            clock,
-            held: start,
-            position: 0,
-            conn,
-        };
-        match panic::catch_unwind(AssertUnwindSafe(|| body(&mut steps))) {
-            Ok(Ok(Finished(response))) if matches!(steps.held, Held::Done) => Ok(Outcome::Executed(response)),
-            Ok(Ok(_)) => {
-                // Kept from another operation's `finish`: this operation
-                // stored no response, so it must not answer with one.
-                steps.release("the body returned a result that its finish did not store");
-                panic!("the body of a phased operation returned a `Finished` that its own `finish` did not make")
-            }
-            Ok(Err(error)) => {
-                steps.release(&describe(&error));
-                Err(error)
-            }
-            Err(payload) => {
-                steps.release("the attempt panicked");
-                panic::resume_unwind(payload)
-            }
-        }
     }
 
     /// Reads the operation and decides: replay it, or attempt it (fresh, or
@@ -643,11 +621,7 @@ impl<C: PhaseStore> Steps<'_, C> {
         if let Some(payload) = panicked {
             panic::resume_unwind(payload);
         }
-        let result = result.map_err(|error| match error {
-            Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
-            Error::Storage(storage) if committing && !C::commit_rolled_back(&storage) => Error::OutcomeUnknown(storage),
-            other => other,
-        })?;
+        let result = result.map_err(|error| backend::call_error::<C, E>(error, committing))?;
         match (&mut self.held, claim) {
             (Held::Leased { points: held, .. }, None) => *held = points,
             (held, Some((_, op_id))) => *held = Held::Leased { op_id, points },

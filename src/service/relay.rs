@@ -11,8 +11,8 @@ use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use tracing::{Dispatch, Span};
 
 use super::{Next, Shutdown, Stopped, serve};
+use crate::backend::StoreConnection;
 use crate::backend::outbox::{Due, OutboxStore};
-use crate::backend::{RawConnection, StoreConnection};
 use crate::outbox::{Deliveries, Error, Message, Relay};
 use crate::telemetry;
 
@@ -189,29 +189,13 @@ impl Relay {
         let conn = conn.raw();
         let now = self.clock.now(conn)?;
         match conn.next_due()? {
-            Some(Due::Now) => self.deliver_due(conn, handler, shutdown, done),
-            Some(Due::At(due)) if due <= now => self.deliver_due(conn, handler, shutdown, done),
-            Some(Due::At(due)) => {
+            Some(Due::At(due)) if due > now => {
                 let until_due = (due - now).to_std().unwrap_or_default();
-                Ok(Next::Sleep(until_due.min(self.poll_interval)))
+                return Ok(Next::Sleep(until_due.min(self.poll_interval)));
             }
-            None => Ok(Next::Sleep(self.poll_interval)),
+            None => return Ok(Next::Sleep(self.poll_interval)),
+            Some(Due::Now | Due::At(_)) => {}
         }
-    }
-
-    /// Delivers one batch of the messages due, counted into `done`.
-    fn deliver_due<C, E, F>(
-        &self,
-        conn: &mut C,
-        handler: &F,
-        shutdown: &Shutdown,
-        done: &mut Deliveries,
-    ) -> Result<Next, Error>
-    where
-        C: RawConnection,
-        E: fmt::Display,
-        F: Fn(&Message) -> Result<(), E> + Sync,
-    {
         let mut report = Deliveries::default();
         let passed = self.pass(
             conn,

@@ -44,6 +44,7 @@ use std::panic::{self, AssertUnwindSafe};
 
 use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
+use diesel::dsl::Eq;
 use diesel::expression::{AppearsOnTable, Expression, SelectableExpression, ValidGrouping, is_aggregate};
 use diesel::mysql::{Mysql, MysqlConnection};
 use diesel::prelude::*;
@@ -51,13 +52,9 @@ use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Datetime, Double, Nullable, Text};
 use diesel_migrations::MigrationHarness;
-use sha2::{Digest, Sha256};
 
 use super::row_with::{Head, record_with};
-use super::{
-    Claim, Hold, KeyStore, RawConnection, Read, Record, StoreConnection, Stored, sealed, transaction_depth,
-    unwind_to_depth,
-};
+use super::{Claim, Hold, KeyStore, Read, Record, Stored, transaction_depth, unwind_to_depth};
 use crate::in_flight::InFlight;
 use crate::telemetry;
 
@@ -65,17 +62,7 @@ pub(crate) mod schema;
 
 use schema::idempotency_keys as k;
 
-impl StoreConnection for MysqlConnection {
-    type Raw = Self;
-
-    fn raw(&mut self) -> &mut Self {
-        self
-    }
-}
-
-impl sealed::Sealed for MysqlConnection {}
-
-impl RawConnection for MysqlConnection {}
+super::raw_connection!(MysqlConnection);
 
 /// `UTC_TIMESTAMP(6)`, the server's time in UTC to the microsecond, as an
 /// expression of the DSL. (diesel's `now` is the session's time, to the
@@ -115,10 +102,6 @@ impl Head for DatabaseNow {
 /// error 1205 and the crate's own for a named lock it did not get.
 const LOCK_WAIT_TIMEOUT: &str = "lock wait timeout exceeded";
 
-/// The hash of the scope and the key that names the key's lock, in hex:
-/// SHA-256 of both, each prefixed with its length. Stable across processes
-/// and versions of the crate, which must agree on it while they run side by
-/// side.
 /// Runs `f` in a transaction of its own at `READ COMMITTED`, or in a
 /// savepoint at the caller's level inside a caller's transaction.
 ///
@@ -138,13 +121,12 @@ pub(crate) fn read_committed<T>(
     conn.transaction(f)
 }
 
+/// The hash of the scope and the key that names the key's lock, in hex:
+/// SHA-256 of both, each prefixed with its length. Stable across processes
+/// and versions of the crate, which must agree on it while they run side by
+/// side.
 fn lock_key(scope: &str, key: &str) -> String {
-    let mut hasher = Sha256::new();
-    for part in [scope, key] {
-        hasher.update((part.len() as u64).to_be_bytes());
-        hasher.update(part.as_bytes());
-    }
-    crate::key::hex(&hasher.finalize())
+    crate::key::derive(&[scope, key])
 }
 
 /// `SELECT name, GET_LOCK(name, seconds)`: takes the named lock of a key,
@@ -255,6 +237,28 @@ fn lock(conn: &mut MysqlConnection, scope: &str, key: &str, in_flight: InFlight)
     }
 }
 
+/// The columns a claim writes besides the key: `Record`'s own `Insertable`
+/// and `AsChangeset` are for the other backends' table.
+type Written<'a> = (
+    Eq<k::request_hash, &'a str>,
+    Eq<k::status, &'a str>,
+    Eq<k::response, Option<&'a str>>,
+    Eq<k::created_at, NaiveDateTime>,
+    Eq<k::completed_at, Option<NaiveDateTime>>,
+    Eq<k::expires_at, NaiveDateTime>,
+);
+
+fn written<'a>(record: &Record<'a>) -> Written<'a> {
+    (
+        k::request_hash.eq(record.request_hash),
+        k::status.eq(record.status),
+        k::response.eq(record.response),
+        k::created_at.eq(record.created_at),
+        k::completed_at.eq(record.completed_at),
+        k::expires_at.eq(record.expires_at),
+    )
+}
+
 /// Inserts `record` as a claim with a plain `INSERT`; `false` when its key
 /// is taken (the insert waited for the holder's transaction, if one was
 /// open, and failed with a duplicate key, which leaves MySQL's transaction
@@ -264,12 +268,7 @@ fn insert_claim(conn: &mut MysqlConnection, record: &Record<'_>) -> QueryResult<
         .values((
             k::scope.eq(record.scope),
             k::idempotency_key.eq(record.idempotency_key),
-            k::request_hash.eq(record.request_hash),
-            k::status.eq(record.status),
-            k::response.eq(record.response),
-            k::created_at.eq(record.created_at),
-            k::completed_at.eq(record.completed_at),
-            k::expires_at.eq(record.expires_at),
+            written(record),
         ))
         .execute(conn);
     match inserted {
@@ -394,14 +393,7 @@ impl KeyStore for MysqlConnection {
         // only if its retention has ended.
         let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
             .filter(k::expires_at.le(record.created_at))
-            .set((
-                k::request_hash.eq(record.request_hash),
-                k::status.eq(record.status),
-                k::response.eq(record.response),
-                k::created_at.eq(record.created_at),
-                k::completed_at.eq(record.completed_at),
-                k::expires_at.eq(record.expires_at),
-            ))
+            .set(written(record))
             .execute(self)?;
         Ok(if taken_over == 1 {
             Claim::TookOver

@@ -25,7 +25,7 @@ use diesel::sql_types::{BigInt, Datetime, Text};
 
 use crate::backend::mysql::schema::idempotency_outbox as o;
 use crate::backend::mysql::{UtcNow, read_committed};
-use crate::backend::outbox::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
+use crate::backend::outbox::{Claimed, DELIVERED, OutboxStore, PENDING};
 use crate::backend::sql_limit;
 
 impl OutboxStore for MysqlConnection {
@@ -64,21 +64,6 @@ impl OutboxStore for MysqlConnection {
         })
     }
 
-    fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()> {
-        diesel::insert_into(o::table)
-            .values((
-                o::id.eq(message.id),
-                o::topic.eq(message.topic),
-                o::payload.eq(message.payload),
-                o::status.eq(PENDING),
-                o::attempts.eq(0),
-                o::available_at.eq(message.not_before),
-                o::created_at.eq(UtcNow),
-            ))
-            .execute(self)?;
-        Ok(())
-    }
-
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
         // SKIP LOCKED: two purges running at once split the rows instead of
         // queueing behind each other.
@@ -96,5 +81,5 @@ impl OutboxStore for MysqlConnection {
         })
     }
 
-    crate::backend::outbox::shared_queries!(crate::backend::mysql::schema);
+    crate::backend::outbox::shared_queries!(created_at = UtcNow; crate::backend::mysql::schema);
 }

@@ -11,7 +11,7 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Datetime, Text};
 
 use crate::backend::mysql::{DatabaseNow, read_committed};
-use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
+use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore};
 use crate::backend::row_with::operation_with;
 use crate::backend::sql_limit;
 
@@ -20,28 +20,9 @@ impl PhaseStore for MysqlConnection {
         operation_with::<DatabaseNow, Datetime, _>(self, scope, key)
     }
 
-    fn pick_abandoned(
-        &mut self,
-        operations: &[&str],
-        now: NaiveDateTime,
-        idle_since: NaiveDateTime,
-        until: NaiveDateTime,
-        limit: usize,
-    ) -> QueryResult<Vec<PickedRow>> {
+    fn picking<T>(&mut self, pick: impl FnOnce(&mut Self) -> QueryResult<T>) -> QueryResult<T> {
         // Locks taken by the pick are held until its transaction commits.
-        read_committed(self, |tx| {
-            pick_abandoned!(
-                [crate::backend::mysql::schema::idempotency_phases],
-                tx,
-                operations,
-                now,
-                idle_since,
-                until,
-                limit,
-                for_update,
-                skip_locked
-            )
-        })
+        read_committed(self, pick)
     }
 
     fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
@@ -64,5 +45,5 @@ impl PhaseStore for MysqlConnection {
         })
     }
 
-    crate::backend::phases::shared_queries!(strict crate::backend::mysql::schema);
+    crate::backend::phases::shared_queries!(strict skip_locked crate::backend::mysql::schema);
 }

@@ -31,27 +31,12 @@ use diesel::prelude::*;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Text, Timestamp, Timestamptz};
 use diesel_migrations::MigrationHarness;
-use sha2::{Digest, Sha256};
 
 use super::row_with::{Head, record_with};
-use super::{
-    Claim, Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_of, sealed,
-    transaction_depth, transaction_with,
-};
+use super::{Hold, KeyStore, Read, Record, hold_by_claiming, hold_of, transaction_depth, transaction_with};
 use crate::in_flight::InFlight;
-use crate::schema::idempotency_keys as k;
 
-impl StoreConnection for PgConnection {
-    type Raw = Self;
-
-    fn raw(&mut self) -> &mut Self {
-        self
-    }
-}
-
-impl sealed::Sealed for PgConnection {}
-
-impl RawConnection for PgConnection {}
+super::raw_connection!(PgConnection);
 
 diesel::define_sql_function! {
     /// PostgreSQL's `timezone(zone, timestamptz)`: the time in `zone`,
@@ -83,12 +68,7 @@ fn lock_key_sql(scope: &str, key: &str, in_flight: InFlight) -> String {
 /// the key, each prefixed with its length. Stable across processes and
 /// versions of the crate, which must agree on it while they run side by side.
 fn lock_key(scope: &str, key: &str) -> (i32, i32) {
-    let mut hasher = Sha256::new();
-    for part in [scope, key] {
-        hasher.update((part.len() as u64).to_be_bytes());
-        hasher.update(part.as_bytes());
-    }
-    let digest = hasher.finalize();
+    let digest = crate::key::digest(&[scope, key]);
     let int = |bytes: &[u8]| i32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
     (int(&digest[..4]), int(&digest[4..8]))
 }
@@ -191,28 +171,6 @@ impl KeyStore for PgConnection {
         } else {
             hold_by_claiming(self, record)
         }
-    }
-
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim> {
-        // DO NOTHING, not DO UPDATE: a fresh key costs the server
-        // measurably less that way. A record that is already there is taken
-        // over by a second, guarded statement only if its retention has ended.
-        let inserted = diesel::insert_into(k::table)
-            .values(record)
-            .on_conflict_do_nothing()
-            .execute(self)?;
-        if inserted == 1 {
-            return Ok(Claim::Inserted);
-        }
-        let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
-            .filter(k::expires_at.le(record.created_at))
-            .set(record)
-            .execute(self)?;
-        Ok(if taken_over == 1 {
-            Claim::TookOver
-        } else {
-            Claim::Refused
-        })
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {

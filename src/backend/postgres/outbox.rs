@@ -15,10 +15,9 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 
-use crate::backend::outbox::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
+use crate::backend::outbox::{Claimed, DELIVERED, OutboxStore, PENDING};
 use crate::backend::postgres::timezone;
 use crate::backend::sql_limit;
-use crate::schema::idempotency_outbox as o;
 
 /// The channel the migration's trigger notifies.
 const CHANNEL: &str = "idempotency_outbox";
@@ -48,21 +47,6 @@ impl OutboxStore for PgConnection {
         .bind::<Timestamp, _>(now)
         .bind::<BigInt, _>(sql_limit(batch))
         .load(self)
-    }
-
-    fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()> {
-        diesel::insert_into(o::table)
-            .values((
-                o::id.eq(message.id),
-                o::topic.eq(message.topic),
-                o::payload.eq(message.payload),
-                o::status.eq(PENDING),
-                o::attempts.eq(0),
-                o::available_at.eq(message.not_before),
-                o::created_at.eq(timezone("UTC", diesel::dsl::now)),
-            ))
-            .execute(self)?;
-        Ok(())
     }
 
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
@@ -97,5 +81,5 @@ impl OutboxStore for PgConnection {
         self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
     }
 
-    crate::backend::outbox::shared_queries!(crate::schema);
+    crate::backend::outbox::shared_queries!(created_at = timezone("UTC", diesel::dsl::now); crate::schema);
 }

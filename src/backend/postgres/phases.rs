@@ -7,7 +7,7 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 
-use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
+use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore};
 use crate::backend::postgres::DatabaseNow;
 use crate::backend::row_with::operation_with;
 use crate::backend::sql_limit;
@@ -17,28 +17,9 @@ impl PhaseStore for PgConnection {
         operation_with::<DatabaseNow, Timestamp, _>(self, scope, key)
     }
 
-    fn pick_abandoned(
-        &mut self,
-        operations: &[&str],
-        now: NaiveDateTime,
-        idle_since: NaiveDateTime,
-        until: NaiveDateTime,
-        limit: usize,
-    ) -> QueryResult<Vec<PickedRow>> {
+    fn picking<T>(&mut self, pick: impl FnOnce(&mut Self) -> QueryResult<T>) -> QueryResult<T> {
         // Locks taken by the pick are held until its transaction commits.
-        self.transaction(|tx| {
-            pick_abandoned!(
-                [crate::schema::idempotency_phases],
-                tx,
-                operations,
-                now,
-                idle_since,
-                until,
-                limit,
-                for_update,
-                skip_locked
-            )
-        })
+        self.transaction(pick)
     }
 
     fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
@@ -55,5 +36,5 @@ impl PhaseStore for PgConnection {
         .execute(self)
     }
 
-    crate::backend::phases::shared_queries!(crate::schema);
+    crate::backend::phases::shared_queries!(skip_locked crate::schema);
 }

@@ -26,24 +26,10 @@ use diesel::sql_types::{BigInt, Integer, Timestamp};
 use diesel::sqlite::{Sqlite, SqliteConnection};
 use diesel_migrations::MigrationHarness;
 
-use super::{
-    Claim, Hold, KeyStore, RawConnection, Read, Record, StoreConnection, hold_by_claiming, hold_by_reading, sealed,
-    transaction_depth, transaction_with,
-};
+use super::{Hold, KeyStore, Read, Record, hold_by_claiming, hold_by_reading, transaction_depth, transaction_with};
 use crate::in_flight::InFlight;
-use crate::schema::idempotency_keys as k;
 
-impl StoreConnection for SqliteConnection {
-    type Raw = Self;
-
-    fn raw(&mut self) -> &mut Self {
-        self
-    }
-}
-
-impl sealed::Sealed for SqliteConnection {}
-
-impl RawConnection for SqliteConnection {}
+super::raw_connection!(SqliteConnection);
 
 /// A PRAGMA that reads or sets an integer, sent as a prepared statement
 /// that diesel caches by its text. (`sql_query` is never cached, and a
@@ -187,28 +173,6 @@ impl KeyStore for SqliteConnection {
         } else {
             hold_by_claiming(self, record)
         }
-    }
-
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim> {
-        // Two statements rather than one upsert, so that the claim knows
-        // whether it replaced an expired record; the second runs only when
-        // the key has a record.
-        let inserted = diesel::insert_into(k::table)
-            .values(record)
-            .on_conflict_do_nothing()
-            .execute(self)?;
-        if inserted == 1 {
-            return Ok(Claim::Inserted);
-        }
-        let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
-            .filter(k::expires_at.le(record.created_at))
-            .set(record)
-            .execute(self)?;
-        Ok(if taken_over == 1 {
-            Claim::TookOver
-        } else {
-            Claim::Refused
-        })
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {

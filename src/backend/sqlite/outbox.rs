@@ -7,9 +7,8 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use crate::backend::outbox::{Claimed, DELIVERED, NewMessage, OutboxStore, PENDING};
+use crate::backend::outbox::{Claimed, DELIVERED, OutboxStore, PENDING};
 use crate::backend::sql_limit;
-use crate::schema::idempotency_outbox as o;
 
 impl OutboxStore for SqliteConnection {
     fn claim_batch(
@@ -34,22 +33,6 @@ impl OutboxStore for SqliteConnection {
         .load(self)
     }
 
-    fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()> {
-        diesel::insert_into(o::table)
-            .values((
-                o::id.eq(message.id),
-                o::topic.eq(message.topic),
-                o::payload.eq(message.payload),
-                o::status.eq(PENDING),
-                o::attempts.eq(0),
-                o::available_at.eq(message.not_before),
-                // SQLite's clock is this machine's.
-                o::created_at.eq(Utc::now().naive_utc()),
-            ))
-            .execute(self)?;
-        Ok(())
-    }
-
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
         diesel::sql_query(
             "DELETE FROM idempotency_outbox WHERE id IN \
@@ -61,5 +44,6 @@ impl OutboxStore for SqliteConnection {
         .execute(self)
     }
 
-    crate::backend::outbox::shared_queries!(crate::schema);
+    // SQLite's clock is this machine's.
+    crate::backend::outbox::shared_queries!(created_at = Utc::now().naive_utc(); crate::schema);
 }

@@ -6,7 +6,7 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore, PickedRow, pick_abandoned};
+use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore};
 use crate::backend::sql_limit;
 use crate::schema::idempotency_phases as p;
 
@@ -19,25 +19,6 @@ impl PhaseStore for SqliteConnection {
             .optional()?;
         // SQLite's clock is this machine's: the database runs in-process.
         Ok((row, Utc::now().naive_utc()))
-    }
-
-    fn pick_abandoned(
-        &mut self,
-        operations: &[&str],
-        now: NaiveDateTime,
-        idle_since: NaiveDateTime,
-        until: NaiveDateTime,
-        limit: usize,
-    ) -> QueryResult<Vec<PickedRow>> {
-        pick_abandoned!(
-            [crate::schema::idempotency_phases],
-            self,
-            operations,
-            now,
-            idle_since,
-            until,
-            limit
-        )
     }
 
     fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
