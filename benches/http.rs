@@ -34,6 +34,8 @@
 #[path = "../examples/http_orders.rs"]
 mod http_orders;
 
+mod common;
+
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -43,6 +45,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
+use common::{Args, Scratch};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
 use http_orders::{Account, Body, Database, NewOrder, Order, OrderStore, Settings};
@@ -175,98 +178,6 @@ fn router<C: Begin>(pool: Pool<ConnectionManager<C>>) -> anyhow::Result<Router> 
     Ok(service.router.merge(plain))
 }
 
-struct Args {
-    backend: String,
-    quick: bool,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut backend = None;
-    let mut quick = false;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--backend" => backend = Some(args.next().ok_or("--backend needs sqlite, postgres or mysql")?),
-            "--quick" => quick = true,
-            // cargo bench passes --bench to every bench binary.
-            "--bench" => {}
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    let backend = backend.ok_or("usage: http --backend sqlite|postgres|mysql [--quick]")?;
-    Ok(Args { backend, quick })
-}
-
-/// The database the bench runs on, removed at the end.
-enum Scratch {
-    Sqlite {
-        _dir: tempfile::TempDir,
-    },
-    #[cfg(feature = "postgres")]
-    Postgres {
-        base_url: String,
-        schema: String,
-    },
-    #[cfg(feature = "mysql")]
-    Mysql {
-        base_url: String,
-        name: String,
-    },
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        #[cfg(feature = "postgres")]
-        if let Scratch::Postgres { base_url, schema } = self {
-            use diesel::connection::SimpleConnection;
-            if let Ok(mut admin) = PgConnection::establish(base_url) {
-                let _ = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
-            }
-        }
-        #[cfg(feature = "mysql")]
-        if let Scratch::Mysql { base_url, name } = self {
-            use diesel::connection::SimpleConnection;
-            if let Ok(mut admin) = MysqlConnection::establish(base_url) {
-                let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {name}"));
-            }
-        }
-    }
-}
-
-fn database(backend: &str) -> anyhow::Result<(Scratch, String)> {
-    match backend {
-        "sqlite" => {
-            let dir = tempfile::tempdir()?;
-            let path = dir.path().join("bench.db").to_str().expect("utf-8 path").to_owned();
-            Ok((Scratch::Sqlite { _dir: dir }, path))
-        }
-        #[cfg(feature = "postgres")]
-        "postgres" => {
-            use diesel::connection::SimpleConnection;
-            let base_url = std::env::var("DATABASE_URL").map_err(|_| anyhow::anyhow!("set DATABASE_URL"))?;
-            let schema = format!("idem_http_bench_{}", std::process::id());
-            PgConnection::establish(&base_url)?.batch_execute(&format!("CREATE SCHEMA {schema}"))?;
-            let separator = if base_url.contains('?') { '&' } else { '?' };
-            let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
-            Ok((Scratch::Postgres { base_url, schema }, url))
-        }
-        #[cfg(feature = "mysql")]
-        "mysql" => {
-            use diesel::connection::SimpleConnection;
-            let base_url = std::env::var("MYSQL_URL").map_err(|_| anyhow::anyhow!("set MYSQL_URL"))?;
-            let name = format!("idem_http_bench_{}", std::process::id());
-            MysqlConnection::establish(&base_url)?.batch_execute(&format!("CREATE DATABASE {name}"))?;
-            let server = match base_url.split_once("://") {
-                Some((scheme, rest)) => format!("{scheme}://{}", rest.split(['/', '?']).next().unwrap_or(rest)),
-                None => base_url.clone(),
-            };
-            let url = format!("{server}/{name}");
-            Ok((Scratch::Mysql { base_url, name }, url))
-        }
-        other => anyhow::bail!("unknown backend {other}: sqlite, or postgres or mysql with their features"),
-    }
-}
-
 /// Starts the server on its own runtime; returns its address and the
 /// runtime, which serves until dropped.
 fn serve(router: Router) -> anyhow::Result<(SocketAddr, tokio::runtime::Runtime)> {
@@ -357,8 +268,8 @@ async fn batch(
 
 fn run(args: &Args) -> anyhow::Result<()> {
     let sizes = if args.quick { QUICK } else { FULL };
-    let (_scratch, url) = database(&args.backend)?;
-    let router = match http_orders::open(&url, http_orders::CHECKOUT_TIMEOUT)? {
+    let scratch = Scratch::new(&args.backend, "idem_http_bench")?;
+    let router = match http_orders::open(scratch.url(), http_orders::CHECKOUT_TIMEOUT)? {
         Database::Sqlite(pool) => router(pool)?,
         #[cfg(feature = "postgres")]
         Database::Postgres(pool) => router(pool)?,
@@ -432,7 +343,9 @@ fn report(clients: usize, figures: &[Figures]) {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
+    let args = match common::parse_args("usage: http --backend sqlite|postgres|mysql [--quick]", |other, _| {
+        Err(format!("unknown argument {other}"))
+    }) {
         Ok(args) => args,
         Err(message) => {
             eprintln!("{message}");

@@ -24,14 +24,23 @@
 //! with `synchronous = FULL`, so that every commit is durable, as on the
 //! servers.
 
+mod common;
+
 use std::collections::BTreeMap;
+use std::marker::PhantomData;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use chrono::{NaiveDateTime, Utc};
+use diesel::prelude::*;
+use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool, R2D2Connection};
+use idempotency::outbox::{self, Relay};
+use idempotency::phased::Phased;
+use idempotency::{Config, Outcome, RawConnection};
+use serde_json::{Value, json};
 
 /// How much work each scenario gets.
 #[derive(Debug, Clone, Copy)]
@@ -122,27 +131,22 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut backend = None;
-    let mut quick = false;
     let mut json = None;
     let mut statements = false;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--backend" => backend = Some(args.next().ok_or("--backend needs sqlite, postgres or mysql")?),
-            "--quick" => quick = true,
-            "--statements" => statements = true,
-            "--json" => json = Some(PathBuf::from(args.next().ok_or("--json needs a file name")?)),
-            // cargo bench passes --bench to every bench binary.
-            "--bench" => {}
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    let backend =
-        backend.ok_or("usage: overhead --backend sqlite|postgres|mysql [--quick] [--json FILE] [--statements]")?;
+    let common = common::parse_args(
+        "usage: overhead --backend sqlite|postgres|mysql [--quick] [--json FILE] [--statements]",
+        |arg, rest| {
+            match arg {
+                "--statements" => statements = true,
+                "--json" => json = Some(PathBuf::from(rest.next().ok_or("--json needs a file name")?)),
+                other => return Err(format!("unknown argument {other}")),
+            }
+            Ok(())
+        },
+    )?;
     Ok(Args {
-        backend,
-        quick,
+        backend: common.backend,
+        quick: common.quick,
         json,
         statements,
     })
@@ -159,14 +163,14 @@ fn main() -> ExitCode {
     let sizes = if args.quick { QUICK } else { FULL };
     let report = match args.backend.as_str() {
         #[cfg(feature = "sqlite")]
-        "sqlite" => sqlite::run(sizes, args.statements),
+        "sqlite" => run::<diesel::SqliteConnection>(sizes, args.statements),
         #[cfg(not(feature = "sqlite"))]
         "sqlite" => {
             eprintln!("the sqlite backend is not compiled in: build with the sqlite feature");
             return ExitCode::from(2);
         }
         #[cfg(feature = "postgres")]
-        "postgres" => postgres::run(sizes, args.statements),
+        "postgres" => run::<diesel::PgConnection>(sizes, args.statements),
         #[cfg(not(feature = "postgres"))]
         "postgres" => {
             eprintln!(
@@ -176,7 +180,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
         #[cfg(feature = "mysql")]
-        "mysql" => mysql::run(sizes, args.statements),
+        "mysql" => run::<diesel::MysqlConnection>(sizes, args.statements),
         #[cfg(not(feature = "mysql"))]
         "mysql" => {
             eprintln!(
@@ -488,837 +492,906 @@ fn print_report(report: &Value, quick: bool) {
     }
 }
 
-/// Scenario bodies, written once and expanded per backend: diesel's query
-/// types are concrete per connection.
-macro_rules! scenarios {
-    () => {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        use std::sync::Barrier;
-        use std::time::Instant;
+// The scenarios, each a function generic over the connection: `Bench` below
+// is what they need of a backend beyond the crate's `RawConnection` and
+// diesel's `Connection`.
 
-        use chrono::Utc;
-        use diesel::prelude::*;
-        use diesel::r2d2::{ConnectionManager, Pool};
-        use idempotency::outbox::{self, Relay};
-        use idempotency::phased::Phased;
-        use idempotency::{Config, Outcome};
-        use serde_json::{Value, json};
+diesel::table! {
+    orders (id) {
+        id -> BigInt,
+        item -> Text,
+        quantity -> Integer,
+    }
+}
 
-        use super::{
-            BatchTimer, CONTENTION_OP, CONTENTION_THREADS, Keys, LATENCY_POLLS, PHASED_COMMITS, Profile, Profiler,
-            RELAY_BATCH, SCALING_THREADS, SCENARIOS, Sizes,
-            StatementCounter, median, percentile, round3,
+diesel::table! {
+    idempotency_keys (scope, idempotency_key) {
+        scope -> Text,
+        idempotency_key -> Text,
+        request_hash -> Text,
+        status -> Text,
+        response -> Nullable<Text>,
+        created_at -> Timestamp,
+        completed_at -> Nullable<Timestamp>,
+        expires_at -> Timestamp,
+    }
+}
+
+diesel::table! {
+    /// The key table's twin: its columns, primary key and `expires_at`
+    /// index.
+    floor_keys (scope, idempotency_key) {
+        scope -> Text,
+        idempotency_key -> Text,
+        request_hash -> Text,
+        status -> Text,
+        response -> Nullable<Text>,
+        created_at -> Timestamp,
+        completed_at -> Nullable<Timestamp>,
+        expires_at -> Timestamp,
+    }
+}
+
+diesel::table! {
+    /// The same columns without any index: the floor of earlier runs, kept
+    /// as a second reference.
+    bare_keys (rowid) {
+        rowid -> BigInt,
+        scope -> Text,
+        idempotency_key -> Text,
+        request_hash -> Text,
+        status -> Text,
+        response -> Nullable<Text>,
+        created_at -> Timestamp,
+        completed_at -> Nullable<Timestamp>,
+        expires_at -> Timestamp,
+    }
+}
+
+#[derive(serde::Serialize)]
+struct PlaceOrder<'a> {
+    item: &'a str,
+    quantity: i32,
+}
+
+const REQUEST: PlaceOrder<'static> = PlaceOrder {
+    item: "book",
+    quantity: 1,
+};
+/// What the library stores for `REQUEST`: its SHA-256, in hex.
+const REQUEST_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+const SCOPE: &str = "bench";
+
+/// What the scenarios need of a backend beyond the crate's `RawConnection`
+/// and diesel's `Connection`: its database's setup and the statements that
+/// differ. Implemented below for each backend compiled in.
+trait Bench: RawConnection + R2D2Connection + Send + 'static {
+    const NAME: &'static str;
+
+    /// Sets up a new connection, pooled or not.
+    fn configure(&mut self) -> QueryResult<()> {
+        Ok(())
+    }
+
+    /// Creates the bench's own tables in a new database.
+    fn create_tables(&mut self) -> QueryResult<()>;
+
+    /// Inserts `records` expired key records into the crate's key table.
+    fn fill_expired(&mut self, records: i64) -> QueryResult<usize>;
+
+    /// The domain operation: one order row; returns its id.
+    fn place_order(&mut self) -> QueryResult<i64>;
+
+    /// Executes `statement`; returns the number of rows it affected.
+    fn send(&mut self, statement: impl Statement) -> QueryResult<usize>;
+}
+
+/// A statement that every backend compiled in can execute. diesel checks a
+/// statement against each backend apart, so a function generic over the
+/// connection hands its statements to [`Bench::send`] as `impl Statement`.
+trait Statement: sqlite::Executable + postgres::Executable + mysql::Executable {}
+
+impl<S: sqlite::Executable + postgres::Executable + mysql::Executable> Statement for S {}
+
+/// The order row of the domain operation.
+type NewOrder = (
+    diesel::dsl::Eq<orders::item, &'static str>,
+    diesel::dsl::Eq<orders::quantity, i32>,
+);
+
+fn new_order() -> NewOrder {
+    (orders::item.eq(REQUEST.item), orders::quantity.eq(REQUEST.quantity))
+}
+
+/// The order's `INSERT` returning its id.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+type InsertOrderReturningId =
+    diesel::dsl::Returning<diesel::dsl::Values<diesel::dsl::insert_into<orders::table>, NewOrder>, orders::id>;
+
+/// The domain operation on the backends whose `INSERT` returns the id.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+fn place_order_returning_id<C>(conn: &mut C) -> QueryResult<i64>
+where
+    C: Connection,
+    InsertOrderReturningId: diesel::query_dsl::LoadQuery<'static, C, i64>,
+{
+    diesel::insert_into(orders::table)
+        .values(new_order())
+        .returning(orders::id)
+        .get_result(conn)
+}
+
+/// The key table's columns on SQLite and PostgreSQL, as the crate's
+/// migrations have them, for the floor scenarios' tables.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+const KEY_COLUMNS: &str = "scope TEXT NOT NULL, idempotency_key TEXT NOT NULL, request_hash TEXT NOT NULL,
+    status TEXT NOT NULL, response TEXT, created_at TIMESTAMP NOT NULL, completed_at TIMESTAMP,
+    expires_at TIMESTAMP NOT NULL";
+
+/// A completed key record as the floor scenarios insert it.
+#[derive(Insertable)]
+#[diesel(table_name = floor_keys)]
+#[diesel(table_name = bare_keys)]
+struct CompletedKey<'a> {
+    scope: &'a str,
+    idempotency_key: &'a str,
+    request_hash: &'a str,
+    status: &'a str,
+    response: String,
+    created_at: NaiveDateTime,
+    completed_at: NaiveDateTime,
+    expires_at: NaiveDateTime,
+}
+
+/// The bench's database: its own tables and the crate's, removed at the end.
+struct Db<C> {
+    scratch: common::Scratch,
+    backend: PhantomData<C>,
+}
+
+impl<C: Bench> Db<C> {
+    fn new() -> Db<C> {
+        let scratch = common::Scratch::new(C::NAME, "idem_bench").expect("create the bench database");
+        let db: Db<C> = Db {
+            scratch,
+            backend: PhantomData,
         };
+        let mut conn = db.conn();
+        conn.create_tables().expect("create the bench tables");
+        idempotency::run_migrations(&mut conn).expect("migrate");
+        db
+    }
 
-        diesel::table! {
-            orders (id) {
-                id -> BigInt,
-                item -> Text,
-                quantity -> Integer,
-            }
+    fn conn(&self) -> C {
+        let mut conn = C::establish(self.scratch.url()).expect("connect to the bench database");
+        conn.configure().expect("configure the connection");
+        conn
+    }
+
+    fn pool(&self, size: u32) -> Pool<ConnectionManager<C>> {
+        Pool::builder()
+            .max_size(size)
+            .connection_customizer(Box::new(Configure))
+            .build(ConnectionManager::new(self.scratch.url()))
+            .expect("build a pool")
+    }
+}
+
+/// Sets up every pooled connection as [`Db::conn`] does.
+#[derive(Debug)]
+struct Configure;
+
+impl<C: Bench> CustomizeConnection<C, diesel::r2d2::Error> for Configure {
+    fn on_acquire(&self, conn: &mut C) -> Result<(), diesel::r2d2::Error> {
+        conn.configure().map_err(diesel::r2d2::Error::QueryError)
+    }
+}
+
+fn baseline<C: Bench>(conn: &mut C) -> QueryResult<i64> {
+    conn.transaction(C::place_order)
+}
+
+/// The domain transaction plus one plain insert of a completed key record
+/// into the key table's twin: no guard, no read, no update afterwards.
+fn floor<C: Bench>(conn: &mut C, key: &str) -> QueryResult<i64> {
+    floor_into(conn, key, |row| diesel::insert_into(floor_keys::table).values(row))
+}
+
+/// `floor` into the table without indexes.
+fn bare_floor<C: Bench>(conn: &mut C, key: &str) -> QueryResult<i64> {
+    floor_into(conn, key, |row| diesel::insert_into(bare_keys::table).values(row))
+}
+
+/// The domain transaction plus the statement `insert` makes of the key's
+/// completed record.
+fn floor_into<'a, C: Bench, S: Statement>(
+    conn: &mut C,
+    key: &'a str,
+    insert: impl FnOnce(CompletedKey<'a>) -> S,
+) -> QueryResult<i64> {
+    conn.transaction(|tx| {
+        let id = tx.place_order()?;
+        let now = Utc::now().naive_utc();
+        tx.send(insert(CompletedKey {
+            scope: SCOPE,
+            idempotency_key: key,
+            request_hash: REQUEST_HASH,
+            status: "completed",
+            response: id.to_string(),
+            created_at: now,
+            completed_at: now,
+            expires_at: now + chrono::Duration::hours(24),
+        }))?;
+        Ok(id)
+    })
+}
+
+fn first<C: Bench>(conn: &mut C, config: &Config, key: &str) -> i64 {
+    match config.run(conn, SCOPE, key, &REQUEST, C::place_order) {
+        Ok(Outcome::Executed(id)) => id,
+        other => panic!("a fresh key must execute, got {other:?}"),
+    }
+}
+
+/// `first` whose operation also enqueues an outbox message, as an order that
+/// must send a receipt does.
+fn first_outbox<C: Bench>(conn: &mut C, config: &Config, key: &str) -> i64 {
+    let outcome = config.run(conn, SCOPE, key, &REQUEST, |tx| {
+        let id = tx.place_order().map_err(|e| e.to_string())?;
+        outbox::enqueue(tx, "receipts", &json!({ "order": id })).map_err(|e| e.to_string())?;
+        Ok::<_, String>(id)
+    });
+    match outcome {
+        Ok(Outcome::Executed(id)) => id,
+        other => panic!("a fresh key must execute, got {other:?}"),
+    }
+}
+
+fn replay<C: Bench>(conn: &mut C, config: &Config, key: &str) -> i64 {
+    match config.run(conn, SCOPE, key, &REQUEST, C::place_order) {
+        Ok(Outcome::Replayed(id)) => id,
+        other => panic!("a completed key must replay, got {other:?}"),
+    }
+}
+
+/// The common design elsewhere: claim the key in a committed transaction of
+/// its own, run the operation in another, store the result in a third.
+/// Given its best case: no read before the claim.
+fn two_phase<C: Bench>(conn: &mut C, key: &str) -> QueryResult<i64> {
+    let now = Utc::now().naive_utc();
+    let claimed = conn.send(
+        diesel::insert_into(idempotency_keys::table)
+            .values((
+                idempotency_keys::scope.eq("two-phase"),
+                idempotency_keys::idempotency_key.eq(key),
+                idempotency_keys::request_hash.eq(REQUEST_HASH),
+                idempotency_keys::status.eq("processing"),
+                idempotency_keys::created_at.eq(now),
+                idempotency_keys::expires_at.eq(now + chrono::Duration::hours(24)),
+            ))
+            .on_conflict_do_nothing(),
+    )?;
+    assert_eq!(claimed, 1, "a fresh key must be claimed");
+    let id = conn.transaction(C::place_order)?;
+    conn.send(diesel::update(idempotency_keys::table.find(("two-phase", key))).set((
+        idempotency_keys::status.eq("completed"),
+        idempotency_keys::response.eq(id.to_string()),
+        idempotency_keys::completed_at.eq(Utc::now().naive_utc()),
+    )))?;
+    Ok(id)
+}
+
+/// A phased operation at its cheapest: the order in its first phase, a call
+/// to a provider that does nothing, and a finish that stores the answer.
+/// `PHASED_COMMITS` commits.
+fn phased<C: Bench>(conn: &mut C, operation: &Phased, key: &str) -> i64 {
+    let outcome = operation.run(conn, SCOPE, key, &REQUEST, |s| {
+        let id = s.phase("order_placed", C::place_order)?;
+        let provider_key_len = s.call("provider_called", |provider_key| {
+            Ok::<_, diesel::result::Error>(std::hint::black_box(provider_key).len())
+        })?;
+        s.finish(|_| Ok::<_, diesel::result::Error>((id, provider_key_len)))
+    });
+    match outcome {
+        Ok(Outcome::Executed((id, _))) => id,
+        other => panic!("a fresh key must execute, got {other:?}"),
+    }
+}
+
+/// One call of scenario `name`: `key` is fresh, `done` holds completed keys
+/// for replays.
+fn call<C: Bench>(
+    conn: &mut C,
+    (config, operation): (&Config, &Phased),
+    name: &str,
+    key: &str,
+    done: &[String],
+    next_done: &mut usize,
+) {
+    match name {
+        "baseline" => {
+            std::hint::black_box(baseline(conn).expect("baseline"));
         }
-
-        diesel::table! {
-            idempotency_keys (scope, idempotency_key) {
-                scope -> Text,
-                idempotency_key -> Text,
-                request_hash -> Text,
-                status -> Text,
-                response -> Nullable<Text>,
-                created_at -> Timestamp,
-                completed_at -> Nullable<Timestamp>,
-                expires_at -> Timestamp,
-            }
+        "floor" => {
+            std::hint::black_box(floor(conn, key).expect("floor"));
         }
-
-        diesel::table! {
-            /// The key table's twin: its columns, primary key and
-            /// `expires_at` index.
-            floor_keys (scope, idempotency_key) {
-                scope -> Text,
-                idempotency_key -> Text,
-                request_hash -> Text,
-                status -> Text,
-                response -> Nullable<Text>,
-                created_at -> Timestamp,
-                completed_at -> Nullable<Timestamp>,
-                expires_at -> Timestamp,
-            }
+        "bare_floor" => {
+            std::hint::black_box(bare_floor(conn, key).expect("bare_floor"));
         }
-
-        diesel::table! {
-            /// The same columns without any index: the floor of earlier
-            /// runs, kept as a second reference.
-            bare_keys (rowid) {
-                rowid -> BigInt,
-                scope -> Text,
-                idempotency_key -> Text,
-                request_hash -> Text,
-                status -> Text,
-                response -> Nullable<Text>,
-                created_at -> Timestamp,
-                completed_at -> Nullable<Timestamp>,
-                expires_at -> Timestamp,
-            }
+        "first" => {
+            std::hint::black_box(first(conn, config, key));
         }
-
-        #[derive(serde::Serialize)]
-        struct PlaceOrder<'a> {
-            item: &'a str,
-            quantity: i32,
+        "two_phase" => {
+            std::hint::black_box(two_phase(conn, key).expect("two_phase"));
         }
-
-        const REQUEST: PlaceOrder<'static> = PlaceOrder { item: "book", quantity: 1 };
-        /// What the library stores for `REQUEST`: its SHA-256, in hex.
-        const REQUEST_HASH: &str = "0000000000000000000000000000000000000000000000000000000000000000";
-        const SCOPE: &str = "bench";
-
-        fn baseline(conn: &mut Conn) -> QueryResult<i64> {
-            conn.transaction(place_order)
+        "replay" => {
+            std::hint::black_box(replay(conn, config, &done[*next_done % done.len()]));
+            *next_done += 1;
         }
-
-        /// The domain transaction plus one plain insert of a completed key
-        /// record into `$table`: no guard, no read, no update afterwards.
-        macro_rules! floor_into {
-            ($name:ident, $table:ident) => {
-                fn $name(conn: &mut Conn, key: &str) -> QueryResult<i64> {
-                    conn.transaction(|tx| {
-                        let id = place_order(tx)?;
-                        let now = Utc::now().naive_utc();
-                        diesel::insert_into($table::table)
-                            .values((
-                                $table::scope.eq(SCOPE),
-                                $table::idempotency_key.eq(key),
-                                $table::request_hash.eq(REQUEST_HASH),
-                                $table::status.eq("completed"),
-                                $table::response.eq(id.to_string()),
-                                $table::created_at.eq(now),
-                                $table::completed_at.eq(now),
-                                $table::expires_at.eq(now + chrono::Duration::hours(24)),
-                            ))
-                            .execute(tx)?;
-                        Ok(id)
-                    })
-                }
-            };
+        "first_outbox" => {
+            std::hint::black_box(first_outbox(conn, config, key));
         }
-
-        floor_into!(floor, floor_keys);
-        floor_into!(bare_floor, bare_keys);
-
-        fn first(conn: &mut Conn, config: &Config, key: &str) -> i64 {
-            match config.run(conn, SCOPE, key, &REQUEST, place_order) {
-                Ok(Outcome::Executed(id)) => id,
-                other => panic!("a fresh key must execute, got {other:?}"),
-            }
+        "phased" => {
+            std::hint::black_box(phased(conn, operation, key));
         }
+        _ => unreachable!("unknown scenario {name}"),
+    }
+}
 
-        /// `first` whose operation also enqueues an outbox message, as an
-        /// order that must send a receipt does.
-        fn first_outbox(conn: &mut Conn, config: &Config, key: &str) -> i64 {
-            let outcome = config.run(conn, SCOPE, key, &REQUEST, |tx| {
-                let id = place_order(tx).map_err(|e| e.to_string())?;
-                outbox::enqueue(tx, "receipts", &json!({ "order": id })).map_err(|e| e.to_string())?;
-                Ok::<_, String>(id)
-            });
-            match outcome {
-                Ok(Outcome::Executed(id)) => id,
-                other => panic!("a fresh key must execute, got {other:?}"),
-            }
+fn single_connection<C: Bench>(db: &Db<C>, sizes: Sizes, profile: bool) -> (Value, Value, Option<Profile>) {
+    let config = Config::default();
+    let operation = Phased::new("bench");
+    let mut conn = db.conn();
+    let counter = StatementCounter::default();
+    let profiler = Profiler::default();
+    if profile {
+        conn.set_instrumentation(profiler.instrumentation(counter.clone()));
+    } else {
+        conn.set_instrumentation(counter.instrumentation());
+    }
+    let mut keys = Keys::new(1);
+    let done: Vec<String> = (0..sizes.calls.max(100)).map(|_| keys.next_key()).collect();
+    for key in &done {
+        first(&mut conn, &config, key);
+    }
+    let mut next_done = 0;
+    // Warm up: every statement prepared and cached before timing.
+    for name in SCENARIOS {
+        for _ in 0..5 {
+            call(
+                &mut conn,
+                (&config, &operation),
+                name,
+                &keys.next_key(),
+                &done,
+                &mut next_done,
+            );
         }
-
-        fn replay(conn: &mut Conn, config: &Config, key: &str) -> i64 {
-            match config.run(conn, SCOPE, key, &REQUEST, place_order) {
-                Ok(Outcome::Replayed(id)) => id,
-                other => panic!("a completed key must replay, got {other:?}"),
-            }
-        }
-
-        /// The common design elsewhere: claim the key in a committed
-        /// transaction of its own, run the operation in another, store the
-        /// result in a third. Given its best case: no read before the claim.
-        fn two_phase(conn: &mut Conn, key: &str) -> QueryResult<i64> {
-            let now = Utc::now().naive_utc();
-            let claimed = diesel::insert_into(idempotency_keys::table)
-                .values((
-                    idempotency_keys::scope.eq("two-phase"),
-                    idempotency_keys::idempotency_key.eq(key),
-                    idempotency_keys::request_hash.eq(REQUEST_HASH),
-                    idempotency_keys::status.eq("processing"),
-                    idempotency_keys::created_at.eq(now),
-                    idempotency_keys::expires_at.eq(now + chrono::Duration::hours(24)),
-                ))
-                .on_conflict_do_nothing()
-                .execute(conn)?;
-            assert_eq!(claimed, 1, "a fresh key must be claimed");
-            let id = conn.transaction(place_order)?;
-            diesel::update(idempotency_keys::table.find(("two-phase", key)))
-                .set((
-                    idempotency_keys::status.eq("completed"),
-                    idempotency_keys::response.eq(id.to_string()),
-                    idempotency_keys::completed_at.eq(Utc::now().naive_utc()),
-                ))
-                .execute(conn)?;
-            Ok(id)
-        }
-
-        /// A phased operation at its cheapest: the order in its first
-        /// phase, a call to a provider that does nothing, and a finish that
-        /// stores the answer. `PHASED_COMMITS` commits.
-        fn phased(conn: &mut Conn, operation: &Phased, key: &str) -> i64 {
-            let outcome = operation.run(conn, SCOPE, key, &REQUEST, |s| {
-                let id = s.phase("order_placed", place_order)?;
-                let provider_key_len = s.call("provider_called", |provider_key| {
-                    Ok::<_, diesel::result::Error>(std::hint::black_box(provider_key).len())
-                })?;
-                s.finish(|_| Ok::<_, diesel::result::Error>((id, provider_key_len)))
-            });
-            match outcome {
-                Ok(Outcome::Executed((id, _))) => id,
-                other => panic!("a fresh key must execute, got {other:?}"),
-            }
-        }
-
-        /// One call of scenario `name`: `key` is fresh, `done` holds
-        /// completed keys for replays.
-        fn call(
-            conn: &mut Conn,
-            (config, operation): (&Config, &Phased),
-            name: &str,
-            key: &str,
-            done: &[String],
-            next_done: &mut usize,
-        ) {
-            match name {
-                "baseline" => {
-                    std::hint::black_box(baseline(conn).expect("baseline"));
-                }
-                "floor" => {
-                    std::hint::black_box(floor(conn, key).expect("floor"));
-                }
-                "bare_floor" => {
-                    std::hint::black_box(bare_floor(conn, key).expect("bare_floor"));
-                }
-                "first" => {
-                    std::hint::black_box(first(conn, config, key));
-                }
-                "two_phase" => {
-                    std::hint::black_box(two_phase(conn, key).expect("two_phase"));
-                }
-                "replay" => {
-                    std::hint::black_box(replay(conn, config, &done[*next_done % done.len()]));
-                    *next_done += 1;
-                }
-                "first_outbox" => {
-                    std::hint::black_box(first_outbox(conn, config, key));
-                }
-                "phased" => {
-                    std::hint::black_box(phased(conn, operation, key));
-                }
-                _ => unreachable!("unknown scenario {name}"),
-            }
-        }
-
-        fn single_connection(db: &Db, sizes: Sizes, profile: bool) -> (Value, Value, Option<Profile>) {
-            let config = Config::default();
-            let operation = Phased::new("bench");
-            let mut conn = db.conn();
-            let counter = StatementCounter::default();
-            let profiler = Profiler::default();
-            if profile {
-                conn.set_instrumentation(profiler.instrumentation(counter.clone()));
-            } else {
-                conn.set_instrumentation(counter.instrumentation());
-            }
-            let mut keys = Keys::new(1);
-            let done: Vec<String> = (0..sizes.calls.max(100)).map(|_| keys.next_key()).collect();
-            for key in &done {
-                first(&mut conn, &config, key);
-            }
-            let mut next_done = 0;
-            // Warm up: every statement prepared and cached before timing.
-            for name in SCENARIOS {
-                for _ in 0..5 {
-                    call(&mut conn, (&config, &operation), name, &keys.next_key(), &done, &mut next_done);
-                }
-            }
-            profiler.reset();
-            let mut samples: Vec<Vec<f64>> = vec![Vec::new(); SCENARIOS.len()];
-            let mut statements = [0u64; SCENARIOS.len()];
-            // The scenarios take turns call by call, their order rotating, so
-            // a disturbance on the machine lands on all of them alike; a
-            // round's figure is its mean per call.
-            for _ in 0..sizes.rounds {
-                let mut elapsed = [0.0f64; SCENARIOS.len()];
-                for i in 0..sizes.calls {
-                    for turn in 0..SCENARIOS.len() {
-                        let index = (i + turn) % SCENARIOS.len();
-                        let key = keys.next_key();
-                        profiler.enter(SCENARIOS[index]);
-                        counter.take();
-                        let start = Instant::now();
-                        call(&mut conn, (&config, &operation), SCENARIOS[index], &key, &done, &mut next_done);
-                        elapsed[index] += start.elapsed().as_secs_f64();
-                        statements[index] += counter.take();
-                    }
-                }
-                for (index, total) in elapsed.iter().enumerate() {
-                    samples[index].push(total * 1e6 / sizes.calls as f64);
-                }
-            }
-            let mut per_call = serde_json::Map::new();
-            let mut per_statement = serde_json::Map::new();
-            for (index, name) in SCENARIOS.iter().enumerate() {
-                per_call.insert((*name).into(), json!(round3(median(&samples[index]))));
-                let count = statements[index] as f64 / (sizes.rounds * sizes.calls) as f64;
-                per_statement.insert((*name).into(), json!(round3(count)));
-            }
-            let profile = profile.then(|| profiler.report(sizes.rounds * sizes.calls));
-            (Value::Object(per_call), Value::Object(per_statement), profile)
-        }
-
-        fn contention(db: &Db, sizes: Sizes) -> Value {
-            let pool = db.pool(CONTENTION_THREADS as u32);
-            let config = Config::default();
-            let mut keys = Keys::new(2);
-            let mut latencies = Vec::new();
-            let mut executions_per_round = Vec::new();
-            let mut errors = 0;
-            for _ in 0..sizes.contention_rounds {
+    }
+    profiler.reset();
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); SCENARIOS.len()];
+    let mut statements = [0u64; SCENARIOS.len()];
+    // The scenarios take turns call by call, their order rotating, so a
+    // disturbance on the machine lands on all of them alike; a round's
+    // figure is its mean per call.
+    for _ in 0..sizes.rounds {
+        let mut elapsed = [0.0f64; SCENARIOS.len()];
+        for i in 0..sizes.calls {
+            for turn in 0..SCENARIOS.len() {
+                let index = (i + turn) % SCENARIOS.len();
                 let key = keys.next_key();
-                let executions = AtomicU64::new(0);
-                let barrier = Barrier::new(CONTENTION_THREADS);
-                let results: Vec<Result<f64, String>> = std::thread::scope(|s| {
-                    let handles: Vec<_> = (0..CONTENTION_THREADS)
-                        .map(|_| {
-                            let (pool, config, key, executions, barrier) = (&pool, &config, &key, &executions, &barrier);
-                            s.spawn(move || {
-                                let mut conn = pool.get().expect("a pooled connection");
-                                barrier.wait();
-                                let start = Instant::now();
-                                let result = config.run(&mut conn, SCOPE, key, &REQUEST, |tx| {
-                                    executions.fetch_add(1, Ordering::SeqCst);
-                                    std::thread::sleep(CONTENTION_OP);
-                                    place_order(tx)
-                                });
-                                let elapsed = start.elapsed().as_secs_f64() * 1000.0;
-                                result.map(|_| elapsed).map_err(|error| error.to_string())
-                            })
-                        })
-                        .collect();
-                    handles.into_iter().map(|h| h.join().expect("a contention thread")).collect()
-                });
-                for result in results {
-                    match result {
-                        Ok(ms) => latencies.push(ms),
-                        Err(error) => {
-                            eprintln!("contention error: {error}");
-                            errors += 1;
-                        }
-                    }
-                }
-                executions_per_round.push(executions.load(Ordering::SeqCst));
+                profiler.enter(SCENARIOS[index]);
+                counter.take();
+                let start = Instant::now();
+                call(
+                    &mut conn,
+                    (&config, &operation),
+                    SCENARIOS[index],
+                    &key,
+                    &done,
+                    &mut next_done,
+                );
+                elapsed[index] += start.elapsed().as_secs_f64();
+                statements[index] += counter.take();
             }
-            json!({
-                "executions": executions_per_round.iter().max(),
-                "min_executions": executions_per_round.iter().min(),
-                "errors": errors,
-                "p50_ms": round3(percentile(&latencies, 50.0)),
-                "p99_ms": round3(percentile(&latencies, 99.0)),
-                "max_ms": round3(percentile(&latencies, 100.0)),
-                "threads": CONTENTION_THREADS,
-                "rounds": sizes.contention_rounds,
-            })
         }
-
-        fn scaling(db: &Db, sizes: Sizes) -> (Value, u64) {
-            let max_threads = SCALING_THREADS[SCALING_THREADS.len() - 1];
-            let pool = db.pool(max_threads as u32);
-            let config = Config::default();
-            let errors = AtomicU64::new(0);
-            let mut samples: Vec<Vec<f64>> = vec![Vec::new(); SCALING_THREADS.len()];
-            for round in 0..sizes.scaling_rounds {
-                for turn in 0..SCALING_THREADS.len() {
-                    let index = (round + turn) % SCALING_THREADS.len();
-                    let threads = SCALING_THREADS[index];
-                    let barrier = Barrier::new(threads);
-                    let calls: u64 = std::thread::scope(|s| {
-                        let handles: Vec<_> = (0..threads)
-                            .map(|t| {
-                                let (pool, config, barrier, errors) = (&pool, &config, &barrier, &errors);
-                                s.spawn(move || {
-                                    let mut keys = Keys::new(100 + t as u64);
-                                    let mut conn = pool.get().expect("a pooled connection");
-                                    barrier.wait();
-                                    let deadline = Instant::now() + sizes.scaling_time;
-                                    let mut calls = 0;
-                                    while Instant::now() < deadline {
-                                        match config.run(&mut conn, SCOPE, &keys.next_key(), &REQUEST, place_order) {
-                                            Ok(_) => calls += 1,
-                                            Err(_) => {
-                                                errors.fetch_add(1, Ordering::Relaxed);
-                                            }
-                                        }
-                                    }
-                                    calls
-                                })
-                            })
-                            .collect();
-                        handles.into_iter().map(|h| h.join().expect("a scaling thread")).sum()
-                    });
-                    samples[index].push(calls as f64 / sizes.scaling_time.as_secs_f64());
-                }
-            }
-            let mut result = serde_json::Map::new();
-            for (index, threads) in SCALING_THREADS.iter().enumerate() {
-                result.insert(threads.to_string(), json!(median(&samples[index]).round()));
-            }
-            (Value::Object(result), errors.load(Ordering::Relaxed))
+        for (index, total) in elapsed.iter().enumerate() {
+            samples[index].push(total * 1e6 / sizes.calls as f64);
         }
+    }
+    let mut per_call = serde_json::Map::new();
+    let mut per_statement = serde_json::Map::new();
+    for (index, name) in SCENARIOS.iter().enumerate() {
+        per_call.insert((*name).into(), json!(round3(median(&samples[index]))));
+        let count = statements[index] as f64 / (sizes.rounds * sizes.calls) as f64;
+        per_statement.insert((*name).into(), json!(round3(count)));
+    }
+    let profile = profile.then(|| profiler.report(sizes.rounds * sizes.calls));
+    (Value::Object(per_call), Value::Object(per_statement), profile)
+}
 
-        /// `first` throughput with many existing records against an empty
-        /// table, in alternating rounds; then the existing records, all
-        /// expired, are purged.
-        fn large_table_and_purge(sizes: Sizes) -> (Value, Value) {
-            let empty = Db::new();
-            let large = Db::new();
-            let config = Config::default();
-            let mut fill = large.conn();
-            let start = Instant::now();
-            fill_expired(&mut fill, sizes.large_records).expect("fill the large table");
-            eprintln!("filled {} expired records in {:.1} s", sizes.large_records, start.elapsed().as_secs_f64());
-            let mut conns = [empty.conn(), large.conn()];
-            let mut keys = Keys::new(3);
-            let mut samples = [Vec::new(), Vec::new()];
-            for conn in &mut conns {
-                for _ in 0..20 {
-                    first(conn, &config, &keys.next_key());
-                }
-            }
-            // Call by call in turns, as in the single-connection scenarios.
-            for _ in 0..sizes.large_rounds {
-                let mut elapsed = [0.0f64; 2];
-                for i in 0..sizes.calls * 2 {
-                    for turn in 0..2 {
-                        let index = (i + turn) % 2;
-                        let key = keys.next_key();
+fn contention<C: Bench>(db: &Db<C>, sizes: Sizes) -> Value {
+    let pool = db.pool(CONTENTION_THREADS as u32);
+    let config = Config::default();
+    let mut keys = Keys::new(2);
+    let mut latencies = Vec::new();
+    let mut executions_per_round = Vec::new();
+    let mut errors = 0;
+    for _ in 0..sizes.contention_rounds {
+        let key = keys.next_key();
+        let executions = AtomicU64::new(0);
+        let barrier = Barrier::new(CONTENTION_THREADS);
+        let results: Vec<Result<f64, String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..CONTENTION_THREADS)
+                .map(|_| {
+                    let (pool, config, key, executions, barrier) = (&pool, &config, &key, &executions, &barrier);
+                    s.spawn(move || {
+                        let mut conn = pool.get().expect("a pooled connection");
+                        barrier.wait();
                         let start = Instant::now();
-                        first(&mut conns[index], &config, &key);
-                        elapsed[index] += start.elapsed().as_secs_f64();
-                    }
-                }
-                for (index, total) in elapsed.iter().enumerate() {
-                    samples[index].push((sizes.calls * 2) as f64 / total);
-                }
-            }
-            let (empty_ops, large_ops) = (median(&samples[0]), median(&samples[1]));
-            let large_table = json!({
-                "records": sizes.large_records,
-                "empty_ops_per_s": empty_ops.round(),
-                "large_ops_per_s": large_ops.round(),
-                "ratio": round3(large_ops / empty_ops),
-            });
-
-            let timer = BatchTimer::default();
-            let mut conn = large.conn();
-            conn.set_instrumentation(timer.instrumentation());
-            let start = Instant::now();
-            let rows = config.purge_expired(&mut conn, sizes.purge_batch).expect("purge");
-            let elapsed = start.elapsed().as_secs_f64();
-            assert_eq!(rows as i64, sizes.large_records, "every expired record is purged, no other");
-            let batches = timer.batches_ms();
-            let purge = json!({
-                "rows": rows,
-                "batch_size": sizes.purge_batch,
-                "batches": batches.len(),
-                "rows_per_s": (rows as f64 / elapsed).round(),
-                "max_batch_ms": round3(percentile(&batches, 100.0)),
-                "p99_batch_ms": round3(percentile(&batches, 99.0)),
-                "first_batch_ms": round3(batches.first().copied().unwrap_or(f64::NAN)),
-                "median_batch_ms": round3(median(&batches)),
-            });
-            (large_table, purge)
-        }
-
-        /// Messages per second one relay delivers with a handler that does
-        /// nothing: the outbox's own cost of claiming and settling.
-        fn relay_throughput(db: &Db, sizes: Sizes) -> Value {
-            let mut conn = db.conn();
-            let relay = Relay::default().batch_size(RELAY_BATCH);
-            // Delivers every due message; returns how many.
-            let drain = |conn: &mut Conn| {
-                let mut delivered = 0;
-                loop {
-                    let batch = relay
-                        .run_once(conn, |message| {
-                            std::hint::black_box(&message.key);
-                            Ok::<_, std::convert::Infallible>(())
-                        })
-                        .expect("relay");
-                    if batch.claimed == 0 {
-                        return delivered;
-                    }
-                    delivered += batch.delivered;
-                }
-            };
-            // The receipts of the `first_outbox` scenario go first, untimed.
-            drain(&mut conn);
-            let mut rates = Vec::new();
-            for _ in 0..sizes.relay_rounds {
-                conn.transaction(|tx| {
-                    for order in 0..sizes.relay_messages {
-                        outbox::enqueue(tx, "receipts", &json!({ "order": order }))?;
-                    }
-                    Ok::<_, outbox::Error>(())
+                        let result = config.run(&mut conn, SCOPE, key, &REQUEST, |tx| {
+                            executions.fetch_add(1, Ordering::SeqCst);
+                            std::thread::sleep(CONTENTION_OP);
+                            C::place_order(tx)
+                        });
+                        let elapsed = start.elapsed().as_secs_f64() * 1000.0;
+                        result.map(|_| elapsed).map_err(|error| error.to_string())
+                    })
                 })
-                .expect("enqueue the messages");
-                let start = Instant::now();
-                let delivered = drain(&mut conn);
-                let elapsed = start.elapsed().as_secs_f64();
-                assert_eq!(delivered, sizes.relay_messages, "every message delivered once");
-                rates.push(delivered as f64 / elapsed);
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("a contention thread"))
+                .collect()
+        });
+        for result in results {
+            match result {
+                Ok(ms) => latencies.push(ms),
+                Err(error) => {
+                    eprintln!("contention error: {error}");
+                    errors += 1;
+                }
             }
-            json!({
-                "messages": sizes.relay_messages,
-                "batch_size": RELAY_BATCH,
-                "rounds": sizes.relay_rounds,
-                "messages_per_s": round3(median(&rates)),
-            })
         }
+        executions_per_round.push(executions.load(Ordering::SeqCst));
+    }
+    json!({
+        "executions": executions_per_round.iter().max(),
+        "min_executions": executions_per_round.iter().min(),
+        "errors": errors,
+        "p50_ms": round3(percentile(&latencies, 50.0)),
+        "p99_ms": round3(percentile(&latencies, 99.0)),
+        "max_ms": round3(percentile(&latencies, 100.0)),
+        "threads": CONTENTION_THREADS,
+        "rounds": sizes.contention_rounds,
+    })
+}
 
-        /// How long a message waits from its commit to its handler with
-        /// `Relay::run` (one worker, defaults but for `poll_interval`) in
-        /// this process: messages committed one by one at a steady rate,
-        /// each timed from the moment its commit returned to the moment
-        /// the handler was called. A relay sleeping between polls wakes
-        /// through `LISTEN`/`NOTIFY` on PostgreSQL; on SQLite it finds the
-        /// message at its next poll. On a database of its own: right after
-        /// the throughput scenario's deliveries, PostgreSQL's outbox index
-        /// holds their dead entries until a vacuum, which slows every look
-        /// for pending messages (p50 13 and 20 ms in two trials right after
-        /// 30,000 deliveries, against 4 ms without them).
-        fn relay_latency(sizes: Sizes, poll_interval: std::time::Duration) -> Value {
-            use std::sync::mpsc;
-            use idempotency::Shutdown;
-            let db = Db::new();
-            // One connection for the worker, one for the listener.
-            let pool = db.pool(2);
-            let mut conn = db.conn();
-            let relay = Relay::default().poll_interval(poll_interval);
-            let shutdown = Shutdown::new();
-            let (handed, handled) = mpsc::channel::<(i64, Instant)>();
-            let handler = |message: &idempotency::outbox::Message| {
-                let now = Instant::now();
-                if message.topic == "latency" {
-                    let seq = message.payload::<i64>().map_err(|e| e.to_string())?;
-                    handed.send((seq, now)).map_err(|e| e.to_string())?;
-                }
-                Ok::<_, String>(())
-            };
-            let interval = std::time::Duration::from_secs_f64(1.0 / sizes.latency_rate);
-            let latencies_ms: Vec<f64> = std::thread::scope(|scope| {
-                let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
-                // A message first, untimed: the relay is up and idle.
-                outbox::enqueue(&mut conn, "latency", &-1i64).expect("enqueue");
-                assert_eq!(handled.recv().expect("the warm-up message").0, -1);
-                let start = Instant::now();
-                let mut committed = Vec::with_capacity(sizes.latency_messages);
-                for seq in 0..sizes.latency_messages {
-                    let due = start + interval * seq as u32;
-                    std::thread::sleep(due.saturating_duration_since(Instant::now()));
-                    outbox::enqueue(&mut conn, "latency", &(seq as i64)).expect("enqueue");
-                    committed.push(Instant::now());
-                }
-                let mut latencies = vec![f64::NAN; sizes.latency_messages];
-                for _ in 0..sizes.latency_messages {
-                    let (seq, at) = handled.recv().expect("every message delivered");
-                    let seq = usize::try_from(seq).expect("a sequence number");
-                    latencies[seq] = at.saturating_duration_since(committed[seq]).as_secs_f64() * 1000.0;
-                }
-                shutdown.trigger();
-                let summary = service.join().expect("the relay service");
-                assert_eq!(summary.errors, 0, "the relay met no error");
-                latencies
+fn scaling<C: Bench>(db: &Db<C>, sizes: Sizes) -> (Value, u64) {
+    let max_threads = SCALING_THREADS[SCALING_THREADS.len() - 1];
+    let pool = db.pool(max_threads as u32);
+    let config = Config::default();
+    let errors = AtomicU64::new(0);
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); SCALING_THREADS.len()];
+    for round in 0..sizes.scaling_rounds {
+        for turn in 0..SCALING_THREADS.len() {
+            let index = (round + turn) % SCALING_THREADS.len();
+            let threads = SCALING_THREADS[index];
+            let barrier = Barrier::new(threads);
+            let calls: u64 = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..threads)
+                    .map(|t| {
+                        let (pool, config, barrier, errors) = (&pool, &config, &barrier, &errors);
+                        s.spawn(move || {
+                            let mut keys = Keys::new(100 + t as u64);
+                            let mut conn = pool.get().expect("a pooled connection");
+                            barrier.wait();
+                            let deadline = Instant::now() + sizes.scaling_time;
+                            let mut calls = 0;
+                            while Instant::now() < deadline {
+                                match config.run(&mut conn, SCOPE, &keys.next_key(), &REQUEST, C::place_order) {
+                                    Ok(_) => calls += 1,
+                                    Err(_) => {
+                                        errors.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                }
+                            }
+                            calls
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().expect("a scaling thread")).sum()
             });
-            json!({
-                "messages": sizes.latency_messages,
-                "rate_per_s": sizes.latency_rate,
-                "poll_interval_ms": poll_interval.as_millis() as u64,
-                "woken_by": if BACKEND == "postgres" { "notify" } else { "poll" },
-                "p50_ms": round3(percentile(&latencies_ms, 50.0)),
-                "p99_ms": round3(percentile(&latencies_ms, 99.0)),
-                "max_ms": round3(percentile(&latencies_ms, 100.0)),
-            })
+            samples[index].push(calls as f64 / sizes.scaling_time.as_secs_f64());
         }
+    }
+    let mut result = serde_json::Map::new();
+    for (index, threads) in SCALING_THREADS.iter().enumerate() {
+        result.insert(threads.to_string(), json!(median(&samples[index]).round()));
+    }
+    (Value::Object(result), errors.load(Ordering::Relaxed))
+}
 
-        pub fn run(sizes: Sizes, profile: bool) -> Value {
-            let db = Db::new();
-            eprintln!("single-connection scenarios...");
-            let (per_call, statements, profile) = single_connection(&db, sizes, profile);
-            eprintln!("contention...");
-            let contention = contention(&db, sizes);
-            eprintln!("scaling...");
-            let (scaling, scaling_errors) = scaling(&db, sizes);
-            eprintln!("large table and purge...");
-            let (large_table, purge) = large_table_and_purge(sizes);
-            eprintln!("outbox relay...");
-            let relay = relay_throughput(&db, sizes);
-            eprintln!("relay service latency...");
-            let latency: Vec<Value> = LATENCY_POLLS.iter().map(|&poll| relay_latency(sizes, poll)).collect();
-            let per_call_of = |name: &str| per_call[name].as_f64().unwrap_or(f64::NAN);
-            let ratio = |a: &str, b: &str| round3(per_call_of(a) / per_call_of(b));
-            json!({
-                "backend": BACKEND,
-                "rounds": sizes.rounds,
-                "calls_per_round": sizes.calls,
-                "per_call_us": per_call,
-                "statements_per_call": statements,
-                "ratios": {
-                    "first_over_floor": ratio("first", "floor"),
-                    "first_over_bare_floor": ratio("first", "bare_floor"),
-                    "first_over_baseline": ratio("first", "baseline"),
-                    "first_over_two_phase": ratio("first", "two_phase"),
-                    "replay_over_baseline": ratio("replay", "baseline"),
-                    "phased_over_first": ratio("phased", "first"),
-                    "phased_over_baseline": ratio("phased", "baseline"),
-                    "large_table": large_table["ratio"],
-                },
-                "contention": contention,
-                "scaling": scaling,
-                "scaling_errors": scaling_errors,
-                "large_table": large_table,
-                "purge": purge,
-                "outbox": {
-                    "enqueue_us": round3(
-                        per_call["first_outbox"].as_f64().unwrap_or(f64::NAN) - per_call["first"].as_f64().unwrap_or(f64::NAN)
-                    ),
-                    "first_with_enqueue_over_first": ratio("first_outbox", "first"),
-                    "relay": relay,
-                    "latency": latency,
-                },
-                "phased": {
-                    "commits": PHASED_COMMITS,
-                    "per_operation_us": per_call["phased"],
-                    "per_commit_us": round3(per_call_of("phased") / PHASED_COMMITS as f64),
-                    "per_commit_over_first": round3(per_call_of("phased") / PHASED_COMMITS as f64 / per_call_of("first")),
-                    "per_commit_over_baseline": round3(per_call_of("phased") / PHASED_COMMITS as f64 / per_call_of("baseline")),
-                },
-                "statement_profile": profile,
-            })
+/// `first` throughput with many existing records against an empty
+/// table, in alternating rounds; then the existing records, all
+/// expired, are purged.
+fn large_table_and_purge<C: Bench>(sizes: Sizes) -> (Value, Value) {
+    let empty = Db::<C>::new();
+    let large = Db::<C>::new();
+    let config = Config::default();
+    let mut fill = large.conn();
+    let start = Instant::now();
+    fill.fill_expired(sizes.large_records).expect("fill the large table");
+    eprintln!(
+        "filled {} expired records in {:.1} s",
+        sizes.large_records,
+        start.elapsed().as_secs_f64()
+    );
+    let mut conns = [empty.conn(), large.conn()];
+    let mut keys = Keys::new(3);
+    let mut samples = [Vec::new(), Vec::new()];
+    for conn in &mut conns {
+        for _ in 0..20 {
+            first(conn, &config, &keys.next_key());
+        }
+    }
+    // Call by call in turns, as in the single-connection scenarios.
+    for _ in 0..sizes.large_rounds {
+        let mut elapsed = [0.0f64; 2];
+        for i in 0..sizes.calls * 2 {
+            for turn in 0..2 {
+                let index = (i + turn) % 2;
+                let key = keys.next_key();
+                let start = Instant::now();
+                first(&mut conns[index], &config, &key);
+                elapsed[index] += start.elapsed().as_secs_f64();
+            }
+        }
+        for (index, total) in elapsed.iter().enumerate() {
+            samples[index].push((sizes.calls * 2) as f64 / total);
+        }
+    }
+    let (empty_ops, large_ops) = (median(&samples[0]), median(&samples[1]));
+    let large_table = json!({
+        "records": sizes.large_records,
+        "empty_ops_per_s": empty_ops.round(),
+        "large_ops_per_s": large_ops.round(),
+        "ratio": round3(large_ops / empty_ops),
+    });
+
+    let timer = BatchTimer::default();
+    let mut conn = large.conn();
+    conn.set_instrumentation(timer.instrumentation());
+    let start = Instant::now();
+    let rows = config.purge_expired(&mut conn, sizes.purge_batch).expect("purge");
+    let elapsed = start.elapsed().as_secs_f64();
+    assert_eq!(
+        rows as i64, sizes.large_records,
+        "every expired record is purged, no other"
+    );
+    let batches = timer.batches_ms();
+    let purge = json!({
+        "rows": rows,
+        "batch_size": sizes.purge_batch,
+        "batches": batches.len(),
+        "rows_per_s": (rows as f64 / elapsed).round(),
+        "max_batch_ms": round3(percentile(&batches, 100.0)),
+        "p99_batch_ms": round3(percentile(&batches, 99.0)),
+        "first_batch_ms": round3(batches.first().copied().unwrap_or(f64::NAN)),
+        "median_batch_ms": round3(median(&batches)),
+    });
+    (large_table, purge)
+}
+
+/// Messages per second one relay delivers with a handler that does
+/// nothing: the outbox's own cost of claiming and settling.
+fn relay_throughput<C: Bench>(db: &Db<C>, sizes: Sizes) -> Value {
+    let mut conn = db.conn();
+    let relay = Relay::default().batch_size(RELAY_BATCH);
+    // Delivers every due message; returns how many.
+    let drain = |conn: &mut C| {
+        let mut delivered = 0;
+        loop {
+            let batch = relay
+                .run_once(conn, |message| {
+                    std::hint::black_box(&message.key);
+                    Ok::<_, std::convert::Infallible>(())
+                })
+                .expect("relay");
+            if batch.claimed == 0 {
+                return delivered;
+            }
+            delivered += batch.delivered;
         }
     };
+    // The receipts of the `first_outbox` scenario go first, untimed.
+    drain(&mut conn);
+    let mut rates = Vec::new();
+    for _ in 0..sizes.relay_rounds {
+        conn.transaction(|tx| {
+            for order in 0..sizes.relay_messages {
+                outbox::enqueue(tx, "receipts", &json!({ "order": order }))?;
+            }
+            Ok::<_, outbox::Error>(())
+        })
+        .expect("enqueue the messages");
+        let start = Instant::now();
+        let delivered = drain(&mut conn);
+        let elapsed = start.elapsed().as_secs_f64();
+        assert_eq!(delivered, sizes.relay_messages, "every message delivered once");
+        rates.push(delivered as f64 / elapsed);
+    }
+    json!({
+        "messages": sizes.relay_messages,
+        "batch_size": RELAY_BATCH,
+        "rounds": sizes.relay_rounds,
+        "messages_per_s": round3(median(&rates)),
+    })
+}
+
+/// How long a message waits from its commit to its handler with
+/// `Relay::run` (one worker, defaults but for `poll_interval`) in
+/// this process: messages committed one by one at a steady rate,
+/// each timed from the moment its commit returned to the moment
+/// the handler was called. A relay sleeping between polls wakes
+/// through `LISTEN`/`NOTIFY` on PostgreSQL; on SQLite it finds the
+/// message at its next poll. On a database of its own: right after
+/// the throughput scenario's deliveries, PostgreSQL's outbox index
+/// holds their dead entries until a vacuum, which slows every look
+/// for pending messages (p50 13 and 20 ms in two trials right after
+/// 30,000 deliveries, against 4 ms without them).
+fn relay_latency<C: Bench>(sizes: Sizes, poll_interval: Duration) -> Value {
+    use idempotency::Shutdown;
+    use std::sync::mpsc;
+    let db = Db::<C>::new();
+    // One connection for the worker, one for the listener.
+    let pool = db.pool(2);
+    let mut conn = db.conn();
+    let relay = Relay::default().poll_interval(poll_interval);
+    let shutdown = Shutdown::new();
+    let (handed, handled) = mpsc::channel::<(i64, Instant)>();
+    let handler = |message: &idempotency::outbox::Message| {
+        let now = Instant::now();
+        if message.topic == "latency" {
+            let seq = message.payload::<i64>().map_err(|e| e.to_string())?;
+            handed.send((seq, now)).map_err(|e| e.to_string())?;
+        }
+        Ok::<_, String>(())
+    };
+    let interval = Duration::from_secs_f64(1.0 / sizes.latency_rate);
+    let latencies_ms: Vec<f64> = std::thread::scope(|scope| {
+        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        // A message first, untimed: the relay is up and idle.
+        outbox::enqueue(&mut conn, "latency", &-1i64).expect("enqueue");
+        assert_eq!(handled.recv().expect("the warm-up message").0, -1);
+        let start = Instant::now();
+        let mut committed = Vec::with_capacity(sizes.latency_messages);
+        for seq in 0..sizes.latency_messages {
+            let due = start + interval * seq as u32;
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+            outbox::enqueue(&mut conn, "latency", &(seq as i64)).expect("enqueue");
+            committed.push(Instant::now());
+        }
+        let mut latencies = vec![f64::NAN; sizes.latency_messages];
+        for _ in 0..sizes.latency_messages {
+            let (seq, at) = handled.recv().expect("every message delivered");
+            let seq = usize::try_from(seq).expect("a sequence number");
+            latencies[seq] = at.saturating_duration_since(committed[seq]).as_secs_f64() * 1000.0;
+        }
+        shutdown.trigger();
+        let summary = service.join().expect("the relay service");
+        assert_eq!(summary.errors, 0, "the relay met no error");
+        latencies
+    });
+    json!({
+        "messages": sizes.latency_messages,
+        "rate_per_s": sizes.latency_rate,
+        "poll_interval_ms": poll_interval.as_millis() as u64,
+        "woken_by": if C::NAME == "postgres" { "notify" } else { "poll" },
+        "p50_ms": round3(percentile(&latencies_ms, 50.0)),
+        "p99_ms": round3(percentile(&latencies_ms, 99.0)),
+        "max_ms": round3(percentile(&latencies_ms, 100.0)),
+    })
+}
+
+fn run<C: Bench>(sizes: Sizes, profile: bool) -> Value {
+    let db = Db::<C>::new();
+    eprintln!("single-connection scenarios...");
+    let (per_call, statements, profile) = single_connection(&db, sizes, profile);
+    eprintln!("contention...");
+    let contention = contention(&db, sizes);
+    eprintln!("scaling...");
+    let (scaling, scaling_errors) = scaling(&db, sizes);
+    eprintln!("large table and purge...");
+    let (large_table, purge) = large_table_and_purge::<C>(sizes);
+    eprintln!("outbox relay...");
+    let relay = relay_throughput(&db, sizes);
+    eprintln!("relay service latency...");
+    let latency: Vec<Value> = LATENCY_POLLS
+        .iter()
+        .map(|&poll| relay_latency::<C>(sizes, poll))
+        .collect();
+    let per_call_of = |name: &str| per_call[name].as_f64().unwrap_or(f64::NAN);
+    let ratio = |a: &str, b: &str| round3(per_call_of(a) / per_call_of(b));
+    json!({
+        "backend": C::NAME,
+        "rounds": sizes.rounds,
+        "calls_per_round": sizes.calls,
+        "per_call_us": per_call,
+        "statements_per_call": statements,
+        "ratios": {
+            "first_over_floor": ratio("first", "floor"),
+            "first_over_bare_floor": ratio("first", "bare_floor"),
+            "first_over_baseline": ratio("first", "baseline"),
+            "first_over_two_phase": ratio("first", "two_phase"),
+            "replay_over_baseline": ratio("replay", "baseline"),
+            "phased_over_first": ratio("phased", "first"),
+            "phased_over_baseline": ratio("phased", "baseline"),
+            "large_table": large_table["ratio"],
+        },
+        "contention": contention,
+        "scaling": scaling,
+        "scaling_errors": scaling_errors,
+        "large_table": large_table,
+        "purge": purge,
+        "outbox": {
+            "enqueue_us": round3(
+                per_call["first_outbox"].as_f64().unwrap_or(f64::NAN) - per_call["first"].as_f64().unwrap_or(f64::NAN)
+            ),
+            "first_with_enqueue_over_first": ratio("first_outbox", "first"),
+            "relay": relay,
+            "latency": latency,
+        },
+        "phased": {
+            "commits": PHASED_COMMITS,
+            "per_operation_us": per_call["phased"],
+            "per_commit_us": round3(per_call_of("phased") / PHASED_COMMITS as f64),
+            "per_commit_over_first": round3(per_call_of("phased") / PHASED_COMMITS as f64 / per_call_of("first")),
+            "per_commit_over_baseline": round3(per_call_of("phased") / PHASED_COMMITS as f64 / per_call_of("baseline")),
+        },
+        "statement_profile": profile,
+    })
 }
 
 #[cfg(feature = "sqlite")]
 mod sqlite {
+    use diesel::SqliteConnection;
     use diesel::connection::SimpleConnection;
-    use diesel::r2d2::CustomizeConnection;
-    use tempfile::TempDir;
+    use diesel::prelude::*;
+    use diesel::query_dsl::methods::ExecuteDsl;
 
-    type Conn = diesel::sqlite::SqliteConnection;
-    const BACKEND: &str = "sqlite";
+    use super::{Bench, KEY_COLUMNS, Statement, place_order_returning_id};
 
-    scenarios!();
+    /// A statement SQLite executes.
+    pub trait Executable: ExecuteDsl<SqliteConnection> {}
 
-    /// The domain operation: one order row.
-    fn place_order(conn: &mut Conn) -> QueryResult<i64> {
-        diesel::insert_into(orders::table)
-            .values((orders::item.eq(REQUEST.item), orders::quantity.eq(REQUEST.quantity)))
-            .returning(orders::id)
-            .get_result(conn)
-    }
+    impl<S: ExecuteDsl<SqliteConnection>> Executable for S {}
 
-    /// Every commit durable: WAL with `synchronous = FULL` syncs the log on
-    /// each commit, as PostgreSQL does.
-    #[derive(Debug)]
-    struct Setup;
+    /// A WAL file database in a temporary directory, every commit durable:
+    /// WAL with `synchronous = FULL` syncs the log on each commit, as
+    /// PostgreSQL does.
+    impl Bench for SqliteConnection {
+        const NAME: &'static str = "sqlite";
 
-    impl CustomizeConnection<Conn, diesel::r2d2::Error> for Setup {
-        fn on_acquire(&self, conn: &mut Conn) -> Result<(), diesel::r2d2::Error> {
-            conn.batch_execute("PRAGMA synchronous = FULL; PRAGMA busy_timeout = 10000;")
-                .map_err(diesel::r2d2::Error::QueryError)
+        fn configure(&mut self) -> QueryResult<()> {
+            self.batch_execute("PRAGMA synchronous = FULL; PRAGMA busy_timeout = 10000;")
         }
-    }
 
-    struct Db {
-        url: String,
-        _dir: TempDir,
-    }
-
-    impl Db {
-        fn new() -> Db {
-            let dir = tempfile::tempdir().expect("create a temporary directory");
-            let url = dir.path().join("bench.db").to_str().expect("utf-8 path").to_owned();
-            let db = Db { url, _dir: dir };
-            let mut conn = db.conn();
-            conn.batch_execute(
+        fn create_tables(&mut self) -> QueryResult<()> {
+            self.batch_execute(&format!(
                 "PRAGMA journal_mode = WAL;
                  CREATE TABLE orders (id INTEGER PRIMARY KEY AUTOINCREMENT, item TEXT NOT NULL, quantity INTEGER NOT NULL);
-                 CREATE TABLE floor_keys (scope TEXT NOT NULL, idempotency_key TEXT NOT NULL, request_hash TEXT NOT NULL,
-                     status TEXT NOT NULL, response TEXT, created_at TIMESTAMP NOT NULL, completed_at TIMESTAMP,
-                     expires_at TIMESTAMP NOT NULL, PRIMARY KEY (scope, idempotency_key)) WITHOUT ROWID;
+                 CREATE TABLE floor_keys ({KEY_COLUMNS}, PRIMARY KEY (scope, idempotency_key)) WITHOUT ROWID;
                  CREATE INDEX floor_keys_expires_at ON floor_keys (expires_at);
-                 CREATE TABLE bare_keys (scope TEXT NOT NULL, idempotency_key TEXT NOT NULL, request_hash TEXT NOT NULL,
-                     status TEXT NOT NULL, response TEXT, created_at TIMESTAMP NOT NULL, completed_at TIMESTAMP,
-                     expires_at TIMESTAMP NOT NULL);",
+                 CREATE TABLE bare_keys ({KEY_COLUMNS});"
+            ))
+        }
+
+        fn fill_expired(&mut self, records: i64) -> QueryResult<usize> {
+            diesel::sql_query(
+                "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < ?)
+                 INSERT INTO idempotency_keys
+                     (scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at)
+                 SELECT 'bench', lower(hex(randomblob(16))), lower(hex(randomblob(32))), 'completed', '12345',
+                        '2000-01-01 00:00:00', '2000-01-01 00:00:00', datetime('2000-01-02', '+' || n || ' seconds')
+                 FROM g",
             )
-            .expect("create the bench tables");
-            idempotency::run_migrations(&mut conn).expect("migrate");
-            db
+            .bind::<diesel::sql_types::BigInt, _>(records)
+            .execute(self)
         }
 
-        fn conn(&self) -> Conn {
-            let mut conn = Conn::establish(&self.url).expect("open the bench database");
-            Setup.on_acquire(&mut conn).expect("configure the connection");
-            conn
+        fn place_order(&mut self) -> QueryResult<i64> {
+            place_order_returning_id(self)
         }
 
-        fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
-            Pool::builder()
-                .max_size(size)
-                .connection_customizer(Box::new(Setup))
-                .build(ConnectionManager::new(&self.url))
-                .expect("build a pool")
+        fn send(&mut self, statement: impl Statement) -> QueryResult<usize> {
+            ExecuteDsl::execute(statement, self)
         }
     }
+}
 
-    fn fill_expired(conn: &mut Conn, records: i64) -> QueryResult<usize> {
-        diesel::sql_query(
-            "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < ?)
-             INSERT INTO idempotency_keys
-                 (scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at)
-             SELECT 'bench', lower(hex(randomblob(16))), lower(hex(randomblob(32))), 'completed', '12345',
-                    '2000-01-01 00:00:00', '2000-01-01 00:00:00', datetime('2000-01-02', '+' || n || ' seconds')
-             FROM g",
-        )
-        .bind::<diesel::sql_types::BigInt, _>(records)
-        .execute(conn)
-    }
+#[cfg(not(feature = "sqlite"))]
+mod sqlite {
+    pub trait Executable {}
+
+    impl<S> Executable for S {}
 }
 
 #[cfg(feature = "postgres")]
 mod postgres {
+    use diesel::PgConnection;
     use diesel::connection::SimpleConnection;
+    use diesel::prelude::*;
+    use diesel::query_dsl::methods::ExecuteDsl;
 
-    type Conn = diesel::pg::PgConnection;
-    const BACKEND: &str = "postgres";
+    use super::{Bench, KEY_COLUMNS, Statement, place_order_returning_id};
 
-    scenarios!();
+    /// A statement PostgreSQL executes.
+    pub trait Executable: ExecuteDsl<PgConnection> {}
 
-    /// The domain operation: one order row.
-    fn place_order(conn: &mut Conn) -> QueryResult<i64> {
-        diesel::insert_into(orders::table)
-            .values((orders::item.eq(REQUEST.item), orders::quantity.eq(REQUEST.quantity)))
-            .returning(orders::id)
-            .get_result(conn)
-    }
+    impl<S: ExecuteDsl<PgConnection>> Executable for S {}
 
-    /// A schema of its own in the database named by `DATABASE_URL`, dropped
-    /// when the run ends.
-    struct Db {
-        base_url: String,
-        url: String,
-        schema: String,
-    }
+    /// A schema of its own in the database named by `DATABASE_URL`.
+    impl Bench for PgConnection {
+        const NAME: &'static str = "postgres";
 
-    impl Db {
-        fn new() -> Db {
-            static NEXT: AtomicU64 = AtomicU64::new(0);
-            let base_url = std::env::var("DATABASE_URL")
-                .expect("the postgres bench needs DATABASE_URL, e.g. postgres://postgres@127.0.0.1:5432/test");
-            let schema = format!(
-                "idem_bench_{}_{}",
-                std::process::id(),
-                NEXT.fetch_add(1, Ordering::Relaxed)
-            );
-            let separator = if base_url.contains('?') { '&' } else { '?' };
-            let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
-            let mut admin = Conn::establish(&base_url).expect("connect to DATABASE_URL");
-            admin
-                .batch_execute(&format!("CREATE SCHEMA {schema}"))
-                .expect("create the bench schema");
-            let db = Db { base_url, url, schema };
-            let mut conn = db.conn();
-            conn.batch_execute(
+        fn create_tables(&mut self) -> QueryResult<()> {
+            self.batch_execute(&format!(
                 "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, item TEXT NOT NULL, quantity INTEGER NOT NULL);
-                 CREATE TABLE floor_keys (scope TEXT NOT NULL, idempotency_key TEXT NOT NULL, request_hash TEXT NOT NULL,
-                     status TEXT NOT NULL, response TEXT, created_at TIMESTAMP NOT NULL, completed_at TIMESTAMP,
-                     expires_at TIMESTAMP NOT NULL, PRIMARY KEY (scope, idempotency_key));
+                 CREATE TABLE floor_keys ({KEY_COLUMNS}, PRIMARY KEY (scope, idempotency_key));
                  CREATE INDEX floor_keys_expires_at ON floor_keys (expires_at);
-                 CREATE TABLE bare_keys (scope TEXT NOT NULL, idempotency_key TEXT NOT NULL, request_hash TEXT NOT NULL,
-                     status TEXT NOT NULL, response TEXT, created_at TIMESTAMP NOT NULL, completed_at TIMESTAMP,
-                     expires_at TIMESTAMP NOT NULL);",
+                 CREATE TABLE bare_keys ({KEY_COLUMNS});"
+            ))
+        }
+
+        fn fill_expired(&mut self, records: i64) -> QueryResult<usize> {
+            let inserted = diesel::sql_query(
+                "INSERT INTO idempotency_keys
+                     (scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at)
+                 SELECT 'bench', md5(g::text), md5(g::text) || md5(g::text), 'completed', '12345',
+                        timestamp '2000-01-01', timestamp '2000-01-01', timestamp '2000-01-02' + g * interval '1 second'
+                 FROM generate_series(1, $1) AS g",
             )
-            .expect("create the bench tables");
-            idempotency::run_migrations(&mut conn).expect("migrate");
-            db
+            .bind::<diesel::sql_types::BigInt, _>(records)
+            .execute(self)?;
+            self.batch_execute("ANALYZE idempotency_keys")?;
+            Ok(inserted)
         }
 
-        fn conn(&self) -> Conn {
-            Conn::establish(&self.url).expect("connect to the bench schema")
+        fn place_order(&mut self) -> QueryResult<i64> {
+            place_order_returning_id(self)
         }
 
-        fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
-            Pool::builder()
-                .max_size(size)
-                .build(ConnectionManager::new(&self.url))
-                .expect("build a pool")
+        fn send(&mut self, statement: impl Statement) -> QueryResult<usize> {
+            ExecuteDsl::execute(statement, self)
         }
     }
+}
 
-    impl Drop for Db {
-        fn drop(&mut self) {
-            if let Ok(mut admin) = Conn::establish(&self.base_url) {
-                let _ = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema));
-            }
-        }
-    }
+#[cfg(not(feature = "postgres"))]
+mod postgres {
+    pub trait Executable {}
 
-    fn fill_expired(conn: &mut Conn, records: i64) -> QueryResult<usize> {
-        let inserted = diesel::sql_query(
-            "INSERT INTO idempotency_keys
-                 (scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at)
-             SELECT 'bench', md5(g::text), md5(g::text) || md5(g::text), 'completed', '12345',
-                    timestamp '2000-01-01', timestamp '2000-01-01', timestamp '2000-01-02' + g * interval '1 second'
-             FROM generate_series(1, $1) AS g",
-        )
-        .bind::<diesel::sql_types::BigInt, _>(records)
-        .execute(conn)?;
-        conn.batch_execute("ANALYZE idempotency_keys")?;
-        Ok(inserted)
-    }
+    impl<S> Executable for S {}
 }
 
 #[cfg(feature = "mysql")]
 mod mysql {
+    use diesel::MysqlConnection;
     use diesel::connection::SimpleConnection;
+    use diesel::prelude::*;
+    use diesel::query_dsl::methods::ExecuteDsl;
 
-    type Conn = diesel::mysql::MysqlConnection;
-    const BACKEND: &str = "mysql";
+    use super::{Bench, Statement, new_order, orders};
 
-    scenarios!();
+    /// A statement MySQL executes.
+    pub trait Executable: ExecuteDsl<MysqlConnection> {}
+
+    impl<S: ExecuteDsl<MysqlConnection>> Executable for S {}
 
     diesel::define_sql_function! {
         /// The id the last insert on this connection gave its row.
         fn last_insert_id() -> diesel::sql_types::Unsigned<diesel::sql_types::BigInt>;
-    }
-
-    /// The domain operation: one order row. MySQL has no `RETURNING`: the
-    /// id comes from the connection, a second statement.
-    fn place_order(conn: &mut Conn) -> QueryResult<i64> {
-        diesel::insert_into(orders::table)
-            .values((orders::item.eq(REQUEST.item), orders::quantity.eq(REQUEST.quantity)))
-            .execute(conn)?;
-        let id: u64 = diesel::select(last_insert_id()).get_result(conn)?;
-        Ok(id as i64)
-    }
-
-    /// A database of its own on the server named by `MYSQL_URL`, dropped
-    /// when the run ends.
-    struct Db {
-        base_url: String,
-        url: String,
-        name: String,
     }
 
     /// The key table's columns, as the crate's MySQL migration has them.
@@ -1329,85 +1402,66 @@ mod mysql {
         response LONGTEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin,
         created_at DATETIME(6) NOT NULL, completed_at DATETIME(6), expires_at DATETIME(6) NOT NULL";
 
-    impl Db {
-        fn new() -> Db {
-            static NEXT: AtomicU64 = AtomicU64::new(0);
-            let base_url = std::env::var("MYSQL_URL")
-                .expect("the mysql bench needs MYSQL_URL, e.g. mysql://root@127.0.0.1:3306/test");
-            let name = format!(
-                "idem_bench_{}_{}",
-                std::process::id(),
-                NEXT.fetch_add(1, Ordering::Relaxed)
-            );
-            let server = match base_url.split_once("://") {
-                Some((scheme, rest)) => format!("{scheme}://{}", rest.split(['/', '?']).next().unwrap_or(rest)),
-                None => base_url.clone(),
-            };
-            let url = format!("{server}/{name}");
-            let mut admin = Conn::establish(&base_url).expect("connect to MYSQL_URL");
-            admin
-                .batch_execute(&format!("CREATE DATABASE {name}"))
-                .expect("create the bench database");
-            let db = Db { base_url, url, name };
-            let mut conn = db.conn();
-            conn.batch_execute(&format!(
+    /// A database of its own on the server named by `MYSQL_URL`.
+    impl Bench for MysqlConnection {
+        const NAME: &'static str = "mysql";
+
+        fn create_tables(&mut self) -> QueryResult<()> {
+            self.batch_execute(&format!(
                 "CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, item VARCHAR(255) NOT NULL, quantity INTEGER NOT NULL);
                  CREATE TABLE floor_keys ({KEY_COLUMNS}, PRIMARY KEY (scope, idempotency_key), INDEX floor_keys_expires_at (expires_at))
                      DEFAULT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;
                  CREATE TABLE bare_keys ({KEY_COLUMNS}) DEFAULT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin;"
             ))
-            .expect("create the bench tables");
-            idempotency::run_migrations(&mut conn).expect("migrate");
-            db
         }
 
-        fn conn(&self) -> Conn {
-            Conn::establish(&self.url).expect("connect to the bench database")
+        fn fill_expired(&mut self, records: i64) -> QueryResult<usize> {
+            // Numbers from the cross product of six digit tables: MySQL caps
+            // a recursive CTE at 1,000 steps by default.
+            let inserted = diesel::sql_query(
+                "INSERT INTO idempotency_keys
+                     (scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at)
+                 SELECT 'bench', MD5(n), SHA2(n, 256), 'completed', '12345',
+                        '2000-01-01', '2000-01-01', TIMESTAMP('2000-01-02') + INTERVAL n SECOND
+                 FROM (SELECT a.d + 10 * b.d + 100 * c.d + 1000 * e.d + 10000 * f.d + 100000 * g.d + 1 AS n
+                       FROM (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                             UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS a,
+                            (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                             UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS b,
+                            (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                             UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS c,
+                            (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                             UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS e,
+                            (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                             UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS f,
+                            (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
+                             UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS g
+                      ) AS numbers
+                 WHERE n <= ?",
+            )
+            .bind::<diesel::sql_types::BigInt, _>(records)
+            .execute(self)?;
+            self.batch_execute("ANALYZE TABLE idempotency_keys")?;
+            Ok(inserted)
         }
 
-        fn pool(&self, size: u32) -> Pool<ConnectionManager<Conn>> {
-            Pool::builder()
-                .max_size(size)
-                .build(ConnectionManager::new(&self.url))
-                .expect("build a pool")
+        /// MySQL has no `RETURNING`: the id comes from the connection, a
+        /// second statement.
+        fn place_order(&mut self) -> QueryResult<i64> {
+            diesel::insert_into(orders::table).values(new_order()).execute(self)?;
+            let id: u64 = diesel::select(last_insert_id()).get_result(self)?;
+            Ok(id as i64)
+        }
+
+        fn send(&mut self, statement: impl Statement) -> QueryResult<usize> {
+            ExecuteDsl::execute(statement, self)
         }
     }
+}
 
-    impl Drop for Db {
-        fn drop(&mut self) {
-            if let Ok(mut admin) = Conn::establish(&self.base_url) {
-                let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS {}", self.name));
-            }
-        }
-    }
+#[cfg(not(feature = "mysql"))]
+mod mysql {
+    pub trait Executable {}
 
-    fn fill_expired(conn: &mut Conn, records: i64) -> QueryResult<usize> {
-        // Numbers from the cross product of six digit tables: MySQL caps a
-        // recursive CTE at 1,000 steps by default.
-        let inserted = diesel::sql_query(
-            "INSERT INTO idempotency_keys
-                 (scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at)
-             SELECT 'bench', MD5(n), SHA2(n, 256), 'completed', '12345',
-                    '2000-01-01', '2000-01-01', TIMESTAMP('2000-01-02') + INTERVAL n SECOND
-             FROM (SELECT a.d + 10 * b.d + 100 * c.d + 1000 * e.d + 10000 * f.d + 100000 * g.d + 1 AS n
-                   FROM (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
-                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS a,
-                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
-                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS b,
-                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
-                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS c,
-                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
-                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS e,
-                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
-                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS f,
-                        (SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4
-                         UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9) AS g
-                  ) AS numbers
-             WHERE n <= ?",
-        )
-        .bind::<diesel::sql_types::BigInt, _>(records)
-        .execute(conn)?;
-        conn.batch_execute("ANALYZE TABLE idempotency_keys")?;
-        Ok(inserted)
-    }
+    impl<S> Executable for S {}
 }
