@@ -18,8 +18,8 @@
 #![cfg(feature = "citus-tests")]
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Barrier, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread;
 
 use diesel::connection::SimpleConnection;
@@ -29,6 +29,18 @@ use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::{BigInt, Integer, Text};
 use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
 use serde::Serialize;
+
+// The parts of the main suite's harness that stand on nothing else of it;
+// this suite uses some of each.
+#[allow(dead_code)]
+#[path = "it/common/own.rs"]
+mod own;
+#[allow(dead_code)]
+#[path = "it/common/race.rs"]
+mod race;
+#[allow(dead_code)]
+#[path = "it/common/wait.rs"]
+mod wait;
 
 diesel::table! {
     orders (account, id) {
@@ -64,36 +76,28 @@ fn take_turn() -> MutexGuard<'static, ()> {
     TURN.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn unique_schema() -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!(
-        "idem_citus_{}_{}_{nanos}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed)
-    )
-}
-
 /// A schema of its own on the cluster, dropped (with its shards) at the end.
 struct Db {
     base_url: String,
     url: String,
     schema: String,
+    _schema: own::OnServer,
 }
 
 impl Db {
     fn new() -> Db {
         let base_url = citus_url();
-        let schema = unique_schema();
-        let separator = if base_url.contains('?') { '&' } else { '?' };
-        let url = format!("{base_url}{separator}options=-csearch_path%3D{schema}");
-        let mut admin = PgConnection::establish(&base_url).expect("connect to CITUS_DATABASE_URL");
-        admin
-            .batch_execute(&format!("CREATE SCHEMA {schema}"))
-            .expect("create the test schema");
-        let db = Db { base_url, url, schema };
+        let schema = own::unique_name("idem_citus");
+        let url = own::url_with_search_path(&base_url, &schema);
+        let create = format!("CREATE SCHEMA {schema}");
+        let drop = format!("DROP SCHEMA IF EXISTS {schema} CASCADE");
+        let own = own::OnServer::create::<PgConnection>(&base_url, &create, drop);
+        let db = Db {
+            base_url,
+            url,
+            schema,
+            _schema: own,
+        };
         let mut conn = db.conn();
         idempotency::run_migrations(&mut conn).expect("migrate");
         for statement in [
@@ -121,14 +125,6 @@ impl Db {
     }
 }
 
-impl Drop for Db {
-    fn drop(&mut self) {
-        if let Ok(mut admin) = PgConnection::establish(&self.base_url) {
-            let _ = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema));
-        }
-    }
-}
-
 fn place_order(tx: &mut PgConnection, account: &str, item: &str) -> QueryResult<i64> {
     diesel::insert_into(orders::table)
         .values((orders::account.eq(account), orders::item.eq(item)))
@@ -136,20 +132,20 @@ fn place_order(tx: &mut PgConnection, account: &str, item: &str) -> QueryResult<
         .get_result(tx)
 }
 
-fn order_count(conn: &mut PgConnection, account: &str) -> i64 {
-    orders::table
+/// How many orders the tenant `account` has, and how many key records its
+/// scope of the same name.
+fn orders_and_key_records(conn: &mut PgConnection, account: &str) -> (i64, i64) {
+    let orders = orders::table
         .filter(orders::account.eq(account))
         .count()
         .get_result(conn)
-        .expect("count orders")
-}
-
-fn key_count(conn: &mut PgConnection, scope: &str) -> i64 {
-    idempotency_keys::table
-        .filter(idempotency_keys::scope.eq(scope))
+        .expect("count orders");
+    let keys = idempotency_keys::table
+        .filter(idempotency_keys::scope.eq(account))
         .count()
         .get_result(conn)
-        .expect("count key records")
+        .expect("count key records");
+    (orders, keys)
 }
 
 #[derive(QueryableByName)]
@@ -223,8 +219,7 @@ fn a_retry_replays_and_another_request_mismatches() {
     assert!(matches!(other, Err(Error::Mismatch)), "another request: {other:?}");
 
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the operation ran once");
-    assert_eq!(order_count(&mut conn, "acct-1"), 1);
-    assert_eq!(key_count(&mut conn, "acct-1"), 1);
+    assert_eq!(orders_and_key_records(&mut conn, "acct-1"), (1, 1));
 }
 
 #[test]
@@ -233,7 +228,7 @@ fn racing_retries_execute_once() {
     let _turn = take_turn();
     let db = Db::new();
     let pool = db.pool(u32::try_from(THREADS).expect("small"));
-    let barrier = Arc::new(Barrier::new(THREADS));
+    let barrier = Arc::new(wait::Barrier::new(THREADS));
     let calls = Arc::new(AtomicUsize::new(0));
     // Every waiter queues on the key's lock behind the holder and the
     // replays before it; far beyond what they need.
@@ -255,18 +250,12 @@ fn racing_retries_execute_once() {
             })
         })
         .collect();
-    let outcomes: Vec<Outcome<i64>> = handles.into_iter().map(|h| h.join().expect("thread")).collect();
+    let outcomes: Vec<Outcome<i64>> = handles.into_iter().map(|h| wait::join(h, "a racing thread")).collect();
 
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the operation ran once");
-    assert_eq!(outcomes.iter().filter(|o| !o.is_replayed()).count(), 1, "one execution");
-    let values: Vec<i64> = outcomes.into_iter().map(Outcome::into_inner).collect();
-    assert!(
-        values.windows(2).all(|w| w[0] == w[1]),
-        "every caller got the same value: {values:?}"
-    );
+    race::assert_one_executed_and_all_saw_it(outcomes);
     let mut conn = db.conn();
-    assert_eq!(order_count(&mut conn, "acct-race"), 1);
-    assert_eq!(key_count(&mut conn, "acct-race"), 1);
+    assert_eq!(orders_and_key_records(&mut conn, "acct-race"), (1, 1));
 }
 
 /// A worker as the coordinator lists it, reached directly with the

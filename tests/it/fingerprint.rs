@@ -1,0 +1,115 @@
+//! The request fingerprint: independent of map order, sensitive to content.
+
+use std::collections::{BTreeMap, HashMap};
+
+use idempotency::{Error, run_idempotent};
+use serde::Serialize;
+
+use crate::common::TestDb;
+
+#[derive(Serialize)]
+struct Order {
+    lines: HashMap<String, u32>,
+    note: Option<String>,
+}
+
+/// Builds the same map with the keys inserted in `order`; the `HashMap`s
+/// also get different random hash seeds, so their iteration orders differ.
+fn lines(order: &[&str]) -> HashMap<String, u32> {
+    let mut map = HashMap::new();
+    for item in order {
+        map.insert((*item).to_owned(), u32::try_from(item.len()).expect("short item names"));
+    }
+    map
+}
+
+crate::common::backend_tests!(
+    fingerprint_is_sha256_of_the_canonical_json,
+    maps_built_in_different_orders_match,
+    a_struct_and_a_map_with_the_same_json_match,
+    any_changed_value_is_a_mismatch,
+);
+
+/// The stored fingerprint is the SHA-256 of the canonical form written
+/// out by hand here. The tests build serde_json with `preserve_order` and
+/// `arbitrary_precision` (see the dev-dependencies), the two features
+/// that change how maps and numbers are held, so this proves that neither
+/// changes the fingerprint.
+fn fingerprint_is_sha256_of_the_canonical_json<D: TestDb>() {
+    use sha2::{Digest, Sha256};
+    let db = D::new();
+    let mut conn = db.conn();
+    let request = serde_json::json!({"z": {"y": 2.5, "x": [true, null]}, "a": u64::MAX, "m": "é\n"});
+    run_idempotent(&mut conn, "shop", "k-hash", &request, |tx| {
+        D::place_order(tx, "book", 1)
+    })
+    .expect("call");
+
+    let canonical = r#"{"a":18446744073709551615,"m":"é\n","z":{"x":[true,null],"y":2.5}}"#;
+    let expected: String = Sha256::digest(canonical.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(D::request_hashes(&mut conn), [expected]);
+}
+
+fn maps_built_in_different_orders_match<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let items: Vec<String> = (0..64).map(|i| format!("item-{i}")).collect();
+    let forward: Vec<&str> = items.iter().map(String::as_str).collect();
+    let backward: Vec<&str> = forward.iter().rev().copied().collect();
+
+    let first = Order {
+        lines: lines(&forward),
+        note: None,
+    };
+    let retry = Order {
+        lines: lines(&backward),
+        note: None,
+    };
+    let a = run_idempotent(&mut conn, "shop", "k-map", &first, |tx| D::place_order(tx, "book", 1)).expect("first");
+    let b = run_idempotent(&mut conn, "shop", "k-map", &retry, |tx| D::place_order(tx, "book", 1)).expect("retry");
+    assert!(!a.is_replayed());
+    assert!(b.is_replayed(), "the same content in another order is the same request");
+    assert_eq!(D::order_count(&mut conn), 1);
+}
+
+fn a_struct_and_a_map_with_the_same_json_match<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    #[derive(Serialize)]
+    struct Request {
+        b: u32,
+        a: &'static str,
+    }
+    let mut map = BTreeMap::new();
+    map.insert("a", serde_json::json!("x"));
+    map.insert("b", serde_json::json!(1));
+    run_idempotent(&mut conn, "shop", "k-shape", &Request { b: 1, a: "x" }, |tx| {
+        D::place_order(tx, "book", 1)
+    })
+    .expect("first");
+    let retry = run_idempotent(&mut conn, "shop", "k-shape", &map, |tx| D::place_order(tx, "book", 1)).expect("retry");
+    assert!(retry.is_replayed());
+}
+
+fn any_changed_value_is_a_mismatch<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let base = serde_json::json!({"item": "book", "quantity": 1, "tags": ["a", "b"], "note": null});
+    run_idempotent(&mut conn, "shop", "k-change", &base, |tx| D::place_order(tx, "book", 1)).expect("first");
+    for changed in [
+        serde_json::json!({"item": "book", "quantity": 2, "tags": ["a", "b"], "note": null}),
+        serde_json::json!({"item": "book", "quantity": 1, "tags": ["b", "a"], "note": null}),
+        serde_json::json!({"item": "book", "quantity": 1, "tags": ["a", "b"]}),
+        serde_json::json!({"item": "book", "quantity": 1.0, "tags": ["a", "b"], "note": null}),
+        serde_json::json!({"item": "Book", "quantity": 1, "tags": ["a", "b"], "note": null}),
+    ] {
+        let result = run_idempotent(&mut conn, "shop", "k-change", &changed, |tx| {
+            D::place_order(tx, "book", 1)
+        });
+        assert!(matches!(result, Err(Error::Mismatch)), "{changed}: {result:?}");
+    }
+    assert_eq!(D::order_count(&mut conn), 1);
+}

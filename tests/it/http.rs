@@ -1,0 +1,1133 @@
+//! The HTTP layer driven by a real client over TCP on 127.0.0.1: the order
+//! service of `examples/http_orders.rs` served in this process on each
+//! backend, the compiled example binary end to end, and the parts of
+//! `idempotency::http` the service does not use.
+//!
+//! Most tests serve the example's router in the test process: they can then
+//! hold an order's transaction open (a hook the binary does not set) and
+//! watch the handler being dropped. The binary tests run the program that
+//! `cargo test` builds next to this test, with the same features, so that
+//! what users start is tested too.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use crate::common::TestDb;
+use crate::common::http::*;
+use crate::http_orders::{self, Limits, Settings};
+use axum::extract::{FromRequestParts, State};
+use axum::http::{Request, StatusCode, request::Parts};
+use axum::middleware::Next;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::{Extension, Router};
+use diesel::connection::SimpleConnection;
+use diesel::prelude::*;
+use diesel::r2d2::{ConnectionManager, Pool};
+use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse};
+use idempotency::{Config, InFlight, Outcome};
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tower::ServiceExt;
+
+const BODY: &str = r#"{"item": "book", "quantity": 2}"#;
+
+crate::common::backend_tests!(
+    async:
+    lost_response_is_replayed_with_the_first_status_body_and_location,
+    concurrent_posts_with_one_key_place_one_order,
+    duplicate_in_progress_is_409_with_retry_after_then_replays,
+    client_gone_mid_request_commits_once_and_the_retry_replays,
+    panic_in_the_operation_is_500_and_commits_nothing,
+    missing_key_is_400,
+    two_key_headers_are_400,
+    malformed_keys_and_keys_breaking_the_rules_are_400,
+    quoted_and_bare_keys_are_one_key,
+    reuse_with_another_body_is_422,
+    missing_or_malformed_credentials_are_401,
+    accounts_neither_see_nor_replay_each_other,
+    validation_failure_leaves_the_key_free,
+    bad_bodies_are_refused_without_echo_and_leave_the_key_free,
+    example_binary_serves_the_lost_response_story_and_stops_on_sigterm,
+    requests_refused_by_rule_are_answered_at_once_while_the_pool_is_exhausted,
+    no_free_connection_is_503_with_retry_after_on_every_route,
+    items_no_backend_can_store_are_422_on_every_backend,
+    idle_sockets_do_not_keep_a_new_client_from_being_served,
+    a_failed_call_is_logged_with_the_database_message_and_without_the_body,
+    a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout,
+);
+
+/// How long a request that the server can refuse without its database may
+/// take to be answered: generous for an answer computed in microseconds,
+/// and well below [`EXHAUSTED_CHECKOUT`], so that a request that waited
+/// for a connection cannot pass for one answered at once.
+const AT_ONCE: Duration = Duration::from_secs(1);
+
+/// The checkout timeout of the pools that tests hold empty.
+const EXHAUSTED_CHECKOUT: Duration = Duration::from_secs(5);
+
+/// How long a request may wait for a connection in the example as it is
+/// configured: the wait of a web request, not r2d2's default of 30 s.
+const WEB_CHECKOUT_BOUND: Duration = Duration::from_secs(10);
+
+async fn lost_response_is_replayed_with_the_first_status_body_and_location<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let (proxy, lost) = losing_proxy(server.addr()).await;
+
+    let sent = post_order(&client, &format!("http://{proxy}"), "acct-1", &[r#""lost-1""#], BODY)
+        .send()
+        .await;
+    assert!(sent.is_err(), "the response was lost on its way: {sent:?}");
+    let first = lost.await.expect("the proxy saw the response");
+    assert_eq!(first.status, 201);
+    assert_eq!(first.header("idempotent-replayed"), None);
+
+    let retry = send(post_order(&client, &server.url(""), "acct-1", &[r#""lost-1""#], BODY)).await;
+    assert_eq!(retry.status, first.status);
+    assert_eq!(retry.location.as_deref(), first.header("location"));
+    assert_eq!(retry.content_type.as_deref(), first.header("content-type"));
+    let first_body: Value = serde_json::from_slice(&first.body).expect("a JSON body");
+    assert_eq!(retry.body, first_body);
+    assert_eq!(retry.replayed.as_deref(), Some("true"));
+    let id = &retry.body["id"];
+    assert_eq!(retry.body, json!({"id": id, "item": "book", "quantity": 2}));
+    assert_eq!(retry.location, Some(format!("/orders/{id}")));
+    assert_eq!(order_count(&db).await, 1);
+}
+
+async fn concurrent_posts_with_one_key_place_one_order<D: TestDb>() {
+    const CLIENTS: usize = 32;
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let barrier = Arc::new(tokio::sync::Barrier::new(CLIENTS));
+    let mut requests = tokio::task::JoinSet::new();
+    for _ in 0..CLIENTS {
+        let request = post_order(&client, &server.url(""), "acct-1", &["race-1"], BODY);
+        let barrier = barrier.clone();
+        requests.spawn(async move {
+            barrier.wait().await;
+            send(request).await
+        });
+    }
+    let answers = requests.join_all().await;
+
+    for answer in &answers {
+        assert_eq!(answer.status, 201, "{answer:?}");
+        assert_eq!(answer.body, answers[0].body);
+        assert_eq!(answer.location, answers[0].location);
+    }
+    let executed = answers.iter().filter(|a| a.replayed.is_none()).count();
+    assert_eq!(executed, 1, "one request executed, the others replayed");
+    assert_eq!(order_count(&db).await, 1);
+}
+
+async fn duplicate_in_progress_is_409_with_retry_after_then_replays<D: TestDb>() {
+    let db = database::<D>().await;
+    let (mut gate, hook) = Gate::new();
+    let settings = Settings {
+        in_flight: InFlight::Reject,
+        before_commit: Some(hook),
+        ..Settings::default()
+    };
+    let server = Server::start(&db, settings).await;
+    let client = client();
+    let post = || post_order(&client, &server.url(""), "acct-1", &["slow-1"], BODY);
+
+    let first = tokio::spawn(send(post()));
+    gate.wait_entered().await;
+    let duplicate = send(post()).await.assert_problem(409);
+    assert_eq!(duplicate.retry_after.as_deref(), Some("1"));
+    assert!(
+        duplicate.body["type"]
+            .as_str()
+            .unwrap()
+            .ends_with("/idempotency-key-in-progress")
+    );
+
+    gate.release();
+    let first = first.await.expect("the first request");
+    assert_eq!((first.status, first.replayed.as_deref()), (201, None));
+    let later = send(post()).await;
+    assert_eq!((later.status, later.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(later.body, first.body);
+    assert_eq!(order_count(&db).await, 1);
+}
+
+/// Sends a message when dropped unless disarmed: tells whether a handler's
+/// future ran to its end.
+struct DroppedEarly(Option<mpsc::UnboundedSender<()>>);
+
+impl DroppedEarly {
+    /// The future ran to its end.
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for DroppedEarly {
+    fn drop(&mut self) {
+        if let Some(dropped) = self.0.take() {
+            let _ = dropped.send(());
+        }
+    }
+}
+
+async fn client_gone_mid_request_commits_once_and_the_retry_replays<D: TestDb>() {
+    let db = database::<D>().await;
+    let (mut gate, hook) = Gate::new();
+    let (dropped_tx, mut dropped) = mpsc::unbounded_channel();
+    let watch_handlers = move |router: Router| {
+        router.layer(axum::middleware::from_fn(move |request, next: Next| {
+            let mut guard = DroppedEarly(Some(dropped_tx.clone()));
+            async move {
+                let response = next.run(request).await;
+                guard.disarm();
+                response
+            }
+        }))
+    };
+    let settings = Settings {
+        before_commit: Some(hook),
+        ..Settings::default()
+    };
+    let server = Server::start_with(&db, settings, watch_handlers).await;
+
+    let mut connection = tokio::net::TcpStream::connect(server.addr()).await.expect("connect");
+    let request = format!(
+        "POST /orders HTTP/1.1\r\nhost: {}\r\nauthorization: Bearer acct-1\r\nidempotency-key: gone-1\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{BODY}",
+        server.addr(),
+        BODY.len()
+    );
+    connection
+        .write_all(request.as_bytes())
+        .await
+        .expect("send the request");
+    gate.wait_entered().await;
+    drop(connection);
+    tokio::time::timeout(PATIENCE, dropped.recv())
+        .await
+        .expect("the server dropped the handler of the departed client");
+
+    // Only now may the transaction commit: its handler is gone.
+    gate.release();
+    let client = client();
+    let retry = send(post_order(&client, &server.url(""), "acct-1", &["gone-1"], BODY)).await;
+    assert_eq!((retry.status, retry.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(order_count(&db).await, 1);
+    assert_eq!(key_count(&db).await, 1);
+}
+
+async fn panic_in_the_operation_is_500_and_commits_nothing<D: TestDb>() {
+    let db = database::<D>().await;
+    let panicked = Arc::new(AtomicBool::new(false));
+    let hook = {
+        let panicked = panicked.clone();
+        move || {
+            if !panicked.swap(true, Ordering::SeqCst) {
+                panic!("the operation fails after writing the order");
+            }
+        }
+    };
+    let settings = Settings {
+        before_commit: Some(Arc::new(hook)),
+        ..Settings::default()
+    };
+    let server = Server::start(&db, settings).await;
+    let client = client();
+    let post = || post_order(&client, &server.url(""), "acct-1", &["panic-1"], BODY);
+
+    let failed = send(post()).await.assert_problem(500);
+    assert!(!failed.body.to_string().contains("fails after"), "{failed:?}");
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
+
+    let retry = send(post()).await;
+    assert_eq!((retry.status, retry.replayed.as_deref()), (201, None));
+    assert_eq!(order_count(&db).await, 1);
+}
+
+async fn missing_key_is_400<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let answer = send(post_order(&client(), &server.url(""), "acct-1", &[], BODY))
+        .await
+        .assert_problem(400);
+    assert_eq!(
+        answer.body["type"],
+        "https://orders.example/problems/idempotency-key-missing"
+    );
+    assert_eq!(order_count(&db).await, 0);
+}
+
+async fn two_key_headers_are_400<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    for keys in [["a-1", "a-2"], ["a-1", "a-1"]] {
+        let answer = send(post_order(&client, &server.url(""), "acct-1", &keys, BODY))
+            .await
+            .assert_problem(400);
+        assert_eq!(
+            answer.body["type"],
+            "https://orders.example/problems/idempotency-key-invalid"
+        );
+    }
+    assert_eq!(order_count(&db).await, 0);
+}
+
+async fn malformed_keys_and_keys_breaking_the_rules_are_400<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let too_long = "k".repeat(256);
+    for key in [
+        r#""unterminated"#,
+        r#""bad \n escape""#,
+        r#""k-1";Bad=1"#,
+        r#""k-1" trailing"#,
+        "two words",
+        r#""""#,
+        r#""with space""#,
+        "4111111111111111",
+        &too_long,
+    ] {
+        let answer = send(post_order(&client, &server.url(""), "acct-1", &[key], BODY))
+            .await
+            .assert_problem(400);
+        let detail = answer.body["detail"].as_str().expect("a detail");
+        let bare = key.trim_matches('"');
+        assert!(
+            bare.is_empty() || !detail.contains(bare),
+            "the key is not echoed: {detail}"
+        );
+    }
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
+}
+
+async fn quoted_and_bare_keys_are_one_key<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let first = send(post_order(&client, &server.url(""), "acct-1", &[r#""k-7""#], BODY)).await;
+    assert_eq!((first.status, first.replayed.as_deref()), (201, None));
+    for spelling in ["k-7", r#""k-7";v=1"#, r#" "k-7" "#] {
+        let again = send(post_order(&client, &server.url(""), "acct-1", &[spelling], BODY)).await;
+        assert_eq!(again.replayed.as_deref(), Some("true"), "{spelling}");
+        assert_eq!((again.status, &again.body), (201, &first.body), "{spelling}");
+    }
+    assert_eq!(order_count(&db).await, 1);
+}
+
+async fn reuse_with_another_body_is_422<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let first = send(post_order(&client, &server.url(""), "acct-1", &["k-8"], BODY)).await;
+    assert_eq!(first.status, 201);
+
+    let other = r#"{"item": "book", "quantity": 3}"#;
+    let reused = send(post_order(&client, &server.url(""), "acct-1", &["k-8"], other))
+        .await
+        .assert_problem(422);
+    assert_eq!(
+        reused.body["type"],
+        "https://orders.example/problems/idempotency-key-reused"
+    );
+    assert!(!reused.body.to_string().contains("book"), "{reused:?}");
+
+    // The first result stays replayable.
+    let again = send(post_order(&client, &server.url(""), "acct-1", &["k-8"], BODY)).await;
+    assert_eq!((again.status, again.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(order_count(&db).await, 1);
+}
+
+async fn missing_or_malformed_credentials_are_401<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let without = client
+        .post(server.url("/orders"))
+        .header("idempotency-key", "k-9")
+        .header("content-type", "application/json")
+        .body(BODY);
+    let answer = Answer::of(without.send().await.expect("send"))
+        .await
+        .assert_problem(401);
+    assert_eq!(answer.body["type"], "https://orders.example/problems/unauthorized");
+    for authorization in ["Basic YWxhZGRpbjpvcGVuc2VzYW1l", "Bearer", "Bearer ", "bearer a b"] {
+        let request = client
+            .post(server.url("/orders"))
+            .header("authorization", authorization)
+            .header("idempotency-key", "k-9")
+            .header("content-type", "application/json")
+            .body(BODY);
+        let response = request.send().await.expect("send");
+        assert_eq!(response.headers()["www-authenticate"], "Bearer", "{authorization}");
+        Answer::of(response).await.assert_problem(401);
+    }
+    let listing = client.get(server.url("/orders")).send().await.expect("send");
+    Answer::of(listing).await.assert_problem(401);
+    assert_eq!(order_count(&db).await, 0);
+}
+
+async fn accounts_neither_see_nor_replay_each_other<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let alice = send(post_order(&client, &server.url(""), "alice", &["shared-1"], BODY)).await;
+    assert_eq!(alice.status, 201);
+
+    // Same key, same body, another account: its own order, not a replay.
+    let bob = send(post_order(&client, &server.url(""), "bob", &["shared-1"], BODY)).await;
+    assert_eq!((bob.status, bob.replayed.as_deref()), (201, None));
+    assert_ne!(bob.body["id"], alice.body["id"]);
+    // Same key, another body: no mismatch with alice's request either.
+    let other = r#"{"item": "pen", "quantity": 1}"#;
+    let bob_again = send(post_order(&client, &server.url(""), "mallory", &["shared-1"], other)).await;
+    assert_eq!((bob_again.status, bob_again.replayed.as_deref()), (201, None));
+
+    let alice_order = alice.location.as_deref().expect("a location");
+    let peek = client.get(server.url(alice_order)).bearer_auth("bob");
+    send(peek).await.assert_problem(404);
+    let own = send(client.get(server.url(alice_order)).bearer_auth("alice")).await;
+    assert_eq!((own.status, &own.body), (200, &alice.body));
+    let listed = send(client.get(server.url("/orders")).bearer_auth("bob")).await;
+    assert_eq!(listed.body, json!([bob.body]));
+    send(client.get(server.url("/orders/not-a-number")).bearer_auth("bob"))
+        .await
+        .assert_problem(404);
+    assert_eq!(order_count(&db).await, 3);
+}
+
+async fn validation_failure_leaves_the_key_free<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let zero = r#"{"item": "book", "quantity": 0}"#;
+    let refused = send(post_order(&client, &server.url(""), "acct-1", &["fix-1"], zero))
+        .await
+        .assert_problem(422);
+    assert_eq!(refused.body["type"], "https://orders.example/problems/invalid-order");
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
+
+    let corrected = send(post_order(&client, &server.url(""), "acct-1", &["fix-1"], BODY)).await;
+    assert_eq!((corrected.status, corrected.replayed.as_deref()), (201, None));
+    assert_eq!(corrected.body["quantity"], 2);
+    assert_eq!(order_count(&db).await, 1);
+}
+
+async fn bad_bodies_are_refused_without_echo_and_leave_the_key_free<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let nested = format!(
+        r#"{{"item": {}"secret-123"{}, "quantity": 1}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    let cases = [
+        (r#"{"item": "secret-123", "quantity": "#.to_owned(), 400),
+        (r#"{"item": "secret-123"}"#.to_owned(), 422),
+        (r#"{"item": "x", "quantity": "secret-123"}"#.to_owned(), 422),
+        (
+            r#"{"item": "x", "quantity": 1.5, "note": "secret-123"}"#.to_owned(),
+            422,
+        ),
+        (r#"{"item": "x", "quantity": 1, "note": "secret-123"}"#.to_owned(), 422),
+        (nested, 422),
+    ];
+    for (body, status) in cases {
+        let answer = send(post_order(&client, &server.url(""), "acct-1", &["body-1"], &body))
+            .await
+            .assert_problem(status);
+        assert!(!answer.body.to_string().contains("secret-123"), "{answer:?}");
+    }
+    let huge = format!(r#"{{"item": "secret-123{}", "quantity": 1}}"#, "x".repeat(10 << 20));
+    let headers = [
+        ("authorization", "Bearer acct-1"),
+        ("idempotency-key", "body-1"),
+        ("content-type", "application/json"),
+    ];
+    let refused = post_raw(server.addr(), "/orders", &headers, huge).await;
+    assert_eq!(refused.status, 413);
+    assert_eq!(refused.header("content-type"), Some("application/problem+json"));
+    assert!(!String::from_utf8_lossy(&refused.body).contains("secret-123"));
+    let no_type = client
+        .post(server.url("/orders"))
+        .bearer_auth("acct-1")
+        .header("idempotency-key", "body-1")
+        .body(BODY);
+    send(no_type).await.assert_problem(415);
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
+
+    let corrected = send(post_order(&client, &server.url(""), "acct-1", &["body-1"], BODY)).await;
+    assert_eq!((corrected.status, corrected.replayed.as_deref()), (201, None));
+}
+
+async fn example_binary_serves_the_lost_response_story_and_stops_on_sigterm<D: TestDb>() {
+    let db = database::<D>().await;
+    let args = [
+        "--addr",
+        "127.0.0.1:0",
+        "--database",
+        db.url(),
+        "--in-flight-wait",
+        "2000",
+    ];
+    let service = ExampleProcess::start(args.iter().map(|arg| arg.to_string()).collect()).await;
+    let client = client();
+
+    let (proxy, lost) = losing_proxy(service.addr()).await;
+    let sent = post_order(&client, &format!("http://{proxy}"), "acct-1", &["bin-1"], BODY)
+        .send()
+        .await;
+    assert!(sent.is_err(), "the response was lost on its way: {sent:?}");
+    let first = lost.await.expect("the proxy saw the response");
+    assert_eq!(first.status, 201);
+
+    let retry = send(post_order(&client, &service.base, "acct-1", &["bin-1"], BODY)).await;
+    assert_eq!((retry.status, retry.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(retry.location.as_deref(), first.header("location"));
+    assert_eq!(retry.body, serde_json::from_slice::<Value>(&first.body).expect("JSON"));
+    let other = r#"{"item": "book", "quantity": 5}"#;
+    send(post_order(&client, &service.base, "acct-1", &["bin-1"], other))
+        .await
+        .assert_problem(422);
+    send(client.get(format!("{}/orders", service.base)))
+        .await
+        .assert_problem(401);
+
+    let (success, more_output) = service.terminate().await;
+    assert!(success, "the service exits with success on SIGTERM");
+    assert_eq!(more_output, "", "one line on stdout, no more");
+    assert_eq!(order_count(&db).await, 1);
+}
+
+async fn requests_refused_by_rule_are_answered_at_once_while_the_pool_is_exhausted<D: TestDb>() {
+    let db = database::<D>().await;
+    let settings = Settings {
+        checkout_timeout: EXHAUSTED_CHECKOUT,
+        ..Settings::default()
+    };
+    let (server, _held) = Server::start_exhausted(&db, settings).await;
+    let client = client();
+    let base = server.url("");
+    // Sent first and answered last: the pool stays exhausted throughout.
+    let valid = tokio::spawn(send(post_order(&client, &base, "acct-1", &["valid-1"], BODY)));
+
+    let long_key = "k".repeat(300);
+    let long_token = "t".repeat(256);
+    let nul_item = r#"{"item": "a\u0000b", "quantity": 1}"#;
+    let long_item = format!(r#"{{"item": "{}", "quantity": 1}}"#, "x".repeat(65_536));
+    let cases = [
+        ("a 300-character key", "acct-1", vec![long_key.as_str()], BODY, 400),
+        (
+            "a key like a card number",
+            "acct-1",
+            vec!["4111111111111111"],
+            BODY,
+            400,
+        ),
+        ("a key with a space", "acct-1", vec![r#""with space""#], BODY, 400),
+        (
+            "a token too long for a scope",
+            long_token.as_str(),
+            vec!["k-1"],
+            BODY,
+            401,
+        ),
+        ("no key", "acct-1", vec![], BODY, 400),
+        ("two keys", "acct-1", vec!["k-1", "k-2"], BODY, 400),
+        ("a body that is not JSON", "acct-1", vec!["k-1"], r#"{"item": "#, 400),
+        (
+            "a body without a quantity",
+            "acct-1",
+            vec!["k-1"],
+            r#"{"item": "book"}"#,
+            422,
+        ),
+        (
+            "a quantity of 0",
+            "acct-1",
+            vec!["k-1"],
+            r#"{"item": "book", "quantity": 0}"#,
+            422,
+        ),
+        ("an item with NUL", "acct-1", vec!["k-1"], nul_item, 422),
+        ("an item of 65,536 bytes", "acct-1", vec!["k-1"], &long_item, 422),
+    ];
+    for (case, account, keys, body, status) in cases {
+        let request = post_order(&client, &base, account, &keys, body);
+        let answer = tokio::time::timeout(AT_ONCE, send(request))
+            .await
+            .unwrap_or_else(|_| panic!("{case}: no answer within {AT_ONCE:?} while the pool was exhausted"));
+        assert_eq!(answer.status, status, "{case}: {answer:?}");
+        answer.assert_problem(status);
+    }
+
+    let valid = valid.await.expect("the valid request").assert_problem(503);
+    assert_eq!(valid.retry_after.as_deref(), Some("1"));
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
+}
+
+async fn no_free_connection_is_503_with_retry_after_on_every_route<D: TestDb>() {
+    let db = database::<D>().await;
+    let (server, _held) = Server::start_exhausted(&db, Settings::default()).await;
+    let client = client();
+    let routes = [
+        (
+            "POST /orders",
+            post_order(&client, &server.url(""), "acct-1", &["busy-1"], BODY),
+        ),
+        ("GET /orders", client.get(server.url("/orders")).bearer_auth("acct-1")),
+        (
+            "GET /orders/1",
+            client.get(server.url("/orders/1")).bearer_auth("acct-1"),
+        ),
+    ];
+    // All at once: each waits out the checkout timeout.
+    let mut requests = tokio::task::JoinSet::new();
+    for (route, request) in routes {
+        requests.spawn(async move { (route, tokio::time::timeout(WEB_CHECKOUT_BOUND, send(request)).await) });
+    }
+    for (route, answer) in requests.join_all().await {
+        let answer = answer.unwrap_or_else(|_| {
+            panic!("{route}: no answer within {WEB_CHECKOUT_BOUND:?} while the pool was exhausted")
+        });
+        assert_eq!(answer.status, 503, "{route}: {answer:?}");
+        let answer = answer.assert_problem(503);
+        assert_eq!(answer.retry_after.as_deref(), Some("1"), "{route}: {answer:?}");
+    }
+}
+
+async fn items_no_backend_can_store_are_422_on_every_backend<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let order = |item: &str| serde_json::to_string(&json!({"item": item, "quantity": 1})).expect("JSON");
+    let longest = "\u{1f4e6}".repeat(http_orders::MAX_ITEM_CHARS);
+    let refused = [
+        ("an item with NUL", order("a\u{0}b"), "U+0000"),
+        ("an item of 65,536 bytes", order(&"x".repeat(65_536)), "1000 characters"),
+        (
+            "an item one character too long",
+            order(&"x".repeat(http_orders::MAX_ITEM_CHARS + 1)),
+            "1000 characters",
+        ),
+    ];
+    for (case, body, detail) in refused {
+        let answer = send(post_order(&client, &server.url(""), "acct-1", &["item-1"], &body)).await;
+        assert_eq!(answer.status, 422, "{case}: {answer:?}");
+        let answer = answer.assert_problem(422);
+        assert_eq!(
+            answer.body["type"], "https://orders.example/problems/invalid-order",
+            "{case}"
+        );
+        let said = answer.body["detail"].as_str().expect("a detail");
+        assert!(said.contains(detail), "{case}: {said}");
+    }
+    assert_eq!(order_count(&db).await, 0);
+    assert_eq!(key_count(&db).await, 0);
+
+    // The longest item, in four-byte characters, is stored and replayed.
+    let body = order(&longest);
+    let first = send(post_order(&client, &server.url(""), "acct-1", &["item-1"], &body)).await;
+    assert_eq!(
+        (first.status, first.replayed.as_deref()),
+        (201, None),
+        "{:?}",
+        first.status
+    );
+    assert_eq!(first.body["item"], longest);
+    let again = send(post_order(&client, &server.url(""), "acct-1", &["item-1"], &body)).await;
+    assert_eq!((again.status, again.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(again.body, first.body);
+    let location = first.location.as_deref().expect("a location");
+    let stored = send(client.get(server.url(location)).bearer_auth("acct-1")).await;
+    assert_eq!(stored.body["item"], longest);
+}
+
+async fn idle_sockets_do_not_keep_a_new_client_from_being_served<D: TestDb>() {
+    const IDLE_SOCKETS: usize = 300;
+    const OPEN_FILES: u64 = 256;
+    /// Below the example's header read timeout: the new client is served
+    /// because an idle socket made room, not because one timed out.
+    const SERVED_WITHIN: Duration = Duration::from_secs(5);
+    assert!(SERVED_WITHIN < http_orders::HEADER_READ_TIMEOUT);
+    let db = database::<D>().await;
+    let args = ["--addr", "127.0.0.1:0", "--database", db.url()];
+    let launch = Launch {
+        max_open_files: Some(OPEN_FILES),
+        ..Launch::default()
+    };
+    let service = ExampleProcess::start_with(args.iter().map(|arg| arg.to_string()).collect(), launch).await;
+
+    let mut connecting = tokio::task::JoinSet::new();
+    for _ in 0..IDLE_SOCKETS {
+        let addr = service.addr();
+        connecting.spawn(async move { tokio::time::timeout(PATIENCE, tokio::net::TcpStream::connect(addr)).await });
+    }
+    let idle: Vec<_> = connecting
+        .join_all()
+        .await
+        .into_iter()
+        .map(|connected| {
+            connected
+                .unwrap_or_else(|_| panic!("an idle socket connected within {PATIENCE:?}"))
+                .expect("connect an idle socket")
+        })
+        .collect();
+
+    let fresh = client();
+    let served = tokio::time::timeout(
+        SERVED_WITHIN,
+        send(post_order(&fresh, &service.base, "acct-1", &["fresh-1"], BODY)),
+    )
+    .await
+    .unwrap_or_else(|_| {
+        panic!("a new client was not served within {SERVED_WITHIN:?} while {IDLE_SOCKETS} idle sockets were open")
+    });
+    assert_eq!(served.status, 201, "{served:?}");
+    drop(idle);
+
+    let (success, _) = service.terminate().await;
+    assert!(success, "the service exits with success on SIGTERM");
+    assert_eq!(order_count(&db).await, 1);
+}
+
+async fn a_failed_call_is_logged_with_the_database_message_and_without_the_body<D: TestDb>() {
+    let db = database::<D>().await;
+    let args = ["--addr", "127.0.0.1:0", "--database", db.url()];
+    let launch = Launch {
+        capture_stderr: true,
+        ..Launch::default()
+    };
+    let mut service = ExampleProcess::start_with(args.iter().map(|arg| arg.to_string()).collect(), launch).await;
+    let client = client();
+    let secret = r#"{"item": "secret-123", "quantity": 1}"#;
+
+    drop_table(&db, "idempotency_keys").await;
+    send(post_order(&client, &service.base, "acct-1", &["log-1"], secret))
+        .await
+        .assert_problem(500);
+    let line = service.log_line("\"log-1\"").await;
+    let missing = missing_table::<D>("idempotency_keys");
+    assert!(
+        line.contains(&missing),
+        "the database's message ({missing}) is logged: {line}"
+    );
+
+    drop_table(&db, "orders").await;
+    send(client.get(format!("{}/orders", service.base)).bearer_auth("acct-1"))
+        .await
+        .assert_problem(500);
+    let line = service.log_line("reading orders failed").await;
+    let missing = missing_table::<D>("orders");
+    assert!(
+        line.contains(&missing),
+        "the database's message ({missing}) is logged: {line}"
+    );
+
+    let (success, logged) = service.terminate_and_read_log().await;
+    assert!(success, "the service exits with success on SIGTERM");
+    for line in logged {
+        assert!(!line.contains("secret-123"), "no body in the log: {line}");
+    }
+}
+
+/// What backend `D` says of a statement on a table that does not exist.
+fn missing_table<D: TestDb>(table: &str) -> String {
+    match D::BACKEND {
+        "sqlite" => format!("no such table: {table}"),
+        "postgres" => format!("relation \"{table}\" does not exist"),
+        "mysql" => format!(".{table}' doesn't exist"),
+        other => panic!("no message known for a missing table on {other}"),
+    }
+}
+
+async fn a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout<D: TestDb>() {
+    let db = database::<D>().await;
+    let limits = Limits {
+        header_read_timeout: Duration::from_millis(300),
+        body_read_timeout: Duration::from_millis(300),
+        ..Limits::of_this_process()
+    };
+    let server = Server::start_limited(&db, limits).await;
+
+    let mut head_only = tokio::net::TcpStream::connect(server.addr()).await.expect("connect");
+    head_only
+        .write_all(b"POST /orders HTTP/1.1\r\nhost: orders\r\n")
+        .await
+        .expect("send part of a head");
+    let mut rest = Vec::new();
+    tokio::time::timeout(PATIENCE, head_only.read_to_end(&mut rest))
+        .await
+        .unwrap_or_else(|_| panic!("the connection of a stalled head was not closed within {PATIENCE:?}"))
+        .expect("read to the end");
+    assert!(
+        rest.is_empty() || rest.starts_with(b"HTTP/1.1 408"),
+        "{}",
+        String::from_utf8_lossy(&rest)
+    );
+
+    let mut half_body = tokio::net::TcpStream::connect(server.addr()).await.expect("connect");
+    let head = format!(
+        "POST /orders HTTP/1.1\r\nhost: orders\r\nauthorization: Bearer acct-1\r\nidempotency-key: stall-1\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        BODY.len()
+    );
+    half_body.write_all(head.as_bytes()).await.expect("send the head");
+    half_body
+        .write_all(&BODY.as_bytes()[..10])
+        .await
+        .expect("send part of the body");
+    let answer = tokio::time::timeout(PATIENCE, read_response(&mut half_body))
+        .await
+        .unwrap_or_else(|_| panic!("a stalled body was not answered within {PATIENCE:?}"));
+    assert_eq!(answer.status, 408, "{answer:?}");
+    assert_eq!(answer.header("content-type"), Some("application/problem+json"));
+    assert_eq!(key_count(&db).await, 0);
+}
+
+#[test]
+fn in_flight_wait_zero_rejects_at_once() {
+    let args = |list: &[&str]| http_orders::parse_args(list.iter().map(|arg| arg.to_string()));
+    assert_eq!(
+        args(&["--in-flight-wait", "0"]).expect("parse").in_flight,
+        InFlight::Reject
+    );
+    assert_eq!(
+        args(&[]).expect("parse").in_flight,
+        InFlight::Wait(chrono::Duration::seconds(5))
+    );
+    assert!(args(&["--in-flight-wait", "-1"]).is_err());
+    assert!(args(&["--port", "80"]).is_err());
+}
+
+/// The parts of `idempotency::http` that the service leaves out, on a
+/// small router of their own.
+mod library {
+    use super::*;
+
+    #[derive(Clone)]
+    struct Notes {
+        pool: SqlitePool,
+        config: Config,
+    }
+
+    type NoteResponse = Result<Outcome<StoredResponse<i64>>, Failure<Problem>>;
+
+    fn add_note(conn: &mut SqliteConnection) -> Result<StoredResponse<i64>, Problem> {
+        diesel::sql_query("INSERT INTO notes DEFAULT VALUES")
+            .execute(conn)
+            .map_err(|_| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"))?;
+        let count = diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM notes")
+            .get_result(conn)
+            .map_err(|_| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"))?;
+        Ok(StoredResponse::new(StatusCode::CREATED, count))
+    }
+
+    /// Idempotent with a key, plain without one.
+    async fn post_note(State(notes): State<Notes>, key: Option<IdempotencyKey<Anyone>>) -> axum::response::Response {
+        match key {
+            Some(key) => {
+                let outcome: NoteResponse =
+                    http::run(&notes.pool, &notes.config, &key, (), |conn, ()| add_note(conn)).await;
+                outcome.into_response()
+            }
+            None => {
+                let pool = notes.pool.clone();
+                let added = tokio::task::spawn_blocking(move || add_note(&mut pool.get().expect("a connection")));
+                added.await.expect("no panic").into_response()
+            }
+        }
+    }
+
+    type SqlitePool = Pool<ConnectionManager<SqliteConnection>>;
+
+    fn notes_app(db: &idempotency::testing::SqliteFile, pool_size: u32, config: Config) -> (Router, SqlitePool) {
+        db.conn()
+            .batch_execute("CREATE TABLE IF NOT EXISTS notes (id INTEGER PRIMARY KEY)")
+            .expect("create notes");
+        let pool = Pool::builder()
+            .max_size(pool_size)
+            .connection_timeout(Duration::from_millis(200))
+            .build(ConnectionManager::new(db.path().to_str().expect("utf-8 path")))
+            .expect("a pool");
+        let app = Router::new().route("/notes", post(post_note)).with_state(Notes {
+            pool: pool.clone(),
+            config,
+        });
+        (app, pool)
+    }
+
+    fn note(key: Option<&str>) -> Request<axum::body::Body> {
+        let mut request = Request::post("/notes");
+        if let Some(key) = key {
+            request = request.header("idempotency-key", key);
+        }
+        request.body(axum::body::Body::empty()).expect("a request")
+    }
+
+    async fn answer(app: &Router, request: Request<axum::body::Body>) -> (StatusCode, Option<String>, Value) {
+        let response = app.clone().oneshot(request).await.expect("infallible");
+        let status = response.status();
+        let header = |name: &str| {
+            response
+                .headers()
+                .get(name)
+                .map(|v| v.to_str().expect("ascii").to_owned())
+        };
+        let extra = header("idempotent-replayed").or_else(|| header("retry-after"));
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("a body");
+        (status, extra, serde_json::from_slice(&body).expect("JSON"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn optional_key_runs_plain_without_and_idempotent_with_it() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, _) = notes_app(&db, 2, Config::default());
+        assert_eq!(answer(&app, note(None)).await, (StatusCode::CREATED, None, json!(1)));
+        assert_eq!(answer(&app, note(None)).await, (StatusCode::CREATED, None, json!(2)));
+        assert_eq!(
+            answer(&app, note(Some("n-1"))).await,
+            (StatusCode::CREATED, None, json!(3))
+        );
+        let replay = answer(&app, note(Some("n-1"))).await;
+        assert_eq!(replay, (StatusCode::CREATED, Some("true".to_owned()), json!(3)));
+        // Present but broken is refused, not taken for absent.
+        assert_eq!(answer(&app, note(Some(r#""n-1"#))).await.0, StatusCode::BAD_REQUEST);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn problems_follow_the_settings_of_the_api() {
+        let db = idempotency::testing::SqliteFile::new();
+        let problems = Problems::documented_at("https://api.example/errors/")
+            .title(ProblemKind::InProgress, "Busy with this key")
+            .retry_after(Duration::from_secs(3));
+        let (app, _) = notes_app(&db, 2, Config::default().in_flight(InFlight::Reject));
+        let app = app.layer(Extension(problems));
+
+        let (status, _, body) = answer(&app, note(Some(""))).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(body["type"], "https://api.example/errors/idempotency-key-invalid");
+        assert_eq!(body["title"], "Invalid Idempotency-Key header");
+
+        // Another connection holds SQLite's write lock: the key cannot be
+        // claimed, and the policy rejects at once.
+        let mut holder = db.conn();
+        holder.batch_execute("BEGIN IMMEDIATE").expect("take the write lock");
+        let (status, retry_after, body) = answer(&app, note(Some("n-2"))).await;
+        holder.batch_execute("ROLLBACK").expect("release the write lock");
+        assert_eq!(status, StatusCode::CONFLICT);
+        assert_eq!(retry_after.as_deref(), Some("3"));
+        assert_eq!(body["type"], "https://api.example/errors/idempotency-key-in-progress");
+        assert_eq!(body["title"], "Busy with this key");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_free_connection_is_503_with_retry_after() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, pool) = notes_app(&db, 1, Config::default());
+        let held = pool.get().expect("the pool's one connection");
+        let (status, retry_after, body) = answer(&app, note(Some("n-3"))).await;
+        drop(held);
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(retry_after.as_deref(), Some("1"));
+        assert_eq!(body["type"], "about:blank");
+        assert_eq!(body["title"], "Service Unavailable");
+        assert_eq!(answer(&app, note(Some("n-3"))).await.0, StatusCode::CREATED);
+    }
+
+    /// A caller whose scope breaks the key rules: the application's
+    /// mistake, not the client's.
+    struct Misnamed;
+
+    impl<S: Sync> FromRequestParts<S> for Misnamed {
+        type Rejection = StatusCode;
+
+        async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+            Ok(Misnamed)
+        }
+    }
+
+    impl Caller for Misnamed {
+        fn scope(&self) -> Cow<'_, str> {
+            Cow::Borrowed("two words")
+        }
+    }
+
+    async fn post_misnamed_note(State(notes): State<Notes>, key: IdempotencyKey<Misnamed>) -> axum::response::Response {
+        let outcome: NoteResponse = http::run(&notes.pool, &notes.config, &key, (), |conn, ()| add_note(conn)).await;
+        outcome.into_response()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keys_and_scopes_the_rules_refuse_are_answered_at_once_while_the_pool_is_exhausted() {
+        let db = idempotency::testing::SqliteFile::new();
+        db.conn()
+            .batch_execute("CREATE TABLE notes (id INTEGER PRIMARY KEY)")
+            .expect("create notes");
+        let pool = Pool::builder()
+            .max_size(1)
+            .connection_timeout(EXHAUSTED_CHECKOUT)
+            .build(ConnectionManager::new(db.path().to_str().expect("utf-8 path")))
+            .expect("a pool");
+        let notes = Notes {
+            pool: pool.clone(),
+            config: Config::default(),
+        };
+        let charges = Charges {
+            pool: pool.clone(),
+            provider: Provider::default(),
+        };
+        let app = Router::new()
+            .route("/notes", post(post_note))
+            .route("/misnamed-notes", post(post_misnamed_note))
+            .with_state(notes)
+            .merge(Router::new().route("/charges", post(post_charge)).with_state(charges));
+        let _held = pool.get().expect("the pool's one connection");
+
+        let long_key = "k".repeat(300);
+        let misnamed = Request::post("/misnamed-notes")
+            .header("idempotency-key", "n-5")
+            .body(axum::body::Body::empty())
+            .expect("a request");
+        let cases = [
+            ("a 300-character key", note(Some(&long_key)), StatusCode::BAD_REQUEST),
+            (
+                "a key like a card number",
+                note(Some("4111111111111111")),
+                StatusCode::BAD_REQUEST,
+            ),
+            ("a scope with a space", misnamed, StatusCode::INTERNAL_SERVER_ERROR),
+            (
+                "a phased call's 300-character key",
+                Request::post("/charges")
+                    .header("idempotency-key", &long_key)
+                    .body(axum::body::Body::empty())
+                    .expect("a request"),
+                StatusCode::BAD_REQUEST,
+            ),
+        ];
+        let refused = async {
+            for (case, request, status) in cases {
+                let (answered, retry_after, body) = tokio::time::timeout(AT_ONCE, answer(&app, request))
+                    .await
+                    .unwrap_or_else(|_| panic!("{case}: no answer within {AT_ONCE:?} while the pool was exhausted"));
+                assert_eq!((answered, retry_after), (status, None), "{case}: {body}");
+            }
+        };
+        // The valid request is sent first and answered last: the pool
+        // stays exhausted throughout.
+        let valid = async {
+            tokio::time::timeout(PATIENCE, answer(&app, note(Some("n-4"))))
+                .await
+                .unwrap_or_else(|_| panic!("the valid request was not answered within {PATIENCE:?}"))
+        };
+        let ((status, retry_after, _), ()) = tokio::join!(valid, refused);
+        assert_eq!(
+            (status, retry_after.as_deref()),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("1"))
+        );
+    }
+
+    /// A payment provider that deduplicates on its key, fails its first
+    /// call when told to, and records every key it applied.
+    #[derive(Clone, Default)]
+    struct Provider {
+        fail_first: Arc<AtomicBool>,
+        applied: Arc<std::sync::Mutex<Vec<String>>>,
+    }
+
+    impl Provider {
+        fn charge(&self, provider_key: &str) -> Result<String, Problem> {
+            if self.fail_first.swap(false, Ordering::SeqCst) {
+                return Err(Problem::new(StatusCode::BAD_GATEWAY, "Bad Gateway"));
+            }
+            let mut applied = self.applied.lock().expect("no panic while locked");
+            if !applied.iter().any(|key| key == provider_key) {
+                applied.push(provider_key.to_owned());
+            }
+            Ok(format!("ch_{}", &provider_key[..12]))
+        }
+    }
+
+    #[derive(Clone)]
+    struct Charges {
+        pool: SqlitePool,
+        provider: Provider,
+    }
+
+    async fn post_charge(State(charges): State<Charges>, key: IdempotencyKey<Anyone>) -> axum::response::Response {
+        let provider = charges.provider.clone();
+        let phased = idempotency::phased::Phased::new("charge");
+        let outcome: Result<Outcome<StoredResponse<(i64, String)>>, Failure<Problem>> =
+            http::run_phased(&charges.pool, &phased, &key, 20_00, move |s, _cents| {
+                let note = s.phase("noted", |tx| add_note(tx).map(|response| *response.body()))?;
+                let charge = s.call("charged", |provider_key| provider.charge(provider_key))?;
+                s.finish(|_| Ok(StoredResponse::new(StatusCode::CREATED, (note, charge))))
+            })
+            .await;
+        outcome.into_response()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn phased_operation_resumes_and_replays_over_http() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (_, pool) = notes_app(&db, 2, Config::default());
+        let provider = Provider::default();
+        provider.fail_first.store(true, Ordering::SeqCst);
+        let app = Router::new().route("/charges", post(post_charge)).with_state(Charges {
+            pool,
+            provider: provider.clone(),
+        });
+        let charge = || {
+            Request::post("/charges")
+                .header("idempotency-key", "charge-1")
+                .body(axum::body::Body::empty())
+                .expect("a request")
+        };
+
+        // The provider fails: the operation's own error, its first phase kept.
+        let (status, _, _) = answer(&app, charge()).await;
+        assert_eq!(status, StatusCode::BAD_GATEWAY);
+        // The retry resumes after the first phase and calls again.
+        let (status, replayed, first) = answer(&app, charge()).await;
+        assert_eq!((status, replayed), (StatusCode::CREATED, None));
+        assert_eq!(first[0], json!(1), "the first phase ran once");
+        let (status, replayed, again) = answer(&app, charge()).await;
+        assert_eq!(
+            (status, replayed.as_deref(), &again),
+            (StatusCode::CREATED, Some("true"), &first)
+        );
+        assert_eq!(
+            provider.applied.lock().expect("no panic").len(),
+            1,
+            "one charge applied"
+        );
+        let notes: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM notes")
+            .get_result(&mut db.conn())
+            .expect("count notes");
+        assert_eq!(notes, 1);
+    }
+
+    #[test]
+    fn failure_is_an_error_that_crosses_threads() {
+        fn assert_error<E: std::error::Error + Send + Sync + 'static>() {}
+        assert_error::<Failure<std::io::Error>>();
+    }
+}

@@ -1,0 +1,57 @@
+//! The test suite, one binary: every backend's tests, as modules of this
+//! crate over the one harness in `common`. A module that needs a backend or
+//! a layer of the crate is compiled only with its feature; the tests of every
+//! backend it serves run with it. The failover suite (`tests/failover.rs`)
+//! and the Citus suite (`tests/citus.rs`) are binaries of their own: each
+//! needs a feature of its own (`failover-tests`, `citus-tests`) and a
+//! cluster started for it.
+
+mod common;
+
+// The example the HTTP tests serve. Its `main` and command line are unused
+// here but for one test.
+#[cfg(feature = "axum")]
+#[allow(dead_code)]
+#[path = "../../examples/http_orders.rs"]
+mod http_orders;
+
+mod batch;
+#[cfg(feature = "postgres")]
+mod clock_skew;
+mod concurrency;
+#[cfg(feature = "postgres")]
+mod connection_loss;
+#[cfg(feature = "deadpool")]
+mod deadpool;
+mod domain;
+#[cfg(feature = "postgres")]
+mod durable_replays;
+mod errors;
+mod fingerprint;
+mod generic;
+#[cfg(feature = "axum")]
+mod http;
+mod keys;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod killed_sessions;
+#[cfg(feature = "metrics")]
+mod metrics;
+mod migrations;
+#[cfg(feature = "mysql")]
+mod mysql;
+mod outbox;
+mod phased;
+#[cfg(feature = "postgres")]
+mod postgres;
+mod purger;
+#[cfg(feature = "postgres")]
+mod relay_postgres;
+mod relay_service;
+mod repository;
+mod retention;
+mod run;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod server;
+mod stored_values;
+mod telemetry;
+mod testing;

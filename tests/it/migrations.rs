@@ -1,0 +1,152 @@
+//! Upgrading a database of the previous release: its records survive the
+//! new migrations and replay as before. MySQL's set, which no release had
+//! before, keeps the versions of the others.
+
+use diesel::migration::{Migration, MigrationSource};
+use diesel::prelude::*;
+use diesel_migrations::MigrationHarness;
+use idempotency::outbox::{self, Relay};
+use idempotency::{Outcome, StoreConnection, run_idempotent};
+
+use crate::common::TestDb;
+
+/// The last migration of the previous release: the outbox.
+const PREVIOUS_RELEASE: &str = "20261130000000";
+
+/// Applies the crate's migrations up to the previous release only, writes
+/// records under that schema, and upgrades it with the crate's migrations;
+/// returns the calls recorded before the upgrade.
+fn upgrade_from_the_previous_release<DB, C>(conn: &mut C) -> Vec<Outcome<String>>
+where
+    DB: diesel::backend::Backend,
+    C: MigrationHarness<DB> + StoreConnection,
+    idempotency::Migrations: MigrationSource<DB>,
+{
+    let migrations = MigrationSource::<DB>::migrations(&idempotency::MIGRATIONS).expect("the crate's migrations");
+    let previous: Vec<&Box<dyn Migration<DB>>> = migrations
+        .iter()
+        .filter(|migration| migration.name().version().to_string().as_str() <= PREVIOUS_RELEASE)
+        .collect();
+    assert_eq!(previous.len(), 2, "the previous release had two migrations");
+    // Creates diesel's table of applied migrations, as the first run of the
+    // previous release did.
+    conn.applied_migrations().expect("diesel's migration table");
+    for migration in previous {
+        conn.run_migration(&**migration)
+            .expect("apply a migration of the previous release");
+    }
+    let calls = write_old_records(conn);
+    idempotency::run_migrations(conn).expect("the upgrade");
+    calls
+}
+
+/// Records written under the previous release's schema: executed calls and
+/// an undelivered message.
+fn write_old_records<C: StoreConnection>(conn: &mut C) -> Vec<Outcome<String>> {
+    let calls: Vec<Outcome<String>> = (0..3)
+        .map(|n| {
+            run_idempotent(conn, "shop", &format!("order-{n}"), &n, |_| {
+                Ok::<_, std::convert::Infallible>(format!("order {n} placed"))
+            })
+            .expect("a call on the old schema")
+        })
+        .collect();
+    outbox::enqueue(conn, "receipts", &"order 0").expect("a message on the old schema");
+    calls
+}
+
+/// After the upgrade every old call replays its result and the old message
+/// is delivered.
+fn assert_old_records_survive<C: StoreConnection>(conn: &mut C, calls: Vec<Outcome<String>>) {
+    for (n, call) in calls.into_iter().enumerate() {
+        let replayed = run_idempotent(conn, "shop", &format!("order-{n}"), &n, |_| {
+            Ok::<_, std::convert::Infallible>(String::from("executed again"))
+        })
+        .expect("a retry after the upgrade");
+        assert_eq!(replayed, Outcome::Replayed(call.into_inner()));
+    }
+    let delivered = Relay::default()
+        .run_once(conn, |message| {
+            assert_eq!(message.payload::<String>().expect("the old payload"), "order 0");
+            Ok::<_, std::convert::Infallible>(())
+        })
+        .expect("the relay after the upgrade");
+    assert_eq!(delivered.delivered, 1);
+}
+
+#[test]
+fn sqlite_upgrade_keeps_records_and_moves_keys_to_a_table_without_rowid() {
+    let db = crate::common::sqlite::Db::empty();
+    let mut conn = db.conn();
+    let calls = upgrade_from_the_previous_release(&mut conn);
+
+    #[derive(QueryableByName)]
+    struct Sql {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        sql: String,
+    }
+    let table: Sql = diesel::sql_query("SELECT sql FROM sqlite_schema WHERE name = 'idempotency_keys'")
+        .get_result(&mut conn)
+        .expect("the key table's definition");
+    assert!(table.sql.contains("WITHOUT ROWID"), "{}", table.sql);
+    assert_old_records_survive(&mut conn, calls);
+}
+
+#[cfg(feature = "postgres")]
+#[test]
+fn postgres_upgrade_keeps_records_and_adds_the_new_tables() {
+    let db = crate::common::pg::Db::empty();
+    let mut conn = db.conn();
+    let calls = upgrade_from_the_previous_release(&mut conn);
+    assert_old_records_survive(&mut conn, calls);
+    let phased = idempotency::phased::Phased::new("after-upgrade").run(&mut conn, "shop", "p-1", &1, |s| {
+        s.finish(|_| Ok::<_, std::convert::Infallible>(1))
+    });
+    assert_eq!(phased.expect("the new table works"), Outcome::Executed(1));
+}
+
+/// The versions of a migration set.
+#[cfg(feature = "mysql")]
+fn versions<DB: diesel::backend::Backend>() -> Vec<String>
+where
+    idempotency::Migrations: MigrationSource<DB>,
+{
+    MigrationSource::<DB>::migrations(&idempotency::MIGRATIONS)
+        .expect("the crate's migrations")
+        .iter()
+        .map(|migration| migration.name().version().to_string())
+        .collect()
+}
+
+/// MySQL's set is new: one migration per table, with its final columns,
+/// under the version that table has in every other set, so the versions a
+/// database records mean the same tables on every backend. Its down
+/// migrations leave nothing behind.
+#[cfg(feature = "mysql")]
+#[test]
+fn mysql_migrations_keep_the_versions_of_the_other_sets_and_revert_cleanly() {
+    let mysql = versions::<diesel::mysql::Mysql>();
+    assert_eq!(mysql, ["20261129000000", "20261130000000", "20261203000000"]);
+    let sqlite = versions::<diesel::sqlite::Sqlite>();
+    assert!(mysql.iter().all(|version| sqlite.contains(version)), "{sqlite:?}");
+    #[cfg(feature = "postgres")]
+    {
+        let postgres = versions::<diesel::pg::Pg>();
+        assert!(mysql.iter().all(|version| postgres.contains(version)), "{postgres:?}");
+    }
+
+    let db = crate::common::mysql::Db::empty();
+    let mut conn = db.conn();
+    idempotency::run_migrations(&mut conn).expect("migrate");
+    let calls = write_old_records(&mut conn);
+    assert_old_records_survive(&mut conn, calls);
+    conn.revert_all_migrations(idempotency::MIGRATIONS)
+        .expect("revert every migration");
+    let tables: Vec<String> = diesel::dsl::sql::<diesel::sql_types::Text>(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE 'idempotency%'",
+    )
+    .load(&mut conn)
+    .expect("the tables left");
+    assert!(tables.is_empty(), "{tables:?}");
+    idempotency::run_migrations(&mut conn).expect("migrate again");
+}

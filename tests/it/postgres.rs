@@ -1,0 +1,443 @@
+//! What PostgreSQL does in its own way (what every server does alike is in
+//! `server`): the `lock_timeout` the claim borrows, keys as long as the
+//! index holds, takeovers and purges, callers' transactions at `REPEATABLE
+//! READ` and `SERIALIZABLE`, advisory locks, and durable replays.
+//!
+//! Threads are ordered by channels, barriers and the server's own view of
+//! who waits for a lock (`pg_locks`), never by sleeping for a guessed time.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::thread;
+
+use chrono::Duration;
+use diesel::connection::SimpleConnection;
+use diesel::pg::PgConnection;
+use diesel::prelude::*;
+use diesel::result::Error as DieselError;
+use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
+
+use crate::common::kept_an_hour;
+use crate::common::pg::{Db, show_lock_timeout};
+use crate::common::server::*;
+use crate::common::wait;
+use crate::common::{Isolation, ServerDb, TestDb};
+
+/// Runs `f` in a transaction of the caller's at `isolation`.
+fn in_caller_transaction<T, E>(
+    conn: &mut PgConnection,
+    isolation: Isolation,
+    f: impl FnOnce(&mut PgConnection) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<DieselError>,
+{
+    match isolation {
+        Isolation::ReadCommitted => conn.build_transaction().read_committed().run(f),
+        Isolation::RepeatableRead => conn.build_transaction().repeatable_read().run(f),
+        Isolation::Serializable => conn.build_transaction().serializable().run(f),
+    }
+}
+
+/// A request in a transaction of the caller's at `isolation`.
+fn in_isolation(isolation: Isolation) -> Call<PgConnection> {
+    match isolation {
+        Isolation::ReadCommitted => |conn, config, key, op| {
+            in_caller_transaction(conn, Isolation::ReadCommitted, |tx| {
+                config.run(tx, SCOPE, key, REQUEST, op)
+            })
+        },
+        Isolation::RepeatableRead => |conn, config, key, op| {
+            in_caller_transaction(conn, Isolation::RepeatableRead, |tx| {
+                config.run(tx, SCOPE, key, REQUEST, op)
+            })
+        },
+        Isolation::Serializable => |conn, config, key, op| {
+            in_caller_transaction(conn, Isolation::Serializable, |tx| {
+                config.run(tx, SCOPE, key, REQUEST, op)
+            })
+        },
+    }
+}
+
+/// Visible ASCII that does not compress, as a random client key would not.
+fn incompressible(len: usize, seed: u64) -> String {
+    let mut state = seed;
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            char::from(b'!' + u8::try_from((state >> 33) % 94).expect("below 94"))
+        })
+        .collect()
+}
+
+/// A B-tree entry holds 2704 bytes: a longer configured limit is lowered to
+/// what the primary key can index, so a long key is refused before the
+/// operation runs instead of failing at its insert.
+#[test]
+fn key_too_long_for_the_index_is_refused_before_the_operation_runs() {
+    let db = Db::new();
+    let config = Config::default().max_key_len(10_000);
+    assert_the_longest_fits_and_longer_is_refused::<Db>(&mut db.conn(), &config, 1300, incompressible);
+}
+
+/// A caller's `statement_timeout` shorter than the in-flight wait ends the
+/// wait for the key first; the answer is the same: the key is held.
+#[test]
+fn statement_timeout_shorter_than_the_wait_is_in_progress_too() {
+    let db = Db::new();
+    let holder = Holder::claim(&db, "k-short-statements");
+    let mut conn = db.conn();
+    conn.batch_execute("SET statement_timeout = '200ms'")
+        .expect("the caller's own setting");
+    let calls = AtomicUsize::new(0);
+
+    let call = |conn: &mut PgConnection, item| {
+        top_level::<Db>(conn, &long_wait(), "k-short-statements", counted::<Db>(&calls, item))
+    };
+    let waited = call(&mut conn, "waiter");
+    let Err(error) = waited else {
+        panic!("the waiter gives up, got {waited:?}")
+    };
+    assert!(matches!(error, Error::InProgress), "{error:?}");
+    assert!(error.is_retryable());
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    assert!(!Db::in_transaction(&mut conn));
+    holder.finish(Release::Commit).expect("the holder commits");
+    assert!(call(&mut conn, "retry").expect("the retry replays").is_replayed());
+}
+
+#[test]
+fn purge_between_the_read_and_the_store_of_a_takeover_does_not_fail_the_call() {
+    let db = Db::new();
+    let (clock, config) = kept_an_hour();
+    let mut conn = db.conn();
+    let calls = AtomicUsize::new(0);
+    config
+        .run(&mut conn, SCOPE, "k-expiring", REQUEST, counted::<Db>(&calls, "first"))
+        .expect("first call");
+    clock.advance(Duration::hours(2));
+
+    let (entered, operation_running) = mpsc::channel();
+    let takeover = thread::scope(|s| {
+        // Owned here, so that a failed assertion drops it and frees the
+        // waiting thread before the scope joins it.
+        let (resume, resumed) = mpsc::channel::<()>();
+        let (db, config, calls) = (&db, &config, &calls);
+        let taker = s.spawn(move || {
+            config.run(&mut db.conn(), SCOPE, "k-expiring", REQUEST, |tx| {
+                entered.send(()).expect("the test waits");
+                wait::recv(&resumed, "the test resumes the operation");
+                counted::<Db>(calls, "takeover")(tx)
+            })
+        });
+        wait::recv(&operation_running, "the takeover to run its operation");
+        // The takeover read the expired record and holds the key's lock,
+        // which the purger does not take: the record goes under it.
+        assert_eq!(config.purge_expired(&mut conn, 100).expect("purge"), 1);
+        resume.send(()).expect("the operation waits");
+        taker.join().expect("the taker does not panic")
+    });
+
+    assert!(!takeover.expect("the takeover executes").is_replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(Db::key_count(&mut conn), 1, "the takeover's record is stored");
+    let retry = config.run(&mut conn, SCOPE, "k-expiring", REQUEST, counted::<Db>(&calls, "retry"));
+    assert!(retry.expect("retry").is_replayed());
+}
+
+/// Two requests with one key, each inside a caller's transaction at
+/// `isolation`: the first claims the key and holds it; the second takes its
+/// snapshot, then waits for the key; the first commits.
+///
+/// What happens: the second request's claim finds a conflicting row that
+/// its snapshot cannot see, and PostgreSQL refuses to act on it ("could not
+/// serialize access due to concurrent update"). The call fails with
+/// `Error::Storage` of kind `SerializationFailure` without running its
+/// operation, and the caller's transaction rolls back. Retrying the whole
+/// transaction, as serialization failures ask, replays the first result.
+fn nested_race_executes_once(isolation: Isolation) {
+    let db = Db::new();
+    let (holder, waiter) = holder_and_waiter(&db, "k-isolated", in_isolation(isolation), in_isolation(isolation));
+
+    let held = holder.finish(Release::Commit).expect("the first caller commits");
+    let (mut conn, waited, calls) = waiter.join();
+
+    let Outcome::Executed(order_id) = held else {
+        panic!("the first request executes, got {held:?}")
+    };
+    assert!(is_serialization_failure(&waited), "{isolation:?}: {waited:?}");
+    assert_eq!(calls, 0, "the second request's operation did not run");
+    assert!(!Db::in_transaction(&mut conn), "the caller's transaction rolled back");
+
+    let retry_calls = AtomicUsize::new(0);
+    let retried = in_caller_transaction(&mut conn, isolation, |tx| {
+        run_idempotent(tx, SCOPE, "k-isolated", REQUEST, counted::<Db>(&retry_calls, "retry"))
+    });
+    assert_eq!(
+        retried.expect("the caller retries its transaction"),
+        Outcome::Replayed(order_id)
+    );
+    assert_eq!(retry_calls.load(Ordering::SeqCst), 0);
+    assert_eq!(Db::order_count(&mut conn), 1);
+    assert_eq!(Db::key_count(&mut conn), 1);
+}
+
+#[test]
+fn racing_calls_nested_in_repeatable_read_execute_once() {
+    nested_race_executes_once(Isolation::RepeatableRead);
+}
+
+#[test]
+fn racing_calls_nested_in_serializable_execute_once() {
+    nested_race_executes_once(Isolation::Serializable);
+}
+
+/// Races two callers round after round (see [`race_in_rounds`]) at
+/// `REPEATABLE READ` and then at `SERIALIZABLE`: each racer on a connection
+/// that `connect` makes for the level, each call of key
+/// `{prefix}-{level}-{round}` as `call` makes it at that level. Returns how
+/// many calls were retried at each level.
+fn race_at_the_isolated_levels(
+    prefix: &str,
+    connect: impl Fn(Isolation) -> PgConnection + Sync,
+    call: impl Fn(&mut PgConnection, Isolation, &str, Op<'_, PgConnection>) -> CallResult + Sync,
+    retry_replays: bool,
+) -> Vec<(Isolation, usize)> {
+    [Isolation::RepeatableRead, Isolation::Serializable]
+        .into_iter()
+        .map(|isolation| {
+            let call = |conn: &mut PgConnection, round: usize, calls: &AtomicUsize| {
+                let key = format!("{prefix}-{isolation:?}-{round}");
+                call(conn, isolation, &key, counted::<Db>(calls, "racer"))
+            };
+            let retried = race_in_rounds(&format!("{isolation:?}"), || connect(isolation), call, retry_replays);
+            (isolation, retried)
+        })
+        .collect()
+}
+
+/// The same race left to the scheduler: two callers released together,
+/// round after round. Depending on when the loser takes its snapshot it
+/// replays at once (the winner had committed), fails with a serialization
+/// failure (the winner committed after the snapshot), or waits and then
+/// fails. A failed caller retries its whole transaction and replays.
+#[test]
+fn callers_racing_in_isolated_transactions_execute_each_key_once() {
+    let db = Db::new();
+    let in_their_transactions = |conn: &mut PgConnection, isolation, key: &str, op: Op<'_, PgConnection>| {
+        in_caller_transaction(conn, isolation, |tx| run_idempotent(tx, SCOPE, key, REQUEST, op))
+    };
+    for (isolation, failures) in race_at_the_isolated_levels("k-nested", |_| db.conn(), in_their_transactions, true) {
+        println!("{isolation:?}: {failures} of {ROUNDS} races ended in a serialization failure");
+    }
+    let mut conn = db.conn();
+    assert_eq!(Db::order_count(&mut conn), 2 * ROUNDS as i64);
+    assert_eq!(Db::key_count(&mut conn), 2 * ROUNDS as i64);
+}
+
+/// The operation's own view of `lock_timeout`.
+fn current_lock_timeout(conn: &mut PgConnection) -> QueryResult<String> {
+    #[derive(QueryableByName)]
+    struct Setting {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        value: String,
+    }
+    Ok(diesel::sql_query("SELECT current_setting('lock_timeout') AS value")
+        .get_result::<Setting>(conn)?
+        .value)
+}
+
+#[test]
+fn lock_timeout_of_the_claim_does_not_leak_into_the_operation_or_the_session() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    // A wait unlike any value the caller sets, so a leak cannot hide.
+    let config = Config::default().in_flight(InFlight::Wait(Duration::milliseconds(750)));
+    let seen_by_op = |conn: &mut PgConnection, key: &str| {
+        config
+            .run(conn, SCOPE, key, REQUEST, current_lock_timeout)
+            .expect("claimed call")
+            .into_inner()
+    };
+
+    let server_default = show_lock_timeout(&mut conn);
+    assert_eq!(seen_by_op(&mut conn, "k-default"), server_default);
+    assert_eq!(show_lock_timeout(&mut conn), server_default);
+
+    conn.batch_execute("SET lock_timeout = '3s'")
+        .expect("set a session lock_timeout");
+    assert_eq!(seen_by_op(&mut conn, "k-session"), "3s");
+    assert_eq!(show_lock_timeout(&mut conn), "3s");
+
+    let failed = config.run(&mut conn, SCOPE, "k-failed", REQUEST, |_| {
+        Err::<String, _>(DomainError::Refused)
+    });
+    assert!(
+        matches!(failed, Err(Error::Operation(DomainError::Refused))),
+        "{failed:?}"
+    );
+    assert_eq!(show_lock_timeout(&mut conn), "3s", "also after a rolled-back call");
+
+    // Nested in a caller's transaction, the call restores the caller's
+    // transaction-local value, which ends with the caller's transaction.
+    conn.transaction(|tx| {
+        tx.batch_execute("SET LOCAL lock_timeout = '7s'")?;
+        assert_eq!(seen_by_op(tx, "k-nested"), "7s");
+        assert_eq!(show_lock_timeout(tx), "7s");
+        QueryResult::Ok(())
+    })
+    .expect("caller's transaction");
+    assert_eq!(show_lock_timeout(&mut conn), "3s");
+}
+
+/// Runs `f` in a transaction of the caller's that has set its own
+/// `lock_timeout`, 3 s, and returns what `f` says.
+fn in_a_transaction_with_its_lock_timeout_at_3s(
+    conn: &mut PgConnection,
+    f: impl FnOnce(&mut PgConnection) -> String,
+) -> String {
+    conn.transaction(|tx| {
+        tx.batch_execute("SET LOCAL lock_timeout = '3s'")?;
+        Ok::<_, DieselError>(f(tx))
+    })
+    .expect("caller's transaction")
+}
+
+#[test]
+fn nested_call_that_claims_nothing_leaves_the_callers_lock_timeout() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    let config = Config::default().in_flight(InFlight::Wait(Duration::milliseconds(250)));
+    let after_inner = in_a_transaction_with_its_lock_timeout_at_3s(&mut conn, |conn| {
+        let outcome = config.run(conn, "settings", "k-1", &1, |tx| {
+            // The same key, claimed by the enclosing call on this
+            // connection: the inner call claims nothing.
+            let inner = config.run(tx, "settings", "k-1", &1, |_| Ok::<_, Error>(String::new()));
+            assert!(matches!(inner, Err(Error::InProgress)), "got {inner:?}");
+            Ok::<_, Error>(show_lock_timeout(tx))
+        });
+        outcome.expect("outer call").into_inner()
+    });
+    assert_eq!(after_inner, "3s");
+}
+
+#[test]
+fn relay_inside_a_callers_transaction_leaves_its_lock_timeout() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    let after = in_a_transaction_with_its_lock_timeout_at_3s(&mut conn, |tx| {
+        idempotency::outbox::enqueue(tx, "receipts", &1).expect("enqueue");
+        let batch = idempotency::outbox::Relay::default()
+            .run_once(tx, |_| Ok::<_, std::convert::Infallible>(()))
+            .expect("relay");
+        assert_eq!(batch.delivered, 1);
+        show_lock_timeout(tx)
+    });
+    assert_eq!(after, "3s");
+}
+
+#[test]
+fn longest_in_flight_wait_is_accepted() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    // Longer than PostgreSQL's largest lock_timeout; shortened to it.
+    let config = Config::default().in_flight(InFlight::Wait(Duration::days(30)));
+    let first = config.run(&mut conn, SCOPE, "k-long-wait", REQUEST, |tx| {
+        Db::place_order(tx, "long", 1)
+    });
+    assert!(!first.expect("the call executes").is_replayed());
+    assert!(!Db::in_transaction(&mut conn));
+    let again = config.run(&mut conn, SCOPE, "k-long-wait", REQUEST, |tx| {
+        Db::place_order(tx, "long", 1)
+    });
+    assert!(again.expect("the connection is still usable").is_replayed());
+}
+
+/// Two top-level calls with one key from sessions at `REPEATABLE READ` or
+/// `SERIALIZABLE`, released together round after round. Their reads cannot
+/// see a concurrent commit, so they claim the key before the operation: the
+/// loser replays, or fails with a serialization failure before its
+/// operation runs and replays on its retry. The operation runs once.
+#[test]
+fn racing_calls_from_isolated_sessions_execute_each_key_once() {
+    let db = Db::new();
+    let at_the_top_level =
+        |conn: &mut PgConnection, _, key: &str, op: Op<'_, PgConnection>| run_idempotent(conn, SCOPE, key, REQUEST, op);
+    let session = |isolation| db.session_at(isolation);
+    race_at_the_isolated_levels("k", session, at_the_top_level, false);
+    let mut conn = db.conn();
+    assert_eq!(Db::order_count(&mut conn), 2 * ROUNDS as i64);
+}
+
+#[test]
+fn nested_holder_and_top_level_waiter_serialize_on_one_lock() {
+    the_waiter_replays_the_holders_commit::<Db>(
+        "k-mixed-nested-holder",
+        in_isolation(Isolation::ReadCommitted),
+        top_level::<Db>,
+    );
+}
+
+/// The crate locks keys in PostgreSQL's two-integer advisory key space;
+/// an application's `bigint` advisory locks, even on the very same 64 bits,
+/// never hold a call up.
+#[test]
+fn applications_bigint_advisory_locks_never_meet_the_crates() {
+    let db = Db::new();
+    let mut application = db.conn();
+    let digest = crate::common::key_hash(SCOPE, "k-locked");
+    let same_bits = i64::from_be_bytes(digest[..8].try_into().expect("eight bytes"));
+    diesel::sql_query("SELECT pg_advisory_lock($1)")
+        .bind::<diesel::sql_types::BigInt, _>(same_bits)
+        .execute(&mut application)
+        .expect("the application's lock");
+
+    let mut conn = db.conn();
+    let reject = Config::default().in_flight(InFlight::Reject);
+    let calls = AtomicUsize::new(0);
+    let outcome = reject.run(&mut conn, SCOPE, "k-locked", REQUEST, counted::<Db>(&calls, "call"));
+    assert!(!outcome.expect("not held up").is_replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// A durable replay answers only after a commit of its own, which waits for
+/// the synchronous standbys where there are any (the failover suite shows
+/// the effect; here, the commit is there and the answers are the same).
+#[test]
+fn durable_replays_commit_before_they_answer() {
+    use diesel::connection::{Connection as _, InstrumentationEvent};
+
+    let db = Db::new();
+    let mut conn = db.conn();
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let recorder = Arc::clone(&sent);
+    conn.set_instrumentation(move |event: InstrumentationEvent<'_>| {
+        if let InstrumentationEvent::StartQuery { query, .. } = event {
+            recorder.lock().expect("no panic while locked").push(query.to_string());
+        }
+    });
+    let durable = Config::default().durable_replays(true);
+    let calls = AtomicUsize::new(0);
+    let first = durable
+        .run(&mut conn, SCOPE, "k-durable", REQUEST, counted::<Db>(&calls, "first"))
+        .expect("executes");
+    let confirmations = |sent: &Mutex<Vec<String>>| {
+        sent.lock()
+            .expect("no panic while locked")
+            .iter()
+            .filter(|sql| sql.contains("pg_logical_emit_message"))
+            .count()
+    };
+    assert_eq!(confirmations(&sent), 0, "an execution commits its own record");
+
+    let replay = durable
+        .run(&mut conn, SCOPE, "k-durable", REQUEST, counted::<Db>(&calls, "replay"))
+        .expect("replays");
+    assert_eq!(replay, Outcome::Replayed(first.into_inner()));
+    assert_eq!(confirmations(&sent), 1, "the replay waited for a commit of its own");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    assert!(!Db::in_transaction(&mut conn));
+}
