@@ -6,7 +6,7 @@
 //! clock is injected, the crate asks the database for the time, in a
 //! statement it sends anyway: on PostgreSQL and MySQL the server's clock
 //! serves every application server alike. SQLite runs inside the process,
-//! so its clock is this machine's.
+//! so its clock is the application host's.
 
 use std::sync::Arc;
 use std::time::Instant;

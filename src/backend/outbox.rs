@@ -328,3 +328,31 @@ macro_rules! shared_queries {
     };
 }
 pub(crate) use shared_queries;
+
+/// `OutboxStore::claim_batch` for a backend that claims in one statement,
+/// `$sql`, whose parameters are, in order: the lease's end, its token, the
+/// pending status, now, and the limit.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+macro_rules! claim_in_one_statement {
+    ($sql:expr $(,)?) => {
+        fn claim_batch(
+            &mut self,
+            now: chrono::NaiveDateTime,
+            lease_until: chrono::NaiveDateTime,
+            lease_token: &str,
+            batch: usize,
+        ) -> diesel::QueryResult<Vec<$crate::backend::outbox::Claimed>> {
+            use diesel::RunQueryDsl;
+            use diesel::sql_types::{BigInt, Text, Timestamp};
+            diesel::sql_query($sql)
+                .bind::<Timestamp, _>(lease_until)
+                .bind::<Text, _>(lease_token)
+                .bind::<Text, _>($crate::backend::outbox::PENDING)
+                .bind::<Timestamp, _>(now)
+                .bind::<BigInt, _>($crate::backend::sql_limit(batch))
+                .load(self)
+        }
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) use claim_in_one_statement;

@@ -308,10 +308,7 @@ macro_rules! shared_queries {
             use crate::backend::phases::RUNNING;
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
-            let held = p::table
-                .find((lease.scope, lease.key))
-                .filter(p::status.eq(RUNNING))
-                .filter(p::lease_token.eq(lease.token));
+            let held = $crate::backend::phases::held_by!(p, lease);
             let updated = diesel::update(held)
                 .set((
                     p::points.eq(points),
@@ -333,10 +330,7 @@ macro_rules! shared_queries {
             use crate::backend::phases::{COMPLETED, RUNNING};
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
-            let held = p::table
-                .find((lease.scope, lease.key))
-                .filter(p::status.eq(RUNNING))
-                .filter(p::lease_token.eq(lease.token));
+            let held = $crate::backend::phases::held_by!(p, lease);
             let updated = diesel::update(held)
                 .set((
                     p::status.eq(COMPLETED),
@@ -360,10 +354,7 @@ macro_rules! shared_queries {
             use crate::backend::phases::RUNNING;
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
-            let held = p::table
-                .find((lease.scope, lease.key))
-                .filter(p::status.eq(RUNNING))
-                .filter(p::lease_token.eq(lease.token));
+            let held = $crate::backend::phases::held_by!(p, lease);
             let updated = diesel::update(held)
                 .set((
                     p::lease_token.eq(None::<String>),
@@ -385,10 +376,7 @@ macro_rules! shared_queries {
             use crate::backend::phases::{PARKED, RUNNING};
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
-            let held = p::table
-                .find((lease.scope, lease.key))
-                .filter(p::status.eq(RUNNING))
-                .filter(p::lease_token.eq(lease.token));
+            let held = $crate::backend::phases::held_by!(p, lease);
             let updated = diesel::update(held)
                 .set((
                     p::status.eq(PARKED),
@@ -541,3 +529,16 @@ macro_rules! operation_values {
     };
 }
 pub(crate) use operation_values;
+
+/// The running operation of `$lease` in table `$p`, as long as the lease's
+/// token is still its own: the guard of every write an attempt makes, so
+/// that an attempt whose lease was taken over changes nothing.
+macro_rules! held_by {
+    ($p:ident, $lease:expr) => {
+        $p::table
+            .find(($lease.scope, $lease.key))
+            .filter($p::status.eq(RUNNING))
+            .filter($p::lease_token.eq($lease.token))
+    };
+}
+pub(crate) use held_by;

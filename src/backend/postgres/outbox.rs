@@ -15,7 +15,7 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 
-use crate::backend::outbox::{Claimed, DELIVERED, OutboxStore, PENDING};
+use crate::backend::outbox::{DELIVERED, OutboxStore};
 use crate::backend::postgres::timezone;
 use crate::backend::sql_limit;
 
@@ -25,29 +25,15 @@ const CHANNEL: &str = "idempotency_outbox";
 impl OutboxStore for PgConnection {
     const ANNOUNCES: bool = true;
 
-    fn claim_batch(
-        &mut self,
-        now: NaiveDateTime,
-        lease_until: NaiveDateTime,
-        lease_token: &str,
-        batch: usize,
-    ) -> QueryResult<Vec<Claimed>> {
-        diesel::sql_query(
-            "WITH due AS ( \
+    crate::backend::outbox::claim_in_one_statement!(
+        "WITH due AS ( \
                  SELECT id FROM idempotency_outbox \
                  WHERE status = $3 AND (available_at IS NULL OR available_at <= $4) \
                  ORDER BY id LIMIT $5 FOR UPDATE SKIP LOCKED) \
              UPDATE idempotency_outbox AS o SET attempts = o.attempts + 1, available_at = $1, lease_token = $2 \
              FROM due WHERE o.id = due.id \
              RETURNING o.id, o.topic, o.payload, o.attempts",
-        )
-        .bind::<Timestamp, _>(lease_until)
-        .bind::<Text, _>(lease_token)
-        .bind::<Text, _>(PENDING)
-        .bind::<Timestamp, _>(now)
-        .bind::<BigInt, _>(sql_limit(batch))
-        .load(self)
-    }
+    );
 
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
         // SKIP LOCKED: two purges running at once split the rows instead of

@@ -126,7 +126,7 @@ impl KeyStore for SqliteConnection {
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         Ok(Read {
             record: self.find(scope, key)?,
-            // SQLite's clock is this machine's: the database runs in-process.
+            // SQLite's clock is the application host's: the database runs in-process.
             now: Utc::now().naive_utc(),
         })
     }

@@ -17,7 +17,7 @@ impl PhaseStore for SqliteConnection {
             .select(OperationRow::as_select())
             .get_result(self)
             .optional()?;
-        // SQLite's clock is this machine's: the database runs in-process.
+        // SQLite's clock is the application host's: the database runs in-process.
         Ok((row, Utc::now().naive_utc()))
     }
 
