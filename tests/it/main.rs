@@ -2,7 +2,7 @@
 //! crate over the one harness in `common`. A module that needs a backend or
 //! a layer of the crate is compiled only with its feature; the tests of every
 //! backend it serves run with it. The failover suite (`tests/failover.rs`)
-//! and the Citus suite (`tests/citus.rs`) are binaries of their own: each
+//! and the Citus suite (`tests/citus/`) are binaries of their own: each
 //! needs a feature of its own (`failover-tests`, `citus-tests`) and a
 //! cluster started for it.
 

@@ -28,7 +28,7 @@
 //! scenarios several suites observe), `http` (the HTTP layer's service,
 //! client and proxies) and `pg_cluster` (a PostgreSQL cluster of a test's
 //! own). `wait`, `own` and `race` stand on nothing else of the harness, so
-//! that a suite of its own (`tests/citus.rs`) can use them too.
+//! that a suite of its own (`tests/citus/`) can use them too.
 
 // With a backend's feature off, the parts of the harness that only its tests
 // use are unused.

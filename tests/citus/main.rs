@@ -33,13 +33,13 @@ use serde::Serialize;
 // The parts of the main suite's harness that stand on nothing else of it;
 // this suite uses some of each.
 #[allow(dead_code)]
-#[path = "it/common/own.rs"]
+#[path = "../it/common/own.rs"]
 mod own;
 #[allow(dead_code)]
-#[path = "it/common/race.rs"]
+#[path = "../it/common/race.rs"]
 mod race;
 #[allow(dead_code)]
-#[path = "it/common/wait.rs"]
+#[path = "../it/common/wait.rs"]
 mod wait;
 
 diesel::table! {
