@@ -88,6 +88,7 @@ mod clock;
 mod codec;
 mod config;
 mod error;
+mod executing;
 mod fingerprint;
 #[cfg(feature = "axum")]
 pub mod http;

@@ -1,6 +1,5 @@
 //! The combinator: validate, fingerprint, claim, run the operation, store.
 
-use std::cell::RefCell;
 use std::panic;
 use std::time::Instant;
 
@@ -12,6 +11,7 @@ use crate::backend::{self, COMPLETED, Hold, KeyStore, PROCESSING, Read, Record, 
 use crate::codec;
 use crate::config::Config;
 use crate::error::Error;
+use crate::executing::Executing;
 use crate::outcome::{Outcome, Recorded};
 use crate::telemetry::CallTrace;
 
@@ -328,37 +328,5 @@ fn replay<R: DeserializeOwned, E>(stored: Stored, request_hash: &str) -> Result<
         // Claimed by an enclosing call on this same connection whose
         // operation has not finished.
         _ => Err(Error::InProgress),
-    }
-}
-
-thread_local! {
-    /// The keys that calls on this thread are executing, with the address
-    /// of their connection.
-    static EXECUTING: RefCell<Vec<(usize, String, String)>> = const { RefCell::new(Vec::new()) };
-}
-
-/// A key this thread executes on a connection, from the hold to the commit.
-/// Operations run on the caller's thread, so a nested call on the same
-/// connection finds its enclosing call here.
-struct Executing(usize);
-
-impl Executing {
-    /// `None` when a call on this thread already executes `(scope, key)` on
-    /// `conn`.
-    fn enter<C>(conn: &C, scope: &str, key: &str) -> Option<Executing> {
-        let conn = std::ptr::from_ref(conn).addr();
-        EXECUTING.with_borrow_mut(|executing| {
-            if executing.iter().any(|(c, s, k)| *c == conn && s == scope && k == key) {
-                return None;
-            }
-            executing.push((conn, scope.to_owned(), key.to_owned()));
-            Some(Executing(executing.len()))
-        })
-    }
-}
-
-impl Drop for Executing {
-    fn drop(&mut self) {
-        EXECUTING.with_borrow_mut(|executing| executing.truncate(self.0 - 1));
     }
 }

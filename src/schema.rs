@@ -25,6 +25,7 @@ diesel::table! {
         last_error -> Nullable<Text>,
         created_at -> Timestamp,
         delivered_at -> Nullable<Timestamp>,
+        scope -> Text,
     }
 }
 

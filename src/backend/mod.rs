@@ -166,6 +166,8 @@ macro_rules! raw_connection {
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use raw_connection;
 
+#[cfg(feature = "postgres")]
+pub mod citus;
 pub(crate) mod migrate;
 #[cfg(feature = "mysql")]
 pub(crate) mod mysql;

@@ -22,6 +22,7 @@ pub(crate) const DEAD: &str = "dead";
 /// or at `not_before`.
 pub struct NewMessage<'a> {
     pub(crate) id: &'a str,
+    pub(crate) scope: &'a str,
     pub(crate) topic: &'a str,
     pub(crate) payload: &'a str,
     pub(crate) not_before: Option<NaiveDateTime>,
@@ -32,9 +33,17 @@ pub struct NewMessage<'a> {
 #[diesel(table_name = idempotency_outbox)]
 pub struct Claimed {
     pub(crate) id: String,
+    pub(crate) scope: String,
     pub(crate) topic: String,
     pub(crate) payload: String,
     pub(crate) attempts: i32,
+}
+
+/// A claimed message, by its scope and its id.
+#[derive(Debug, Clone, Copy)]
+pub struct MessageId<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) id: &'a str,
 }
 
 /// A message parked as dead, as listed.
@@ -99,9 +108,10 @@ pub trait OutboxStore: KeyStore {
     fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()>;
 
     /// Records how an attempt ended; `false` when the lease was taken over
-    /// (or the message requeued) and nothing was written.
+    /// (or the message requeued) and nothing was written. The message is
+    /// named by its scope and id, as a distributed database places it.
     #[doc(hidden)]
-    fn settle(&mut self, id: &str, lease_token: &str, settlement: &Settlement) -> QueryResult<bool>;
+    fn settle(&mut self, message: MessageId<'_>, lease_token: &str, settlement: &Settlement) -> QueryResult<bool>;
 
     /// Up to `limit` dead messages, oldest first.
     #[doc(hidden)]
@@ -119,7 +129,7 @@ pub trait OutboxStore: KeyStore {
     /// that stops before handing it over; `false` when the lease was taken
     /// over meanwhile.
     #[doc(hidden)]
-    fn release(&mut self, id: &str, lease_token: &str) -> QueryResult<bool>;
+    fn release(&mut self, message: MessageId<'_>, lease_token: &str) -> QueryResult<bool>;
 
     /// When the earliest pending message is due: now for one never
     /// attempted (or given back), otherwise when its lease, its backoff or
@@ -171,6 +181,7 @@ macro_rules! shared_queries {
             diesel::insert_into(o::table)
                 .values((
                     o::id.eq(message.id),
+                    o::scope.eq(message.scope),
                     o::topic.eq(message.topic),
                     o::payload.eq(message.payload),
                     o::status.eq(PENDING),
@@ -184,7 +195,7 @@ macro_rules! shared_queries {
 
         fn settle(
             &mut self,
-            id: &str,
+            message: $crate::backend::outbox::MessageId<'_>,
             lease_token: &str,
             settlement: &$crate::backend::outbox::Settlement,
         ) -> diesel::QueryResult<bool> {
@@ -192,7 +203,8 @@ macro_rules! shared_queries {
             use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             let held = o::table
-                .filter(o::id.eq(id))
+                .filter(o::scope.eq(message.scope))
+                .filter(o::id.eq(message.id))
                 .filter(o::status.eq(PENDING))
                 .filter(o::lease_token.eq(lease_token));
             let updated = match settlement {
@@ -241,12 +253,17 @@ macro_rules! shared_queries {
                 .load(self)
         }
 
-        fn release(&mut self, id: &str, lease_token: &str) -> diesel::QueryResult<bool> {
+        fn release(
+            &mut self,
+            message: $crate::backend::outbox::MessageId<'_>,
+            lease_token: &str,
+        ) -> diesel::QueryResult<bool> {
             use crate::backend::outbox::PENDING;
             use $($schema)+::idempotency_outbox as o;
             use diesel::prelude::*;
             let released = o::table
-                .filter(o::id.eq(id))
+                .filter(o::scope.eq(message.scope))
+                .filter(o::id.eq(message.id))
                 .filter(o::status.eq(PENDING))
                 .filter(o::lease_token.eq(lease_token));
             let updated = diesel::update(released)
@@ -328,31 +345,3 @@ macro_rules! shared_queries {
     };
 }
 pub(crate) use shared_queries;
-
-/// `OutboxStore::claim_batch` for a backend that claims in one statement,
-/// `$sql`, whose parameters are, in order: the lease's end, its token, the
-/// pending status, now, and the limit.
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-macro_rules! claim_in_one_statement {
-    ($sql:expr $(,)?) => {
-        fn claim_batch(
-            &mut self,
-            now: chrono::NaiveDateTime,
-            lease_until: chrono::NaiveDateTime,
-            lease_token: &str,
-            batch: usize,
-        ) -> diesel::QueryResult<Vec<$crate::backend::outbox::Claimed>> {
-            use diesel::RunQueryDsl;
-            use diesel::sql_types::{BigInt, Text, Timestamp};
-            diesel::sql_query($sql)
-                .bind::<Timestamp, _>(lease_until)
-                .bind::<Text, _>(lease_token)
-                .bind::<Text, _>($crate::backend::outbox::PENDING)
-                .bind::<Timestamp, _>(now)
-                .bind::<BigInt, _>($crate::backend::sql_limit(batch))
-                .load(self)
-        }
-    };
-}
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-pub(crate) use claim_in_one_statement;

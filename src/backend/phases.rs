@@ -3,10 +3,15 @@
 //!
 //! Every write of an attempt is guarded by its lease token, so an attempt
 //! whose lease was taken over changes nothing. The statements are the same
-//! DSL on every backend (`shared_queries!`, whose pick of abandoned
-//! operations for a completer locks them `FOR UPDATE SKIP LOCKED` where the
-//! backend has it), except the read that brings the database's time along
-//! and the purge.
+//! DSL on every backend (`shared_queries!`), except the read that brings
+//! the database's time along and the purge.
+//!
+//! A completer picks abandoned operations without locking what it reads:
+//! each pick is a guarded update of one operation, which another
+//! completer's concurrent pick of it fails. A locking read (`FOR UPDATE SKIP
+//! LOCKED`) would do the same in fewer statements, but a distributed
+//! database refuses it on a table spread over several nodes, and the guarded
+//! update runs on the node of the operation alone.
 
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
@@ -137,8 +142,8 @@ pub trait PhaseStore: KeyStore {
     /// Picks up to `limit` running operations of `operations` whose lease
     /// is free at `now`, idle since `idle_since` and not taken by another
     /// completer, oldest first, and marks them this completer's until
-    /// `until`, atomically; where the backend can, rows another completer is
-    /// picking are skipped rather than waited for.
+    /// `until`; an operation another completer picks at the same moment is
+    /// picked by one of them.
     #[doc(hidden)]
     fn pick_abandoned(
         &mut self,
@@ -148,14 +153,6 @@ pub trait PhaseStore: KeyStore {
         until: NaiveDateTime,
         limit: usize,
     ) -> QueryResult<Vec<PickedRow>>;
-
-    /// Runs `pick`, the statements of [`pick_abandoned`](Self::pick_abandoned):
-    /// as they are, or, where the backend locks the rows a pick reads, in a
-    /// transaction that holds those locks until it commits.
-    #[doc(hidden)]
-    fn picking<T>(&mut self, pick: impl FnOnce(&mut Self) -> QueryResult<T>) -> QueryResult<T> {
-        pick(self)
-    }
 
     /// Parks a running operation that no attempt holds, noting why: one the
     /// completer cannot resume.
@@ -190,17 +187,16 @@ pub trait PhaseStore: KeyStore {
 /// The methods of [`PhaseStore`] whose DSL is the same on every backend,
 /// expanded into each backend's impl against its schema module (see
 /// `crate::backend::shared_queries` for why a macro rather than generic
-/// functions): `shared_queries!(crate::schema)`; `skip_locked` before the
-/// schema where the completer's pick locks its rows `FOR UPDATE SKIP
-/// LOCKED`, and `strict` before that where a duplicate key must fail the
-/// insert rather than be ignored.
+/// functions): `shared_queries!(crate::schema)`; `strict` before the
+/// schema where a duplicate key must fail the insert rather than be
+/// ignored.
 macro_rules! shared_queries {
     // A backend where diesel's `on_conflict_do_nothing` is MySQL's `INSERT
     // IGNORE`, which would also store a value that does not fit cut short,
     // with a warning: a plain `INSERT`, whose duplicate-key error means the
     // key is taken. (MySQL goes on with the transaction after it.)
-    (strict skip_locked $($schema:tt)+) => {
-        $crate::backend::phases::shared_queries!(@statements [for_update skip_locked] $($schema)+);
+    (strict $($schema:tt)+) => {
+        $crate::backend::phases::shared_queries!(@statements $($schema)+);
 
         fn insert_operation(
             &mut self,
@@ -217,11 +213,7 @@ macro_rules! shared_queries {
             }
         }
     };
-    (skip_locked $($schema:tt)+) => {
-        $crate::backend::phases::shared_queries!(@statements [for_update skip_locked] $($schema)+);
-        $crate::backend::phases::shared_queries!(@insert $($schema)+);
-    };
-    (@statements [$($lock:ident)*] $($schema:tt)+) => {
+    (@statements $($schema:tt)+) => {
         fn pick_abandoned(
             &mut self,
             operations: &[&str],
@@ -233,8 +225,8 @@ macro_rules! shared_queries {
             use crate::backend::phases::{PickedRow, RUNNING};
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
-            self.picking(|tx| {
-                let picked: Vec<PickedRow> = p::table
+            let abandoned = || {
+                p::table
                     .filter(p::status.eq(RUNNING))
                     .filter(p::operation.eq_any(operations))
                     // Without its request an operation waits for its client's retry.
@@ -242,18 +234,21 @@ macro_rules! shared_queries {
                     .filter(p::lease_until.is_null().or(p::lease_until.le(now)))
                     .filter(p::updated_at.le(idle_since))
                     .filter(p::completer_until.is_null().or(p::completer_until.le(now)))
-                    .order(p::updated_at)
-                    .limit($crate::backend::sql_limit(limit))
-                    .select((p::scope, p::idempotency_key, p::operation, p::request.assume_not_null()))
-                    $(.$lock())*
-                    .load(tx)?;
-                for row in &picked {
-                    diesel::update(p::table.find((&row.scope, &row.idempotency_key)))
-                        .set(p::completer_until.eq(until))
-                        .execute(tx)?;
+            };
+            let candidates: Vec<PickedRow> = abandoned()
+                .order(p::updated_at)
+                .limit($crate::backend::sql_limit(limit))
+                .select((p::scope, p::idempotency_key, p::operation, p::request.assume_not_null()))
+                .load(self)?;
+            let mut picked = Vec::with_capacity(candidates.len());
+            for row in candidates {
+                // Still abandoned when the update runs: not picked meanwhile.
+                let still = abandoned().filter(p::scope.eq(&row.scope)).filter(p::idempotency_key.eq(&row.idempotency_key));
+                if diesel::update(still).set(p::completer_until.eq(until)).execute(self)? == 1 {
+                    picked.push(row);
                 }
-                Ok(picked)
-            })
+            }
+            Ok(picked)
         }
 
         fn delete_expired_operation(
@@ -500,7 +495,7 @@ macro_rules! shared_queries {
         }
     };
     ($($schema:tt)+) => {
-        $crate::backend::phases::shared_queries!(@statements [] $($schema)+);
+        $crate::backend::phases::shared_queries!(@statements $($schema)+);
         $crate::backend::phases::shared_queries!(@insert $($schema)+);
     };
 }

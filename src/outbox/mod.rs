@@ -220,8 +220,11 @@ where
     crate::key::validate_scope(topic, MAX_TOPIC_LEN).map_err(Error::InvalidTopic)?;
     let payload = crate::codec::to_readable_json(payload).map_err(Error::Codec)?;
     let id = crate::id::new();
-    conn.raw().insert_message(&NewMessage {
+    let conn = conn.raw();
+    let scope = crate::executing::scope_on(&*conn).unwrap_or_default();
+    conn.insert_message(&NewMessage {
         id: &id,
+        scope: &scope,
         topic,
         payload: &payload,
         not_before,
@@ -235,6 +238,9 @@ where
 pub struct Message {
     /// The message id: a time-ordered UUID, unique across processes.
     pub id: String,
+    /// The scope of the call whose operation enqueued it, empty for a
+    /// message enqueued outside a call.
+    pub scope: String,
     /// The topic it was enqueued for.
     pub topic: String,
     /// The payload as JSON text; [`Message::payload`] decodes it.

@@ -6,7 +6,7 @@ use std::fmt;
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 
 use super::{DeadLetter, Deliveries, Error, Message, Stats};
-use crate::backend::outbox::{Claimed, OutboxStore, Settlement};
+use crate::backend::outbox::{Claimed, MessageId, OutboxStore, Settlement};
 use crate::backend::{KeyStore, RawConnection, StoreConnection};
 use crate::clock::{Clock, Reading, assert_duration};
 use crate::id;
@@ -245,6 +245,7 @@ impl Relay {
         let message = Message {
             key: row.id.clone(),
             id: row.id,
+            scope: row.scope,
             topic: row.topic,
             payload_json: row.payload,
             attempt,
@@ -357,9 +358,10 @@ impl Relay {
 
         report.claimed += claimed.len();
         for row in claimed {
-            let id = row.id.clone();
+            let (id, scope) = (row.id.clone(), row.scope.clone());
+            let message = MessageId { scope: &scope, id: &id };
             if stop() {
-                if conn.write(WRITE_LOCK_WAIT, |tx| tx.release(&id, &lease.token))? {
+                if conn.write(WRITE_LOCK_WAIT, |tx| tx.release(message, &lease.token))? {
                     report.released += 1;
                 }
                 continue;
@@ -371,7 +373,7 @@ impl Relay {
                 report.lost += 1;
                 continue;
             };
-            if conn.write(WRITE_LOCK_WAIT, |tx| tx.settle(&id, &lease.token, &settlement))? {
+            if conn.write(WRITE_LOCK_WAIT, |tx| tx.settle(message, &lease.token, &settlement))? {
                 match &settlement {
                     Settlement::Delivered { .. } => telemetry::relay::delivered(&id, &topic, attempt),
                     Settlement::Retry { due, .. } => telemetry::relay::retrying(&id, &topic, attempt, *due),

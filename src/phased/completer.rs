@@ -53,8 +53,8 @@ type Resume<C> = Box<dyn Fn(&mut C, &str, &str, &str) -> Result<Resumed, String>
 /// operation needs [`store_requests`](super::Phased::store_requests)),
 /// which resumes it like a client's retry would: a completer and a client
 /// racing for one operation finish it once, through its lease. Completers
-/// on several machines pass over what another has picked (`FOR UPDATE SKIP
-/// LOCKED` on PostgreSQL and MySQL).
+/// on several machines pick each operation once: a pick is an update
+/// guarded by the operation still being abandoned.
 ///
 /// `C` is the diesel connection the registered functions take, such as
 /// `PgConnection`.

@@ -14,6 +14,7 @@ use crate::backend::{self, KeyStore, StoreConnection, transaction_depth};
 use crate::clock::{Reading, assert_duration};
 use crate::config::Config;
 use crate::error::Error;
+use crate::executing::Executing;
 use crate::outcome::Outcome;
 use crate::telemetry::CallTrace;
 use crate::{codec, id, key, telemetry};
@@ -602,6 +603,10 @@ impl<C: PhaseStore> Steps<'_, C> {
         // from here: `run` frees the lease on a connection that is out of
         // its transaction.
         let mut panicked = None;
+        // What the step enqueues takes its scope, as in a single call.
+        let Some(_executing) = Executing::enter(&*self.conn, self.lease.scope, self.lease.key) else {
+            return Err(Error::InProgress);
+        };
         let result = self
             .conn
             .key_transaction(self.lease.scope, self.lease.key, self.phased.config.in_flight, |tx| {

@@ -103,12 +103,11 @@ impl Db {
         for statement in [
             "CREATE TABLE orders (account TEXT NOT NULL, id BIGSERIAL, item TEXT NOT NULL, PRIMARY KEY (account, id))",
             "SELECT create_distributed_table('orders', 'account')",
-            "SELECT create_distributed_table('idempotency_keys', 'scope', colocate_with => 'orders')",
-            "SELECT create_distributed_table('idempotency_phases', 'scope', colocate_with => 'orders')",
         ] {
             conn.batch_execute(statement)
                 .unwrap_or_else(|e| panic!("{statement}: {e}"));
         }
+        idempotency::backend::citus::distribute(&mut conn, "orders").expect("distribute the crate's tables");
         assert_distributed(&mut conn, &db.schema);
         db
     }
@@ -171,14 +170,15 @@ fn assert_distributed(conn: &mut PgConnection, schema: &str) {
         "SELECT c.relnamespace::regnamespace::text || '.' || c.relname
                 || ' ' || p.partmethod::text || ' ' || p.colocationid AS line
          FROM pg_dist_partition p JOIN pg_class c ON c.oid = p.logicalrelid
-         WHERE p.logicalrelid IN ('orders'::regclass, 'idempotency_keys'::regclass, 'idempotency_phases'::regclass)
+         WHERE p.logicalrelid IN ('orders'::regclass, 'idempotency_keys'::regclass, 'idempotency_phases'::regclass,
+                                  'idempotency_outbox'::regclass)
          ORDER BY 1",
     );
     assert!(
         tables.iter().all(|t| t.starts_with(&format!("{schema}."))),
         "the tables of the test schema: {tables:?}"
     );
-    assert_eq!(tables.len(), 3, "three distributed tables in {schema}: {tables:?}");
+    assert_eq!(tables.len(), 4, "four distributed tables in {schema}: {tables:?}");
     let colocations: BTreeSet<&str> = tables.iter().filter_map(|t| t.rsplit(' ').next()).collect();
     assert_eq!(colocations.len(), 1, "co-located: {tables:?}");
     assert!(tables.iter().all(|t| t.contains(" h ")), "hash-distributed: {tables:?}");

@@ -38,7 +38,7 @@ impl OutboxStore for MysqlConnection {
     ) -> QueryResult<Vec<Claimed>> {
         read_committed(self, |tx| {
             let mut due: Vec<Claimed> = diesel::sql_query(
-                "SELECT id, topic, payload, attempts \
+                "SELECT id, scope, topic, payload, attempts \
                  FROM idempotency_outbox FORCE INDEX (idempotency_outbox_status_id) \
                  WHERE status = ? AND (available_at IS NULL OR available_at <= ?) \
                  ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",

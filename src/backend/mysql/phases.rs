@@ -1,7 +1,5 @@
-//! MySQL and MariaDB: the read brings the server's time along, completers
-//! pick abandoned operations with `FOR UPDATE SKIP LOCKED`, passing over
-//! those another completer is picking at that moment, and a new operation
-//! is inserted strictly: a duplicate key fails the insert, which means the
+//! MySQL and MariaDB: the read brings the server's time along, and a new
+//! operation is inserted strictly: a duplicate key fails the insert, which means the
 //! key is taken (`INSERT IGNORE` would also store a value that does not fit
 //! cut short).
 
@@ -18,11 +16,6 @@ use crate::backend::sql_limit;
 impl PhaseStore for MysqlConnection {
     fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
         operation_with::<DatabaseNow, Datetime, _>(self, scope, key)
-    }
-
-    fn picking<T>(&mut self, pick: impl FnOnce(&mut Self) -> QueryResult<T>) -> QueryResult<T> {
-        // Locks taken by the pick are held until its transaction commits.
-        read_committed(self, pick)
     }
 
     fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
@@ -45,5 +38,5 @@ impl PhaseStore for MysqlConnection {
         })
     }
 
-    crate::backend::phases::shared_queries!(strict skip_locked crate::backend::mysql::schema);
+    crate::backend::phases::shared_queries!(strict crate::backend::mysql::schema);
 }

@@ -28,6 +28,7 @@ diesel::table! {
         last_error -> Nullable<Text>,
         created_at -> Datetime,
         delivered_at -> Nullable<Datetime>,
+        scope -> Varchar,
     }
 }
 

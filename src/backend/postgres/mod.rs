@@ -14,6 +14,11 @@
 //! fails as a serialization failure before the operation is called. The
 //! crate never changes the isolation level the operation runs under.
 //!
+//! A database whose setting `idempotency.claim_first` is `on` claims every
+//! key that way. The advisory lock orders the calls of one server; where
+//! calls reach the same rows through several servers (Citus, whose every
+//! node can run them), only the primary key orders them all.
+//!
 //! The lock uses PostgreSQL's two-integer advisory key space, which is
 //! separate from the single `bigint` space most applications lock in (their
 //! locks can never meet the crate's). Both integers come from a SHA-256 of
@@ -32,6 +37,7 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Text, Timestamp, Timestamptz};
 use diesel_migrations::MigrationHarness;
 
+use super::citus;
 use super::row_with::{Head, record_with};
 use super::{Hold, KeyStore, Read, Record, hold_by_claiming, hold_of, transaction_depth, transaction_with};
 use crate::in_flight::InFlight;
@@ -82,12 +88,16 @@ impl Head for DatabaseNow {
     type SqlType = Timestamp;
 }
 
-/// The isolation level of the transaction.
-struct Isolation;
+/// How a write transaction holds its key: the isolation level of the
+/// transaction, or `claim first` where the database is set to claim every
+/// key before the operation runs (`idempotency.claim_first`, as
+/// [`citus::distribute`] sets it).
+struct HoldBy;
 
-impl Head for Isolation {
+impl Head for HoldBy {
     type Backend = Pg;
-    const SQL: &'static str = "current_setting('transaction_isolation')";
+    const SQL: &'static str = "CASE WHEN current_setting('idempotency.claim_first', true) = 'on' \
+                               THEN 'claim first' ELSE current_setting('transaction_isolation') END";
     type SqlType = Text;
 }
 
@@ -164,9 +174,9 @@ impl KeyStore for PgConnection {
         if transaction_depth(self)? > 1 {
             return hold_by_claiming(self, record);
         }
-        let (isolation, stored) =
-            record_with::<Isolation, Timestamp, _, String>(self, record.scope, record.idempotency_key)?;
-        if matches!(isolation.as_str(), "read committed" | "read uncommitted") {
+        let (hold_by, stored) =
+            record_with::<HoldBy, Timestamp, _, String>(self, record.scope, record.idempotency_key)?;
+        if matches!(hold_by.as_str(), "read committed" | "read uncommitted") {
             Ok(hold_of(stored, record))
         } else {
             hold_by_claiming(self, record)
@@ -217,6 +227,9 @@ impl KeyStore for PgConnection {
     }
 
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+        if citus::distributed(self, "idempotency_keys")? {
+            return citus::purge_keys(self, cutoff, limit);
+        }
         // SKIP LOCKED: a record that a live request is taking over right now
         // is not worth waiting for; it is no longer expired once that commits.
         diesel::sql_query(
@@ -233,7 +246,14 @@ impl KeyStore for PgConnection {
 
 #[cfg(test)]
 mod tests {
-    use super::lock_key;
+    use super::{HoldBy, lock_key};
+    use crate::backend::citus::CLAIM_FIRST;
+    use crate::backend::row_with::Head;
+
+    #[test]
+    fn the_hold_reads_the_setting_that_distribute_writes() {
+        assert!(HoldBy::SQL.contains(&format!("current_setting('{CLAIM_FIRST}', true)")));
+    }
 
     #[test]
     fn lock_key_is_pinned() {

@@ -15,7 +15,8 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 
-use crate::backend::outbox::{DELIVERED, OutboxStore};
+use crate::backend::citus;
+use crate::backend::outbox::{Claimed, DELIVERED, OutboxStore, PENDING};
 use crate::backend::postgres::timezone;
 use crate::backend::sql_limit;
 
@@ -25,17 +26,37 @@ const CHANNEL: &str = "idempotency_outbox";
 impl OutboxStore for PgConnection {
     const ANNOUNCES: bool = true;
 
-    crate::backend::outbox::claim_in_one_statement!(
-        "WITH due AS ( \
+    fn claim_batch(
+        &mut self,
+        now: NaiveDateTime,
+        lease_until: NaiveDateTime,
+        lease_token: &str,
+        batch: usize,
+    ) -> QueryResult<Vec<Claimed>> {
+        if citus::distributed(self, "idempotency_outbox")? {
+            return citus::outbox::claim_batch(self, now, lease_until, lease_token, batch);
+        }
+        diesel::sql_query(
+            "WITH due AS ( \
                  SELECT id FROM idempotency_outbox \
                  WHERE status = $3 AND (available_at IS NULL OR available_at <= $4) \
                  ORDER BY id LIMIT $5 FOR UPDATE SKIP LOCKED) \
              UPDATE idempotency_outbox AS o SET attempts = o.attempts + 1, available_at = $1, lease_token = $2 \
              FROM due WHERE o.id = due.id \
-             RETURNING o.id, o.topic, o.payload, o.attempts",
-    );
+             RETURNING o.id, o.scope, o.topic, o.payload, o.attempts",
+        )
+        .bind::<Timestamp, _>(lease_until)
+        .bind::<Text, _>(lease_token)
+        .bind::<Text, _>(PENDING)
+        .bind::<Timestamp, _>(now)
+        .bind::<BigInt, _>(sql_limit(batch))
+        .load(self)
+    }
 
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
+        if citus::distributed(self, "idempotency_outbox")? {
+            return citus::outbox::purge_delivered(self, cutoff, batch);
+        }
         // SKIP LOCKED: two purges running at once split the rows instead of
         // queueing behind each other.
         diesel::sql_query(

@@ -1,12 +1,11 @@
-//! PostgreSQL: the read brings the server's time along, and completers pick
-//! abandoned operations with `FOR UPDATE SKIP LOCKED`, passing over those
-//! another completer is picking at that moment.
+//! PostgreSQL: the read brings the server's time along.
 
 use chrono::NaiveDateTime;
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 
+use crate::backend::citus;
 use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore};
 use crate::backend::postgres::DatabaseNow;
 use crate::backend::row_with::operation_with;
@@ -17,12 +16,10 @@ impl PhaseStore for PgConnection {
         operation_with::<DatabaseNow, Timestamp, _>(self, scope, key)
     }
 
-    fn picking<T>(&mut self, pick: impl FnOnce(&mut Self) -> QueryResult<T>) -> QueryResult<T> {
-        // Locks taken by the pick are held until its transaction commits.
-        self.transaction(pick)
-    }
-
     fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+        if citus::distributed(self, "idempotency_phases")? {
+            return citus::purge_operations(self, cutoff, limit);
+        }
         // SKIP LOCKED: an expired operation that a live request is starting
         // anew is not worth waiting for.
         diesel::sql_query(
@@ -36,5 +33,5 @@ impl PhaseStore for PgConnection {
         .execute(self)
     }
 
-    crate::backend::phases::shared_queries!(skip_locked crate::schema);
+    crate::backend::phases::shared_queries!(crate::schema);
 }

@@ -7,17 +7,31 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use crate::backend::outbox::{DELIVERED, OutboxStore};
+use crate::backend::outbox::{Claimed, DELIVERED, OutboxStore, PENDING};
 use crate::backend::sql_limit;
 
 impl OutboxStore for SqliteConnection {
-    crate::backend::outbox::claim_in_one_statement!(
-        "UPDATE idempotency_outbox SET attempts = attempts + 1, available_at = ?, lease_token = ? \
+    fn claim_batch(
+        &mut self,
+        now: NaiveDateTime,
+        lease_until: NaiveDateTime,
+        lease_token: &str,
+        batch: usize,
+    ) -> QueryResult<Vec<Claimed>> {
+        diesel::sql_query(
+            "UPDATE idempotency_outbox SET attempts = attempts + 1, available_at = ?, lease_token = ? \
              WHERE id IN (SELECT id FROM idempotency_outbox \
                           WHERE status = ? AND (available_at IS NULL OR available_at <= ?) \
                           ORDER BY id LIMIT ?) \
-             RETURNING id, topic, payload, attempts",
-    );
+             RETURNING id, scope, topic, payload, attempts",
+        )
+        .bind::<Timestamp, _>(lease_until)
+        .bind::<Text, _>(lease_token)
+        .bind::<Text, _>(PENDING)
+        .bind::<Timestamp, _>(now)
+        .bind::<BigInt, _>(sql_limit(batch))
+        .load(self)
+    }
 
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
         diesel::sql_query(

@@ -1,0 +1,1 @@
+ALTER TABLE idempotency_outbox DROP COLUMN scope;

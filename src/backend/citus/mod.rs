@@ -1,0 +1,216 @@
+//! Citus: PostgreSQL distributed by tenant. The crate's tables are
+//! distributed by `scope` and co-located with the application's tables
+//! distributed by their tenant column ([`distribute`]), so that a call's
+//! key record, its domain rows and the messages it enqueues live on one
+//! shard and its transaction runs on one worker, without a two-phase
+//! commit. The guide [Scaling out with Citus](crate::guide::citus) tells the
+//! whole deployment.
+//!
+//! Calls are correct from any node: [`distribute`] makes every call on the
+//! database claim its key with an insert that the shard's primary key
+//! guards before the operation runs (`idempotency.claim_first`), because
+//! the advisory lock that orders calls on one PostgreSQL server only orders
+//! the calls of one node.
+//!
+//! The services' statements differ where Citus refuses PostgreSQL's: a
+//! locking read (`FOR UPDATE SKIP LOCKED`) or a `ctid` subquery across
+//! shards. Here the relay's claim and the purges first read, without locks
+//! and across shards, which scopes have due or expired rows, and then lock
+//! and write within one scope at a time, a statement that runs on the
+//! scope's shard alone. The PostgreSQL backend takes these forms for a
+//! table that [`distributed`] says is distributed.
+
+pub(crate) mod outbox;
+
+use chrono::NaiveDateTime;
+use diesel::connection::SimpleConnection;
+use diesel::pg::PgConnection;
+use diesel::prelude::*;
+use diesel::sql_types::{BigInt, Bool, Text, Timestamp};
+
+use crate::backend::phases::COMPLETED;
+use crate::backend::sql_limit;
+use crate::error::Error;
+
+/// The crate's tables, each distributed by `scope`.
+const TABLES: [&str; 3] = ["idempotency_keys", "idempotency_phases", "idempotency_outbox"];
+
+/// The database setting that makes every call claim its key before the
+/// operation runs; read with the key record, at no extra round trip.
+pub(crate) const CLAIM_FIRST: &str = "idempotency.claim_first";
+
+/// Distributes the crate's tables (keys, operations in phases, outbox) by
+/// `scope`, co-located with `colocate_with`, a table of the application's
+/// already distributed by its tenant column, of type `text`; then a call
+/// whose scope is the tenant runs on the tenant's shard.
+///
+/// Run it once, on the coordinator, after [`run_migrations`](crate::run_migrations)
+/// and before the application's pools connect (the setting it writes
+/// applies to sessions that start after it). It also:
+///
+/// - drops the outbox's `NOTIFY` triggers, which Citus does not run on
+///   distributed tables (relays there find new messages by polling), and
+///   makes `(scope, id)` the outbox's primary key, as Citus requires of a
+///   table distributed by `scope`;
+/// - sets `idempotency.claim_first` for the database (Citus passes it on to
+///   every node), so that calls are correct from any node.
+///
+/// A table already distributed is left as it is, so running it again is
+/// harmless.
+///
+/// # Errors
+///
+/// [`Error::Storage`] when a statement fails: the database has no `citus`
+/// extension, `colocate_with` is not a distributed table whose distribution
+/// column is `text`, or the tables hold rows that break the new primary
+/// key.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::connection::SimpleConnection;
+/// use diesel::prelude::*;
+///
+/// let mut conn = PgConnection::establish("postgres://coordinator/shop")?;
+/// idempotency::run_migrations(&mut conn)?;
+/// conn.batch_execute(
+///     "CREATE TABLE orders (account TEXT NOT NULL, id BIGSERIAL, PRIMARY KEY (account, id));
+///      SELECT create_distributed_table('orders', 'account');",
+/// )?;
+/// idempotency::backend::citus::distribute(&mut conn, "orders")?;
+/// # Ok(())
+/// # }
+/// ```
+pub fn distribute(conn: &mut PgConnection, colocate_with: &str) -> Result<(), Error> {
+    if !distributed(conn, "idempotency_outbox")? {
+        // Each its own statement: Citus refuses DDL on distributed tables
+        // in a string of several.
+        conn.batch_execute("DROP TRIGGER IF EXISTS idempotency_outbox_announce_insert ON idempotency_outbox")?;
+        conn.batch_execute("DROP TRIGGER IF EXISTS idempotency_outbox_announce_requeue ON idempotency_outbox")?;
+        conn.batch_execute(
+            "ALTER TABLE idempotency_outbox DROP CONSTRAINT idempotency_outbox_pkey, ADD PRIMARY KEY (scope, id)",
+        )?;
+    }
+    for table in TABLES {
+        if !distributed(conn, table)? {
+            diesel::sql_query("SELECT create_distributed_table($1::regclass, 'scope', colocate_with => $2)")
+                .bind::<Text, _>(table)
+                .bind::<Text, _>(colocate_with)
+                .execute(conn)?;
+        }
+    }
+    conn.batch_execute(&format!(
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET {CLAIM_FIRST} = on', current_database()); END $$"
+    ))?;
+    Ok(())
+}
+
+/// Whether `table` (found through the `search_path`) is distributed by
+/// Citus; `false` on a database without the extension.
+///
+/// # Errors
+///
+/// The database error when the catalog cannot be read.
+pub(crate) fn distributed(conn: &mut PgConnection, table: &str) -> QueryResult<bool> {
+    #[derive(QueryableByName)]
+    struct Answer {
+        #[diesel(sql_type = Bool)]
+        answer: bool,
+    }
+    let ask = |conn: &mut PgConnection, query: &str| {
+        diesel::sql_query(query)
+            .bind::<Text, _>(table)
+            .get_result::<Answer>(conn)
+            .map(|a| a.answer)
+    };
+    // Citus's catalog exists only with the extension; a query naming it on
+    // a plain server would fail.
+    Ok(ask(
+        conn,
+        "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus' AND $1 IS NOT NULL) AS answer",
+    )? && ask(
+        conn,
+        "SELECT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = to_regclass($1)) AS answer",
+    )?)
+}
+
+/// The scopes that `query` selects (a column `scope`), read across shards
+/// without locks.
+pub(crate) fn scopes<Q>(conn: &mut PgConnection, query: Q) -> QueryResult<Vec<String>>
+where
+    Q: diesel::query_dsl::LoadQuery<'static, PgConnection, Scope>,
+{
+    Ok(query.load(conn)?.into_iter().map(|s: Scope| s.scope).collect())
+}
+
+/// A scope, as [`scopes`] reads it.
+#[derive(QueryableByName)]
+pub(crate) struct Scope {
+    #[diesel(sql_type = Text)]
+    scope: String,
+}
+
+/// Deletes at most `limit` rows, `delete` taking those of one scope (at
+/// most the limit it is given, passing over rows a live transaction holds)
+/// on the scope's shard, one scope after the other.
+pub(crate) fn purge_by_scope(
+    conn: &mut PgConnection,
+    scopes: Vec<String>,
+    limit: usize,
+    mut delete: impl FnMut(&mut PgConnection, &str, i64) -> QueryResult<usize>,
+) -> QueryResult<usize> {
+    let mut deleted = 0;
+    for scope in scopes {
+        if deleted >= limit {
+            break;
+        }
+        deleted += delete(conn, &scope, sql_limit(limit - deleted))?;
+    }
+    Ok(deleted)
+}
+
+/// `KeyStore::purge_batch` on a distributed key table.
+pub(crate) fn purge_keys(conn: &mut PgConnection, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+    let expired = scopes(
+        conn,
+        diesel::sql_query("SELECT DISTINCT scope FROM idempotency_keys WHERE expires_at <= $1 LIMIT $2")
+            .bind::<Timestamp, _>(cutoff)
+            .bind::<BigInt, _>(sql_limit(limit)),
+    )?;
+    purge_by_scope(conn, expired, limit, |conn, scope, left| {
+        diesel::sql_query(
+            "DELETE FROM idempotency_keys WHERE scope = $1 AND idempotency_key IN \
+             (SELECT idempotency_key FROM idempotency_keys WHERE scope = $1 AND expires_at <= $2 \
+              LIMIT $3 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind::<Text, _>(scope)
+        .bind::<Timestamp, _>(cutoff)
+        .bind::<BigInt, _>(left)
+        .execute(conn)
+    })
+}
+
+/// `PhaseStore::purge_operations_batch` on a distributed table of
+/// operations.
+pub(crate) fn purge_operations(conn: &mut PgConnection, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+    let expired = scopes(
+        conn,
+        diesel::sql_query(
+            "SELECT DISTINCT scope FROM idempotency_phases WHERE status = $1 AND expires_at <= $2 LIMIT $3",
+        )
+        .bind::<Text, _>(COMPLETED)
+        .bind::<Timestamp, _>(cutoff)
+        .bind::<BigInt, _>(sql_limit(limit)),
+    )?;
+    purge_by_scope(conn, expired, limit, |conn, scope, left| {
+        diesel::sql_query(
+            "DELETE FROM idempotency_phases WHERE scope = $1 AND idempotency_key IN \
+             (SELECT idempotency_key FROM idempotency_phases WHERE scope = $1 AND status = $2 AND expires_at <= $3 \
+              LIMIT $4 FOR UPDATE SKIP LOCKED)",
+        )
+        .bind::<Text, _>(scope)
+        .bind::<Text, _>(COMPLETED)
+        .bind::<Timestamp, _>(cutoff)
+        .bind::<BigInt, _>(left)
+        .execute(conn)
+    })
+}
