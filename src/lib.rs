@@ -76,6 +76,7 @@
 //! [testing your domain](guide::testing),
 //! [running in production](guide::production),
 //! [high availability](guide::high_availability),
+//! [scaling out with Citus](guide::citus),
 //! [performance](guide::performance).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -138,6 +139,7 @@ compile_error!("enable at least one backend feature: `sqlite` (the default), `po
 /// | [`testing`](guide::testing) | domain tests with in-memory SQLite and the stories that matter |
 /// | [`production`](guide::production) | the services, what to watch, events, metrics |
 /// | [`high_availability`](guide::high_availability) | failover, and what clients should do |
+/// | [`citus`](guide::citus) | scaling writes out: the tables distributed by tenant |
 /// | [`performance`](guide::performance) | what a call costs, measured |
 pub mod guide {
     pub mod contract {
@@ -178,6 +180,9 @@ pub mod guide {
     }
     pub mod high_availability {
         #![doc = include_str!("../docs/high_availability.md")]
+    }
+    pub mod citus {
+        #![doc = include_str!("../docs/citus.md")]
     }
     pub mod performance {
         #![doc = include_str!("../docs/performance.md")]

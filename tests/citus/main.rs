@@ -1,12 +1,11 @@
 //! The crate on Citus: its tables distributed by `scope` and co-located with
-//! a tenant's domain rows, every call through the coordinator.
+//! a tenant's domain rows, calls through the coordinator and a worker.
 //!
 //! Each test gets a schema of its own on the cluster named by
 //! `CITUS_DATABASE_URL` (the coordinator), reached through `search_path`,
 //! with the crate's migrations, a domain table `orders` distributed by
-//! `account`, and `idempotency_keys` and `idempotency_phases` distributed by
-//! `scope` and co-located with it; the outbox stays a local table on the
-//! coordinator. Citus names every shard with its schema in the statements it
+//! `account`, and the crate's tables distributed by `scope` and co-located
+//! with it by `idempotency::backend::citus::distribute`. Citus names every shard with its schema in the statements it
 //! sends to the workers, so the schema reaches the shards without a
 //! `search_path` on the workers.
 //!
@@ -29,6 +28,8 @@ use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::{BigInt, Integer, Text};
 use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
 use serde::Serialize;
+
+mod services;
 
 // The parts of the main suite's harness that stand on nothing else of it;
 // this suite uses some of each.
@@ -262,7 +263,15 @@ fn racing_retries_execute_once() {
 /// coordinator's user and database.
 struct Worker {
     name: String,
+    url: String,
     conn: PgConnection,
+}
+
+impl Worker {
+    /// The worker's URL, its sessions in `schema`.
+    fn url_with_search_path(&self, schema: &str) -> String {
+        own::url_with_search_path(&self.url, schema)
+    }
 }
 
 fn workers(coordinator: &mut PgConnection) -> Vec<Worker> {
@@ -288,7 +297,7 @@ fn workers(coordinator: &mut PgConnection) -> Vec<Worker> {
         let name = format!("{}:{}", n.nodename, n.nodeport);
         let url = format!("postgres://{}@{name}/{}", n.usr, n.db);
         let conn = PgConnection::establish(&url).unwrap_or_else(|e| panic!("connect to the worker {url}: {e}"));
-        Worker { name, conn }
+        Worker { name, url, conn }
     })
     .collect()
 }
@@ -314,6 +323,8 @@ struct Executed {
     order_inserts: i64,
     #[diesel(sql_type = BigInt)]
     key_inserts: i64,
+    #[diesel(sql_type = BigInt)]
+    outbox_inserts: i64,
 }
 
 impl std::ops::Sub for Executed {
@@ -327,6 +338,7 @@ impl std::ops::Sub for Executed {
             shard_statements: self.shard_statements - before.shard_statements,
             order_inserts: self.order_inserts - before.order_inserts,
             key_inserts: self.key_inserts - before.key_inserts,
+            outbox_inserts: self.outbox_inserts - before.outbox_inserts,
         }
     }
 }
@@ -342,7 +354,9 @@ fn executed(worker: &mut Worker, schema: &str) -> Executed {
            coalesce(sum(calls) FILTER (WHERE query ILIKE 'INSERT INTO ' || $1 || '.orders%'), 0)::bigint
              AS order_inserts,
            coalesce(sum(calls) FILTER (WHERE query ILIKE 'INSERT INTO ' || $1 || '.idempotency_keys%'), 0)::bigint
-             AS key_inserts
+             AS key_inserts,
+           coalesce(sum(calls) FILTER (WHERE query ILIKE 'INSERT INTO ' || $1 || '.idempotency_outbox%'), 0)::bigint
+             AS outbox_inserts
          FROM pg_stat_statements
          WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())",
     )
@@ -399,7 +413,7 @@ fn placement_of(coordinator: &mut PgConnection, account: &str) -> String {
 }
 
 #[test]
-fn the_first_call_is_one_single_shard_transaction() {
+fn a_first_call_that_enqueues_is_one_single_shard_transaction() {
     let _turn = take_turn();
     let db = Db::new();
     let mut conn = db.conn();
@@ -432,7 +446,9 @@ fn the_first_call_is_one_single_shard_transaction() {
     let before = executed_on_each(&mut workers, &db.schema);
     let recorded_before = recorded_2pc(&mut admin);
     let outcome = run_idempotent(&mut conn, account, "order-1", &PlaceOrder { item: "book" }, |tx| {
-        place_order(tx, account, "book")
+        let order = place_order(tx, account, "book").map_err(idempotency::outbox::Error::Storage)?;
+        idempotency::outbox::enqueue(tx, "receipts", &order)?;
+        Ok::<_, idempotency::outbox::Error>(order)
     })
     .expect("the first call");
     assert!(!outcome.is_replayed(), "the first call executes");
@@ -453,9 +469,15 @@ fn the_first_call_is_one_single_shard_transaction() {
         );
         if worker.name == home {
             assert_eq!(
-                (delta.begins, delta.commits, delta.order_inserts, delta.key_inserts),
-                (1, 1, 1, 1),
-                "one transaction with the order and the key record on {}: {report:?}",
+                (
+                    delta.begins,
+                    delta.commits,
+                    delta.order_inserts,
+                    delta.key_inserts,
+                    delta.outbox_inserts
+                ),
+                (1, 1, 1, 1, 1),
+                "one transaction with the order, the key record and the message on {}: {report:?}",
                 worker.name
             );
         } else {

@@ -2,10 +2,11 @@
 //! new migrations and replay as before. MySQL's set, which no release had
 //! before, keeps the versions of the others.
 
+use diesel::connection::SimpleConnection;
 use diesel::migration::{Migration, MigrationSource};
 use diesel::prelude::*;
 use diesel_migrations::MigrationHarness;
-use idempotency::outbox::{self, Relay};
+use idempotency::outbox::Relay;
 use idempotency::{Outcome, StoreConnection, run_idempotent};
 
 use crate::common::TestDb;
@@ -51,7 +52,15 @@ fn write_old_records<C: StoreConnection>(conn: &mut C) -> Vec<Outcome<String>> {
             .expect("a call on the old schema")
         })
         .collect();
-    outbox::enqueue(conn, "receipts", &"order 0").expect("a message on the old schema");
+    // As the previous release enqueued it: without a scope, which the
+    // crate of today writes.
+    conn.raw()
+        .batch_execute(
+            "INSERT INTO idempotency_outbox (id, topic, payload, status, attempts, created_at) \
+             VALUES ('0192f1f4-2c4a-7000-8000-000000000000', 'receipts', '\"order 0\"', 'pending', 0, \
+                     CURRENT_TIMESTAMP)",
+        )
+        .expect("a message on the old schema");
     calls
 }
 
