@@ -91,6 +91,12 @@ impl Head for Isolation {
     type SqlType = Text;
 }
 
+/// The start of the error with which a Citus coordinator answers a
+/// `COMMIT` when a worker's answer to its own `COMMIT` failed to come:
+/// "could not commit transaction for shard 102008 on at least one active
+/// node". The worker may have committed.
+const CITUS_COMMIT_UNKNOWN: &str = "could not commit transaction for shard ";
+
 impl KeyStore for PgConnection {
     const BACKEND: &'static str = "postgres";
     // A B-tree entry holds at most 2704 bytes, and the primary keys hold the
@@ -190,11 +196,20 @@ impl KeyStore for PgConnection {
         // rolled back (a commit that has to give up waiting for standbys
         // still succeeds, with a warning). A connection that went down may
         // have taken the commit's answer with it.
+        //
+        // One refusal proves nothing: Citus's coordinator commits a
+        // single-shard transaction on its worker before its own commit, and
+        // when the worker's answer to that COMMIT fails to come (the
+        // connection to it lost, the worker restarted or failed over while
+        // committing) it answers the client's COMMIT with an error, over a
+        // connection still up, though the worker may have committed. The
+        // error has no SQLSTATE of its own (XX000), so its text tells it.
         match error {
             DieselError::DatabaseError(
                 DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand,
                 _,
             ) => false,
+            DieselError::DatabaseError(_, info) if info.message().starts_with(CITUS_COMMIT_UNKNOWN) => false,
             DieselError::DatabaseError(..) => true,
             DieselError::RollbackErrorOnCommit { commit_error, .. } => Self::commit_rolled_back(commit_error),
             _ => false,
@@ -233,7 +248,30 @@ impl KeyStore for PgConnection {
 
 #[cfg(test)]
 mod tests {
+    use diesel::pg::PgConnection;
+    use diesel::result::{DatabaseErrorKind, Error as DieselError};
+
     use super::lock_key;
+    use crate::backend::KeyStore;
+
+    fn refused(message: &str) -> DieselError {
+        DieselError::DatabaseError(DatabaseErrorKind::Unknown, Box::new(message.to_owned()))
+    }
+
+    #[test]
+    fn a_commit_refused_by_the_server_rolled_back_unless_a_citus_worker_may_have_committed() {
+        assert!(PgConnection::commit_rolled_back(&refused(
+            "could not serialize access due to read/write dependencies among transactions"
+        )));
+        assert!(!PgConnection::commit_rolled_back(&refused(
+            "could not commit transaction for shard 102008 on at least one active node"
+        )));
+        let lost = DieselError::DatabaseError(
+            DatabaseErrorKind::ClosedConnection,
+            Box::new(String::from("server closed the connection unexpectedly")),
+        );
+        assert!(!PgConnection::commit_rolled_back(&lost));
+    }
 
     #[test]
     fn lock_key_is_pinned() {
