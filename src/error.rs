@@ -165,6 +165,8 @@ impl<E> Error<E> {
     ///
     /// let lost = DieselError::DatabaseError(DatabaseErrorKind::ClosedConnection, Box::new(String::from("server closed the connection unexpectedly")));
     /// assert!(Error::<()>::OutcomeUnknown(lost).is_retryable());
+    /// let ended = DieselError::DatabaseError(DatabaseErrorKind::Unknown, Box::new(String::from("terminating connection due to administrator command")));
+    /// assert!(Error::<()>::Storage(ended).is_retryable());
     /// assert!(Error::<()>::InProgress.is_retryable());
     /// assert!(!Error::<()>::Mismatch.is_retryable());
     /// ```
@@ -266,18 +268,24 @@ impl<E> Error<E> {
 /// connection to server during query"; a server that ends a session says
 /// "Connection was killed" (MariaDB, 1927), "Server shutdown in progress"
 /// (1053) or "The client was disconnected by the server because of
-/// inactivity" (MySQL, 4031). They are matched without regard to case, as
-/// fragments both spellings share. No decision about what committed rests
+/// inactivity" (MySQL, 4031). PostgreSQL's own word that it ends a session,
+/// the FATAL "terminating connection due to administrator command" (57P01;
+/// also "... due to idle-session timeout" and others), arrives as `Unknown`
+/// when diesel reads it before libpq has seen the connection close, and a
+/// Citus coordinator passes a worker's on to its client as an error over a
+/// connection that stays up. They are matched without regard to case, as
+/// fragments the spellings share. No decision about what committed rests
 /// on this: a failed commit is read by each backend's
-/// `KeyStore::commit_rolled_back`, which never reads a message.
+/// `KeyStore::commit_rolled_back`.
 pub(crate) fn is_connection_lost(error: &diesel::result::Error) -> bool {
     use diesel::result::{DatabaseErrorKind, Error};
-    const LOST: [&str; 5] = [
+    const LOST: [&str; 6] = [
         "server has gone away",
         "lost connection to",
         "connection was killed",
         "server shutdown in progress",
         "disconnected by the server",
+        "terminating connection due to",
     ];
     match error {
         Error::DatabaseError(DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand, _) => true,

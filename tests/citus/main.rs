@@ -43,6 +43,8 @@ mod race;
 #[path = "../it/common/wait.rs"]
 mod wait;
 
+mod faults;
+
 diesel::table! {
     orders (account, id) {
         account -> Text,

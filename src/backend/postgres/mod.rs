@@ -194,18 +194,29 @@ impl KeyStore for PgConnection {
     }
 
     fn commit_rolled_back(error: &DieselError) -> bool {
-        // diesel reads libpq's connection status after a failed statement:
-        // with the connection still up, the server answered the COMMIT with
-        // an error, and a transaction whose commit reports an error has
-        // rolled back (a commit that has to give up waiting for standbys
-        // still succeeds, with a warning). A connection that went down may
-        // have taken the commit's answer with it.
+        // Only a refusal whose SQLSTATE diesel knows proves a rollback: a
+        // deferred constraint's violation, a serialization failure, a
+        // read-only server. Those are decided by the server that commits,
+        // and a transaction whose commit reports them has rolled back. Any
+        // other error may have come after the commit: a connection that
+        // went down may have taken the commit's answer with it, and a Citus
+        // coordinator commits a single-shard transaction on its worker and
+        // answers the client's COMMIT with an error of no SQLSTATE of its
+        // own (XX000, "could not commit transaction for shard ...") when
+        // the worker's answer fails to come, over a connection still up,
+        // though the worker may have committed. No message is read.
         match error {
             DieselError::DatabaseError(
-                DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand,
+                DatabaseErrorKind::UniqueViolation
+                | DatabaseErrorKind::ForeignKeyViolation
+                | DatabaseErrorKind::SerializationFailure
+                | DatabaseErrorKind::ReadOnlyTransaction
+                | DatabaseErrorKind::NotNullViolation
+                | DatabaseErrorKind::CheckViolation
+                | DatabaseErrorKind::RestrictViolation
+                | DatabaseErrorKind::ExclusionViolation,
                 _,
-            ) => false,
-            DieselError::DatabaseError(..) => true,
+            ) => true,
             DieselError::RollbackErrorOnCommit { commit_error, .. } => Self::commit_rolled_back(commit_error),
             _ => false,
         }
@@ -246,13 +257,42 @@ impl KeyStore for PgConnection {
 
 #[cfg(test)]
 mod tests {
+    use diesel::pg::PgConnection;
+    use diesel::result::{DatabaseErrorKind, Error as DieselError};
+
     use super::{HoldBy, lock_key};
+    use crate::backend::KeyStore;
     use crate::backend::citus::CLAIM_FIRST;
     use crate::backend::row_with::Head;
 
     #[test]
     fn the_hold_reads_the_setting_that_distribute_writes() {
         assert!(HoldBy::SQL.contains(&format!("current_setting('{CLAIM_FIRST}', true)")));
+    }
+
+    fn refused(kind: DatabaseErrorKind, message: &str) -> DieselError {
+        DieselError::DatabaseError(kind, Box::new(message.to_owned()))
+    }
+
+    #[test]
+    fn a_commit_rolled_back_only_when_the_sqlstate_says_the_server_refused_it() {
+        assert!(PgConnection::commit_rolled_back(&refused(
+            DatabaseErrorKind::SerializationFailure,
+            "could not serialize access due to read/write dependencies among transactions"
+        )));
+        assert!(PgConnection::commit_rolled_back(&refused(
+            DatabaseErrorKind::UniqueViolation,
+            "duplicate key value violates unique constraint"
+        )));
+        // Citus's coordinator, when a worker's answer to its COMMIT was lost.
+        assert!(!PgConnection::commit_rolled_back(&refused(
+            DatabaseErrorKind::Unknown,
+            "could not commit transaction for shard 102008 on at least one active node"
+        )));
+        assert!(!PgConnection::commit_rolled_back(&refused(
+            DatabaseErrorKind::ClosedConnection,
+            "server closed the connection unexpectedly"
+        )));
     }
 
     #[test]
