@@ -1,5 +1,5 @@
-//! The outbox, the relay service, the purges, the completer and calls from a
-//! worker node, all on distributed tables.
+//! The outbox, the relay service, the purges, the completer, the batch
+//! runner and calls from a worker node, all on distributed tables.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,6 +11,7 @@ use std::time::Duration as StdDuration;
 use chrono::{Duration, Utc};
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
+use idempotency::batch::Runner;
 use idempotency::outbox::{self, Message, Relay};
 use idempotency::phased::{Completer, Phased};
 use idempotency::{Config, Error, InFlight, Outcome, Shutdown, run_idempotent};
@@ -374,4 +375,29 @@ fn calls_through_a_worker_and_the_coordinator_execute_one_key_once() {
     race::assert_one_executed_and_all_saw_it(outcomes);
     let mut conn = db.conn();
     assert_eq!(crate::orders_and_key_records(&mut conn, "acct-nodes"), (1, 1));
+}
+
+#[test]
+fn a_tenants_batch_job_reruns_replaying_what_finished() {
+    let _turn = take_turn();
+    let db = Db::new();
+    let tenants = tenants(4);
+    let place = |tenant: &str| {
+        let tenant = tenant.to_owned();
+        move |tx: &mut PgConnection, item: &i64| place_order(tx, &tenant, &format!("item-{item}"))
+    };
+    for tenant in &tenants {
+        // One job per tenant, under the tenant's scope: every item is a call
+        // on the tenant's shard.
+        let runner = Runner::new(db.pool(2)).workers(2).scope(tenant.as_str());
+        let first = runner.run("restock", 1..=10_i64, place(tenant)).expect("the first run");
+        assert_eq!((first.executed, first.replayed), (10, 0), "{first:?}");
+        let rerun = runner.run("restock", 1..=20_i64, place(tenant)).expect("the rerun");
+        assert_eq!((rerun.executed, rerun.replayed), (10, 10), "{rerun:?}");
+        assert!(rerun.failed.is_empty(), "{rerun:?}");
+    }
+    let mut conn = db.conn();
+    for tenant in &tenants {
+        assert_eq!(crate::orders_and_key_records(&mut conn, tenant), (20, 20), "{tenant}");
+    }
 }
