@@ -402,16 +402,23 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     /// open) that holds the key `(scope, key)` against every other call,
     /// waiting for a holder as `in_flight` allows. Commits if `f` succeeds
     /// and rolls back otherwise.
+    ///
+    /// By default, the transaction of [`write`](KeyStore::write): enough
+    /// where the database's write lock holds every key (SQLite). A backend
+    /// whose writers run side by side locks the key itself.
     #[doc(hidden)]
     fn key_transaction<T, E>(
         &mut self,
-        scope: &str,
-        key: &str,
+        _scope: &str,
+        _key: &str,
         in_flight: InFlight,
         f: impl FnOnce(&mut Self) -> Result<T, E>,
     ) -> Result<T, E>
     where
-        E: From<diesel::result::Error>;
+        E: From<diesel::result::Error>,
+    {
+        self.write(in_flight, f)
+    }
 
     /// Runs `f` in a short write transaction (a savepoint when one is open)
     /// that waits for the database's write lock as `in_flight` allows, where

@@ -135,20 +135,6 @@ impl KeyStore for SqliteConnection {
         Ok(Utc::now().naive_utc())
     }
 
-    fn key_transaction<T, E>(
-        &mut self,
-        _scope: &str,
-        _key: &str,
-        in_flight: InFlight,
-        f: impl FnOnce(&mut Self) -> Result<T, E>,
-    ) -> Result<T, E>
-    where
-        E: From<DieselError>,
-    {
-        // The write lock holds every key.
-        self.write(in_flight, f)
-    }
-
     fn write<T, E>(&mut self, in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
     where
         E: From<DieselError>,
