@@ -25,6 +25,7 @@
 //! record after it. Either way the primary key backs the lock: a writer that
 //! got past it cannot commit a second record.
 
+use std::ops::RangeInclusive;
 use std::time::Instant;
 
 use chrono::NaiveDateTime;
@@ -349,13 +350,12 @@ pub enum Hold {
     Busy,
 }
 
-/// `at`, moved into the years `first..=last`.
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
-pub(crate) fn within_years(at: NaiveDateTime, first: i32, last: i32) -> NaiveDateTime {
+/// `at`, moved into the years `years`.
+fn within_years(at: NaiveDateTime, years: &RangeInclusive<i32>) -> NaiveDateTime {
     use chrono::{NaiveDate, NaiveTime};
     let day = |year, month, date| NaiveDate::from_ymd_opt(year, month, date).expect("a calendar date");
-    let earliest = day(first, 1, 1).and_time(NaiveTime::MIN);
-    let latest = day(last, 12, 31)
+    let earliest = day(*years.start(), 1, 1).and_time(NaiveTime::MIN);
+    let latest = day(*years.end(), 12, 31)
         .and_hms_micro_opt(23, 59, 59, 999_999)
         .expect("a time of day");
     at.clamp(earliest, latest)
@@ -376,13 +376,21 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     #[doc(hidden)]
     const MAX_KEY_LEN: Option<usize> = None;
 
-    /// `at` within the times the backend's time columns hold, where they
-    /// hold less than chrono does. For a time a caller chooses (a message's
-    /// `not_before`): a backend that stores a time beyond its range as a
-    /// zero date would make a message meant for the far future due at once.
+    /// The years the backend's time columns hold, where they hold fewer
+    /// than chrono does.
+    #[doc(hidden)]
+    const STORABLE_YEARS: Option<RangeInclusive<i32>> = None;
+
+    /// `at` within [`STORABLE_YEARS`](KeyStore::STORABLE_YEARS). For a time a
+    /// caller chooses (a message's `not_before`): a backend that stores a
+    /// time beyond its range as a zero date would make a message meant for
+    /// the far future due at once.
     #[doc(hidden)]
     fn storable_time(at: NaiveDateTime) -> NaiveDateTime {
-        at
+        match &Self::STORABLE_YEARS {
+            Some(years) => within_years(at, years),
+            None => at,
+        }
     }
 
     /// Applies the pending migrations of this backend's set.
