@@ -71,7 +71,12 @@ pub trait Idempotent<Conn, Q: ?Sized, R, E>: private::Sealed<Conn, Q, R, E> {
     /// [`Error::Operation`].
     fn idempotent<C>(self, conn: &mut C, scope: &str, key: &str, request: &Q) -> Result<Outcome<R>, Error<E>>
     where
-        C: StoreConnection<Raw = Conn>;
+        C: StoreConnection<Raw = Conn>,
+        Q: Serialize,
+        R: Serialize + DeserializeOwned,
+    {
+        self.idempotent_with(&Config::default(), conn, scope, key, request)
+    }
 
     /// Runs this function at most once for `(scope, key)` under `config`;
     /// see [`Config::run`].
@@ -107,7 +112,12 @@ pub trait Idempotent<Conn, Q: ?Sized, R, E>: private::Sealed<Conn, Q, R, E> {
         request: &Q,
     ) -> Result<Outcome<R>, Error<E>>
     where
-        C: StoreConnection<Raw = Conn>;
+        C: StoreConnection<Raw = Conn>,
+        Q: Serialize,
+        R: Serialize + DeserializeOwned,
+    {
+        config.run(conn, scope, key, request, |tx| self(tx, request))
+    }
 }
 
 impl<F, Conn, Q, R, E> Idempotent<Conn, Q, R, E> for F
@@ -116,32 +126,13 @@ where
     Q: Serialize + ?Sized,
     R: Serialize + DeserializeOwned,
 {
-    fn idempotent<C>(self, conn: &mut C, scope: &str, key: &str, request: &Q) -> Result<Outcome<R>, Error<E>>
-    where
-        C: StoreConnection<Raw = Conn>,
-    {
-        self.idempotent_with(&Config::default(), conn, scope, key, request)
-    }
-
-    fn idempotent_with<C>(
-        self,
-        config: &Config,
-        conn: &mut C,
-        scope: &str,
-        key: &str,
-        request: &Q,
-    ) -> Result<Outcome<R>, Error<E>>
-    where
-        C: StoreConnection<Raw = Conn>,
-    {
-        config.run(conn, scope, key, request, |tx| self(tx, request))
-    }
 }
 
 mod private {
     /// Keeps [`Idempotent`](super::Idempotent) to the functions it is
-    /// implemented for, so that methods can be added to it later.
-    pub trait Sealed<Conn, Q: ?Sized, R, E> {}
+    /// implemented for, so that methods can be added to it later, and lets
+    /// its methods call the function.
+    pub trait Sealed<Conn, Q: ?Sized, R, E>: FnOnce(&mut Conn, &Q) -> Result<R, E> + Sized {}
 
     impl<F, Conn, Q, R, E> Sealed<Conn, Q, R, E> for F
     where

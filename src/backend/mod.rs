@@ -25,6 +25,7 @@
 //! record after it. Either way the primary key backs the lock: a writer that
 //! got past it cannot commit a second record.
 
+use std::ops::RangeInclusive;
 use std::time::Instant;
 
 use chrono::NaiveDateTime;
@@ -351,13 +352,12 @@ pub enum Hold {
     Busy,
 }
 
-/// `at`, moved into the years `first..=last`.
-#[cfg(any(feature = "sqlite", feature = "mysql"))]
-pub(crate) fn within_years(at: NaiveDateTime, first: i32, last: i32) -> NaiveDateTime {
+/// `at`, moved into the years `years`.
+fn within_years(at: NaiveDateTime, years: &RangeInclusive<i32>) -> NaiveDateTime {
     use chrono::{NaiveDate, NaiveTime};
     let day = |year, month, date| NaiveDate::from_ymd_opt(year, month, date).expect("a calendar date");
-    let earliest = day(first, 1, 1).and_time(NaiveTime::MIN);
-    let latest = day(last, 12, 31)
+    let earliest = day(*years.start(), 1, 1).and_time(NaiveTime::MIN);
+    let latest = day(*years.end(), 12, 31)
         .and_hms_micro_opt(23, 59, 59, 999_999)
         .expect("a time of day");
     at.clamp(earliest, latest)
@@ -378,13 +378,21 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     #[doc(hidden)]
     const MAX_KEY_LEN: Option<usize> = None;
 
-    /// `at` within the times the backend's time columns hold, where they
-    /// hold less than chrono does. For a time a caller chooses (a message's
-    /// `not_before`): a backend that stores a time beyond its range as a
-    /// zero date would make a message meant for the far future due at once.
+    /// The years the backend's time columns hold, where they hold fewer
+    /// than chrono does.
+    #[doc(hidden)]
+    const STORABLE_YEARS: Option<RangeInclusive<i32>> = None;
+
+    /// `at` within [`STORABLE_YEARS`](KeyStore::STORABLE_YEARS). For a time a
+    /// caller chooses (a message's `not_before`): a backend that stores a
+    /// time beyond its range as a zero date would make a message meant for
+    /// the far future due at once.
     #[doc(hidden)]
     fn storable_time(at: NaiveDateTime) -> NaiveDateTime {
-        at
+        match &Self::STORABLE_YEARS {
+            Some(years) => within_years(at, years),
+            None => at,
+        }
     }
 
     /// Applies the pending migrations of this backend's set.
@@ -404,16 +412,23 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     /// open) that holds the key `(scope, key)` against every other call,
     /// waiting for a holder as `in_flight` allows. Commits if `f` succeeds
     /// and rolls back otherwise.
+    ///
+    /// By default, the transaction of [`write`](KeyStore::write): enough
+    /// where the database's write lock holds every key (SQLite). A backend
+    /// whose writers run side by side locks the key itself.
     #[doc(hidden)]
     fn key_transaction<T, E>(
         &mut self,
-        scope: &str,
-        key: &str,
+        _scope: &str,
+        _key: &str,
         in_flight: InFlight,
         f: impl FnOnce(&mut Self) -> Result<T, E>,
     ) -> Result<T, E>
     where
-        E: From<diesel::result::Error>;
+        E: From<diesel::result::Error>,
+    {
+        self.write(in_flight, f)
+    }
 
     /// Runs `f` in a short write transaction (a savepoint when one is open)
     /// that waits for the database's write lock as `in_flight` allows, where

@@ -300,18 +300,13 @@ macro_rules! shared_queries {
             until: chrono::NaiveDateTime,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
-            use crate::backend::phases::RUNNING;
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
-            let held = $crate::backend::phases::held_by!(p, lease);
-            let updated = diesel::update(held)
-                .set((
-                    p::points.eq(points),
-                    p::lease_until.eq(until),
-                    p::updated_at.eq(now),
-                ))
-                .execute(self)?;
-            Ok(updated == 1)
+            $crate::backend::phases::update_held!(self, p, lease, (
+                p::points.eq(points),
+                p::lease_until.eq(until),
+                p::updated_at.eq(now),
+            ))
         }
 
         fn complete_operation(
@@ -322,22 +317,18 @@ macro_rules! shared_queries {
             expires_at: chrono::NaiveDateTime,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
-            use crate::backend::phases::{COMPLETED, RUNNING};
+            use crate::backend::phases::COMPLETED;
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
-            let held = $crate::backend::phases::held_by!(p, lease);
-            let updated = diesel::update(held)
-                .set((
-                    p::status.eq(COMPLETED),
-                    p::points.eq(points),
-                    p::response.eq(response),
-                    p::lease_token.eq(None::<String>),
-                    p::lease_until.eq(None::<chrono::NaiveDateTime>),
-                    p::updated_at.eq(now),
-                    p::expires_at.eq(expires_at),
-                ))
-                .execute(self)?;
-            Ok(updated == 1)
+            $crate::backend::phases::update_held!(self, p, lease, (
+                p::status.eq(COMPLETED),
+                p::points.eq(points),
+                p::response.eq(response),
+                p::lease_token.eq(None::<String>),
+                p::lease_until.eq(None::<chrono::NaiveDateTime>),
+                p::updated_at.eq(now),
+                p::expires_at.eq(expires_at),
+            ))
         }
 
         fn release_operation(
@@ -346,20 +337,15 @@ macro_rules! shared_queries {
             error: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
-            use crate::backend::phases::RUNNING;
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
-            let held = $crate::backend::phases::held_by!(p, lease);
-            let updated = diesel::update(held)
-                .set((
-                    p::lease_token.eq(None::<String>),
-                    p::lease_until.eq(now),
-                    p::completer_until.eq(None::<chrono::NaiveDateTime>),
-                    p::last_error.eq(error),
-                    p::updated_at.eq(now),
-                ))
-                .execute(self)?;
-            Ok(updated == 1)
+            $crate::backend::phases::update_held!(self, p, lease, (
+                p::lease_token.eq(None::<String>),
+                p::lease_until.eq(now),
+                p::completer_until.eq(None::<chrono::NaiveDateTime>),
+                p::last_error.eq(error),
+                p::updated_at.eq(now),
+            ))
         }
 
         fn park_operation(
@@ -368,20 +354,16 @@ macro_rules! shared_queries {
             reason: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
-            use crate::backend::phases::{PARKED, RUNNING};
+            use crate::backend::phases::PARKED;
             use $($schema)+::idempotency_phases as p;
             use diesel::prelude::*;
-            let held = $crate::backend::phases::held_by!(p, lease);
-            let updated = diesel::update(held)
-                .set((
-                    p::status.eq(PARKED),
-                    p::lease_token.eq(None::<String>),
-                    p::lease_until.eq(None::<chrono::NaiveDateTime>),
-                    p::last_error.eq(reason),
-                    p::updated_at.eq(now),
-                ))
-                .execute(self)?;
-            Ok(updated == 1)
+            $crate::backend::phases::update_held!(self, p, lease, (
+                p::status.eq(PARKED),
+                p::lease_token.eq(None::<String>),
+                p::lease_until.eq(None::<chrono::NaiveDateTime>),
+                p::last_error.eq(reason),
+                p::updated_at.eq(now),
+            ))
         }
 
         fn park_unheld(
@@ -525,15 +507,21 @@ macro_rules! operation_values {
 }
 pub(crate) use operation_values;
 
-/// The running operation of `$lease` in table `$p`, as long as the lease's
-/// token is still its own: the guard of every write an attempt makes, so
-/// that an attempt whose lease was taken over changes nothing.
-macro_rules! held_by {
-    ($p:ident, $lease:expr) => {
-        $p::table
-            .find(($lease.scope, $lease.key))
-            .filter($p::status.eq(RUNNING))
-            .filter($p::lease_token.eq($lease.token))
+/// Sets `$changes` on the running operation of `$lease` in table `$p`, as
+/// long as the lease's token is still its own, and tells whether it did: the
+/// guard of every write an attempt makes, so that an attempt whose lease was
+/// taken over changes nothing.
+macro_rules! update_held {
+    ($conn:expr, $p:ident, $lease:expr, $changes:expr $(,)?) => {
+        diesel::update(
+            $p::table
+                .find(($lease.scope, $lease.key))
+                .filter($p::status.eq($crate::backend::phases::RUNNING))
+                .filter($p::lease_token.eq($lease.token)),
+        )
+        .set($changes)
+        .execute($conn)
+        .map(|updated| updated == 1)
     };
 }
-pub(crate) use held_by;
+pub(crate) use update_held;

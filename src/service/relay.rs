@@ -120,16 +120,30 @@ impl Relay {
         // also when a panic ended them before `shutdown` was triggered.
         let working = AtomicUsize::new(self.workers);
         let stopped = || shutdown.is_triggered() || working.load(Ordering::SeqCst) == 0;
+        let work = |worker: usize| {
+            let mut stats_due = Instant::now();
+            let patience = self.poll_interval.max(CHECKOUT_WAIT);
+            let stop = || shutdown.is_triggered();
+            serve("relay", pool, shutdown, patience, &stop, |conn, done| {
+                let conn: &mut C = conn;
+                if worker == 0 && Instant::now() >= stats_due {
+                    // Keeps the backlog gauges current for monitoring.
+                    stats_due = Instant::now() + STATS_EVERY;
+                    self.stats(conn)?;
+                }
+                Ok(self.step(conn, &handler, shutdown, done)?)
+            })
+        };
         let stops: Vec<thread::Result<Stopped<Deliveries>>> = thread::scope(|scope| {
             if listens {
                 scope.spawn(|| traced(&dispatch, &span, || self.listen(pool, shutdown, &stopped)));
             }
             let workers: Vec<_> = (0..self.workers)
                 .map(|worker| {
-                    let (handler, dispatch, span, working) = (&handler, &dispatch, &span, &working);
+                    let (work, dispatch, span, working) = (&work, &dispatch, &span, &working);
                     scope.spawn(move || {
                         let _leaving = Leaving(working);
-                        traced(dispatch, span, || self.work(worker, pool, handler, shutdown))
+                        traced(dispatch, span, || work(worker))
                     })
                 })
                 .collect();
@@ -143,33 +157,6 @@ impl Relay {
             }
         }
         total
-    }
-
-    /// One worker of [`run`](Relay::run).
-    fn work<C, E, F>(
-        &self,
-        worker: usize,
-        pool: &Pool<ConnectionManager<C>>,
-        handler: &F,
-        shutdown: &Shutdown,
-    ) -> Stopped<Deliveries>
-    where
-        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-        E: fmt::Display,
-        F: Fn(&Message) -> Result<(), E> + Sync,
-    {
-        let mut stats_due = Instant::now();
-        let patience = self.poll_interval.max(CHECKOUT_WAIT);
-        let stop = || shutdown.is_triggered();
-        serve("relay", pool, shutdown, patience, &stop, |conn, done| {
-            let conn: &mut C = conn;
-            if worker == 0 && Instant::now() >= stats_due {
-                // Keeps the backlog gauges current for monitoring.
-                stats_due = Instant::now() + STATS_EVERY;
-                self.stats(conn)?;
-            }
-            Ok(self.step(conn, handler, shutdown, done)?)
-        })
     }
 
     /// Delivers one batch if a message is due, counted into `done`;

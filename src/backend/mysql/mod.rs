@@ -40,6 +40,7 @@
 mod outbox;
 mod phases;
 
+use std::ops::RangeInclusive;
 use std::panic::{self, AssertUnwindSafe};
 
 use chrono::NaiveDateTime;
@@ -292,12 +293,9 @@ fn find_for_update(conn: &mut MysqlConnection, scope: &str, key: &str) -> QueryR
 impl KeyStore for MysqlConnection {
     const BACKEND: &'static str = "mysql";
     const MAX_KEY_LEN: Option<usize> = Some(255);
-
-    fn storable_time(at: NaiveDateTime) -> NaiveDateTime {
-        // `DATETIME` holds the years 1000 to 9999; beyond them the server
-        // stores `0000-00-00`, even in strict mode, which sorts before now.
-        super::within_years(at, 1000, 9999)
-    }
+    // `DATETIME` holds the years 1000 to 9999; beyond them the server
+    // stores `0000-00-00`, even in strict mode, which sorts before now.
+    const STORABLE_YEARS: Option<RangeInclusive<i32>> = Some(1000..=9999);
 
     fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
         self.run_pending_migrations(crate::backend::migrate::MYSQL)?;

@@ -15,6 +15,7 @@
 mod outbox;
 mod phases;
 
+use std::ops::RangeInclusive;
 use std::time::{Duration, Instant};
 
 use chrono::{NaiveDateTime, Utc};
@@ -111,12 +112,9 @@ fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryRes
 
 impl KeyStore for SqliteConnection {
     const BACKEND: &'static str = "sqlite";
-
-    fn storable_time(at: NaiveDateTime) -> NaiveDateTime {
-        // Times are text compared as text, which orders them only while the
-        // year has four digits: `+10021-01-01` sorts before `2026-01-01`.
-        super::within_years(at, 1, 9999)
-    }
+    // Times are text compared as text, which orders them only while the
+    // year has four digits: `+10021-01-01` sorts before `2026-01-01`.
+    const STORABLE_YEARS: Option<RangeInclusive<i32>> = Some(1..=9999);
 
     fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
         self.run_pending_migrations(crate::backend::migrate::SQLITE)?;
@@ -133,20 +131,6 @@ impl KeyStore for SqliteConnection {
 
     fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
         Ok(Utc::now().naive_utc())
-    }
-
-    fn key_transaction<T, E>(
-        &mut self,
-        _scope: &str,
-        _key: &str,
-        in_flight: InFlight,
-        f: impl FnOnce(&mut Self) -> Result<T, E>,
-    ) -> Result<T, E>
-    where
-        E: From<DieselError>,
-    {
-        // The write lock holds every key.
-        self.write(in_flight, f)
     }
 
     fn write<T, E>(&mut self, in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
