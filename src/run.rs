@@ -7,7 +7,7 @@ use chrono::{Duration, NaiveDateTime, SubsecRound};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::backend::{self, COMPLETED, Hold, KeyStore, PROCESSING, Read, Record, StoreConnection, Stored};
+use crate::backend::{self, COMPLETED, HeldKey, Hold, KeyStore, PROCESSING, Read, Record, StoreConnection, Stored};
 use crate::codec;
 use crate::config::Config;
 use crate::error::Error;
@@ -271,41 +271,48 @@ impl Config {
         // A panic in `op` is carried out of the transaction, so that it
         // rolls back before the panic goes on.
         let mut panicked = None;
-        let result = conn.key_transaction(scope, key, self.in_flight, |tx| {
-            trace.waited(started.elapsed());
-            let hold = match tx.hold(&record)? {
-                Hold::Taken(stored) => {
-                    if self.durable_replays {
-                        tx.await_replication()?;
+        let result = conn.key_transaction(
+            HeldKey {
+                scope,
+                key,
+                in_flight: self.in_flight,
+            },
+            |tx| {
+                trace.waited(started.elapsed());
+                let hold = match tx.hold(&record)? {
+                    Hold::Taken(stored) => {
+                        if self.durable_replays {
+                            tx.await_replication()?;
+                        }
+                        return replay(stored, record.request_hash);
                     }
-                    return replay(stored, record.request_hash);
-                }
-                Hold::Busy => return Err(Error::InProgress),
-                hold @ (Hold::Expired | Hold::Claimed { took_over: true }) => {
-                    trace.took_over();
-                    hold
-                }
-                hold => hold,
-            };
-            let value = backend::catching_panic(tx, &mut panicked, op)?.map_err(Error::Operation)?;
-            let response = codec::to_replayable_json(&value).map_err(Error::Codec)?;
-            let elapsed = Duration::from_std(started.elapsed()).unwrap_or(Duration::zero());
-            tx.store(
-                hold,
-                &Record {
-                    status: COMPLETED,
-                    response: Some(&response),
-                    completed_at: Some(record.created_at + elapsed),
-                    ..record
-                },
-            )?;
-            committing = true;
-            Ok(Recorded::new(
-                Outcome::Executed(value),
-                record.created_at,
-                record.expires_at,
-            ))
-        });
+                    Hold::Busy => return Err(Error::InProgress),
+                    hold @ (Hold::Expired | Hold::Claimed { took_over: true }) => {
+                        trace.took_over();
+                        hold
+                    }
+                    hold => hold,
+                };
+                let value = backend::catching_panic(tx, &mut panicked, op)?.map_err(Error::Operation)?;
+                let response = codec::to_replayable_json(&value).map_err(Error::Codec)?;
+                let elapsed = Duration::from_std(started.elapsed()).unwrap_or(Duration::zero());
+                tx.store(
+                    hold,
+                    &Record {
+                        status: COMPLETED,
+                        response: Some(&response),
+                        completed_at: Some(record.created_at + elapsed),
+                        ..record
+                    },
+                )?;
+                committing = true;
+                Ok(Recorded::new(
+                    Outcome::Executed(value),
+                    record.created_at,
+                    record.expires_at,
+                ))
+            },
+        );
         if let Some(payload) = panicked {
             panic::resume_unwind(payload);
         }

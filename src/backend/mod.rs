@@ -94,14 +94,7 @@ macro_rules! shared_queries {
             use $($schema)+::idempotency_keys as k;
             use crate::backend::Hold;
             use diesel::prelude::*;
-            let completed = (
-                k::request_hash.eq(record.request_hash),
-                k::status.eq(record.status),
-                k::response.eq(record.response),
-                k::created_at.eq(record.created_at),
-                k::completed_at.eq(record.completed_at),
-                k::expires_at.eq(record.expires_at),
-            );
+            let completed = $crate::backend::record_values!(k, record);
             let stored = match hold {
                 Hold::Free => diesel::insert_into(k::table)
                     .values((k::scope.eq(record.scope), k::idempotency_key.eq(record.idempotency_key), completed))
@@ -145,6 +138,22 @@ macro_rules! shared_queries {
 }
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use shared_queries;
+
+/// The columns of a key record besides its key, in table `$k` (a backend's
+/// `idempotency_keys` module), as a call writes them.
+macro_rules! record_values {
+    ($k:ident, $record:expr) => {
+        (
+            $k::request_hash.eq($record.request_hash),
+            $k::status.eq($record.status),
+            $k::response.eq($record.response),
+            $k::created_at.eq($record.created_at),
+            $k::completed_at.eq($record.completed_at),
+            $k::expires_at.eq($record.expires_at),
+        )
+    };
+}
+pub(crate) use record_values;
 
 /// Makes a backend's plain connection a [`RawConnection`]: its own
 /// [`StoreConnection::Raw`].
@@ -409,25 +418,19 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     fn database_now(&mut self) -> QueryResult<NaiveDateTime>;
 
     /// Runs `f` in a write transaction (a savepoint when a transaction is
-    /// open) that holds the key `(scope, key)` against every other call,
-    /// waiting for a holder as `in_flight` allows. Commits if `f` succeeds
-    /// and rolls back otherwise.
+    /// open) that holds the key `(held.scope, held.key)` against every
+    /// other call, waiting for a holder as `held.in_flight` allows. Commits
+    /// if `f` succeeds and rolls back otherwise.
     ///
     /// By default, the transaction of [`write`](KeyStore::write): enough
     /// where the database's write lock holds every key (SQLite). A backend
     /// whose writers run side by side locks the key itself.
     #[doc(hidden)]
-    fn key_transaction<T, E>(
-        &mut self,
-        _scope: &str,
-        _key: &str,
-        in_flight: InFlight,
-        f: impl FnOnce(&mut Self) -> Result<T, E>,
-    ) -> Result<T, E>
+    fn key_transaction<T, E>(&mut self, held: HeldKey<'_>, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
     where
         E: From<diesel::result::Error>,
     {
-        self.write(in_flight, f)
+        self.write(held.in_flight, f)
     }
 
     /// Runs `f` in a short write transaction (a savepoint when one is open)
@@ -486,6 +489,23 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
 #[cfg(feature = "sqlite")]
 pub(crate) fn hold_by_reading<C: KeyStore>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
     Ok(hold_of(conn.find(record.scope, record.idempotency_key)?, record))
+}
+
+/// The key a call holds, and how long it waits for another holder.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub struct HeldKey<'a> {
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql")),
+        expect(dead_code, reason = "SQLite's write lock holds every key")
+    )]
+    pub(crate) scope: &'a str,
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql")),
+        expect(dead_code, reason = "SQLite's write lock holds every key")
+    )]
+    pub(crate) key: &'a str,
+    pub(crate) in_flight: InFlight,
 }
 
 /// What a record read under the key's lock means for `record`.

@@ -28,6 +28,43 @@ pub struct NewMessage<'a> {
     pub(crate) not_before: Option<NaiveDateTime>,
 }
 
+/// What a relay claims: up to `limit` pending messages due at `now`,
+/// leased until `lease_until` with `lease_token`.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    pub(crate) now: NaiveDateTime,
+    pub(crate) lease_until: NaiveDateTime,
+    pub(crate) lease_token: &'a str,
+    pub(crate) limit: usize,
+}
+
+/// `claim_sql`, a statement that claims in one go, with the parameters of
+/// `claim` bound in the order the backends' statements take them: the
+/// lease's end, its token, the pending status, now, and the limit.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) fn claim_in_one_statement<'a, DB>(
+    claim_sql: &str,
+    claim: &Claim<'a>,
+) -> diesel::query_builder::BoxedSqlQuery<'a, DB, diesel::query_builder::SqlQuery>
+where
+    DB: diesel::backend::Backend
+        + diesel::sql_types::HasSqlType<diesel::sql_types::Timestamp>
+        + diesel::sql_types::HasSqlType<diesel::sql_types::Text>
+        + diesel::sql_types::HasSqlType<diesel::sql_types::BigInt>,
+    NaiveDateTime: diesel::serialize::ToSql<diesel::sql_types::Timestamp, DB>,
+    &'a str: diesel::serialize::ToSql<diesel::sql_types::Text, DB>,
+    i64: diesel::serialize::ToSql<diesel::sql_types::BigInt, DB>,
+{
+    use diesel::sql_types::{BigInt, Text, Timestamp};
+    diesel::sql_query(claim_sql)
+        .into_boxed()
+        .bind::<Timestamp, _>(claim.lease_until)
+        .bind::<Text, _>(claim.lease_token)
+        .bind::<Text, _>(PENDING)
+        .bind::<Timestamp, _>(claim.now)
+        .bind::<BigInt, _>(crate::backend::sql_limit(claim.limit))
+}
+
 /// A message a relay has just claimed; `attempts` counts this attempt.
 #[derive(Queryable, QueryableByName)]
 #[diesel(table_name = idempotency_outbox)]
@@ -91,17 +128,11 @@ pub enum Settlement {
 /// methods are the crate's internals: only the crate implements and calls
 /// them, and the relay is written against this trait alone.
 pub trait OutboxStore: KeyStore {
-    /// Leases up to `limit` pending messages due at `now`, oldest first:
-    /// each gets one more attempt, `lease_token` and `available_at =
+    /// Leases the pending messages `claim` asks for, oldest first: each
+    /// gets one more attempt, the claim's `lease_token` and `available_at =
     /// lease_until`, so no other relay claims it before the lease runs out.
     #[doc(hidden)]
-    fn claim_batch(
-        &mut self,
-        now: NaiveDateTime,
-        lease_until: NaiveDateTime,
-        lease_token: &str,
-        limit: usize,
-    ) -> QueryResult<Vec<Claimed>>;
+    fn claim_batch(&mut self, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>>;
 
     /// Writes a new message, created at the database's time.
     #[doc(hidden)]

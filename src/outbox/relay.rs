@@ -6,7 +6,7 @@ use std::fmt;
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 
 use super::{DeadLetter, Deliveries, Error, Message, Stats};
-use crate::backend::outbox::{Claimed, MessageId, OutboxStore, Settlement};
+use crate::backend::outbox::{Claim, Claimed, MessageId, OutboxStore, Settlement};
 use crate::backend::{KeyStore, RawConnection, StoreConnection};
 use crate::clock::{Clock, Reading, assert_duration};
 use crate::id;
@@ -350,7 +350,12 @@ impl Relay {
             until: clock.at() + self.lease,
         };
         let mut claimed = conn.write(WRITE_LOCK_WAIT, |tx| {
-            tx.claim_batch(clock.at(), lease.until, &lease.token, self.batch_size)
+            tx.claim_batch(&Claim {
+                now: clock.at(),
+                lease_until: lease.until,
+                lease_token: &lease.token,
+                limit: self.batch_size,
+            })
         })?;
         telemetry::relay::claimed(claimed.len(), lease.until);
         // The claim returns its rows in no particular order.

@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::phases::{COMPLETED, Lease, NewOperation, OperationRow, PARKED, PhaseStore, RUNNING};
-use crate::backend::{self, KeyStore, StoreConnection, transaction_depth};
+use crate::backend::{self, HeldKey, KeyStore, StoreConnection, transaction_depth};
 use crate::clock::{Reading, assert_duration};
 use crate::config::Config;
 use crate::error::Error;
@@ -607,9 +607,13 @@ impl<C: PhaseStore> Steps<'_, C> {
         let Some(_executing) = Executing::enter(&*self.conn, self.lease.scope, self.lease.key) else {
             return Err(Error::InProgress);
         };
-        let result = self
-            .conn
-            .key_transaction(self.lease.scope, self.lease.key, self.phased.config.in_flight, |tx| {
+        let result = self.conn.key_transaction(
+            HeldKey {
+                scope: self.lease.scope,
+                key: self.lease.key,
+                in_flight: self.phased.config.in_flight,
+            },
+            |tx| {
                 if let (Some((replace, _)), Some(operation)) = (&claim, &new_operation) {
                     if *replace {
                         tx.delete_expired_operation(operation.scope, operation.idempotency_key, now)?;
@@ -622,7 +626,8 @@ impl<C: PhaseStore> Steps<'_, C> {
                 let value = backend::catching_panic(tx, &mut panicked, |tx| work(tx, &mut points, now))??;
                 committing = true;
                 Ok(value)
-            });
+            },
+        );
         if let Some(payload) = panicked {
             panic::resume_unwind(payload);
         }

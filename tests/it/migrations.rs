@@ -135,7 +135,10 @@ where
 #[test]
 fn mysql_migrations_keep_the_versions_of_the_other_sets_and_revert_cleanly() {
     let mysql = versions::<diesel::mysql::Mysql>();
-    assert_eq!(mysql, ["20261129000000", "20261130000000", "20261203000000"]);
+    assert_eq!(
+        mysql,
+        ["20261129000000", "20261130000000", "20261203000000", "20261204000000"]
+    );
     let sqlite = versions::<diesel::sqlite::Sqlite>();
     assert!(mysql.iter().all(|version| sqlite.contains(version)), "{sqlite:?}");
     #[cfg(feature = "postgres")]

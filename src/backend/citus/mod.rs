@@ -22,13 +22,12 @@
 
 pub(crate) mod outbox;
 
-use chrono::NaiveDateTime;
 use diesel::connection::SimpleConnection;
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Bool, Text, Timestamp};
+use diesel::sql_types::{BigInt, Bool, Text};
 
-use crate::backend::phases::COMPLETED;
+use crate::backend::postgres::Expired;
 use crate::backend::sql_limit;
 use crate::error::Error;
 
@@ -133,84 +132,40 @@ pub(crate) fn distributed(conn: &mut PgConnection, table: &str) -> QueryResult<b
     )?)
 }
 
-/// The scopes that `query` selects (a column `scope`), read across shards
-/// without locks.
-pub(crate) fn scopes<Q>(conn: &mut PgConnection, query: Q) -> QueryResult<Vec<String>>
-where
-    Q: diesel::query_dsl::LoadQuery<'static, PgConnection, Scope>,
-{
-    Ok(query.load(conn)?.into_iter().map(|s: Scope| s.scope).collect())
-}
-
-/// A scope, as [`scopes`] reads it.
-#[derive(QueryableByName)]
-pub(crate) struct Scope {
-    #[diesel(sql_type = Text)]
-    scope: String,
-}
-
-/// Deletes at most `limit` rows, `delete` taking those of one scope (at
-/// most the limit it is given, passing over rows a live transaction holds)
-/// on the scope's shard, one scope after the other.
-pub(crate) fn purge_by_scope(
-    conn: &mut PgConnection,
-    scopes: Vec<String>,
-    limit: usize,
-    mut delete: impl FnMut(&mut PgConnection, &str, i64) -> QueryResult<usize>,
-) -> QueryResult<usize> {
+/// `postgres::purge` on a distributed table: the scopes with expired rows
+/// are read across shards without locks, and each scope's rows are then
+/// deleted by a statement on its shard, passing over rows a live
+/// transaction holds, until `limit` rows are deleted.
+pub(crate) fn purge(conn: &mut PgConnection, expired: &Expired<'_>, limit: usize) -> QueryResult<usize> {
+    #[derive(QueryableByName)]
+    struct Scope {
+        #[diesel(sql_type = Text)]
+        scope: String,
+    }
+    let Expired {
+        table, key, condition, ..
+    } = expired;
+    let (scope, left) = (expired.next_parameter(), expired.next_parameter() + 1);
+    let scopes: Vec<Scope> = expired
+        .query(format!(
+            "SELECT DISTINCT scope FROM {table} WHERE {condition} LIMIT ${scope}"
+        ))
+        .bind::<BigInt, _>(sql_limit(limit))
+        .load(conn)?;
+    let delete = format!(
+        "DELETE FROM {table} WHERE scope = ${scope} AND {key} IN \
+         (SELECT {key} FROM {table} WHERE scope = ${scope} AND {condition} LIMIT ${left} FOR UPDATE SKIP LOCKED)"
+    );
     let mut deleted = 0;
-    for scope in scopes {
+    for Scope { scope } in scopes {
         if deleted >= limit {
             break;
         }
-        deleted += delete(conn, &scope, sql_limit(limit - deleted))?;
+        deleted += expired
+            .query(delete.clone())
+            .bind::<Text, _>(scope)
+            .bind::<BigInt, _>(sql_limit(limit - deleted))
+            .execute(conn)?;
     }
     Ok(deleted)
-}
-
-/// `KeyStore::purge_batch` on a distributed key table.
-pub(crate) fn purge_keys(conn: &mut PgConnection, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
-    let expired = scopes(
-        conn,
-        diesel::sql_query("SELECT DISTINCT scope FROM idempotency_keys WHERE expires_at <= $1 LIMIT $2")
-            .bind::<Timestamp, _>(cutoff)
-            .bind::<BigInt, _>(sql_limit(limit)),
-    )?;
-    purge_by_scope(conn, expired, limit, |conn, scope, left| {
-        diesel::sql_query(
-            "DELETE FROM idempotency_keys WHERE scope = $1 AND idempotency_key IN \
-             (SELECT idempotency_key FROM idempotency_keys WHERE scope = $1 AND expires_at <= $2 \
-              LIMIT $3 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind::<Text, _>(scope)
-        .bind::<Timestamp, _>(cutoff)
-        .bind::<BigInt, _>(left)
-        .execute(conn)
-    })
-}
-
-/// `PhaseStore::purge_operations_batch` on a distributed table of
-/// operations.
-pub(crate) fn purge_operations(conn: &mut PgConnection, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
-    let expired = scopes(
-        conn,
-        diesel::sql_query(
-            "SELECT DISTINCT scope FROM idempotency_phases WHERE status = $1 AND expires_at <= $2 LIMIT $3",
-        )
-        .bind::<Text, _>(COMPLETED)
-        .bind::<Timestamp, _>(cutoff)
-        .bind::<BigInt, _>(sql_limit(limit)),
-    )?;
-    purge_by_scope(conn, expired, limit, |conn, scope, left| {
-        diesel::sql_query(
-            "DELETE FROM idempotency_phases WHERE scope = $1 AND idempotency_key IN \
-             (SELECT idempotency_key FROM idempotency_phases WHERE scope = $1 AND status = $2 AND expires_at <= $3 \
-              LIMIT $4 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind::<Text, _>(scope)
-        .bind::<Text, _>(COMPLETED)
-        .bind::<Timestamp, _>(cutoff)
-        .bind::<BigInt, _>(left)
-        .execute(conn)
-    })
 }

@@ -1,13 +1,11 @@
-//! The outbox distributed by `scope`: the relay's claim and the purge of
-//! delivered messages, one scope at a time.
+//! The outbox distributed by `scope`: the relay's claim, one scope at a
+//! time.
 
-use chrono::NaiveDateTime;
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Text, Timestamp};
 
-use super::{purge_by_scope, scopes};
-use crate::backend::outbox::{Claimed, DELIVERED, PENDING};
+use crate::backend::outbox::{Claim, Claimed, PENDING};
 use crate::backend::sql_limit;
 
 /// `OutboxStore::claim_batch` on a distributed outbox: the oldest due
@@ -15,13 +13,7 @@ use crate::backend::sql_limit;
 /// is leased by one statement on its shard, which passes over messages
 /// another relay is claiming and leases only those still due, so two relays
 /// never lease one message at once.
-pub(crate) fn claim_batch(
-    conn: &mut PgConnection,
-    now: NaiveDateTime,
-    lease_until: NaiveDateTime,
-    lease_token: &str,
-    batch: usize,
-) -> QueryResult<Vec<Claimed>> {
+pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>> {
     #[derive(QueryableByName)]
     struct Due {
         #[diesel(sql_type = Text)]
@@ -34,8 +26,8 @@ pub(crate) fn claim_batch(
          WHERE status = $1 AND (available_at IS NULL OR available_at <= $2) ORDER BY id LIMIT $3",
     )
     .bind::<Text, _>(PENDING)
-    .bind::<Timestamp, _>(now)
-    .bind::<BigInt, _>(sql_limit(batch))
+    .bind::<Timestamp, _>(claim.now)
+    .bind::<BigInt, _>(sql_limit(claim.limit))
     .load(conn)?;
     let mut by_scope: Vec<(String, Vec<String>)> = Vec::new();
     for Due { scope, id } in due {
@@ -55,39 +47,14 @@ pub(crate) fn claim_batch(
                   FOR UPDATE SKIP LOCKED) \
                  RETURNING id, scope, topic, payload, attempts",
             )
-            .bind::<Timestamp, _>(lease_until)
-            .bind::<Text, _>(lease_token)
+            .bind::<Timestamp, _>(claim.lease_until)
+            .bind::<Text, _>(claim.lease_token)
             .bind::<Text, _>(&scope)
             .bind::<Array<Text>, _>(&ids)
             .bind::<Text, _>(PENDING)
-            .bind::<Timestamp, _>(now)
+            .bind::<Timestamp, _>(claim.now)
             .load::<Claimed>(conn)?,
         );
     }
     Ok(claimed)
-}
-
-/// `OutboxStore::purge_delivered_batch` on a distributed outbox.
-pub(crate) fn purge_delivered(conn: &mut PgConnection, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
-    let delivered = scopes(
-        conn,
-        diesel::sql_query(
-            "SELECT DISTINCT scope FROM idempotency_outbox WHERE status = $1 AND delivered_at <= $2 LIMIT $3",
-        )
-        .bind::<Text, _>(DELIVERED)
-        .bind::<Timestamp, _>(cutoff)
-        .bind::<BigInt, _>(sql_limit(limit)),
-    )?;
-    purge_by_scope(conn, delivered, limit, |conn, scope, left| {
-        diesel::sql_query(
-            "DELETE FROM idempotency_outbox WHERE scope = $1 AND id IN \
-             (SELECT id FROM idempotency_outbox WHERE scope = $1 AND status = $2 AND delivered_at <= $3 \
-              LIMIT $4 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind::<Text, _>(scope)
-        .bind::<Text, _>(DELIVERED)
-        .bind::<Timestamp, _>(cutoff)
-        .bind::<BigInt, _>(left)
-        .execute(conn)
-    })
 }

@@ -55,7 +55,7 @@ use diesel::sql_types::{BigInt, Datetime, Double, Nullable, Text};
 use diesel_migrations::MigrationHarness;
 
 use super::row_with::{Head, record_with};
-use super::{Claim, Hold, KeyStore, Read, Record, Stored, transaction_depth, unwind_to_depth};
+use super::{Claim, HeldKey, Hold, KeyStore, Read, Record, Stored, transaction_depth, unwind_to_depth};
 use crate::in_flight::InFlight;
 use crate::telemetry;
 
@@ -250,14 +250,7 @@ type Written<'a> = (
 );
 
 fn written<'a>(record: &Record<'a>) -> Written<'a> {
-    (
-        k::request_hash.eq(record.request_hash),
-        k::status.eq(record.status),
-        k::response.eq(record.response),
-        k::created_at.eq(record.created_at),
-        k::completed_at.eq(record.completed_at),
-        k::expires_at.eq(record.expires_at),
-    )
+    super::record_values!(k, record)
 }
 
 /// Inserts `record` as a claim with a plain `INSERT`; `false` when its key
@@ -323,16 +316,11 @@ impl KeyStore for MysqlConnection {
         diesel::select(UtcNow).get_result(self)
     }
 
-    fn key_transaction<T, E>(
-        &mut self,
-        scope: &str,
-        key: &str,
-        in_flight: InFlight,
-        f: impl FnOnce(&mut Self) -> Result<T, E>,
-    ) -> Result<T, E>
+    fn key_transaction<T, E>(&mut self, held: HeldKey<'_>, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
     where
         E: From<DieselError>,
     {
+        let HeldKey { scope, key, in_flight } = held;
         let depth = transaction_depth(self)?;
         let name = lock(self, scope, key, in_flight)?;
         // The lock outlives any transaction: it must be released on every

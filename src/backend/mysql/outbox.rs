@@ -25,17 +25,11 @@ use diesel::sql_types::{BigInt, Datetime, Text};
 
 use crate::backend::mysql::schema::idempotency_outbox as o;
 use crate::backend::mysql::{UtcNow, read_committed};
-use crate::backend::outbox::{Claimed, DELIVERED, OutboxStore, PENDING};
+use crate::backend::outbox::{Claim, Claimed, DELIVERED, OutboxStore, PENDING};
 use crate::backend::sql_limit;
 
 impl OutboxStore for MysqlConnection {
-    fn claim_batch(
-        &mut self,
-        now: NaiveDateTime,
-        lease_until: NaiveDateTime,
-        lease_token: &str,
-        batch: usize,
-    ) -> QueryResult<Vec<Claimed>> {
+    fn claim_batch(&mut self, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>> {
         read_committed(self, |tx| {
             let mut due: Vec<Claimed> = diesel::sql_query(
                 "SELECT id, scope, topic, payload, attempts \
@@ -44,8 +38,8 @@ impl OutboxStore for MysqlConnection {
                  ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",
             )
             .bind::<Text, _>(PENDING)
-            .bind::<Datetime, _>(now)
-            .bind::<BigInt, _>(sql_limit(batch))
+            .bind::<Datetime, _>(claim.now)
+            .bind::<BigInt, _>(sql_limit(claim.limit))
             .load(tx)?;
             if due.is_empty() {
                 return Ok(due);
@@ -53,8 +47,8 @@ impl OutboxStore for MysqlConnection {
             diesel::update(o::table.filter(o::id.eq_any(due.iter().map(|message| &message.id))))
                 .set((
                     o::attempts.eq(o::attempts + 1),
-                    o::available_at.eq(lease_until),
-                    o::lease_token.eq(lease_token),
+                    o::available_at.eq(claim.lease_until),
+                    o::lease_token.eq(claim.lease_token),
                 ))
                 .execute(tx)?;
             for message in &mut due {

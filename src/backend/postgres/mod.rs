@@ -33,13 +33,14 @@ use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, SimpleConnection};
 use diesel::pg::{Pg, PgConnection};
 use diesel::prelude::*;
+use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Text, Timestamp, Timestamptz};
 use diesel_migrations::MigrationHarness;
 
 use super::citus;
 use super::row_with::{Head, record_with};
-use super::{Hold, KeyStore, Read, Record, hold_by_claiming, hold_of, transaction_depth, transaction_with};
+use super::{HeldKey, Hold, KeyStore, Read, Record, hold_by_claiming, hold_of, transaction_depth, transaction_with};
 use crate::in_flight::InFlight;
 
 super::raw_connection!(PgConnection);
@@ -77,6 +78,47 @@ fn lock_key(scope: &str, key: &str) -> (i32, i32) {
     let digest = crate::key::digest(&[scope, key]);
     let int = |bytes: &[u8]| i32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
     (int(&digest[..4]), int(&digest[4..8]))
+}
+
+/// Rows a purge deletes: those of `table` that `condition` selects, its
+/// parameters (`$1` onwards, each once) bound by `bind`.
+pub(crate) struct Expired<'a> {
+    pub(crate) table: &'static str,
+    /// The column that, with `scope`, is the table's primary key.
+    pub(crate) key: &'static str,
+    pub(crate) condition: &'static str,
+    pub(crate) bind: &'a dyn Fn(BoxedSqlQuery<'a, Pg, SqlQuery>) -> BoxedSqlQuery<'a, Pg, SqlQuery>,
+}
+
+impl<'a> Expired<'a> {
+    /// `sql` with the condition's parameters bound.
+    pub(crate) fn query(&self, sql: String) -> BoxedSqlQuery<'a, Pg, SqlQuery> {
+        (self.bind)(diesel::sql_query(sql).into_boxed())
+    }
+
+    /// The number of the first parameter after the condition's.
+    pub(crate) fn next_parameter(&self) -> usize {
+        self.condition.matches('$').count() + 1
+    }
+}
+
+/// Deletes at most `limit` of the `expired` rows, passing over those a live
+/// transaction holds: a record that a live request is taking over right now
+/// is not worth waiting for, and it is no longer expired once that commits.
+/// Citus refuses this statement on a distributed table, and takes its own.
+pub(crate) fn purge(conn: &mut PgConnection, expired: &Expired<'_>, limit: usize) -> QueryResult<usize> {
+    if citus::distributed(conn, expired.table)? {
+        return citus::purge(conn, expired, limit);
+    }
+    let Expired { table, condition, .. } = expired;
+    expired
+        .query(format!(
+            "DELETE FROM {table} WHERE ctid IN \
+             (SELECT ctid FROM {table} WHERE {condition} LIMIT ${} FOR UPDATE SKIP LOCKED)",
+            expired.next_parameter()
+        ))
+        .bind::<BigInt, _>(super::sql_limit(limit))
+        .execute(conn)
 }
 
 /// The database's time, in UTC.
@@ -122,16 +164,11 @@ impl KeyStore for PgConnection {
         diesel::select(timezone("UTC", diesel::dsl::now)).get_result(self)
     }
 
-    fn key_transaction<T, E>(
-        &mut self,
-        scope: &str,
-        key: &str,
-        in_flight: InFlight,
-        f: impl FnOnce(&mut Self) -> Result<T, E>,
-    ) -> Result<T, E>
+    fn key_transaction<T, E>(&mut self, held: HeldKey<'_>, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
     where
         E: From<DieselError>,
     {
+        let HeldKey { scope, key, in_flight } = held;
         let lock = lock_key_sql(scope, key, in_flight);
         if transaction_depth(self)? == 0 {
             // BEGIN, the policy's lock timeout, the lock and the caller's
@@ -238,18 +275,13 @@ impl KeyStore for PgConnection {
     }
 
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
-        if citus::distributed(self, "idempotency_keys")? {
-            return citus::purge_keys(self, cutoff, limit);
-        }
-        // SKIP LOCKED: a record that a live request is taking over right now
-        // is not worth waiting for; it is no longer expired once that commits.
-        diesel::sql_query(
-            "DELETE FROM idempotency_keys WHERE ctid IN \
-             (SELECT ctid FROM idempotency_keys WHERE expires_at <= $1 LIMIT $2 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind::<Timestamp, _>(cutoff)
-        .bind::<BigInt, _>(super::sql_limit(limit))
-        .execute(self)
+        let expired = Expired {
+            table: "idempotency_keys",
+            key: "idempotency_key",
+            condition: "expires_at <= $1",
+            bind: &|rows| rows.bind::<Timestamp, _>(cutoff),
+        };
+        purge(self, &expired, limit)
     }
 
     super::shared_queries!(crate::schema);

@@ -13,12 +13,11 @@ use chrono::NaiveDateTime;
 use diesel::connection::SimpleConnection;
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Text, Timestamp};
+use diesel::sql_types::{Text, Timestamp};
 
 use crate::backend::citus;
-use crate::backend::outbox::{Claimed, DELIVERED, OutboxStore, PENDING};
-use crate::backend::postgres::timezone;
-use crate::backend::sql_limit;
+use crate::backend::outbox::{Claim, Claimed, DELIVERED, OutboxStore, claim_in_one_statement};
+use crate::backend::postgres::{Expired, purge, timezone};
 
 /// The channel the migration's trigger notifies.
 const CHANNEL: &str = "idempotency_outbox";
@@ -26,17 +25,11 @@ const CHANNEL: &str = "idempotency_outbox";
 impl OutboxStore for PgConnection {
     const ANNOUNCES: bool = true;
 
-    fn claim_batch(
-        &mut self,
-        now: NaiveDateTime,
-        lease_until: NaiveDateTime,
-        lease_token: &str,
-        batch: usize,
-    ) -> QueryResult<Vec<Claimed>> {
+    fn claim_batch(&mut self, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>> {
         if citus::distributed(self, "idempotency_outbox")? {
-            return citus::outbox::claim_batch(self, now, lease_until, lease_token, batch);
+            return citus::outbox::claim_batch(self, claim);
         }
-        diesel::sql_query(
+        claim_in_one_statement(
             "WITH due AS ( \
                  SELECT id FROM idempotency_outbox \
                  WHERE status = $3 AND (available_at IS NULL OR available_at <= $4) \
@@ -44,30 +37,19 @@ impl OutboxStore for PgConnection {
              UPDATE idempotency_outbox AS o SET attempts = o.attempts + 1, available_at = $1, lease_token = $2 \
              FROM due WHERE o.id = due.id \
              RETURNING o.id, o.scope, o.topic, o.payload, o.attempts",
+            claim,
         )
-        .bind::<Timestamp, _>(lease_until)
-        .bind::<Text, _>(lease_token)
-        .bind::<Text, _>(PENDING)
-        .bind::<Timestamp, _>(now)
-        .bind::<BigInt, _>(sql_limit(batch))
         .load(self)
     }
 
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
-        if citus::distributed(self, "idempotency_outbox")? {
-            return citus::outbox::purge_delivered(self, cutoff, batch);
-        }
-        // SKIP LOCKED: two purges running at once split the rows instead of
-        // queueing behind each other.
-        diesel::sql_query(
-            "DELETE FROM idempotency_outbox WHERE id IN \
-             (SELECT id FROM idempotency_outbox WHERE status = $1 AND delivered_at <= $2 \
-              LIMIT $3 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind::<Text, _>(DELIVERED)
-        .bind::<Timestamp, _>(cutoff)
-        .bind::<BigInt, _>(sql_limit(batch))
-        .execute(self)
+        let delivered = Expired {
+            table: "idempotency_outbox",
+            key: "id",
+            condition: "status = $1 AND delivered_at <= $2",
+            bind: &|rows| rows.bind::<Text, _>(DELIVERED).bind::<Timestamp, _>(cutoff),
+        };
+        purge(self, &delivered, batch)
     }
 
     fn listen(&mut self) -> QueryResult<bool> {

@@ -7,29 +7,19 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use crate::backend::outbox::{Claimed, DELIVERED, OutboxStore, PENDING};
+use crate::backend::outbox::{Claim, Claimed, DELIVERED, OutboxStore, claim_in_one_statement};
 use crate::backend::sql_limit;
 
 impl OutboxStore for SqliteConnection {
-    fn claim_batch(
-        &mut self,
-        now: NaiveDateTime,
-        lease_until: NaiveDateTime,
-        lease_token: &str,
-        batch: usize,
-    ) -> QueryResult<Vec<Claimed>> {
-        diesel::sql_query(
+    fn claim_batch(&mut self, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>> {
+        claim_in_one_statement(
             "UPDATE idempotency_outbox SET attempts = attempts + 1, available_at = ?, lease_token = ? \
              WHERE id IN (SELECT id FROM idempotency_outbox \
                           WHERE status = ? AND (available_at IS NULL OR available_at <= ?) \
                           ORDER BY id LIMIT ?) \
              RETURNING id, scope, topic, payload, attempts",
+            claim,
         )
-        .bind::<Timestamp, _>(lease_until)
-        .bind::<Text, _>(lease_token)
-        .bind::<Text, _>(PENDING)
-        .bind::<Timestamp, _>(now)
-        .bind::<BigInt, _>(sql_limit(batch))
         .load(self)
     }
 
