@@ -62,7 +62,8 @@
 //!   [`run_migrations`] or [`MIGRATIONS`];
 //! - **ground**: errors ([`Error`], [`KeyError`]), the in-flight policy
 //!   ([`InFlight`]), ids, the JSON codec, the request fingerprint, the key
-//!   rules ([`key`]), [`Outcome`], the schema.
+//!   rules ([`key`]), [`Outcome`], the schema, the calls a thread is
+//!   executing.
 //!
 //! # Guides
 //!

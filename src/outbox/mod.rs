@@ -127,6 +127,10 @@ const MAX_TOPIC_LEN: usize = 255;
 ///
 /// The message is due at once, whatever a relay's clock says. Returns its
 /// id, which is also the key it is delivered with ([`Message::key`]).
+/// Enqueued by the operation of a call (or a phased step) through the
+/// call's connection, it carries the call's scope ([`Message::scope`]),
+/// which keeps it beside the call's rows on a database distributed by scope
+/// ([Citus](crate::guide::citus)).
 ///
 /// The payload is stored as it is; keep personal data out of it where the
 /// receiver can look it up instead.

@@ -200,10 +200,17 @@ impl Traffic {
         pool: &Pool<ConnectionManager<PgConnection>>,
         thread: usize,
     ) -> PooledConnection<ConnectionManager<PgConnection>> {
-        let mut conn = pool.get().expect("a pooled connection to the coordinator");
-        let ids: SessionIds = diesel::sql_query("SELECT pg_backend_pid() AS pid, citus_backend_gpid() AS gpid")
-            .get_result(&mut conn)
-            .expect("the session's pid and global pid");
+        // A session the killer still knows as another caller's may be ended
+        // under this one before it is noted: check out another then.
+        let (conn, ids) = (0..100)
+            .find_map(|_| {
+                let mut conn = pool.get().expect("a pooled connection to the coordinator");
+                let ids: SessionIds = diesel::sql_query("SELECT pg_backend_pid() AS pid, citus_backend_gpid() AS gpid")
+                    .get_result(&mut conn)
+                    .ok()?;
+                Some((conn, ids))
+            })
+            .expect("a session that lives long enough to say who it is");
         self.pids.lock().expect("pids").insert(i64::from(ids.pid));
         self.sessions[thread].gpid.store(ids.gpid, Ordering::SeqCst);
         self.sessions[thread].pid.store(i64::from(ids.pid), Ordering::SeqCst);

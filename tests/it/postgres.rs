@@ -1,7 +1,8 @@
 //! What PostgreSQL does in its own way (what every server does alike is in
 //! `server`): the `lock_timeout` the claim borrows, keys as long as the
 //! index holds, takeovers and purges, callers' transactions at `REPEATABLE
-//! READ` and `SERIALIZABLE`, advisory locks, and durable replays.
+//! READ` and `SERIALIZABLE`, the claim-first setting, advisory locks, and
+//! durable replays.
 //!
 //! Threads are ordered by channels, barriers and the server's own view of
 //! who waits for a lock (`pg_locks`), never by sleeping for a guessed time.
@@ -440,4 +441,45 @@ fn durable_replays_commit_before_they_answer() {
     assert_eq!(confirmations(&sent), 1, "the replay waited for a commit of its own");
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert!(!Db::in_transaction(&mut conn));
+}
+
+/// The status of the record of `key`, read in `conn`'s transaction.
+fn record_status(conn: &mut PgConnection, key: &str) -> QueryResult<Option<String>> {
+    #[derive(QueryableByName)]
+    struct Status {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        status: String,
+    }
+    diesel::sql_query("SELECT status FROM idempotency_keys WHERE scope = $1 AND idempotency_key = $2")
+        .bind::<diesel::sql_types::Text, _>(SCOPE)
+        .bind::<diesel::sql_types::Text, _>(key)
+        .get_result::<Status>(conn)
+        .optional()
+        .map(|status| status.map(|s| s.status))
+}
+
+#[test]
+fn the_claim_first_setting_claims_the_key_before_the_operation_runs() {
+    let db = Db::new();
+    for (setting, inside) in [("off", None), ("on", Some("processing"))] {
+        let mut conn = db.conn();
+        conn.batch_execute(&format!("SET idempotency.claim_first = {setting}"))
+            .expect("set the setting");
+        let key = format!("claim-first-{setting}");
+        let seen = run_idempotent(&mut conn, SCOPE, &key, REQUEST, |tx| record_status(tx, &key))
+            .expect("the call")
+            .into_inner();
+        assert_eq!(
+            seen.as_deref(),
+            inside,
+            "the record inside the operation, claim_first = {setting}"
+        );
+        assert_eq!(
+            record_status(&mut conn, &key).expect("read").as_deref(),
+            Some("completed")
+        );
+        let replayed =
+            run_idempotent(&mut conn, SCOPE, &key, REQUEST, |tx| record_status(tx, &key)).expect("the retry");
+        assert!(replayed.is_replayed(), "claim_first = {setting}");
+    }
 }
