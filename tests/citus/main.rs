@@ -30,6 +30,7 @@ use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
 use serde::Serialize;
 
 mod services;
+mod setup;
 
 // The parts of the main suite's harness that stand on nothing else of it;
 // this suite uses some of each.
@@ -88,7 +89,18 @@ struct Db {
 }
 
 impl Db {
+    /// The schema with the crate's tables distributed beside `orders`.
     fn new() -> Db {
+        let db = Db::undistributed();
+        let mut conn = db.conn();
+        idempotency::backend::citus::distribute(&mut conn, "orders").expect("distribute the crate's tables");
+        assert_distributed(&mut conn, &db.schema);
+        db
+    }
+
+    /// The schema with the crate's migrations and `orders` distributed by
+    /// `account`; the crate's tables still local.
+    fn undistributed() -> Db {
         let base_url = citus_url();
         let schema = own::unique_name("idem_citus");
         let url = own::url_with_search_path(&base_url, &schema);
@@ -110,8 +122,6 @@ impl Db {
             conn.batch_execute(statement)
                 .unwrap_or_else(|e| panic!("{statement}: {e}"));
         }
-        idempotency::backend::citus::distribute(&mut conn, "orders").expect("distribute the crate's tables");
-        assert_distributed(&mut conn, &db.schema);
         db
     }
 

@@ -483,3 +483,29 @@ fn the_claim_first_setting_claims_the_key_before_the_operation_runs() {
         assert!(replayed.is_replayed(), "claim_first = {setting}");
     }
 }
+
+#[test]
+fn distribute_without_citus_is_refused_and_changes_nothing() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    let triggers = |conn: &mut PgConnection| -> i64 {
+        diesel::dsl::sql::<diesel::sql_types::BigInt>(
+            "SELECT count(*) FROM pg_trigger WHERE tgrelid = 'idempotency_outbox'::regclass AND NOT tgisinternal",
+        )
+        .get_result(conn)
+        .expect("count the outbox's triggers")
+    };
+    assert_eq!(triggers(&mut conn), 2);
+    let refused = idempotency::backend::citus::distribute(&mut conn, "orders");
+    assert!(matches!(refused, Err(Error::Storage(_))), "{refused:?}");
+    assert_eq!(triggers(&mut conn), 2, "the triggers are still there");
+    // The outbox still announces its messages: the setting was not written.
+    conn.batch_execute("LISTEN idempotency_outbox").expect("listen");
+    idempotency::outbox::enqueue(&mut conn, "receipts", &1).expect("enqueue");
+    let setting: Option<String> = diesel::dsl::sql::<diesel::sql_types::Nullable<diesel::sql_types::Text>>(
+        "SELECT current_setting('idempotency.claim_first', true)",
+    )
+    .get_result(&mut db.conn())
+    .expect("read the setting in a new session");
+    assert_ne!(setting.as_deref(), Some("on"), "the database's setting is unchanged");
+}

@@ -54,15 +54,16 @@ pub(crate) const CLAIM_FIRST: &str = "idempotency.claim_first";
 /// - sets `idempotency.claim_first` for the database (Citus passes it on to
 ///   every node), so that calls are correct from any node.
 ///
-/// A table already distributed is left as it is, so running it again is
-/// harmless.
+/// All of it happens in one transaction, or nothing does. A table already
+/// distributed is left as it is, so running it again is harmless. Rows the
+/// tables hold are copied to the shards; Citus leaves the local copy on
+/// disk until `truncate_local_data_after_distributing_table` removes it.
 ///
 /// # Errors
 ///
-/// [`Error::Storage`] when a statement fails: the database has no `citus`
-/// extension, `colocate_with` is not a distributed table whose distribution
-/// column is `text`, or the tables hold rows that break the new primary
-/// key.
+/// [`Error::Storage`] when a statement fails, with nothing changed: the
+/// database has no `citus` extension, or `colocate_with` is not a
+/// distributed table whose distribution column is `text`.
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -80,27 +81,31 @@ pub(crate) const CLAIM_FIRST: &str = "idempotency.claim_first";
 /// # }
 /// ```
 pub fn distribute(conn: &mut PgConnection, colocate_with: &str) -> Result<(), Error> {
-    if !distributed(conn, "idempotency_outbox")? {
-        // Each its own statement: Citus refuses DDL on distributed tables
-        // in a string of several.
-        conn.batch_execute("DROP TRIGGER IF EXISTS idempotency_outbox_announce_insert ON idempotency_outbox")?;
-        conn.batch_execute("DROP TRIGGER IF EXISTS idempotency_outbox_announce_requeue ON idempotency_outbox")?;
-        conn.batch_execute(
-            "ALTER TABLE idempotency_outbox DROP CONSTRAINT idempotency_outbox_pkey, ADD PRIMARY KEY (scope, id)",
-        )?;
-    }
-    for table in TABLES {
-        if !distributed(conn, table)? {
-            diesel::sql_query("SELECT create_distributed_table($1::regclass, 'scope', colocate_with => $2)")
-                .bind::<Text, _>(table)
-                .bind::<Text, _>(colocate_with)
-                .execute(conn)?;
+    // One transaction: a table Citus refuses to co-locate with leaves the
+    // crate's tables as they were.
+    conn.transaction(|conn| {
+        if !distributed(conn, "idempotency_outbox")? {
+            // Each its own statement: Citus refuses DDL on distributed
+            // tables in a string of several.
+            conn.batch_execute("DROP TRIGGER IF EXISTS idempotency_outbox_announce_insert ON idempotency_outbox")?;
+            conn.batch_execute("DROP TRIGGER IF EXISTS idempotency_outbox_announce_requeue ON idempotency_outbox")?;
+            conn.batch_execute(
+                "ALTER TABLE idempotency_outbox DROP CONSTRAINT idempotency_outbox_pkey, ADD PRIMARY KEY (scope, id)",
+            )?;
         }
-    }
-    conn.batch_execute(&format!(
-        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET {CLAIM_FIRST} = on', current_database()); END $$"
-    ))?;
-    Ok(())
+        for table in TABLES {
+            if !distributed(conn, table)? {
+                diesel::sql_query("SELECT create_distributed_table($1::regclass, 'scope', colocate_with => $2)")
+                    .bind::<Text, _>(table)
+                    .bind::<Text, _>(colocate_with)
+                    .execute(conn)?;
+            }
+        }
+        conn.batch_execute(&format!(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET {CLAIM_FIRST} = on', current_database()); END $$"
+        ))?;
+        Ok(())
+    })
 }
 
 /// Whether `table` (found through the `search_path`) is distributed by
