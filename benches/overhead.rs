@@ -6,7 +6,12 @@
 //! cargo bench --bench overhead -- --backend sqlite [--quick] [--json FILE] [--statements]
 //! cargo bench --features postgres --bench overhead -- --backend postgres [--quick] [--json FILE] [--statements]
 //! cargo bench --features mysql --bench overhead -- --backend mysql [--quick] [--json FILE] [--statements]
+//! cargo bench --features postgres --bench overhead -- --backend citus [--quick] [--json FILE]
 //! ```
+//!
+//! `--backend citus` measures a Citus cluster (`CITUS_DATABASE_URL`, its
+//! coordinator) next to plain PostgreSQL (`DATABASE_URL`) with scenarios of
+//! its own: see `benches/citus/mod.rs`.
 //!
 //! The domain operation is one `INSERT` of an order row. Per-call figures
 //! are medians over rounds in which the scenarios take turns call by call
@@ -24,6 +29,8 @@
 //! with `synchronous = FULL`, so that every commit is durable, as on the
 //! servers.
 
+#[cfg(feature = "postgres")]
+mod citus;
 mod common;
 
 use std::collections::BTreeMap;
@@ -134,7 +141,7 @@ fn parse_args() -> Result<Args, String> {
     let mut json = None;
     let mut statements = false;
     let common = common::parse_args(
-        "usage: overhead --backend sqlite|postgres|mysql [--quick] [--json FILE] [--statements]",
+        "usage: overhead --backend sqlite|postgres|mysql|citus [--quick] [--json FILE] [--statements]",
         |arg, rest| {
             match arg {
                 "--statements" => statements = true,
@@ -161,16 +168,17 @@ fn main() -> ExitCode {
         }
     };
     let sizes = if args.quick { QUICK } else { FULL };
-    let report = match args.backend.as_str() {
+    // Each backend's report, and the function that prints it.
+    let (report, print): (Value, fn(&Value, bool)) = match args.backend.as_str() {
         #[cfg(feature = "sqlite")]
-        "sqlite" => run::<diesel::SqliteConnection>(sizes, args.statements),
+        "sqlite" => (run::<diesel::SqliteConnection>(sizes, args.statements), print_report),
         #[cfg(not(feature = "sqlite"))]
         "sqlite" => {
             eprintln!("the sqlite backend is not compiled in: build with the sqlite feature");
             return ExitCode::from(2);
         }
         #[cfg(feature = "postgres")]
-        "postgres" => run::<diesel::PgConnection>(sizes, args.statements),
+        "postgres" => (run::<diesel::PgConnection>(sizes, args.statements), print_report),
         #[cfg(not(feature = "postgres"))]
         "postgres" => {
             eprintln!(
@@ -180,7 +188,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
         #[cfg(feature = "mysql")]
-        "mysql" => run::<diesel::MysqlConnection>(sizes, args.statements),
+        "mysql" => (run::<diesel::MysqlConnection>(sizes, args.statements), print_report),
         #[cfg(not(feature = "mysql"))]
         "mysql" => {
             eprintln!(
@@ -189,12 +197,27 @@ fn main() -> ExitCode {
             );
             return ExitCode::from(2);
         }
+        #[cfg(feature = "postgres")]
+        "citus" if args.statements => {
+            eprintln!("--statements is not measured on citus: its report counts statements per call");
+            return ExitCode::from(2);
+        }
+        #[cfg(feature = "postgres")]
+        "citus" => (citus::run(args.quick), citus::print_report),
+        #[cfg(not(feature = "postgres"))]
+        "citus" => {
+            eprintln!(
+                "citus needs the postgres backend: run \
+                 cargo bench --features postgres --bench overhead -- --backend citus"
+            );
+            return ExitCode::from(2);
+        }
         other => {
-            eprintln!("unknown backend {other}: use sqlite, postgres or mysql");
+            eprintln!("unknown backend {other}: use sqlite, postgres, mysql or citus");
             return ExitCode::from(2);
         }
     };
-    print_report(&report, args.quick);
+    print(&report, args.quick);
     if let Some(path) = args.json {
         let text = serde_json::to_string_pretty(&report).expect("serialize the report");
         if let Err(error) = std::fs::write(&path, text + "\n") {

@@ -36,7 +36,8 @@ pub fn parse_args(
 
 /// A database of its own for one run, removed when dropped: a file in a
 /// temporary directory on SQLite, a schema in the database `DATABASE_URL`
-/// names on PostgreSQL, a database on the server `MYSQL_URL` names on MySQL.
+/// names on PostgreSQL (`CITUS_DATABASE_URL`, a Citus coordinator, on
+/// `citus`), a database on the server `MYSQL_URL` names on MySQL.
 pub struct Scratch {
     url: String,
     place: Place,
@@ -78,10 +79,18 @@ impl Scratch {
                 })
             }
             #[cfg(feature = "postgres")]
-            "postgres" => {
+            "postgres" | "citus" => {
                 use diesel::{Connection, connection::SimpleConnection};
-                let base_url = std::env::var("DATABASE_URL")
-                    .map_err(|_| anyhow::anyhow!("set DATABASE_URL, e.g. postgres://postgres@127.0.0.1:5432/test"))?;
+                let (variable, example) = if backend == "citus" {
+                    (
+                        "CITUS_DATABASE_URL",
+                        "postgres://postgres@127.0.0.1:5460/test, a Citus coordinator",
+                    )
+                } else {
+                    ("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test")
+                };
+                let base_url =
+                    std::env::var(variable).map_err(|_| anyhow::anyhow!("set {variable}, e.g. {example}"))?;
                 let schema = name;
                 diesel::PgConnection::establish(&base_url)?.batch_execute(&format!("CREATE SCHEMA {schema}"))?;
                 let separator = if base_url.contains('?') { '&' } else { '?' };
@@ -107,7 +116,7 @@ impl Scratch {
                     place: Place::Mysql { base_url, name },
                 })
             }
-            other => anyhow::bail!("unknown backend {other}: sqlite, or postgres or mysql with their features"),
+            other => anyhow::bail!("unknown backend {other}: sqlite, or postgres, citus or mysql with their features"),
         }
     }
 
