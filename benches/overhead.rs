@@ -666,6 +666,23 @@ struct CompletedKey<'a> {
     expires_at: NaiveDateTime,
 }
 
+impl<'a> CompletedKey<'a> {
+    /// The record of `(scope, key)` completed now with the order `id`.
+    fn now(scope: &'a str, key: &'a str, id: i64) -> Self {
+        let now = Utc::now().naive_utc();
+        CompletedKey {
+            scope,
+            idempotency_key: key,
+            request_hash: REQUEST_HASH,
+            status: "completed",
+            response: id.to_string(),
+            created_at: now,
+            completed_at: now,
+            expires_at: now + chrono::Duration::hours(24),
+        }
+    }
+}
+
 /// The bench's database: its own tables and the crate's, removed at the end.
 struct Db<C> {
     scratch: common::Scratch,
@@ -734,17 +751,7 @@ fn floor_into<'a, C: Bench, S: Statement>(
 ) -> QueryResult<i64> {
     conn.transaction(|tx| {
         let id = tx.place_order()?;
-        let now = Utc::now().naive_utc();
-        tx.send(insert(CompletedKey {
-            scope: SCOPE,
-            idempotency_key: key,
-            request_hash: REQUEST_HASH,
-            status: "completed",
-            response: id.to_string(),
-            created_at: now,
-            completed_at: now,
-            expires_at: now + chrono::Duration::hours(24),
-        }))?;
+        tx.send(insert(CompletedKey::now(SCOPE, key, id)))?;
         Ok(id)
     })
 }

@@ -51,7 +51,7 @@ use diesel::sql_types::{Integer, Text};
 use idempotency::{Config, Outcome};
 use serde_json::{Value, json};
 
-use super::{CompletedKey, KEY_COLUMNS, Keys, REQUEST, REQUEST_HASH, SCALING_THREADS, StatementCounter};
+use super::{CompletedKey, KEY_COLUMNS, Keys, REQUEST, SCALING_THREADS, StatementCounter};
 use super::{floor_keys, median, round3};
 use crate::common::Scratch;
 
@@ -352,18 +352,8 @@ fn baseline(conn: &mut PgConnection, tenant: &str) -> QueryResult<i64> {
 fn floor(conn: &mut PgConnection, tenant: &str, key: &str) -> QueryResult<i64> {
     conn.transaction(|tx| {
         let id = place_order(tx, tenant)?;
-        let now = chrono::Utc::now().naive_utc();
         diesel::insert_into(floor_keys::table)
-            .values(CompletedKey {
-                scope: tenant,
-                idempotency_key: key,
-                request_hash: REQUEST_HASH,
-                status: "completed",
-                response: id.to_string(),
-                created_at: now,
-                completed_at: now,
-                expires_at: now + chrono::Duration::hours(24),
-            })
+            .values(CompletedKey::now(tenant, key, id))
             .execute(tx)?;
         Ok(id)
     })

@@ -37,7 +37,7 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use idempotency::{Config, Error, Outcome};
 
 use crate::wait::{Barrier, PATIENCE, wait_for};
-use crate::{Db, PlaceOrder, Worker, idempotency_keys, orders, place_order, placement_of, take_turn, workers};
+use crate::{Db, PlaceOrder, Worker, idempotency_keys, orders, place_order, placement_of, workers};
 
 const THREADS: usize = 6;
 /// Tenants, each a scope and the account of its orders, half of them with
@@ -443,17 +443,22 @@ fn two_phase_commits_of(pids: &BTreeSet<i64>, coordinator: &mut PgConnection, wo
     found
 }
 
+/// The orders by key, each key's placed once (`when`, for the message).
+fn orders_placed_once(conn: &mut PgConnection, when: &str) -> HashMap<(String, String), Vec<i64>> {
+    let placed = orders_by_key(conn);
+    let twice: Vec<_> = placed.iter().filter(|(_, ids)| ids.len() > 1).collect();
+    assert!(twice.is_empty(), "orders placed twice {when}: {twice:?}");
+    placed
+}
+
 /// The truth check: every answer against what committed, then every failed
 /// call retried with its key, and every key with exactly one order in the
 /// end. Returns a summary of the retries.
 fn assert_every_call_told_what_committed(db: &Db, traffic: &Traffic) -> String {
     let answers = traffic.answers.lock().expect("answers").clone();
     let mut conn = db.conn();
-    let placed = orders_by_key(&mut conn);
+    let placed = orders_placed_once(&mut conn, "under faults");
     let records = key_records(&mut conn);
-
-    let twice: Vec<_> = placed.iter().filter(|(_, ids)| ids.len() > 1).collect();
-    assert!(twice.is_empty(), "orders placed twice under faults: {twice:?}");
     let order_keys: BTreeSet<(String, String)> = placed.keys().cloned().collect();
     assert_eq!(
         order_keys, records,
@@ -520,10 +525,8 @@ fn assert_every_call_told_what_committed(db: &Db, traffic: &Traffic) -> String {
         "a retry runs the operation only when it executes"
     );
 
-    let placed = orders_by_key(&mut conn);
-    let twice: Vec<_> = placed.iter().filter(|(_, ids)| ids.len() > 1).collect();
-    assert!(twice.is_empty(), "orders placed twice after the retries: {twice:?}");
-    let order_keys: BTreeSet<(String, String)> = placed.keys().cloned().collect();
+    let order_keys: BTreeSet<(String, String)> =
+        orders_placed_once(&mut conn, "after the retries").into_keys().collect();
     assert_eq!(
         order_keys, calls,
         "every call's key has exactly one order after the retries"
@@ -560,11 +563,31 @@ fn report(what: &str, traffic: &Traffic, retries: &str, two_phase: &[String]) {
     }
 }
 
+/// The checks after the faults: every answer against what committed, every
+/// failed call retried, lost connections recognised, and no two-phase
+/// commit of the callers' sessions, with the figures printed.
+fn assert_told_what_committed_without_two_phase_commit(
+    db: &Db,
+    traffic: &Traffic,
+    summary: &str,
+    coordinator: &mut PgConnection,
+    workers: &mut [Worker],
+) {
+    let retries = assert_every_call_told_what_committed(db, traffic);
+    let pids = traffic.pids.lock().expect("pids").clone();
+    let two_phase = two_phase_commits_of(&pids, coordinator, workers);
+    report(summary, traffic, &retries, &two_phase);
+    assert_lost_connections_recognised(traffic);
+    assert!(
+        two_phase.is_empty(),
+        "single-shard calls commit without two-phase commit, and leave nothing prepared: {two_phase:?}"
+    );
+}
+
 #[test]
 fn killed_coordinator_and_worker_sessions_leave_every_call_told_what_committed() {
-    let _turn = take_turn();
     let db = Db::new();
-    let mut coordinator = PgConnection::establish(&db.base_url).expect("connect to CITUS_DATABASE_URL");
+    let mut coordinator = db.coordinator();
     let mut workers = workers(&mut coordinator);
     assert_eq!(workers.len(), 2, "a cluster of two workers");
     let tenants = tenants_on_both_workers(&mut db.conn(), &workers);
@@ -591,15 +614,7 @@ fn killed_coordinator_and_worker_sessions_leave_every_call_told_what_committed()
         tally(&traffic.answers.lock().expect("answers"))
     );
 
-    let retries = assert_every_call_told_what_committed(&db, &traffic);
-    let pids = traffic.pids.lock().expect("pids").clone();
-    let two_phase = two_phase_commits_of(&pids, &mut coordinator, &mut workers);
-    report(&summary, &traffic, &retries, &two_phase);
-    assert_lost_connections_recognised(&traffic);
-    assert!(
-        two_phase.is_empty(),
-        "single-shard calls commit without two-phase commit, and leave nothing prepared: {two_phase:?}"
-    );
+    assert_told_what_committed_without_two_phase_commit(&db, &traffic, &summary, &mut coordinator, &mut workers);
 }
 
 /// The directory of the cluster, whose workers the test restarts.
@@ -651,9 +666,8 @@ fn postmaster_started(worker: &mut Worker) -> String {
 #[test]
 fn a_worker_restarted_mid_traffic_leaves_every_call_told_what_committed() {
     let dir = citus_dir();
-    let _turn = take_turn();
     let db = Db::new();
-    let mut coordinator = PgConnection::establish(&db.base_url).expect("connect to CITUS_DATABASE_URL");
+    let mut coordinator = db.coordinator();
     let mut listed = workers(&mut coordinator);
     assert_eq!(listed.len(), 2, "a cluster of two workers");
     let tenants = tenants_on_both_workers(&mut db.conn(), &listed);
@@ -691,15 +705,7 @@ fn a_worker_restarted_mid_traffic_leaves_every_call_told_what_committed() {
         tally(&traffic.answers.lock().expect("answers"))
     );
 
-    let retries = assert_every_call_told_what_committed(&db, &traffic);
-    let pids = traffic.pids.lock().expect("pids").clone();
-    let two_phase = two_phase_commits_of(&pids, &mut coordinator, &mut workers);
-    report(&summary, &traffic, &retries, &two_phase);
-    assert_lost_connections_recognised(&traffic);
-    assert!(
-        two_phase.is_empty(),
-        "single-shard calls commit without two-phase commit, and leave nothing prepared: {two_phase:?}"
-    );
+    assert_told_what_committed_without_two_phase_commit(&db, &traffic, &summary, &mut coordinator, &mut workers);
 }
 
 /// A worker that makes a commit wait for a synchronous standby it does not
@@ -746,9 +752,8 @@ impl Drop for CommitsAwaitingAStandby<'_> {
 
 #[test]
 fn a_commit_whose_answer_a_worker_loses_is_told_outcome_unknown() {
-    let _turn = take_turn();
     let db = Db::new();
-    let mut coordinator = PgConnection::establish(&db.base_url).expect("connect to CITUS_DATABASE_URL");
+    let mut coordinator = db.coordinator();
     let mut listed = workers(&mut coordinator);
     let tenant = "acct-lost-answer";
     let mut conn = db.conn();

@@ -74,18 +74,22 @@ fn citus_url() -> String {
     )
 }
 
-/// One test at a time on the cluster.
+/// One test at a time on the cluster: one of them counts the statements
+/// that reached each worker, which another test's traffic would disturb,
+/// and another restarts a worker.
 fn take_turn() -> MutexGuard<'static, ()> {
     static TURN: Mutex<()> = Mutex::new(());
     TURN.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// A schema of its own on the cluster, dropped (with its shards) at the end.
+/// A schema of its own on the cluster, dropped (with its shards) at the
+/// end, and the test's turn on the cluster, given back after that.
 struct Db {
     base_url: String,
     url: String,
     schema: String,
     _schema: own::OnServer,
+    _turn: MutexGuard<'static, ()>,
 }
 
 impl Db {
@@ -101,6 +105,7 @@ impl Db {
     /// The schema with the crate's migrations and `orders` distributed by
     /// `account`; the crate's tables still local.
     fn undistributed() -> Db {
+        let turn = take_turn();
         let base_url = citus_url();
         let schema = own::unique_name("idem_citus");
         let url = own::url_with_search_path(&base_url, &schema);
@@ -112,6 +117,7 @@ impl Db {
             url,
             schema,
             _schema: own,
+            _turn: turn,
         };
         let mut conn = db.conn();
         idempotency::run_migrations(&mut conn).expect("migrate");
@@ -127,6 +133,11 @@ impl Db {
 
     fn conn(&self) -> PgConnection {
         PgConnection::establish(&self.url).expect("connect to the test schema")
+    }
+
+    /// A session on the coordinator outside the test's schema.
+    fn coordinator(&self) -> PgConnection {
+        PgConnection::establish(&self.base_url).expect("connect to CITUS_DATABASE_URL")
     }
 
     fn pool(&self, size: u32) -> Pool<ConnectionManager<PgConnection>> {
@@ -208,7 +219,6 @@ fn assert_distributed(conn: &mut PgConnection, schema: &str) {
 
 #[test]
 fn a_retry_replays_and_another_request_mismatches() {
-    let _turn = take_turn();
     let db = Db::new();
     let mut conn = db.conn();
     let calls = AtomicUsize::new(0);
@@ -238,7 +248,6 @@ fn a_retry_replays_and_another_request_mismatches() {
 #[test]
 fn racing_retries_execute_once() {
     const THREADS: usize = 32;
-    let _turn = take_turn();
     let db = Db::new();
     let pool = db.pool(u32::try_from(THREADS).expect("small"));
     let barrier = Arc::new(wait::Barrier::new(THREADS));
@@ -426,10 +435,9 @@ fn placement_of(coordinator: &mut PgConnection, account: &str) -> String {
 
 #[test]
 fn a_first_call_that_enqueues_is_one_single_shard_transaction() {
-    let _turn = take_turn();
     let db = Db::new();
     let mut conn = db.conn();
-    let mut admin = PgConnection::establish(&db.base_url).expect("connect to CITUS_DATABASE_URL");
+    let mut admin = db.coordinator();
     let mut workers = workers(&mut admin);
     assert_eq!(workers.len(), 2, "a cluster of two workers");
     let account = "acct-single";

@@ -16,11 +16,18 @@ use idempotency::outbox::{self, Message, Relay};
 use idempotency::phased::{Completer, Phased};
 use idempotency::{Config, Error, InFlight, Outcome, Shutdown, run_idempotent};
 
-use crate::{Db, PlaceOrder, idempotency_keys, orders, place_order, race, take_turn, wait};
+use crate::{Db, PlaceOrder, idempotency_keys, orders, place_order, race, wait};
 
 /// Tenants enough that both workers hold some.
 fn tenants(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("tenant-{i}")).collect()
+}
+
+/// A schema of the test's own, a session in it, and `n` tenants.
+fn with_tenants(n: usize) -> (Db, PgConnection, Vec<String>) {
+    let db = Db::new();
+    let conn = db.conn();
+    (db, conn, tenants(n))
 }
 
 /// A call that places an order and enqueues its receipt.
@@ -61,10 +68,7 @@ fn messages_by_status(conn: &mut PgConnection) -> BTreeMap<String, i64> {
 fn the_relay_service_delivers_every_tenants_messages_once_without_notify() {
     const BEFORE: usize = 24;
     const DURING: usize = 24;
-    let _turn = take_turn();
-    let db = Db::new();
-    let mut conn = db.conn();
-    let tenants = tenants(8);
+    let (db, mut conn, tenants) = with_tenants(8);
     let mut enqueued = BTreeMap::new();
     for i in 0..BEFORE {
         let tenant = &tenants[i % tenants.len()];
@@ -136,10 +140,7 @@ fn the_relay_service_delivers_every_tenants_messages_once_without_notify() {
 
 #[test]
 fn dead_messages_are_listed_requeued_delivered_and_purged() {
-    let _turn = take_turn();
-    let db = Db::new();
-    let mut conn = db.conn();
-    let tenants = tenants(6);
+    let (_db, mut conn, tenants) = with_tenants(6);
     for tenant in &tenants {
         order_with_receipt(&mut conn, tenant, "order-1").expect("an order");
     }
@@ -179,10 +180,7 @@ fn dead_messages_are_listed_requeued_delivered_and_purged() {
 fn purges_remove_every_tenants_expired_records_beside_live_calls() {
     const LIVE_THREADS: usize = 4;
     const LIVE_CALLS: usize = 20;
-    let _turn = take_turn();
-    let db = Db::new();
-    let mut conn = db.conn();
-    let tenants = tenants(12);
+    let (db, mut conn, tenants) = with_tenants(12);
     // Records written two days ago with a one-hour retention: expired now.
     let past = Config::default()
         .retention(Duration::hours(1))
@@ -253,10 +251,7 @@ fn purges_remove_every_tenants_expired_records_beside_live_calls() {
 #[test]
 fn the_completer_finishes_every_tenants_abandoned_operation_once() {
     const OPERATION: &str = "place-order";
-    let _turn = take_turn();
-    let db = Db::new();
-    let mut conn = db.conn();
-    let tenants = tenants(8);
+    let (db, mut conn, tenants) = with_tenants(8);
     let finishes = Arc::new(AtomicUsize::new(0));
     let phased = Phased::new(OPERATION).store_requests(true);
     let place = {
@@ -335,9 +330,8 @@ fn the_completer_finishes_every_tenants_abandoned_operation_once() {
 #[test]
 fn calls_through_a_worker_and_the_coordinator_execute_one_key_once() {
     const THREADS: usize = 16;
-    let _turn = take_turn();
     let db = Db::new();
-    let mut admin = PgConnection::establish(&db.base_url).expect("connect to CITUS_DATABASE_URL");
+    let mut admin = db.coordinator();
     let worker_url = crate::workers(&mut admin)
         .into_iter()
         .next()
@@ -379,7 +373,6 @@ fn calls_through_a_worker_and_the_coordinator_execute_one_key_once() {
 
 #[test]
 fn a_tenants_batch_job_reruns_replaying_what_finished() {
-    let _turn = take_turn();
     let db = Db::new();
     let tenants = tenants(4);
     let place = |tenant: &str| {

@@ -5,7 +5,7 @@ use diesel::pg::PgConnection;
 use idempotency::backend::citus::distribute;
 use idempotency::{Error, Outcome, run_idempotent};
 
-use crate::{Db, PlaceOrder, lines, orders_and_key_records, place_order, take_turn};
+use crate::{Db, PlaceOrder, lines, orders_and_key_records, place_order};
 
 /// The crate's tables as Citus and the catalog see them in the test's
 /// schema: the distributed ones, the outbox's triggers, the columns of its
@@ -34,7 +34,6 @@ fn crate_tables(conn: &mut PgConnection) -> (Vec<String>, Vec<String>, Vec<Strin
 
 #[test]
 fn distribute_refuses_a_table_it_cannot_co_locate_with_and_changes_nothing() {
-    let _turn = take_turn();
     let db = Db::undistributed();
     let mut conn = db.conn();
     conn.batch_execute(
@@ -68,7 +67,6 @@ fn distribute_refuses_a_table_it_cannot_co_locate_with_and_changes_nothing() {
 
 #[test]
 fn distribute_again_is_harmless_and_keeps_the_records() {
-    let _turn = take_turn();
     let db = Db::new();
     let mut conn = db.conn();
     let place = |conn: &mut PgConnection| {

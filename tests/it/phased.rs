@@ -1496,6 +1496,20 @@ fn calls_sharing_a_name_get_a_provider_key_each<D: RideDb>() {
     );
 }
 
+/// `result` is the refusal of a step renamed at `position` from `recorded`
+/// to `found`.
+fn assert_renamed(result: Result<Outcome<Reply>, Error<RideError>>, (position, recorded, found): (usize, &str, &str)) {
+    let Err(Error::PhaseRenamed {
+        position: at,
+        recorded: was,
+        found: is,
+    }) = result
+    else {
+        panic!("a renamed step is refused: {result:?}")
+    };
+    assert_eq!((at, was.as_str(), is.as_str()), (position, recorded, found));
+}
+
 fn renamed_step_is_refused_and_runs_nothing<D: RideDb>() {
     let db = ride_db::<D>();
     let mut conn = db.conn();
@@ -1512,18 +1526,7 @@ fn renamed_step_is_refused_and_runs_nothing<D: RideDb>() {
         })?;
         unreachable!("the renamed phase is refused")
     });
-    let Err(Error::PhaseRenamed {
-        position,
-        recorded,
-        found,
-    }) = renamed
-    else {
-        panic!("a renamed phase is refused: {renamed:?}")
-    };
-    assert_eq!(
-        (position, recorded.as_str(), found.as_str()),
-        (0, "ride_created", "ride_booked")
-    );
+    assert_renamed(renamed, (0, "ride_created", "ride_booked"));
 
     // And the call.
     let renamed: Result<Outcome<Reply>, _> = rides.phased.run(&mut conn, SCOPE, KEY, &ada(), |s| {
@@ -1537,18 +1540,7 @@ fn renamed_step_is_refused_and_runs_nothing<D: RideDb>() {
         })?;
         unreachable!("the renamed call is refused")
     });
-    let Err(Error::PhaseRenamed {
-        position,
-        recorded,
-        found,
-    }) = renamed
-    else {
-        panic!("a renamed call is refused: {renamed:?}")
-    };
-    assert_eq!(
-        (position, recorded.as_str(), found.as_str()),
-        (1, "charged", "card_charged")
-    );
+    assert_renamed(renamed, (1, "charged", "card_charged"));
     assert_eq!(ran.load(Ordering::SeqCst), 0, "no step ran");
     assert_eq!(
         recovery_points::<D>(&mut conn, KEY).expect("the operation"),

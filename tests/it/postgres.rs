@@ -461,9 +461,14 @@ fn record_status(conn: &mut PgConnection, key: &str) -> QueryResult<Option<Strin
 #[test]
 fn the_claim_first_setting_claims_the_key_before_the_operation_runs() {
     let db = Db::new();
-    for (setting, inside) in [("off", None), ("on", Some("processing"))] {
+    for (setting, inside) in [
+        ("off", None),
+        ("on", Some("processing")),
+        ("TRUE", Some("processing")),
+        ("maybe", None),
+    ] {
         let mut conn = db.conn();
-        conn.batch_execute(&format!("SET idempotency.claim_first = {setting}"))
+        conn.batch_execute(&format!("SET idempotency.claim_first = '{setting}'"))
             .expect("set the setting");
         let key = format!("claim-first-{setting}");
         let seen = run_idempotent(&mut conn, SCOPE, &key, REQUEST, |tx| record_status(tx, &key))
@@ -499,9 +504,13 @@ fn distribute_without_citus_is_refused_and_changes_nothing() {
     let refused = idempotency::backend::citus::distribute(&mut conn, "orders");
     assert!(matches!(refused, Err(Error::Storage(_))), "{refused:?}");
     assert_eq!(triggers(&mut conn), 2, "the triggers are still there");
-    // The outbox still announces its messages: the setting was not written.
-    conn.batch_execute("LISTEN idempotency_outbox").expect("listen");
-    idempotency::outbox::enqueue(&mut conn, "receipts", &1).expect("enqueue");
+    let primary_key: String = diesel::dsl::sql::<diesel::sql_types::Text>(
+        "SELECT pg_get_constraintdef(oid) FROM pg_constraint \
+         WHERE conrelid = 'idempotency_outbox'::regclass AND contype = 'p'",
+    )
+    .get_result(&mut conn)
+    .expect("the outbox's primary key");
+    assert_eq!(primary_key, "PRIMARY KEY (id)");
     let setting: Option<String> = diesel::dsl::sql::<diesel::sql_types::Nullable<diesel::sql_types::Text>>(
         "SELECT current_setting('idempotency.claim_first', true)",
     )

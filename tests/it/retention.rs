@@ -94,21 +94,23 @@ fn failed_takeover_of_an_expired_key_keeps_the_old_record_until_purged<D: TestDb
     assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 1);
 }
 
+/// `n` calls in the scope `shop`, keys `{prefix}-0` onwards, each
+/// returning its number.
+fn calls<C: idempotency::StoreConnection>(config: &idempotency::Config, conn: &mut C, prefix: &str, n: i32) {
+    for i in 0..n {
+        config
+            .run(conn, "shop", &format!("{prefix}-{i}"), &i, |_| Ok::<_, Error>(i))
+            .expect("a call");
+    }
+}
+
 fn purge_deletes_only_expired_records_in_batches<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
     let (clock, config) = kept_an_hour();
-    for i in 0..25 {
-        config
-            .run(&mut conn, "shop", &format!("old-{i}"), &i, |_| Ok::<_, Error>(i))
-            .expect("old call");
-    }
+    calls(&config, &mut conn, "old", 25);
     clock.advance(Duration::minutes(30));
-    for i in 0..5 {
-        config
-            .run(&mut conn, "shop", &format!("new-{i}"), &i, |_| Ok::<_, Error>(i))
-            .expect("new call");
-    }
+    calls(&config, &mut conn, "new", 5);
     clock.advance(Duration::minutes(30));
     // The 25 old records expire now; the 5 new ones in 30 minutes.
     assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 25);
@@ -124,11 +126,7 @@ fn purge_with_exact_multiple_of_batch_size_deletes_all<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
     let (clock, config) = kept_an_hour();
-    for i in 0..20 {
-        config
-            .run(&mut conn, "shop", &format!("k-{i}"), &i, |_| Ok::<_, Error>(i))
-            .expect("call");
-    }
+    calls(&config, &mut conn, "k", 20);
     clock.advance(Duration::days(1));
     assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 20);
     assert_eq!(config.purge_expired(&mut conn, 1).expect("purge of nothing"), 0);

@@ -62,8 +62,9 @@ pub(crate) const CLAIM_FIRST: &str = "idempotency.claim_first";
 /// # Errors
 ///
 /// [`Error::Storage`] when a statement fails, with nothing changed: the
-/// database has no `citus` extension, or `colocate_with` is not a
-/// distributed table whose distribution column is `text`.
+/// database has no `citus` extension, `colocate_with` is not a distributed
+/// table whose distribution column is `text`, or the role may not alter
+/// the tables or the database (run it as their owner).
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

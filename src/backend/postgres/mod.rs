@@ -14,10 +14,11 @@
 //! fails as a serialization failure before the operation is called. The
 //! crate never changes the isolation level the operation runs under.
 //!
-//! A database whose setting `idempotency.claim_first` is `on` claims every
-//! key that way. The advisory lock orders the calls of one server; where
-//! calls reach the same rows through several servers (Citus, whose every
-//! node can run them), only the primary key orders them all.
+//! A database whose setting `idempotency.claim_first` is `on` (or another
+//! of PostgreSQL's spellings of true) claims every key that way. The
+//! advisory lock orders the calls of one server; where calls reach the same
+//! rows through several servers (Citus, whose every node can run them),
+//! only the primary key orders them all.
 //!
 //! The lock uses PostgreSQL's two-integer advisory key space, which is
 //! separate from the single `bigint` space most applications lock in (their
@@ -138,7 +139,10 @@ struct HoldBy;
 
 impl Head for HoldBy {
     type Backend = Pg;
-    const SQL: &'static str = "CASE WHEN current_setting('idempotency.claim_first', true) = 'on' \
+    // A placeholder setting is text as it was written: PostgreSQL's
+    // spellings of true, in any case.
+    const SQL: &'static str = "CASE WHEN lower(current_setting('idempotency.claim_first', true)) \
+                                         IN ('on', 'true', 'yes', '1') \
                                THEN 'claim first' ELSE current_setting('transaction_isolation') END";
     type SqlType = Text;
 }
