@@ -18,7 +18,7 @@
 //! and across shards, which scopes have due or expired rows, and then lock
 //! and write within one scope at a time, a statement that runs on the
 //! scope's shard alone. The PostgreSQL backend takes these forms for a
-//! table that [`distributed`] says is distributed.
+//! table Citus distributes.
 
 pub(crate) mod outbox;
 
