@@ -214,7 +214,11 @@ impl Config {
                 }
             };
             let recorded = match conn.read(scope, key) {
-                Ok(Read { record, now }) => {
+                Ok(Read {
+                    record,
+                    now,
+                    claims_first,
+                }) => {
                     let now = self.clock.or_database(now);
                     match record {
                         Some(stored) if stored.status == COMPLETED && stored.expires_at > now => {
@@ -223,7 +227,7 @@ impl Config {
                             }
                             replay(stored, &request_hash)
                         }
-                        _ => self.execute(conn, claim(now), op, &trace),
+                        _ => self.execute(conn, claim(now), claims_first, op, &trace),
                     }
                 }
                 // A reader kept out by a writer (SQLite outside WAL mode) takes
@@ -231,7 +235,7 @@ impl Config {
                 // reads again once it holds the lock.
                 Err(error) if C::Raw::is_in_flight_timeout(&error) => {
                     let now = self.clock.now(conn)?;
-                    self.execute(conn, claim(now), op, &trace)
+                    self.execute(conn, claim(now), false, op, &trace)
                 }
                 Err(error) => Err(Error::Storage(error)),
             };
@@ -241,12 +245,14 @@ impl Config {
         result
     }
 
-    /// The write path: hold the key, then replay what another call stored
-    /// meanwhile, or run `op` and store its result.
+    /// The write path: hold the key (by a claim at once where the read
+    /// found that the database `claims_first`), then replay what another
+    /// call stored meanwhile, or run `op` and store its result.
     fn execute<C, R, E, F>(
         &self,
         conn: &mut C,
         record: Record<'_>,
+        claims_first: bool,
         op: F,
         trace: &CallTrace,
     ) -> Result<Recorded<R>, Error<E>>
@@ -279,7 +285,7 @@ impl Config {
             },
             |tx| {
                 trace.waited(started.elapsed());
-                let hold = match tx.hold(&record)? {
+                let hold = match tx.hold(&record, claims_first)? {
                     Hold::Taken(stored) => {
                         if self.durable_replays {
                             tx.await_replication()?;

@@ -311,6 +311,10 @@ pub struct Read {
     pub(crate) record: Option<Stored>,
     /// The database's time when it was read.
     pub(crate) now: NaiveDateTime,
+    /// Whether the database claims every key before the operation runs
+    /// (PostgreSQL's `idempotency.claim_first`): a write transaction then
+    /// claims at once, without reading the record again.
+    pub(crate) claims_first: bool,
 }
 
 #[doc(hidden)]
@@ -443,9 +447,10 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
 
     /// Inside [`key_transaction`](KeyStore::key_transaction): how this
     /// transaction holds the key `record` is for, claiming it first where a
-    /// read could miss a concurrent commit.
+    /// read could miss a concurrent commit, or where the read before the
+    /// transaction found that the database `claims_first`.
     #[doc(hidden)]
-    fn hold(&mut self, record: &Record<'_>) -> QueryResult<Hold>;
+    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold>;
 
     /// Inserts `record` as a claim, or takes over an expired record with its
     /// key.

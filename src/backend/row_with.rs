@@ -17,7 +17,7 @@ use diesel::prelude::*;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::query_dsl::LoadQuery;
 use diesel::serialize::ToSql;
-use diesel::sql_types::{HasSqlType, Nullable, SingleValue, Text};
+use diesel::sql_types::{HasSqlType, Nullable, Text};
 
 use super::Stored;
 use crate::backend::phases::OperationRow;
@@ -26,7 +26,7 @@ use crate::backend::phases::OperationRow;
 pub(crate) trait Head: 'static {
     type Backend: Backend;
     const SQL: &'static str;
-    type SqlType: SingleValue;
+    type SqlType;
 }
 
 /// The row a [`RowWith`] query looks up by `(scope, idempotency_key)`: its

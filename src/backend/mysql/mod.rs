@@ -306,10 +306,16 @@ impl KeyStore for MysqlConnection {
             return Ok(Read {
                 record: None,
                 now: self.database_now()?,
+                claims_first: true,
             });
         }
         let (now, record) = record_with::<DatabaseNow, Datetime, _, NaiveDateTime>(self, scope, key)?;
-        Ok(Read { record, now })
+        // Every call claims first here (see `hold`).
+        Ok(Read {
+            record,
+            now,
+            claims_first: true,
+        })
     }
 
     fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
@@ -354,7 +360,7 @@ impl KeyStore for MysqlConnection {
         f(self)
     }
 
-    fn hold(&mut self, record: &Record<'_>) -> QueryResult<Hold> {
+    fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
         // Always the claim first: see the module docs.
         let (scope, key) = (record.scope, record.idempotency_key);
         if insert_claim(self, record)? {

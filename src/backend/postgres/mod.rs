@@ -36,7 +36,7 @@ use diesel::pg::{Pg, PgConnection};
 use diesel::prelude::*;
 use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{BigInt, Text, Timestamp, Timestamptz};
+use diesel::sql_types::{BigInt, Bool, Text, Timestamp, Timestamptz};
 use diesel_migrations::MigrationHarness;
 
 use super::citus;
@@ -131,19 +131,39 @@ impl Head for DatabaseNow {
     type SqlType = Timestamp;
 }
 
+/// Whether the session's setting `idempotency.claim_first` (as
+/// [`citus::distribute`] sets it for the database) is true: a placeholder
+/// setting is text as it was written, so any of PostgreSQL's spellings of
+/// true, in any case. On Citus the setting is the one of the node that
+/// holds the key's shard, where the read runs.
+macro_rules! claims_first {
+    () => {
+        "coalesce(lower(current_setting('idempotency.claim_first', true)) IN ('on', 'true', 'yes', '1'), false)"
+    };
+}
+
+/// The database's time, in UTC, and whether it claims every key first.
+struct NowAndClaimFirst;
+
+impl Head for NowAndClaimFirst {
+    type Backend = Pg;
+    const SQL: &'static str = concat!("timezone('UTC', now()), ", claims_first!());
+    type SqlType = (Timestamp, Bool);
+}
+
 /// How a write transaction holds its key: the isolation level of the
-/// transaction, or `claim first` where the database is set to claim every
-/// key before the operation runs (`idempotency.claim_first`, as
-/// [`citus::distribute`] sets it).
+/// transaction, or `claim first` where the database claims every key
+/// before the operation runs and the setting was turned on since the read
+/// before the transaction.
 struct HoldBy;
 
 impl Head for HoldBy {
     type Backend = Pg;
-    // A placeholder setting is text as it was written: PostgreSQL's
-    // spellings of true, in any case.
-    const SQL: &'static str = "CASE WHEN lower(current_setting('idempotency.claim_first', true)) \
-                                         IN ('on', 'true', 'yes', '1') \
-                               THEN 'claim first' ELSE current_setting('transaction_isolation') END";
+    const SQL: &'static str = concat!(
+        "CASE WHEN ",
+        claims_first!(),
+        " THEN 'claim first' ELSE current_setting('transaction_isolation') END"
+    );
     type SqlType = Text;
 }
 
@@ -160,8 +180,13 @@ impl KeyStore for PgConnection {
     }
 
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
-        let (now, record) = record_with::<DatabaseNow, Timestamp, _, NaiveDateTime>(self, scope, key)?;
-        Ok(Read { record, now })
+        let ((now, claims_first), record) =
+            record_with::<NowAndClaimFirst, Timestamp, _, (NaiveDateTime, bool)>(self, scope, key)?;
+        Ok(Read {
+            record,
+            now,
+            claims_first,
+        })
     }
 
     fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
@@ -211,8 +236,10 @@ impl KeyStore for PgConnection {
         f(self)
     }
 
-    fn hold(&mut self, record: &Record<'_>) -> QueryResult<Hold> {
-        if transaction_depth(self)? > 1 {
+    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
+        // The read before the transaction found the setting on: claim at
+        // once, a statement fewer than reading first.
+        if claims_first || transaction_depth(self)? > 1 {
             return hold_by_claiming(self, record);
         }
         let (hold_by, stored) =

@@ -126,6 +126,7 @@ impl KeyStore for SqliteConnection {
             record: self.find(scope, key)?,
             // SQLite's clock is the application host's: the database runs in-process.
             now: Utc::now().naive_utc(),
+            claims_first: false,
         })
     }
 
@@ -151,7 +152,8 @@ impl KeyStore for SqliteConnection {
         })
     }
 
-    fn hold(&mut self, record: &Record<'_>) -> QueryResult<Hold> {
+    fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
+        // The write lock holds every key: a read sees the latest commit.
         if transaction_depth(self)? == 1 {
             hold_by_reading(self, record)
         } else {
