@@ -131,6 +131,13 @@ impl Db {
         db
     }
 
+    /// [`Db::new`], and a session in its schema.
+    fn with_session() -> (Db, PgConnection) {
+        let db = Db::new();
+        let conn = db.conn();
+        (db, conn)
+    }
+
     fn conn(&self) -> PgConnection {
         PgConnection::establish(&self.url).expect("connect to the test schema")
     }
@@ -219,8 +226,7 @@ fn assert_distributed(conn: &mut PgConnection, schema: &str) {
 
 #[test]
 fn a_retry_replays_and_another_request_mismatches() {
-    let db = Db::new();
-    let mut conn = db.conn();
+    let (_db, mut conn) = Db::with_session();
     let calls = AtomicUsize::new(0);
     let place = |conn: &mut PgConnection, item: &str| {
         run_idempotent(conn, "acct-1", "order-1", &PlaceOrder { item }, |tx| {
@@ -435,8 +441,7 @@ fn placement_of(coordinator: &mut PgConnection, account: &str) -> String {
 
 #[test]
 fn a_first_call_that_enqueues_is_one_single_shard_transaction() {
-    let db = Db::new();
-    let mut conn = db.conn();
+    let (db, mut conn) = Db::with_session();
     let mut admin = db.coordinator();
     let mut workers = workers(&mut admin);
     assert_eq!(workers.len(), 2, "a cluster of two workers");

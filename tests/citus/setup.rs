@@ -67,8 +67,7 @@ fn distribute_refuses_a_table_it_cannot_co_locate_with_and_changes_nothing() {
 
 #[test]
 fn distribute_again_is_harmless_and_keeps_the_records() {
-    let db = Db::new();
-    let mut conn = db.conn();
+    let (_db, mut conn) = Db::with_session();
     let place = |conn: &mut PgConnection| {
         run_idempotent(conn, "acct-1", "order-1", &PlaceOrder { item: "book" }, |tx| {
             place_order(tx, "acct-1", "book")
