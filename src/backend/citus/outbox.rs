@@ -1,6 +1,8 @@
 //! The outbox distributed by `scope`: the relay's claim, one scope at a
 //! time.
 
+use std::collections::BTreeMap;
+
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Text, Timestamp};
@@ -29,12 +31,10 @@ pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &Claim<'_>) -> QueryRe
     .bind::<Timestamp, _>(claim.now)
     .bind::<BigInt, _>(sql_limit(claim.limit))
     .load(conn)?;
-    let mut by_scope: Vec<(String, Vec<String>)> = Vec::new();
+    // The relay orders what it claimed by id itself.
+    let mut by_scope: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for Due { scope, id } in due {
-        match by_scope.iter_mut().find(|(s, _)| *s == scope) {
-            Some((_, ids)) => ids.push(id),
-            None => by_scope.push((scope, vec![id])),
-        }
+        by_scope.entry(scope).or_default().push(id);
     }
     let mut claimed = Vec::new();
     for (scope, ids) in by_scope {

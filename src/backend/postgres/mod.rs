@@ -153,8 +153,9 @@ impl Head for NowAndClaimFirst {
 
 /// How a write transaction holds its key: the isolation level of the
 /// transaction, or `claim first` where the database claims every key
-/// before the operation runs and the setting was turned on since the read
-/// before the transaction.
+/// before the operation runs. The read before the transaction tells that
+/// already, but a call whose read waited out its time goes on to the
+/// transaction without it.
 struct HoldBy;
 
 impl Head for HoldBy {
