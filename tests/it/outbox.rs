@@ -43,6 +43,7 @@ crate::common::backend_tests!(
     relay_killed_mid_delivery_is_redelivered_and_consumed_once,
     concurrent_relays_deliver_every_message_once_and_never_twice_at_a_time,
     delivered_messages_are_purged_after_retention_in_batches,
+    messages_carry_the_scope_of_the_call_that_enqueued_them,
 );
 
 fn status_count<D: TestDb>(conn: &mut D::Conn, status: &str) -> usize {
@@ -813,4 +814,79 @@ fn relay_beside_live_writers_sees_no_errors_and_delivers_each_message_once<D: Te
     let repeated: Vec<_> = deliveries.iter().filter(|(_, count)| **count > 1).collect();
     assert!(repeated.is_empty(), "delivered more than once: {repeated:?}");
     assert_eq!(status_count::<D>(&mut conn, "delivered"), enqueued);
+}
+
+/// Each message's scope: the innermost call executing on the connection that
+/// enqueued it, also after a nested call returned or panicked, never a call
+/// on another thread; empty outside a call.
+fn messages_carry_the_scope_of_the_call_that_enqueued_them<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let enqueue = |conn: &mut D::Conn, payload: &str| -> Result<(), outbox::Error> {
+        outbox::enqueue(conn, "notes", payload).map(drop)
+    };
+    enqueue(&mut conn, "outside").expect("enqueue outside a call");
+
+    let barrier = Barrier::new(2);
+    std::thread::scope(|threads| {
+        let elsewhere = threads.spawn(|| {
+            let mut other = db.conn();
+            barrier.wait();
+            // Waits for the call's commit on SQLite, whose write lock it holds.
+            enqueue(&mut other, "another thread's connection").expect("enqueue beside the call");
+        });
+        run_idempotent(&mut conn, "tenant-a", "outer", &1, |tx| {
+            enqueue(tx, "outer, before")?;
+            run_idempotent(tx, "tenant-b", "inner", &2, |tx| enqueue(tx, "inner"))
+                .map_err(|e| outbox::Error::Storage(storage(e)))?;
+            let panicked = panic::catch_unwind(AssertUnwindSafe(|| {
+                let _ = run_idempotent(tx, "tenant-c", "panics", &3, |tx| {
+                    enqueue(tx, "rolled back with the panic")?;
+                    panic!("the nested operation fails");
+                    #[allow(unreachable_code)]
+                    Ok::<(), outbox::Error>(())
+                });
+            }));
+            assert!(panicked.is_err());
+            barrier.wait();
+            enqueue(tx, "outer, after")
+        })
+        .expect("the outer call");
+        elsewhere.join().expect("the other thread does not panic");
+    });
+    idempotency::phased::Phased::new("note")
+        .run(&mut conn, "tenant-d", "phased", &4, |s| {
+            s.finish(|tx| enqueue(tx, "a phased step"))
+        })
+        .expect("the phased call");
+
+    let mut scopes = HashMap::new();
+    Relay::default()
+        .run_once(&mut conn, |message| {
+            let payload: String = message.payload().expect("a note");
+            scopes.insert(payload, message.scope.clone());
+            Ok::<_, String>(())
+        })
+        .expect("deliver the notes");
+    let expected: HashMap<String, String> = [
+        ("outside", ""),
+        ("another thread's connection", ""),
+        ("outer, before", "tenant-a"),
+        ("inner", "tenant-b"),
+        ("outer, after", "tenant-a"),
+        ("a phased step", "tenant-d"),
+    ]
+    .into_iter()
+    .map(|(payload, scope)| (payload.to_owned(), scope.to_owned()))
+    .collect();
+    assert_eq!(scopes, expected);
+}
+
+/// The database error inside a call's error, for an operation that returns
+/// the outbox's.
+fn storage(error: Error<outbox::Error>) -> diesel::result::Error {
+    match error {
+        Error::Storage(e) | Error::Operation(outbox::Error::Storage(e)) => e,
+        other => panic!("the nested call failed: {other:?}"),
+    }
 }
