@@ -11,13 +11,16 @@
 //!
 //! | request | answer |
 //! | --- | --- |
-//! | `POST /orders` with `Authorization: Bearer <account>`, `Idempotency-Key` and `{"item": string, "quantity": integer}` | `201 Created`, `Location: /orders/{id}`, `{"id", "item", "quantity"}` |
+//! | `POST /orders` with `Authorization: Bearer <token>`, `Idempotency-Key` and `{"item": string, "quantity": integer}` | `201 Created`, `Location: /orders/{id}`, `{"id", "item", "quantity"}` |
 //! | `GET /orders/{id}` | the account's order, or 404 |
 //! | `GET /orders` | the account's orders |
 //!
-//! The bearer token stands in for a real credential: it is the account id,
-//! and the account is the scope of its idempotency keys. Errors are RFC 9457
-//! problems. An order needs a quantity of at least 1 and an item of at most
+//! The bearer token stands in for a signed credential that names its
+//! account, as a verified token's subject does: `acct-42`, or
+//! `acct-42.<anything>` after a rotation. The account id, never the token,
+//! is the scope of the account's idempotency keys and the owner of its
+//! orders, so a retry sent with a rotated token still replays. Errors are
+//! RFC 9457 problems. An order needs a quantity of at least 1 and an item of at most
 //! 1,000 characters without U+0000; what breaks a rule is refused (422)
 //! before any database work, so that every backend gives the same answer.
 //! Every route answers 503 with `Retry-After` when no database connection
@@ -250,8 +253,8 @@ impl OrderStore for MysqlConnection {
     order_queries!();
 }
 
-/// The authenticated account: the bearer token, which stands in for a real
-/// credential. It is the scope of the account's idempotency keys.
+/// The authenticated account, by its id: the scope of its idempotency keys
+/// and the owner of its orders.
 #[derive(Debug, Clone)]
 pub struct Account(String);
 
@@ -264,18 +267,29 @@ impl<S: Sync> FromRequestParts<S> for Account {
             (Some(value), None) => value.to_str().ok().and_then(bearer_token),
             _ => None,
         };
-        // A token the key rules would refuse as a scope is no account of ours.
-        match token {
-            Some(token) if token.len() <= 255 && token.bytes().all(|b| b.is_ascii_graphic()) => {
-                Ok(Account(token.to_owned()))
-            }
-            _ => {
+        match token.and_then(account_of) {
+            Some(account) => Ok(Account(account.to_owned())),
+            None => {
                 let problem = problem(StatusCode::UNAUTHORIZED, "unauthorized", "Unauthorized")
                     .with_detail("send Authorization: Bearer <account token>");
                 Err(([(header::WWW_AUTHENTICATE, "Bearer")], problem).into_response())
             }
         }
     }
+}
+
+/// The account a token names: what precedes its first `.`, where a real
+/// service would verify the token and read its subject. The part after it
+/// changes when the token is rotated; the account does not, and a scope
+/// that held the token would make a retry sent with the new one execute
+/// again (and store a credential in every key record).
+fn account_of(token: &str) -> Option<&str> {
+    if !token.bytes().all(|b| b.is_ascii_graphic()) {
+        return None;
+    }
+    let account = token.split_once('.').map_or(token, |(account, _)| account);
+    // An id the key rules would refuse as a scope is no account of ours.
+    (!account.is_empty() && account.len() <= 255).then_some(account)
 }
 
 fn bearer_token(value: &str) -> Option<&str> {

@@ -49,6 +49,7 @@ crate::common::backend_tests!(
     reuse_with_another_body_is_422,
     missing_or_malformed_credentials_are_401,
     accounts_neither_see_nor_replay_each_other,
+    a_rotated_token_of_one_account_replays_and_no_token_is_stored,
     validation_failure_leaves_the_key_free,
     bad_bodies_are_refused_without_echo_and_leave_the_key_free,
     example_binary_serves_the_lost_response_story_and_stops_on_sigterm,
@@ -362,7 +363,13 @@ async fn missing_or_malformed_credentials_are_401<D: TestDb>() {
         .await
         .assert_problem(401);
     assert_eq!(answer.body["type"], "https://orders.example/problems/unauthorized");
-    for authorization in ["Basic YWxhZGRpbjpvcGVuc2VzYW1l", "Bearer", "Bearer ", "bearer a b"] {
+    for authorization in [
+        "Basic YWxhZGRpbjpvcGVuc2VzYW1l",
+        "Bearer",
+        "Bearer ",
+        "bearer a b",
+        "Bearer .no-account",
+    ] {
         let request = client
             .post(server.url("/orders"))
             .header("authorization", authorization)
@@ -405,6 +412,42 @@ async fn accounts_neither_see_nor_replay_each_other<D: TestDb>() {
         .await
         .assert_problem(404);
     assert_eq!(order_count(&db).await, 3);
+}
+
+async fn a_rotated_token_of_one_account_replays_and_no_token_is_stored<D: TestDb>() {
+    let db = database::<D>().await;
+    let server = Server::start(&db, Settings::default()).await;
+    let client = client();
+    let first = send(post_order(
+        &client,
+        &server.url(""),
+        "acct-1.token-before",
+        &["rotate-1"],
+        BODY,
+    ))
+    .await;
+    assert_eq!((first.status, first.replayed.as_deref()), (201, None));
+
+    // The token was rotated between the lost response and the retry: the
+    // same account, so the same scope, and the first order comes back.
+    let retry = send(post_order(
+        &client,
+        &server.url(""),
+        "acct-1.token-after",
+        &["rotate-1"],
+        BODY,
+    ))
+    .await;
+    assert_eq!((retry.status, retry.replayed.as_deref()), (201, Some("true")));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(order_count(&db).await, 1);
+
+    // The one key record is in the account's scope: no token is stored.
+    assert_eq!(key_count(&db).await, 1);
+    let in_account = tokio::task::block_in_place(|| D::keys_in_scope(&mut db.conn(), "acct-1"));
+    assert_eq!(in_account, ["rotate-1"]);
+    let listed = send(client.get(server.url("/orders")).bearer_auth("acct-1.token-after")).await;
+    assert_eq!(listed.body, json!([first.body]));
 }
 
 async fn validation_failure_leaves_the_key_free<D: TestDb>() {
