@@ -11,20 +11,27 @@ use super::header::read_key;
 use super::{IDEMPOTENCY_KEY, ProblemKind, Problems};
 
 /// A caller as the application's authentication knows it, naming the
-/// idempotency scope its keys live in: its account, tenant or API client.
+/// idempotency scope its keys live in: a stable id of the principal, the
+/// user or API client (composed with its tenant where it has one).
 ///
 /// Implement it on the extractor that authenticates a request (the one that
 /// reads and checks `Authorization`). [`IdempotencyKey`] runs that extractor
-/// and takes the scope from it, so the scope comes from the credential and
-/// never from anything else the client says: two accounts that pick the same
-/// key get two independent operations, and neither can replay the other's
-/// response.
+/// and takes the scope from it, so the scope is the identity the credential
+/// was verified to belong to and never anything the client says: two
+/// callers that pick the same key get two independent operations, and
+/// neither can replay the other's response. The scope is that identity's id,
+/// never the credential itself: a token would be stored in every key record
+/// and recorded on spans, and a retry sent with a rotated token would land
+/// in another scope and execute again (see
+/// [the contract](crate::guide::contract#scope-whose-keys-these-are)). The
+/// scope does not authorize: check the caller's permission before the call
+/// (a replay runs no code of the operation).
 ///
 /// ```
 /// use std::borrow::Cow;
 /// use idempotency::http::Caller;
 ///
-/// /// An authenticated account.
+/// /// An authenticated account, by its id.
 /// struct Account { id: u64 }
 ///
 /// impl Caller for Account {

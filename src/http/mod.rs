@@ -31,6 +31,14 @@
 //!
 //! No problem carries the request body, nor the key.
 //!
+//! Authentication and authorization come before the call, in the extractor
+//! `A` or in the handler: a replay answers the stored response without
+//! running the operation, so a check inside it guards the first request
+//! only. The scope is a stable id of the caller, never its credential
+//! ([the contract](crate::guide::contract#scope-whose-keys-these-are));
+//! [HTTP with axum](crate::guide::http#authorization-before-the-call) shows
+//! a handler with a permission check.
+//!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! # tokio::runtime::Runtime::new()?.block_on(async {
@@ -46,23 +54,27 @@
 //! use serde::{Deserialize, Serialize};
 //! use tower::ServiceExt;
 //!
-//! /// The caller, from the credential: here the bearer token names the account.
-//! struct Account(String);
+//! /// The caller, by the id its verified credential names.
+//! struct Account { id: u64 }
+//!
+//! /// Your token store or verifier; one fixed token here.
+//! fn account_of(token: &str) -> Option<Account> {
+//!     (token == "tok-3f9a").then_some(Account { id: 1 })
+//! }
 //!
 //! impl<S: Sync> FromRequestParts<S> for Account {
 //!     type Rejection = Problem;
 //!
 //!     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Problem> {
 //!         parts.headers.get(header::AUTHORIZATION)
-//!             .and_then(|value| value.to_str().ok()?.strip_prefix("Bearer "))
-//!             .map(|token| Account(token.to_owned()))
+//!             .and_then(|value| account_of(value.to_str().ok()?.strip_prefix("Bearer ")?))
 //!             .ok_or_else(|| Problem::new(StatusCode::UNAUTHORIZED, "Unauthorized"))
 //!     }
 //! }
 //!
 //! impl Caller for Account {
 //!     fn scope(&self) -> Cow<'_, str> {
-//!         Cow::Borrowed(&self.0)
+//!         Cow::Owned(format!("acct-{}", self.id))
 //!     }
 //! }
 //!
@@ -107,7 +119,7 @@
 //!
 //! let post_order = |key: &str| {
 //!     Request::post("/orders")
-//!         .header("authorization", "Bearer acct-1")
+//!         .header("authorization", "Bearer tok-3f9a")
 //!         .header("idempotency-key", key)
 //!         .header("content-type", "application/json")
 //!         .body(axum::body::Body::from(r#"{"item": "book"}"#))
