@@ -31,7 +31,6 @@ diesel::table! {
 /// The request body of `POST /orders`.
 #[derive(Serialize, Clone)]
 struct PlaceOrder {
-    customer: String,
     item: String,
     quantity: i32,
 }
@@ -68,13 +67,13 @@ impl From<diesel::result::Error> for OrderError {
 }
 
 /// The repository function, as the application already has it.
-fn insert_order(conn: &mut SqliteConnection, request: &PlaceOrder) -> Result<OrderPlaced, OrderError> {
+fn insert_order(conn: &mut SqliteConnection, customer: &str, request: &PlaceOrder) -> Result<OrderPlaced, OrderError> {
     if request.quantity <= 0 {
         return Err(OrderError::InvalidQuantity(request.quantity));
     }
     let order_id = diesel::insert_into(orders::table)
         .values((
-            orders::customer.eq(&request.customer),
+            orders::customer.eq(customer),
             orders::item.eq(&request.item),
             orders::quantity.eq(request.quantity),
         ))
@@ -93,16 +92,18 @@ struct OrderService {
 }
 
 impl OrderService {
-    /// `POST /orders` with an `Idempotency-Key` header: returns the HTTP
-    /// status and a body.
-    fn post(&self, key: &str, request: &PlaceOrder) -> (u16, String) {
+    /// `POST /orders` with an `Idempotency-Key` header, from `customer`,
+    /// the id that authentication found for the request's credential (never
+    /// the credential, nor a field of the body): returns the HTTP status and
+    /// a body.
+    fn post(&self, customer: &str, key: &str, request: &PlaceOrder) -> (u16, String) {
         let mut conn = match self.pool.get() {
             Ok(conn) => conn,
             Err(error) => return (503, error.to_string()),
         };
         // The customer is the scope: one customer's keys never see another's.
-        let result = self.config.run(&mut conn, &request.customer, key, request, |tx| {
-            insert_order(tx, request)
+        let result = self.config.run(&mut conn, customer, key, request, |tx| {
+            insert_order(tx, customer, request)
         });
         match result {
             Ok(Outcome::Executed(placed)) => (201, format!("{placed:?}")),
@@ -142,44 +143,40 @@ fn main() -> anyhow::Result<()> {
 
     println!("\n1. the response is lost and the client retries");
     let book = PlaceOrder {
-        customer: "alice".into(),
         item: "book".into(),
         quantity: 1,
     };
-    let (status, body) = service.post("a1b2c3", &book);
+    let (status, body) = service.post("alice", "a1b2c3", &book);
     println!("   POST /orders key=a1b2c3 -> {status} {body}   (the client never sees this)");
-    let (status, body) = service.post("a1b2c3", &book);
+    let (status, body) = service.post("alice", "a1b2c3", &book);
     println!("   retry with key=a1b2c3  -> {status} {body}");
     println!("   orders in the database: {}", service.order_count()?);
 
     println!("\n2. the same key for a different order");
     let lamp = PlaceOrder {
-        customer: "alice".into(),
         item: "lamp".into(),
         quantity: 1,
     };
-    let (status, body) = service.post("a1b2c3", &lamp);
+    let (status, body) = service.post("alice", "a1b2c3", &lamp);
     println!("   POST /orders key=a1b2c3 (lamp) -> {status} {body}");
 
     println!("\n3. a rejected request, corrected and retried with the same key");
     let wrong = PlaceOrder {
-        customer: "bob".into(),
         item: "chair".into(),
         quantity: 0,
     };
-    let (status, body) = service.post("d4e5f6", &wrong);
+    let (status, body) = service.post("bob", "d4e5f6", &wrong);
     println!("   POST /orders key=d4e5f6 quantity=0 -> {status} {body}   (nothing stored, key still free)");
     let fixed = PlaceOrder { quantity: 2, ..wrong };
-    let (status, body) = service.post("d4e5f6", &fixed);
+    let (status, body) = service.post("bob", "d4e5f6", &fixed);
     println!("   POST /orders key=d4e5f6 quantity=2 -> {status} {body}");
-    let (status, body) = service.post("not a key", &fixed);
+    let (status, body) = service.post("bob", "not a key", &fixed);
     println!("   POST /orders key=\"not a key\"       -> {status} {body}");
 
     println!("\n4. eight clients race with one key");
     let racers = 8;
     let barrier = Arc::new(Barrier::new(racers));
     let desk = PlaceOrder {
-        customer: "carol".into(),
         item: "desk".into(),
         quantity: 1,
     };
@@ -188,7 +185,7 @@ fn main() -> anyhow::Result<()> {
             let (service, barrier, desk) = (service.clone(), barrier.clone(), desk.clone());
             thread::spawn(move || {
                 barrier.wait();
-                let (status, body) = service.post("g7h8i9", &desk);
+                let (status, body) = service.post("carol", "g7h8i9", &desk);
                 format!("   client {i}: {status} {body}")
             })
         })

@@ -190,8 +190,9 @@ fn main() -> anyhow::Result<()> {
     println!("database: {}", path.display());
 
     // Each request carries the client's Idempotency-Key; the scope is the
-    // tenant, so two tenants' keys never meet.
-    let scope = "tenant-42";
+    // stable id of the authenticated customer, so two customers' keys never
+    // meet.
+    let scope = "customer-42";
 
     println!("\n1. create an order; the response is lost and the client retries");
     let new_order = NewOrder {
