@@ -531,14 +531,15 @@ async fn example_binary_serves_the_lost_response_story_and_stops_on_sigterm<D: T
     let client = client();
 
     let (proxy, lost) = losing_proxy(service.addr()).await;
-    let sent = post_order(&client, &format!("http://{proxy}"), "acct-1", &["bin-1"], BODY)
+    let sent = post_order(&client, &format!("http://{proxy}"), "acct-1.token-1", &["bin-1"], BODY)
         .send()
         .await;
     assert!(sent.is_err(), "the response was lost on its way: {sent:?}");
     let first = lost.await.expect("the proxy saw the response");
     assert_eq!(first.status, 201);
 
-    let retry = send(post_order(&client, &service.base, "acct-1", &["bin-1"], BODY)).await;
+    // The client refreshed its token before it retried: the same account.
+    let retry = send(post_order(&client, &service.base, "acct-1.token-2", &["bin-1"], BODY)).await;
     assert_eq!((retry.status, retry.replayed.as_deref()), (201, Some("true")));
     assert_eq!(retry.location.as_deref(), first.header("location"));
     assert_eq!(retry.body, serde_json::from_slice::<Value>(&first.body).expect("JSON"));
