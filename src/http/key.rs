@@ -85,7 +85,8 @@ pub trait Caller {
 /// use axum::http::{request::Parts, Request, StatusCode};
 /// use idempotency::http::{Caller, IdempotencyKey};
 ///
-/// /// Everyone is one caller here; real code reads a credential.
+/// /// Everyone is one caller here; real code verifies a credential and
+/// /// scopes by the id of the caller it names.
 /// struct Anyone;
 ///
 /// impl<S: Sync> FromRequestParts<S> for Anyone {
