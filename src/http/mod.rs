@@ -129,6 +129,7 @@
 use axum::http::HeaderName;
 
 mod call;
+mod gate;
 mod header;
 mod key;
 mod pool;
