@@ -110,15 +110,17 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 ///   checked out: a request that can never succeed gets its 400 (or, for
 ///   the scope, 500) even while the pool is exhausted, not a 503 that tells
 ///   the client to retry it.
-/// - **Duplicates wait without a connection.** Requests with one scope and
+/// - **Duplicates wait without a connection.** Under
+///   [`InFlight::Wait`](crate::InFlight::Wait), requests with one scope and
 ///   key in this process pass one at a time, and the others wait for their
-///   turn before checking out a connection, as long as the
-///   [`InFlight`](crate::InFlight) policy of `config` allows (then a 409;
-///   `InFlight::Reject` answers it at once). A flood of duplicates of one
-///   slow request thus holds one pooled connection, not the pool, and every
-///   other request is served meanwhile. Each in turn then asks the
-///   database, which decides as ever (replay, mismatch, or a holder in
-///   another process to wait for).
+///   turn before checking out a connection, as long as the wait allows
+///   (then a 409). A flood of duplicates of one slow request thus holds one
+///   pooled connection, not the pool, and every other request is served
+///   meanwhile. Each in turn then asks the database, which decides as ever
+///   (replay, mismatch, or a holder in another process to wait for).
+///   Turns are per backend, not per pool: two databases of one backend
+///   served by one process share the turns of a scope and key. Under
+///   `InFlight::Reject` no one waits, and the database answers at once.
 /// - **No async worker blocks.** Checkout, the transaction and any wait
 ///   at the database for a request in progress with the same key all
 ///   happen on a blocking thread, the pattern of axum's diesel example.
@@ -317,7 +319,7 @@ where
 {
     let problems = key.problems();
     let (scope, idempotency_key) = (key.scope().to_owned(), key.key().to_owned());
-    let Ok(turn) = gate::turn(&scope, &idempotency_key, in_flight).await else {
+    let Ok(turn) = gate::turn::<P::Connection>(&scope, &idempotency_key, in_flight).await else {
         return Err(failure(Error::InProgress, problems));
     };
     let called = pool

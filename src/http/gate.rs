@@ -3,7 +3,15 @@
 //! flood of them holds one pooled connection and not the pool. The
 //! database still decides what each turn gets (replay, mismatch, or a
 //! holder in another process to wait for).
+//!
+//! A key is told apart by its scope, the key and the connection type: two
+//! pools of one backend in one process (two databases) share the turns of
+//! a scope and key, so a duplicate there may wait for the other database's
+//! request, and answer 409 if that outlasts the wait. Under
+//! `InFlight::Reject` no one waits, so there are no turns: the database
+//! answers at once, holding its connection only for that.
 
+use std::any::TypeId;
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
@@ -12,16 +20,20 @@ use tokio::sync::{Mutex as TurnLock, OwnedMutexGuard};
 use crate::InFlight;
 use crate::telemetry::TARGET;
 
-/// A scope and a key.
-type Id = (String, String);
+/// The connection type, a scope and a key.
+type Id = (TypeId, String, String);
 
 /// The lock of every key that someone holds or waits for in this process;
 /// an entry leaves with the last of them, so the map holds no idle key.
 static TURNS: LazyLock<Mutex<HashMap<Id, Arc<TurnLock<()>>>>> = LazyLock::new(Mutex::default);
 
 /// The turn of one request with its key: the others with the key wait
-/// until it is dropped.
+/// until it is dropped. None under `InFlight::Reject`.
 pub(crate) struct Turn {
+    _held: Option<Held>,
+}
+
+struct Held {
     // Dropped before the interest, which may then remove the entry.
     _held: OwnedMutexGuard<()>,
     _interest: Interest,
@@ -31,21 +43,22 @@ pub(crate) struct Turn {
 #[derive(Debug)]
 pub(crate) struct StillInProgress;
 
-/// Waits for the turn of `key` in `scope`, as long as `in_flight` allows.
+/// Waits for the turn of `key` in `scope` on connections `C`, as long as
+/// `in_flight` allows.
 ///
 /// # Errors
 ///
 /// [`StillInProgress`] when another request of this process held the key
 /// throughout the wait.
-pub(crate) async fn turn(scope: &str, key: &str, in_flight: InFlight) -> Result<Turn, StillInProgress> {
-    let interest = Interest::in_key((scope.to_owned(), key.to_owned()));
+pub(crate) async fn turn<C: 'static>(scope: &str, key: &str, in_flight: InFlight) -> Result<Turn, StillInProgress> {
+    let InFlight::Wait(wait) = in_flight else {
+        return Ok(Turn { _held: None });
+    };
+    let interest = Interest::in_key((TypeId::of::<C>(), scope.to_owned(), key.to_owned()));
     let lock = interest.lock.clone();
     let held = match lock.clone().try_lock_owned() {
         Ok(held) => held,
         Err(_) => {
-            let InFlight::Wait(wait) = in_flight else {
-                return Err(StillInProgress);
-            };
             tracing::debug!(target: TARGET, scope, "waiting for a request with the same key in this process");
             let wait = wait.to_std().unwrap_or_default();
             tokio::time::timeout(wait, lock.lock_owned())
@@ -54,8 +67,10 @@ pub(crate) async fn turn(scope: &str, key: &str, in_flight: InFlight) -> Result<
         }
     };
     Ok(Turn {
-        _held: held,
-        _interest: interest,
+        _held: Some(Held {
+            _held: held,
+            _interest: interest,
+        }),
     })
 }
 
@@ -97,17 +112,30 @@ mod tests {
 
     #[tokio::test]
     async fn a_key_leaves_the_map_with_its_last_request() {
-        let id = ("gate-test".to_owned(), "k-1".to_owned());
-        let first = turn(&id.0, &id.1, InFlight::Reject).await.expect("a free key");
-        let refused = turn(&id.0, &id.1, InFlight::Reject).await;
-        assert!(matches!(refused, Err(StillInProgress)));
-        let waited = turn(&id.0, &id.1, InFlight::Wait(Duration::milliseconds(10))).await;
+        let wait = |ms| InFlight::Wait(Duration::milliseconds(ms));
+        let id = (TypeId::of::<u8>(), "gate-test".to_owned(), "k-1".to_owned());
+        let first = turn::<u8>(&id.1, &id.2, wait(0)).await.expect("a free key");
+        let waited = turn::<u8>(&id.1, &id.2, wait(10)).await;
         assert!(matches!(waited, Err(StillInProgress)));
         assert!(turns().contains_key(&id));
+        // Another connection type, another database.
+        let elsewhere = turn::<u16>(&id.1, &id.2, wait(0)).await.expect("a free key elsewhere");
         drop(first);
         assert!(!turns().contains_key(&id), "no one holds or waits for the key");
-        let again = turn(&id.0, &id.1, InFlight::Reject).await.expect("a free key");
-        drop(again);
+        let again = turn::<u8>(&id.1, &id.2, wait(0)).await.expect("a free key");
+        drop((again, elsewhere));
         assert!(!turns().contains_key(&id));
+    }
+
+    #[tokio::test]
+    async fn no_one_takes_turns_when_no_one_waits() {
+        let first = turn::<u8>("gate-test", "k-2", InFlight::Reject).await.expect("no turn");
+        let second = turn::<u8>("gate-test", "k-2", InFlight::Reject).await.expect("no turn");
+        assert!(
+            !turns()
+                .keys()
+                .any(|(_, scope, key)| (scope.as_str(), key.as_str()) == ("gate-test", "k-2"))
+        );
+        drop((first, second));
     }
 }
