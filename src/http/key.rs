@@ -82,11 +82,14 @@ pub trait Caller {
 /// [`run`](super::run) and [`run_phased`](super::run_phased) fingerprint
 /// them with the request value, so the same key and body sent to another
 /// endpoint is a mismatch (422), never the first endpoint's replay. Path
-/// parameters and query parameters are compared decoded
-/// (`%41` and `A`, `+` and `%20` are one), the query's parameters sorted by
-/// name, the values of a repeated name kept in their order: `?a=1&b=2` and
-/// `?b=2&a=1` are one request, `?tag=x&tag=y` and `?tag=y&tag=x` are two.
-/// An empty query is no query. An application whose keys are meant to span
+/// parameters are compared as axum's `Path` decodes them (a parameter that
+/// is not UTF-8 once decoded is refused here as `Path` refuses it). The
+/// query is compared as RFC 3986 normalizes it, and no further: `%65` is
+/// `e`, but `+`, `%20` and `%2B` are three spellings, since parsers
+/// disagree on what `+` means. Its parameters are sorted by name, the
+/// values of a repeated name kept in their order: `?a=1&b=2` and `?b=2&a=1`
+/// are one request, `?tag=x&tag=y` and `?tag=y&tag=x` are two, and so are
+/// `?flag` and `?flag=`. An empty query is no query. An application whose keys are meant to span
 /// endpoints says so with [`across_endpoints`](IdempotencyKey::across_endpoints).
 ///
 /// ```
@@ -146,12 +149,44 @@ pub(crate) struct Endpoint {
     method: String,
     route: String,
     path: Vec<(String, String)>,
-    query: Vec<(String, String)>,
+    /// A parameter without `=` has no value, which is not an empty one.
+    query: Vec<(String, Option<String>)>,
+}
+
+/// `component` of a query as RFC 3986 (§6.2.2) normalizes it: the escapes
+/// of unreserved characters decoded, the others in upper case. Nothing
+/// else is decoded: parsers disagree on what `+` means, so `+`, `%20` and
+/// `%2B` stay three spellings.
+fn normalized(component: &str) -> String {
+    let mut out = String::with_capacity(component.len());
+    let mut rest = component;
+    while let Some(at) = rest.find('%') {
+        out.push_str(&rest[..at]);
+        let hex = rest
+            .get(at + 1..at + 3)
+            .filter(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()));
+        match hex.and_then(|hex| u8::from_str_radix(hex, 16).ok()) {
+            Some(byte) if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) => {
+                out.push(char::from(byte));
+                rest = &rest[at + 3..];
+            }
+            Some(_) => {
+                out.push('%');
+                out.push_str(&rest[at + 1..at + 3].to_ascii_uppercase());
+                rest = &rest[at + 3..];
+            }
+            None => {
+                out.push('%');
+                rest = &rest[at + 1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 impl Endpoint {
-    /// The endpoint of the request in `parts`; a path parameter that is not
-    /// UTF-8 once decoded is refused as axum's `Path` refuses it.
+    /// The endpoint of the request in `parts`.
     async fn of(parts: &mut Parts) -> Result<Endpoint, Response> {
         let route = match parts.extensions.get::<MatchedPath>() {
             Some(matched) => matched.as_str().to_owned(),
@@ -167,8 +202,16 @@ impl Endpoint {
             Err(rejection) => return Err(rejection.into_response()),
         };
         path.sort();
-        let mut query: Vec<(String, String)> = form_urlencoded::parse(parts.uri.query().unwrap_or("").as_bytes())
-            .map(|(name, value)| (name.into_owned(), value.into_owned()))
+        let mut query: Vec<(String, Option<String>)> = parts
+            .uri
+            .query()
+            .unwrap_or("")
+            .split('&')
+            .filter(|parameter| !parameter.is_empty())
+            .map(|parameter| match parameter.split_once('=') {
+                Some((name, value)) => (normalized(name), Some(normalized(value))),
+                None => (normalized(parameter), None),
+            })
             .collect();
         // Stable: the values of one name keep their order, which may mean
         // something to the application.
@@ -314,5 +357,22 @@ impl<A: Caller> IdempotencyKey<A> {
             problems,
             endpoint: Some(endpoint),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::normalized;
+
+    #[test]
+    fn a_query_is_normalized_as_rfc_3986_says_and_no_further() {
+        assert_eq!(normalized("%65ur%7e"), "eur~");
+        assert_eq!(normalized("a%2fb%2F"), "a%2Fb%2F");
+        for spelling in ["a+b", "a%20b", "a%2Bb"] {
+            assert_eq!(normalized(spelling), spelling);
+        }
+        assert_eq!(normalized("100%"), "100%");
+        assert_eq!(normalized("%g1%+1"), "%g1%+1");
+        assert_eq!(normalized("caf%C3%A9"), "caf%C3%A9");
     }
 }
