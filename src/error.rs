@@ -129,6 +129,11 @@ impl<E> Error<E> {
     /// for a mismatched request, 409 for a key in progress, 503 for an
     /// unknown outcome (retry later, with the same key), 500 otherwise.
     ///
+    /// This is the generic mapping, where the scope may come from the
+    /// client. [`http::run`](crate::http::run) takes the scope from the
+    /// server's own authentication, so it answers an invalid scope with a
+    /// 500, the server's mistake, and not this 400.
+    ///
     /// ```
     /// use idempotency::Error;
     ///

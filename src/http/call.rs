@@ -7,20 +7,27 @@ use std::fmt;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use serde::ser::{SerializeStruct, Serializer};
 
+use super::gate;
+use super::key::Endpoint;
 use super::pool::Unavailable;
 use super::{ConnectionPool, IdempotencyKey, Problem, ProblemKind, Problems};
 use crate::backend::KeyStore;
 use crate::outcome::Recorded;
 use crate::phased::{Finished, Phased, Steps};
 use crate::telemetry::CallTrace;
-use crate::{Config, Error, Outcome, StoreConnection};
+use crate::{Config, Error, InFlight, Outcome, StoreConnection};
 
 /// Why [`run`] gave no outcome, and the response that says so.
 ///
-/// Nothing was committed in any case: the key is free, except after a
-/// [`Failed`](Failure::Failed) replay whose stored response no longer
-/// decodes. As a response: the operation's own error through its
+/// What committed: nothing, and the key is free, in every case but two
+/// [`Failed`](Failure::Failed) ones. After a commit that failed without the
+/// database refusing it ([`Error::OutcomeUnknown`], a 503) the operation
+/// may or may not have been carried out: the client's retry with the same
+/// key replays it if it was, and executes it if it was not. After a replay
+/// whose stored response no longer decodes ([`Error::Codec`], a 500) the
+/// key stays spent. As a response: the operation's own error through its
 /// `IntoResponse`, the application's mapping; every other failure as its
 /// problem.
 #[derive(Debug)]
@@ -35,9 +42,10 @@ pub enum Failure<E> {
     /// (409, with `Retry-After`).
     Refused(Problem),
     /// The call could not be completed: no pooled connection in time (503,
-    /// with `Retry-After`), storage or JSON failed, or the operation
-    /// panicked (500). `cause` is for the server's log; the problem says
-    /// nothing about it.
+    /// with `Retry-After`), a commit whose outcome is unknown (503, with
+    /// `Retry-After`: retry with the same key), storage or JSON failed, or
+    /// the operation panicked (500). `cause` is for the server's log; the
+    /// problem says nothing about it.
     Failed {
         /// What the client is told.
         problem: Problem,
@@ -83,15 +91,17 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// handler returns.
 ///
 /// `op` gets the connection, inside the transaction that also holds the
-/// key record, and the request, which is what the key is bound to (its
-/// fingerprint). Return the response to store, usually a
+/// key record, and the request. Return the response to store, usually a
 /// [`StoredResponse`](super::StoredResponse); an `Err` rolls everything
 /// back and leaves the key free.
 ///
-/// The key is bound to the caller's scope and `request`, not to the route:
-/// where a caller's keys reach several endpoints, pass the endpoint with the
-/// body (`("refunds", body)`), or the same key and body sent to a second
-/// endpoint replays the first endpoint's response.
+/// The key is bound to the caller's scope, to `request` and to the endpoint
+/// the [`IdempotencyKey`] was sent to (method, matched route, path
+/// parameters, query): the fingerprint covers them all, so the same key and
+/// body sent to another endpoint is a 422, never that endpoint's replay of
+/// the first one's response. A key made
+/// [`across_endpoints`](IdempotencyKey::across_endpoints) is bound to
+/// `request` alone.
 ///
 /// How it behaves, and why:
 ///
@@ -100,10 +110,20 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 ///   checked out: a request that can never succeed gets its 400 (or, for
 ///   the scope, 500) even while the pool is exhausted, not a 503 that tells
 ///   the client to retry it.
+/// - **Duplicates wait without a connection.** Under
+///   [`InFlight::Wait`](crate::InFlight::Wait), requests with one scope and
+///   key in this process pass one at a time, and the others wait for their
+///   turn before checking out a connection, as long as the wait allows
+///   (then a 409). A flood of duplicates of one slow request thus holds one
+///   pooled connection, not the pool, and every other request is served
+///   meanwhile. Each in turn then asks the database, which decides as ever
+///   (replay, mismatch, or a holder in another process to wait for).
+///   Turns are per backend, not per pool: two databases of one backend
+///   served by one process share the turns of a scope and key. Under
+///   `InFlight::Reject` no one waits, and the database answers at once.
 /// - **No async worker blocks.** Checkout, the transaction and any wait
-///   for a request in progress with the same key (the
-///   [`InFlight`](crate::InFlight) policy of `config`) all happen on a
-///   blocking thread, the pattern of axum's diesel example.
+///   at the database for a request in progress with the same key all
+///   happen on a blocking thread, the pattern of axum's diesel example.
 /// - **A client that goes away changes nothing.** The blocking task is not
 ///   cancelled when the handler's future is dropped: the transaction commits
 ///   or rolls back as a whole, and the client's retry replays the result.
@@ -112,8 +132,10 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// - **Errors** become [`Failure`]: `op`'s own error as
 ///   [`Failure::Operation`], answered through `E`'s `IntoResponse`; the
 ///   others as problems described by the [`Problems`] that came with the key.
-///   An invalid scope is the application's mistake, so it is a 500 and not
-///   the 400 of [`Error::status_code`].
+///   The scope comes from the server's own authentication ([`Caller`](super::Caller)),
+///   so an invalid scope is the server's mistake: a 500, not the 400 of
+///   [`Error::status_code`], whose generic mapping assumes a scope the
+///   client may have chosen.
 ///
 /// # Errors
 ///
@@ -122,9 +144,11 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// | [`Failure::Operation`] | `E`'s | `op` returned `Err` |
 /// | [`Failure::Refused`] | 400 | the key breaks the key rules of `config` (checked before the checkout) |
 /// | [`Failure::Refused`] | 422 | the key was used with a different request |
-/// | [`Failure::Refused`] | 409 + `Retry-After` | a request with the key is in progress beyond the in-flight wait (on SQLite, any write that holds the database that long) |
-/// | [`Failure::Failed`] | 503 + `Retry-After` | no connection from `pool` within its connection timeout |
-/// | [`Failure::Failed`] | 500 | storage or JSON failed, an invalid scope (checked before the checkout), or `op` panicked |
+/// | [`Failure::Refused`] | 422 | the key was used at another endpoint (unless [`across_endpoints`](IdempotencyKey::across_endpoints)) |
+/// | [`Failure::Refused`] | 409 + `Retry-After` | a request with the key is in progress beyond the in-flight wait, in this process or at the database (on SQLite, any write that holds the database that long) |
+/// | [`Failure::Failed`] | 503 + `Retry-After` | no connection from `pool` within its connection timeout (for a deadpool pool without a wait timeout, 5 s) |
+/// | [`Failure::Failed`] | 503 + `Retry-After` | [`Error::OutcomeUnknown`]: the commit failed without the database refusing it, so the operation may or may not have been carried out; the retry with the same key tells which |
+/// | [`Failure::Failed`] | 500 | storage or JSON failed (a [`StoredResponse`](super::StoredResponse) with a header it refuses, too), an invalid scope (checked before the checkout), or `op` panicked |
 ///
 /// ```
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -192,8 +216,10 @@ where
 {
     refuse_by_rule::<P::Connection, A, E>(config, key)?;
     let config = config.clone();
-    blocking(pool, key, move |conn, scope, key| {
-        config.run(conn, scope, key, &request, |tx| op(tx, &request))
+    let endpoint = key.endpoint().cloned();
+    blocking(pool, config.in_flight, key, move |conn, scope, key| {
+        let bound = Bound::new(endpoint.as_ref(), &request);
+        config.run(conn, scope, key, &bound, |tx| op(tx, &request))
     })
     .await
 }
@@ -228,10 +254,39 @@ where
 {
     refuse_by_rule::<P::Connection, A, E>(&phased.config, key)?;
     let phased = phased.clone();
-    blocking(pool, key, move |conn, scope, key| {
-        phased.run(conn, scope, key, &request, |steps| body(steps, &request))
+    let endpoint = key.endpoint().cloned();
+    blocking(pool, phased.config.in_flight, key, move |conn, scope, key| {
+        let bound = Bound::new(endpoint.as_ref(), &request);
+        phased.run(conn, scope, key, &bound, |steps| body(steps, &request))
     })
     .await
+}
+
+/// What a key is bound to: the request value, with the endpoint it was
+/// sent to unless the key spans endpoints. Without an endpoint it is the
+/// request value itself, so the fingerprint is the one the request alone
+/// has.
+struct Bound<'a, Q> {
+    endpoint: Option<&'a Endpoint>,
+    request: &'a Q,
+}
+
+impl<'a, Q> Bound<'a, Q> {
+    fn new(endpoint: Option<&'a Endpoint>, request: &'a Q) -> Self {
+        Bound { endpoint, request }
+    }
+}
+
+impl<Q: Serialize> Serialize for Bound<'_, Q> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        let Some(endpoint) = self.endpoint else {
+            return self.request.serialize(serializer);
+        };
+        let mut bound = serializer.serialize_struct("Bound", 2)?;
+        bound.serialize_field("endpoint", endpoint)?;
+        bound.serialize_field("request", self.request)?;
+        bound.end()
+    }
 }
 
 /// Refuses a scope or key that breaks the key rules of `config` on the
@@ -250,19 +305,31 @@ fn refuse_by_rule<C: StoreConnection, A, E>(config: &Config, key: &IdempotencyKe
 
 /// Makes `call` with a connection of `pool` and the key on tokio's blocking
 /// pool; the failures as responses.
-async fn blocking<A, P, R, E, F>(pool: &P, key: &IdempotencyKey<A>, call: F) -> Result<Outcome<R>, Failure<E>>
+async fn blocking<A, P, R, E, F>(
+    pool: &P,
+    in_flight: InFlight,
+    key: &IdempotencyKey<A>,
+    call: F,
+) -> Result<Outcome<R>, Failure<E>>
 where
     P: ConnectionPool,
     R: Send + 'static,
     E: Send + 'static,
     F: FnOnce(&mut P::Connection, &str, &str) -> Result<Outcome<R>, Error<E>> + Send + 'static,
 {
+    let problems = key.problems();
     let (scope, idempotency_key) = (key.scope().to_owned(), key.key().to_owned());
+    let Ok(turn) = gate::turn::<P::Connection>(&scope, &idempotency_key, in_flight).await else {
+        return Err(failure(Error::InProgress, problems));
+    };
     let called = pool
         .clone()
-        .with_connection(Box::new(move |conn| call(conn, &scope, &idempotency_key)))
+        .with_connection(Box::new(move |conn| {
+            // The turn ends with the call, also when the handler is gone.
+            let _turn = turn;
+            call(conn, &scope, &idempotency_key)
+        }))
         .await;
-    let problems = key.problems();
     match called {
         Ok(Ok(outcome)) => Ok(outcome),
         Ok(Err(error)) => Err(failure(error, problems)),

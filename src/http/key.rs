@@ -3,9 +3,11 @@
 
 use std::borrow::Cow;
 
-use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+use axum::extract::rejection::RawPathParamsRejection;
+use axum::extract::{FromRequestParts, MatchedPath, OptionalFromRequestParts, RawPathParams};
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
+use serde::Serialize;
 
 use super::header::read_key;
 use super::{IDEMPOTENCY_KEY, ProblemKind, Problems};
@@ -73,9 +75,29 @@ pub trait Caller {
 /// `run` answers a key that breaks them with the same 400, before it checks
 /// out a connection.
 ///
-/// Where the key is optional, extract `Option<IdempotencyKey<A>>`: `None`
-/// without the header (authentication is then left to the handler), the
-/// same rejections otherwise.
+/// Where the key is optional, extract `Option<IdempotencyKey<A>>`: `A`
+/// runs all the same, header or not, and its rejection goes out unchanged,
+/// so whether a request is authenticated never depends on a header the
+/// client chooses; then `None` without the header, the same rejections as
+/// above otherwise. (A handler that needs the caller without a key
+/// extracts `A` beside it.)
+///
+/// The key is bound to the endpoint it was sent to, captured here from the
+/// request: the method, the matched route (axum's
+/// [`MatchedPath`]; the request's path where no route matched, as when the
+/// extractor runs outside a router), the path parameters and the query.
+/// [`run`](super::run) and [`run_phased`](super::run_phased) fingerprint
+/// them with the request value, so the same key and body sent to another
+/// endpoint is a mismatch (422), never the first endpoint's replay. Path
+/// parameters are compared as axum's `Path` decodes them (a parameter that
+/// is not UTF-8 once decoded is refused here as `Path` refuses it). The
+/// query is compared as RFC 3986 normalizes it, and no further: `%65` is
+/// `e`, but `+`, `%20` and `%2B` are three spellings, since parsers
+/// disagree on what `+` means. Its parameters are sorted by name, the
+/// values of a repeated name kept in their order: `?a=1&b=2` and `?b=2&a=1`
+/// are one request, `?tag=x&tag=y` and `?tag=y&tag=x` are two, and so are
+/// `?flag` and `?flag=`. An empty query is no query. An application whose keys are meant to span
+/// endpoints says so with [`across_endpoints`](IdempotencyKey::across_endpoints).
 ///
 /// ```
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -126,6 +148,89 @@ pub struct IdempotencyKey<A> {
     scope: String,
     key: String,
     problems: Problems,
+    endpoint: Option<Endpoint>,
+}
+
+/// The endpoint a key was sent to, as it is fingerprinted with the request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub(crate) struct Endpoint {
+    method: String,
+    route: String,
+    path: Vec<(String, String)>,
+    /// A parameter without `=` has no value, which is not an empty one.
+    query: Vec<(String, Option<String>)>,
+}
+
+/// `component` of a query as RFC 3986 (§6.2.2) normalizes it: the escapes
+/// of unreserved characters decoded, the others in upper case. Nothing
+/// else is decoded: parsers disagree on what `+` means, so `+`, `%20` and
+/// `%2B` stay three spellings.
+fn normalized(component: &str) -> String {
+    let mut out = String::with_capacity(component.len());
+    let mut rest = component;
+    while let Some(at) = rest.find('%') {
+        out.push_str(&rest[..at]);
+        let hex = rest
+            .get(at + 1..at + 3)
+            .filter(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()));
+        match hex.and_then(|hex| u8::from_str_radix(hex, 16).ok()) {
+            Some(byte) if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) => {
+                out.push(char::from(byte));
+                rest = &rest[at + 3..];
+            }
+            Some(_) => {
+                out.push('%');
+                out.push_str(&rest[at + 1..at + 3].to_ascii_uppercase());
+                rest = &rest[at + 3..];
+            }
+            None => {
+                out.push('%');
+                rest = &rest[at + 1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+impl Endpoint {
+    /// The endpoint of the request in `parts`.
+    async fn of(parts: &mut Parts) -> Result<Endpoint, Response> {
+        let route = match parts.extensions.get::<MatchedPath>() {
+            Some(matched) => matched.as_str().to_owned(),
+            None => parts.uri.path().to_owned(),
+        };
+        let mut path: Vec<(String, String)> = match RawPathParams::from_request_parts(parts, &()).await {
+            Ok(params) => params
+                .iter()
+                .map(|(name, value)| (name.to_owned(), value.to_owned()))
+                .collect(),
+            // A route without parameters, or no router at all.
+            Err(RawPathParamsRejection::MissingPathParams(_)) => Vec::new(),
+            Err(rejection) => return Err(rejection.into_response()),
+        };
+        path.sort();
+        let mut query: Vec<(String, Option<String>)> = parts
+            .uri
+            .query()
+            .unwrap_or("")
+            .split('&')
+            .filter(|parameter| !parameter.is_empty())
+            .map(|parameter| match parameter.split_once('=') {
+                Some((name, value)) => (normalized(name), Some(normalized(value))),
+                None => (normalized(parameter), None),
+            })
+            .collect();
+        // Stable: the values of one name keep their order, which may mean
+        // something to the application.
+        query.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(Endpoint {
+            method: parts.method.as_str().to_owned(),
+            route,
+            path,
+            query,
+        })
+    }
 }
 
 impl<A> IdempotencyKey<A> {
@@ -149,9 +254,53 @@ impl<A> IdempotencyKey<A> {
         self.caller
     }
 
+    /// The same key, bound to the request value that [`run`](super::run)
+    /// is given and no longer to the endpoint it was sent to: the way out
+    /// for an application whose keys deliberately span endpoints (one
+    /// operation reachable under two routes, say). The same key and request
+    /// value sent to another endpoint then replays the first endpoint's
+    /// response, so the request value must name whatever tells the
+    /// operations apart. A key bound this way fingerprints the request
+    /// value alone, as keys did before endpoints were bound, and its
+    /// records are not interchangeable with those of a bound key.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
+    /// # use std::borrow::Cow;
+    /// # use axum::extract::FromRequestParts;
+    /// # use axum::http::{request::Parts, Request, StatusCode};
+    /// # use idempotency::http::{Caller, IdempotencyKey};
+    /// # struct Anyone;
+    /// # impl<S: Sync> FromRequestParts<S> for Anyone {
+    /// #     type Rejection = StatusCode;
+    /// #     async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, StatusCode> { Ok(Anyone) }
+    /// # }
+    /// # impl Caller for Anyone { fn scope(&self) -> Cow<'_, str> { Cow::Borrowed("public") } }
+    /// let (mut parts, ()) = Request::post("/v1/orders").header("Idempotency-Key", "o-1").body(())?.into_parts();
+    /// let Ok(key) = IdempotencyKey::<Anyone>::from_request_parts(&mut parts, &()).await else {
+    ///     return Err("the key was refused".into());
+    /// };
+    /// // `/v1/orders` and `/v2/orders` place the same orders.
+    /// let key = key.across_endpoints();
+    /// assert_eq!(key.key(), "o-1");
+    /// # Ok(())
+    /// # })
+    /// # }
+    /// ```
+    pub fn across_endpoints(mut self) -> Self {
+        self.endpoint = None;
+        self
+    }
+
     /// How failures of calls with this key are described.
     pub(crate) fn problems(&self) -> &Problems {
         &self.problems
+    }
+
+    /// The endpoint the key is bound to, if it is.
+    pub(crate) fn endpoint(&self) -> Option<&Endpoint> {
+        self.endpoint.as_ref()
     }
 }
 
@@ -166,6 +315,33 @@ where
         let caller = A::from_request_parts(parts, state)
             .await
             .map_err(IntoResponse::into_response)?;
+        IdempotencyKey::read(caller, parts).await
+    }
+}
+
+impl<S, A> OptionalFromRequestParts<S> for IdempotencyKey<A>
+where
+    S: Send + Sync,
+    A: FromRequestParts<S> + Caller + Send,
+{
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Option<Self>, Response> {
+        // Before looking at the header: authentication must not depend on
+        // whether the client sent one.
+        let caller = A::from_request_parts(parts, state)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        if !parts.headers.contains_key(IDEMPOTENCY_KEY) {
+            return Ok(None);
+        }
+        IdempotencyKey::read(caller, parts).await.map(Some)
+    }
+}
+
+impl<A: Caller> IdempotencyKey<A> {
+    /// The key of the request in `parts`, for the authenticated `caller`.
+    async fn read(caller: A, parts: &mut Parts) -> Result<Self, Response> {
         let problems = parts.extensions.get::<Problems>().cloned().unwrap_or_default();
         let key = match read_key(&parts.headers) {
             Ok(Some(key)) => key,
@@ -180,29 +356,31 @@ where
                 return Err(problem.into_response());
             }
         };
+        let endpoint = Endpoint::of(parts).await?;
         let scope = caller.scope().into_owned();
         Ok(IdempotencyKey {
             caller,
             scope,
             key,
             problems,
+            endpoint: Some(endpoint),
         })
     }
 }
 
-impl<S, A> OptionalFromRequestParts<S> for IdempotencyKey<A>
-where
-    S: Send + Sync,
-    A: FromRequestParts<S> + Caller + Send,
-{
-    type Rejection = Response;
+#[cfg(test)]
+mod tests {
+    use super::normalized;
 
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Option<Self>, Response> {
-        if !parts.headers.contains_key(IDEMPOTENCY_KEY) {
-            return Ok(None);
+    #[test]
+    fn a_query_is_normalized_as_rfc_3986_says_and_no_further() {
+        assert_eq!(normalized("%65ur%7e"), "eur~");
+        assert_eq!(normalized("a%2fb%2F"), "a%2Fb%2F");
+        for spelling in ["a+b", "a%20b", "a%2Bb"] {
+            assert_eq!(normalized(spelling), spelling);
         }
-        <Self as FromRequestParts<S>>::from_request_parts(parts, state)
-            .await
-            .map(Some)
+        assert_eq!(normalized("100%"), "100%");
+        assert_eq!(normalized("%g1%+1"), "%g1%+1");
+        assert_eq!(normalized("caf%C3%A9"), "caf%C3%A9");
     }
 }

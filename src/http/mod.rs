@@ -23,10 +23,11 @@
 //! | retry with the same key and request | the first response, with `Idempotent-Replayed: true` |
 //! | no `Idempotency-Key` where one is required | 400 problem |
 //! | two `Idempotency-Key` headers, an unparsable value, a key breaking the key rules | 400 problem |
-//! | same key, different request | 422 problem |
+//! | same key, different request, or the same request at another endpoint (method, route, path parameters, query) | 422 problem |
 //! | a request with the same key still in progress after the in-flight wait | 409 problem, `Retry-After` |
 //! | the operation's own error | the application's response for it; the key stays free |
 //! | no database connection in time | 503 problem, `Retry-After` |
+//! | a commit whose outcome is unknown ([`Error::OutcomeUnknown`](crate::Error::OutcomeUnknown)) | 503 problem, `Retry-After`: it may or may not have been carried out, and the retry with the same key tells which |
 //! | storage or JSON failure, a panic in the operation | 500 problem, nothing committed |
 //!
 //! No problem carries the request body, nor the key.
@@ -141,6 +142,7 @@
 use axum::http::HeaderName;
 
 mod call;
+mod gate;
 mod header;
 mod key;
 mod pool;

@@ -14,6 +14,11 @@ use crate::StoreConnection;
 /// `deadpool`, `deadpool_diesel::Pool<deadpool_diesel::Manager<C>>`. Either
 /// way the connection is used on tokio's blocking pool, never on an async
 /// worker. Sealed: only the crate implements it.
+///
+/// A request that gets no connection within the pool's timeout is a 503
+/// with `Retry-After`: r2d2's `connection_timeout` (30 s unless set),
+/// deadpool's `wait` timeout, and for a deadpool pool without one, which
+/// would wait for ever, 5 s.
 pub trait ConnectionPool: Clone + Send + Sync + 'static + sealed::Sealed {
     /// The diesel connection the pool hands out.
     type Connection: StoreConnection<Raw = Self::Connection> + Send + 'static;
@@ -31,6 +36,11 @@ pub trait ConnectionPool: Clone + Send + Sync + 'static + sealed::Sealed {
         call: Call<Self::Connection, T>,
     ) -> impl Future<Output = Result<T, Unavailable>> + Send;
 }
+
+/// How long a checkout from a deadpool pool without a wait timeout may
+/// wait: the default in-flight wait, the wait of a web request.
+#[cfg(feature = "deadpool")]
+const UNTIMED_POOL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// A call to make with a connection `C`, returning `T`.
 #[doc(hidden)]
@@ -77,7 +87,7 @@ mod deadpool_diesel_pool {
     use deadpool_diesel::{Manager, Pool};
     use diesel::connection::{AnsiTransactionManager, TransactionManager};
 
-    use super::{Call, ConnectionPool, Unavailable, sealed};
+    use super::{Call, ConnectionPool, UNTIMED_POOL_WAIT, Unavailable, sealed};
     use crate::StoreConnection;
 
     impl<C> sealed::Sealed for Pool<Manager<C>>
@@ -95,10 +105,22 @@ mod deadpool_diesel_pool {
         type Connection = C;
 
         async fn with_connection<T: Send + 'static>(self, call: Call<C, T>) -> Result<T, Unavailable> {
-            let object = self
-                .get()
-                .await
-                .map_err(|error| Unavailable::Checkout(Box::new(error)))?;
+            // deadpool waits for ever without a wait timeout; a web request
+            // must be told to retry instead.
+            let checkout = match self.timeouts().wait {
+                Some(_) => self.get().await,
+                None => match tokio::time::timeout(UNTIMED_POOL_WAIT, self.get()).await {
+                    Ok(checkout) => checkout,
+                    Err(_) => {
+                        let waited = format!(
+                            "no connection within {} s from a pool without a wait timeout",
+                            UNTIMED_POOL_WAIT.as_secs()
+                        );
+                        return Err(Unavailable::Checkout(waited.into()));
+                    }
+                },
+            };
+            let object = checkout.map_err(|error| Unavailable::Checkout(Box::new(error)))?;
             let (result, broken) = object
                 .interact(move |conn| {
                     let result = call(conn);

@@ -5,7 +5,7 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::de::{self, DeserializeOwned, Deserializer, MapAccess, Visitor};
 use serde::ser::{self, SerializeStruct, Serializer};
@@ -27,10 +27,24 @@ use crate::Outcome;
 /// or by middleware, are added anew on every answer.
 ///
 /// It is stored as `{"status": 201, "headers": [["location", "/orders/7"]],
-/// "body": ...}`. A header value must be visible ASCII to be stored: one
-/// that is not fails the call with [`Error::Codec`](crate::Error::Codec)
-/// before commit. Responses with a status that allows no content (1xx, 204,
-/// 205, 304) are sent without the body.
+/// "body": ...}`. A response that cannot be stored as it should be replayed
+/// fails the call with [`Error::Codec`](crate::Error::Codec) before commit
+/// (the operation rolled back, the key still free), its message naming the
+/// header:
+///
+/// - a header value that is not visible ASCII;
+/// - a hop-by-hop or framing header (`Connection`, and so whatever it
+///   names, `Keep-Alive`, `Proxy-Connection`, `Transfer-Encoding`, `TE`,
+///   `Trailer`, `Upgrade`, `Content-Length`): these describe one
+///   connection and one serialization of the body, which the server makes
+///   anew on every answer, and a stored one would contradict the body it is
+///   replayed with;
+/// - `Set-Cookie` added with [`with_header`](StoredResponse::with_header):
+///   a stored cookie is replayed to every retry of the key, so it is stored
+///   only when added with [`with_cookie`](StoredResponse::with_cookie).
+///
+/// Responses with a status that allows no content (1xx, 204, 205, 304) are
+/// sent without the body.
 ///
 /// Returned through [`Outcome`], a replay carries `Idempotent-Replayed:
 /// true`.
@@ -60,7 +74,22 @@ pub struct StoredResponse<T> {
     status: StatusCode,
     headers: HeaderMap,
     body: T,
+    /// `Set-Cookie` was added deliberately, with `with_cookie`.
+    cookies: bool,
 }
+
+/// What the server sets for each connection and each serialization of the
+/// body, never a stored response.
+const PER_CONNECTION: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+];
 
 impl<T> StoredResponse<T> {
     /// A response with `status` and `body`, and no headers but the
@@ -70,13 +99,37 @@ impl<T> StoredResponse<T> {
             status,
             headers: HeaderMap::new(),
             body,
+            cookies: false,
         }
     }
 
     /// Adds a header to be stored and replayed; a second value for the same
-    /// name adds a second field.
+    /// name adds a second field. Hop-by-hop and framing headers, and
+    /// `Set-Cookie`, are refused when the response is stored (see above).
     pub fn with_header(mut self, name: HeaderName, value: HeaderValue) -> Self {
         self.headers.append(name, value);
+        self
+    }
+
+    /// Adds a `Set-Cookie` field to be stored and replayed: the deliberate
+    /// choice of a cookie that every retry of the key gets, whoever in the
+    /// scope sends it. A session or authentication cookie is the wrong
+    /// thing to store: set it on the handler's response, outside the
+    /// operation, where it is made anew for each answer.
+    ///
+    /// ```
+    /// use axum::http::{HeaderValue, StatusCode};
+    /// use idempotency::http::StoredResponse;
+    ///
+    /// let chosen = StoredResponse::new(StatusCode::CREATED, 7)
+    ///     .with_cookie(HeaderValue::from_static("cart=7; Path=/; Secure"));
+    /// let stored = serde_json::to_string(&chosen)?;
+    /// assert_eq!(serde_json::from_str::<StoredResponse<i32>>(&stored)?, chosen);
+    /// # Ok::<(), serde_json::Error>(())
+    /// ```
+    pub fn with_cookie(mut self, value: HeaderValue) -> Self {
+        self.headers.append(header::SET_COOKIE, value);
+        self.cookies = true;
         self
     }
 
@@ -144,14 +197,28 @@ impl<R: IntoResponse> IntoResponse for Outcome<R> {
     }
 }
 
-/// The stored headers: name and value pairs, in order, names lowercase.
-struct StoredHeaders<'a>(&'a HeaderMap);
+/// The stored headers: name and value pairs, in order, names lowercase;
+/// `cookies` if `Set-Cookie` was chosen.
+struct StoredHeaders<'a> {
+    headers: &'a HeaderMap,
+    cookies: bool,
+}
 
 impl Serialize for StoredHeaders<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use ser::SerializeSeq;
-        let mut seq = serializer.serialize_seq(Some(self.0.len()))?;
-        for (name, value) in self.0 {
+        let mut seq = serializer.serialize_seq(Some(self.headers.len()))?;
+        for (name, value) in self.headers {
+            if PER_CONNECTION.contains(&name.as_str()) {
+                return Err(ser::Error::custom(format_args!(
+                    "header {name} belongs to one connection or one serialization of the body and is not stored"
+                )));
+            }
+            if name == header::SET_COOKIE && !self.cookies {
+                return Err(ser::Error::custom(
+                    "header set-cookie is replayed to every retry of the key: store it with StoredResponse::with_cookie",
+                ));
+            }
             let value = value
                 .to_str()
                 .map_err(|_| ser::Error::custom(format_args!("the value of header {name} is not visible ascii")))?;
@@ -165,7 +232,11 @@ impl<T: Serialize> Serialize for StoredResponse<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         let mut state = serializer.serialize_struct("StoredResponse", 3)?;
         state.serialize_field("status", &self.status.as_u16())?;
-        state.serialize_field("headers", &StoredHeaders(&self.headers))?;
+        let headers = StoredHeaders {
+            headers: &self.headers,
+            cookies: self.cookies,
+        };
+        state.serialize_field("headers", &headers)?;
         state.serialize_field("body", &self.body)?;
         state.end()
     }
@@ -214,17 +285,19 @@ impl<'de, T: DeserializeOwned> Visitor<'de> for StoredVisitor<T> {
                 .map_err(|_| de::Error::custom(format_args!("the stored value of header {name} is not valid")))?;
             header_map.append(name, value);
         }
+        // Only a chosen cookie was stored.
+        let cookies = header_map.contains_key(header::SET_COOKIE);
         Ok(StoredResponse {
             status,
             headers: header_map,
             body,
+            cookies,
         })
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use axum::http::header;
     use serde_json::json;
 
     use super::*;
@@ -280,6 +353,38 @@ mod tests {
         ] {
             assert!(serde_json::from_str::<StoredResponse<i32>>(stored).is_err(), "{stored}");
         }
+    }
+
+    #[test]
+    fn hop_by_hop_and_framing_headers_are_not_stored() {
+        for name in PER_CONNECTION {
+            let name = HeaderName::from_static(name);
+            let response =
+                StoredResponse::new(StatusCode::OK, 1).with_header(name.clone(), HeaderValue::from_static("x"));
+            let error = serde_json::to_string(&response).unwrap_err();
+            assert_eq!(
+                error.to_string(),
+                format!("header {name} belongs to one connection or one serialization of the body and is not stored")
+            );
+        }
+    }
+
+    #[test]
+    fn a_cookie_is_stored_only_when_chosen() {
+        let unchosen = StoredResponse::new(StatusCode::OK, 1)
+            .with_header(header::SET_COOKIE, HeaderValue::from_static("session=s3cr3t"));
+        let error = serde_json::to_string(&unchosen).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "header set-cookie is replayed to every retry of the key: store it with StoredResponse::with_cookie"
+        );
+
+        let chosen = StoredResponse::new(StatusCode::OK, 1).with_cookie(HeaderValue::from_static("cart=7"));
+        let stored = serde_json::to_string(&chosen).unwrap();
+        assert_eq!(stored, r#"{"status":200,"headers":[["set-cookie","cart=7"]],"body":1}"#);
+        let back: StoredResponse<i32> = serde_json::from_str(&stored).unwrap();
+        assert_eq!(back, chosen);
+        assert_eq!(back.into_response().headers()[header::SET_COOKIE], "cart=7");
     }
 
     #[test]

@@ -11,18 +11,18 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use crate::common::TestDb;
 use crate::common::http::*;
 use crate::http_orders::{self, Limits, Settings};
-use axum::extract::{FromRequestParts, State};
+use axum::extract::{FromRequestParts, Path, State};
 use axum::http::{Request, StatusCode, request::Parts};
 use axum::middleware::Next;
 use axum::response::IntoResponse;
 use axum::routing::post;
-use axum::{Extension, Router};
+use axum::{Extension, Json, Router};
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
@@ -59,6 +59,8 @@ crate::common::backend_tests!(
     idle_sockets_do_not_keep_a_new_client_from_being_served,
     a_failed_call_is_logged_with_the_database_message_and_without_the_body,
     a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout,
+    duplicates_of_a_slow_request_hold_no_connection_and_other_accounts_are_served,
+    example_binary_answers_a_key_reused_at_another_endpoint_with_422,
 );
 
 /// How long a request that the server can refuse without its database may
@@ -844,6 +846,109 @@ async fn a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout<D: TestDb
     assert_eq!(key_count(&db).await, 0);
 }
 
+/// The scope the example gives the keys of `token`'s account, as its own
+/// authentication resolves it.
+async fn scope_of(token: &str) -> String {
+    let (mut parts, ()) = Request::get("/orders")
+        .header("authorization", format!("Bearer {token}"))
+        .body(())
+        .expect("a request")
+        .into_parts();
+    match http_orders::Account::from_request_parts(&mut parts, &()).await {
+        Ok(account) => account.scope().into_owned(),
+        Err(_) => panic!("{token} is no account"),
+    }
+}
+
+async fn duplicates_of_a_slow_request_hold_no_connection_and_other_accounts_are_served<D: TestDb>() {
+    // More than the example's pool holds on any backend.
+    const DUPLICATES: usize = 24;
+    turn_waits::count();
+    let db = database::<D>().await;
+    let executions = Arc::new(AtomicUsize::new(0));
+    let (mut gate, hold) = Gate::new();
+    let counted = {
+        let executions = executions.clone();
+        Arc::new(move || {
+            executions.fetch_add(1, Ordering::SeqCst);
+            hold()
+        })
+    };
+    let settings = Settings {
+        in_flight: InFlight::Wait(chrono::Duration::from_std(PATIENCE).expect("a duration")),
+        before_commit: Some(counted),
+        ..Settings::default()
+    };
+    let server = Server::start(&db, settings).await;
+    let client = client();
+    let account = format!("acct-turns-{}", D::BACKEND);
+    let post = || post_order(&client, &server.url(""), &account, &["slow-turn"], BODY);
+
+    let first = tokio::spawn(send(post()));
+    gate.wait_entered().await;
+    let duplicates: Vec<_> = (0..DUPLICATES).map(|_| tokio::spawn(send(post()))).collect();
+    turn_waits::wait_for(&scope_of(&account).await, DUPLICATES).await;
+
+    // Every duplicate waits; the pool still serves everyone else.
+    let read = send(client.get(server.url("/orders")).bearer_auth("acct-other")).await;
+    assert_eq!((read.status, &read.body), (200, &json!([])), "{read:?}");
+    // On SQLite the held order holds the database's one write lock.
+    let other_orders = usize::from(D::BACKEND != "sqlite");
+    for _ in 0..other_orders {
+        let other = send(post_order(&client, &server.url(""), "acct-other", &["other-1"], BODY)).await;
+        assert_eq!((other.status, other.replayed.as_deref()), (201, None), "{other:?}");
+    }
+
+    gate.release();
+    let first = first.await.expect("the first request");
+    assert_eq!((first.status, first.replayed.as_deref()), (201, None), "{first:?}");
+    for duplicate in duplicates {
+        let duplicate = duplicate.await.expect("a duplicate");
+        assert_eq!(
+            (duplicate.status, duplicate.replayed.as_deref()),
+            (201, Some("true")),
+            "{duplicate:?}"
+        );
+        assert_eq!(duplicate.body, first.body);
+    }
+    assert_eq!(
+        executions.load(Ordering::SeqCst),
+        1 + other_orders,
+        "the slow order was placed once, the other account's once"
+    );
+}
+
+async fn example_binary_answers_a_key_reused_at_another_endpoint_with_422<D: TestDb>() {
+    let db = database::<D>().await;
+    let args = ["--addr", "127.0.0.1:0", "--database", db.url()];
+    let service = ExampleProcess::start(args.iter().map(|arg| arg.to_string()).collect()).await;
+    let client = client();
+
+    let first = send(post_order(&client, &service.base, "acct-1", &["endpoint-1"], BODY)).await;
+    assert_eq!((first.status, first.replayed.as_deref()), (201, None));
+    // The same key and body, sent to `/orders?gift=true`: another endpoint.
+    let gift = client
+        .post(format!("{}/orders?gift=true", service.base))
+        .bearer_auth("acct-1")
+        .header("idempotency-key", "endpoint-1")
+        .header("content-type", "application/json")
+        .body(BODY);
+    let refused = send(gift).await.assert_problem(422);
+    assert!(
+        refused.body["type"]
+            .as_str()
+            .expect("a type")
+            .ends_with("/idempotency-key-reused"),
+        "{refused:?}"
+    );
+    let retry = send(post_order(&client, &service.base, "acct-1", &["endpoint-1"], BODY)).await;
+    assert_eq!((retry.status, retry.replayed.as_deref()), (201, Some("true")));
+
+    let (success, _) = service.terminate().await;
+    assert!(success, "the service exits with success on SIGTERM");
+    assert_eq!(order_count(&db).await, 1);
+}
+
 #[test]
 fn in_flight_wait_zero_rejects_at_once() {
     let args = |list: &[&str]| http_orders::parse_args(list.iter().map(|arg| arg.to_string()));
@@ -1167,6 +1272,423 @@ mod library {
             .get_result(&mut db.conn())
             .expect("count notes");
         assert_eq!(notes, 1);
+    }
+
+    /// Money moved by endpoints that take the same body, `{"cents": n}`:
+    /// each move a row naming its endpoint and account.
+    #[derive(Clone)]
+    struct Ledger {
+        pool: SqlitePool,
+        config: Config,
+    }
+
+    type MoveResponse = Result<Outcome<StoredResponse<Value>>, Failure<Problem>>;
+
+    fn record(
+        conn: &mut SqliteConnection,
+        kind: &str,
+        account: i64,
+        body: &Value,
+    ) -> Result<StoredResponse<Value>, Problem> {
+        let cents = body["cents"].as_i64().unwrap_or(0);
+        diesel::sql_query("INSERT INTO moves (kind, account, cents) VALUES (?, ?, ?)")
+            .bind::<diesel::sql_types::Text, _>(kind)
+            .bind::<diesel::sql_types::BigInt, _>(account)
+            .bind::<diesel::sql_types::BigInt, _>(cents)
+            .execute(conn)
+            .map_err(|_| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"))?;
+        let moved = json!({"kind": kind, "account": account, "cents": cents});
+        Ok(StoredResponse::new(StatusCode::CREATED, moved))
+    }
+
+    async fn transfer(
+        State(ledger): State<Ledger>,
+        Path(account): Path<i64>,
+        key: IdempotencyKey<Anyone>,
+        Json(body): Json<Value>,
+    ) -> MoveResponse {
+        http::run(&ledger.pool, &ledger.config, &key, body, move |conn, body| {
+            record(conn, "transfer", account, body)
+        })
+        .await
+    }
+
+    async fn charge(
+        State(ledger): State<Ledger>,
+        key: IdempotencyKey<Anyone>,
+        Json(body): Json<Value>,
+    ) -> MoveResponse {
+        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
+            record(conn, "charge", 0, body)
+        })
+        .await
+    }
+
+    async fn refund(
+        State(ledger): State<Ledger>,
+        key: IdempotencyKey<Anyone>,
+        Json(body): Json<Value>,
+    ) -> MoveResponse {
+        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
+            record(conn, "refund", 0, body)
+        })
+        .await
+    }
+
+    /// A charge whose keys span endpoints.
+    async fn shared_charge(
+        State(ledger): State<Ledger>,
+        key: IdempotencyKey<Anyone>,
+        Json(body): Json<Value>,
+    ) -> MoveResponse {
+        let key = key.across_endpoints();
+        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
+            record(conn, "charge", 0, body)
+        })
+        .await
+    }
+
+    async fn shared_refund(
+        State(ledger): State<Ledger>,
+        key: IdempotencyKey<Anyone>,
+        Json(body): Json<Value>,
+    ) -> MoveResponse {
+        let key = key.across_endpoints();
+        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
+            record(conn, "refund", 0, body)
+        })
+        .await
+    }
+
+    async fn phased_transfer(
+        State(ledger): State<Ledger>,
+        Path(account): Path<i64>,
+        key: IdempotencyKey<Anyone>,
+        Json(body): Json<Value>,
+    ) -> MoveResponse {
+        let phased = idempotency::phased::Phased::new("transfer");
+        http::run_phased(&ledger.pool, &phased, &key, body, move |s, body| {
+            let moved = s.phase("moved", |tx| {
+                record(tx, "transfer", account, body).map(|r| r.into_body())
+            })?;
+            s.finish(|_| Ok(StoredResponse::new(StatusCode::CREATED, moved)))
+        })
+        .await
+    }
+
+    fn ledger(db: &idempotency::testing::SqliteFile) -> Router {
+        db.conn()
+            .batch_execute(
+                "CREATE TABLE moves (id INTEGER PRIMARY KEY, kind TEXT NOT NULL, account INTEGER NOT NULL, cents INTEGER NOT NULL)",
+            )
+            .expect("create moves");
+        idempotency::run_migrations(&mut db.conn()).expect("migrate");
+        let pool = Pool::builder()
+            .max_size(2)
+            .build(ConnectionManager::new(db.path().to_str().expect("utf-8 path")))
+            .expect("a pool");
+        Router::new()
+            .route("/accounts/{id}/transfers", post(transfer))
+            .route("/phased/accounts/{id}/transfers", post(phased_transfer))
+            .route("/charges", post(charge).put(charge))
+            .route("/refunds", post(refund))
+            .route("/shared/charges", post(shared_charge))
+            .route("/shared/refunds", post(shared_refund))
+            .with_state(Ledger {
+                pool,
+                config: Config::default(),
+            })
+    }
+
+    fn send_move(method: &str, uri: &str, key: &str, cents: i64) -> Request<axum::body::Body> {
+        Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(json!({"cents": cents}).to_string()))
+            .expect("a request")
+    }
+
+    fn moves(db: &idempotency::testing::SqliteFile, kind: &str, account: i64) -> i64 {
+        diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM moves WHERE kind = ")
+            .bind::<diesel::sql_types::Text, _>(kind)
+            .sql(" AND account = ")
+            .bind::<diesel::sql_types::BigInt, _>(account)
+            .get_result(&mut db.conn())
+            .expect("count moves")
+    }
+
+    /// Asserts a 422 problem that says the key was reused.
+    fn assert_reused((status, _, body): (StatusCode, Option<String>, Value)) {
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert_eq!(
+            body["detail"],
+            "this idempotency key was first used with a different request"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn key_reused_for_another_account_is_422_and_moves_nothing() {
+        let db = idempotency::testing::SqliteFile::new();
+        let app = ledger(&db);
+        let first = answer(&app, send_move("POST", "/accounts/1/transfers", "t-1", 100)).await;
+        assert_eq!((first.0, &first.1), (StatusCode::CREATED, &None));
+
+        assert_reused(answer(&app, send_move("POST", "/accounts/2/transfers", "t-1", 100)).await);
+        assert_eq!(moves(&db, "transfer", 2), 0, "account 2 untouched");
+
+        let retry = answer(&app, send_move("POST", "/accounts/1/transfers", "t-1", 100)).await;
+        assert_eq!(retry, (StatusCode::CREATED, Some("true".to_owned()), first.2));
+        assert_eq!(moves(&db, "transfer", 1), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn key_reused_on_another_route_or_method_is_422() {
+        let db = idempotency::testing::SqliteFile::new();
+        let app = ledger(&db);
+        assert_eq!(
+            answer(&app, send_move("POST", "/charges", "c-1", 500)).await.0,
+            StatusCode::CREATED
+        );
+
+        assert_reused(answer(&app, send_move("POST", "/refunds", "c-1", 500)).await);
+        assert_reused(answer(&app, send_move("PUT", "/charges", "c-1", 500)).await);
+        assert_eq!(moves(&db, "refund", 0), 0, "no refund");
+        assert_eq!(moves(&db, "charge", 0), 1, "one charge");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn key_reused_with_another_query_is_422_and_reordered_parameters_are_one_request() {
+        let db = idempotency::testing::SqliteFile::new();
+        let app = ledger(&db);
+        let first = answer(&app, send_move("POST", "/charges?currency=eur&note=a%20b", "q-1", 500)).await;
+        assert_eq!((first.0, &first.1), (StatusCode::CREATED, &None));
+
+        // The same parameters, reordered and spelled otherwise.
+        let reordered = answer(
+            &app,
+            send_move("POST", "/charges?note=a%20b&&currency=%65ur", "q-1", 500),
+        )
+        .await;
+        assert_eq!(reordered, (StatusCode::CREATED, Some("true".to_owned()), first.2));
+
+        for other in [
+            "/charges?currency=usd&note=a%20b",
+            // `+` is a space to some parsers and a plus to others.
+            "/charges?currency=eur&note=a+b",
+            "/charges?currency=eur&note=a%20b&note=c",
+            "/charges?currency=eur",
+            "/charges",
+        ] {
+            assert_reused(answer(&app, send_move("POST", other, "q-1", 500)).await);
+        }
+        assert_eq!(moves(&db, "charge", 0), 1, "one charge");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn key_across_endpoints_replays_on_another_route() {
+        let db = idempotency::testing::SqliteFile::new();
+        let app = ledger(&db);
+        let first = answer(&app, send_move("POST", "/shared/charges", "s-1", 500)).await;
+        assert_eq!((first.0, &first.1), (StatusCode::CREATED, &None));
+
+        let replayed = answer(&app, send_move("POST", "/shared/refunds", "s-1", 500)).await;
+        assert_eq!(replayed, (StatusCode::CREATED, Some("true".to_owned()), first.2));
+        assert_eq!(moves(&db, "refund", 0), 0, "the refund replayed the charge");
+        // Its records are not those of a bound key.
+        assert_reused(answer(&app, send_move("POST", "/charges", "s-1", 500)).await);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn phased_key_reused_for_another_account_is_422_and_moves_nothing() {
+        let db = idempotency::testing::SqliteFile::new();
+        let app = ledger(&db);
+        let first = answer(&app, send_move("POST", "/phased/accounts/1/transfers", "p-1", 100)).await;
+        assert_eq!((first.0, &first.1), (StatusCode::CREATED, &None));
+
+        assert_reused(answer(&app, send_move("POST", "/phased/accounts/2/transfers", "p-1", 100)).await);
+        assert_eq!(moves(&db, "transfer", 2), 0, "account 2 untouched");
+        let retry = answer(&app, send_move("POST", "/phased/accounts/1/transfers", "p-1", 100)).await;
+        assert_eq!(retry, (StatusCode::CREATED, Some("true".to_owned()), first.2));
+    }
+
+    /// A caller who must show a bearer token: 401 without one.
+    struct Bearer(String);
+
+    impl<S: Sync> FromRequestParts<S> for Bearer {
+        type Rejection = StatusCode;
+
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+            let token = parts
+                .headers
+                .get("authorization")
+                .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer "));
+            token
+                .map(|token| Bearer(token.to_owned()))
+                .ok_or(StatusCode::UNAUTHORIZED)
+        }
+    }
+
+    impl Caller for Bearer {
+        fn scope(&self) -> Cow<'_, str> {
+            Cow::Owned(format!("bearer-{}", self.0))
+        }
+    }
+
+    /// Idempotent with a key, plain without one; authenticated either way.
+    async fn post_private_note(
+        State(notes): State<Notes>,
+        key: Option<IdempotencyKey<Bearer>>,
+    ) -> axum::response::Response {
+        match key {
+            Some(key) => {
+                let outcome: NoteResponse =
+                    http::run(&notes.pool, &notes.config, &key, (), |conn, ()| add_note(conn)).await;
+                outcome.into_response()
+            }
+            None => {
+                let pool = notes.pool.clone();
+                let added = tokio::task::spawn_blocking(move || add_note(&mut pool.get().expect("a connection")));
+                added.await.expect("no panic").into_response()
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn optional_key_authenticates_with_or_without_the_header() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (_, pool) = notes_app(&db, 2, Config::default());
+        let app = Router::new()
+            .route("/notes", post(post_private_note))
+            .with_state(Notes {
+                pool,
+                config: Config::default(),
+            });
+        let request = |key: Option<&str>, token: Option<&str>| {
+            let mut request = Request::post("/notes");
+            if let Some(key) = key {
+                request = request.header("idempotency-key", key);
+            }
+            if let Some(token) = token {
+                request = request.header("authorization", format!("Bearer {token}"));
+            }
+            request.body(axum::body::Body::empty()).expect("a request")
+        };
+        let status = |request: Request<axum::body::Body>| {
+            let app = app.clone();
+            async move { app.oneshot(request).await.expect("infallible").status() }
+        };
+        assert_eq!(status(request(None, None)).await, StatusCode::UNAUTHORIZED);
+        assert_eq!(status(request(Some("n-1"), None)).await, StatusCode::UNAUTHORIZED);
+        assert_eq!(status(request(None, Some("t-1"))).await, StatusCode::CREATED);
+        assert_eq!(status(request(Some("n-1"), Some("t-1"))).await, StatusCode::CREATED);
+        let notes: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM notes")
+            .get_result(&mut db.conn())
+            .expect("count notes");
+        assert_eq!(notes, 2, "only authenticated requests wrote");
+    }
+
+    /// A note whose stored response carries the header that the request's
+    /// `x-store` names (request headers are no part of the fingerprint, so a
+    /// retry with the same key may name another).
+    async fn post_note_with_header(
+        State(notes): State<Notes>,
+        key: IdempotencyKey<Anyone>,
+        headers: axum::http::HeaderMap,
+    ) -> axum::response::Response {
+        let store = headers.get("x-store").map(|v| v.to_str().expect("ascii").to_owned());
+        let outcome: NoteResponse = http::run(&notes.pool, &notes.config, &key, (), move |conn, ()| {
+            let note = add_note(conn)?;
+            let value = axum::http::HeaderValue::from_static("chunked");
+            Ok(match store.as_deref() {
+                Some("cookie") => note.with_cookie(axum::http::HeaderValue::from_static("cart=7")),
+                Some(name) => note.with_header(axum::http::HeaderName::try_from(name).expect("a name"), value),
+                None => note,
+            })
+        })
+        .await;
+        outcome.into_response()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn per_connection_headers_and_unchosen_cookies_are_not_stored_and_leave_the_key_free() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (_, pool) = notes_app(&db, 2, Config::default());
+        let app = Router::new()
+            .route("/notes", post(post_note_with_header))
+            .with_state(Notes {
+                pool,
+                config: Config::default(),
+            });
+        let request = |key: &str, store: Option<&str>| {
+            let mut request = Request::post("/notes").header("idempotency-key", key);
+            if let Some(store) = store {
+                request = request.header("x-store", store);
+            }
+            request.body(axum::body::Body::empty()).expect("a request")
+        };
+        for name in [
+            "transfer-encoding",
+            "content-length",
+            "connection",
+            "te",
+            "upgrade",
+            "set-cookie",
+        ] {
+            let (status, _, body) = answer(&app, request("h-1", Some(name))).await;
+            assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{name}: {body}");
+        }
+        // Nothing was stored: the key is free and the note was rolled back.
+        assert_eq!(
+            answer(&app, request("h-1", None)).await,
+            (StatusCode::CREATED, None, json!(1))
+        );
+
+        let chosen = app
+            .clone()
+            .oneshot(request("h-2", Some("cookie")))
+            .await
+            .expect("infallible");
+        assert_eq!(chosen.headers()["set-cookie"], "cart=7");
+        let replayed = app
+            .clone()
+            .oneshot(request("h-2", Some("cookie")))
+            .await
+            .expect("infallible");
+        assert_eq!(replayed.headers()["set-cookie"], "cart=7");
+        assert_eq!(replayed.headers()["idempotent-replayed"], "true");
+    }
+
+    #[cfg(feature = "deadpool")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deadpool_pool_without_a_wait_timeout_answers_503_with_retry_after() {
+        use deadpool_diesel::sqlite::{Manager, Pool, Runtime};
+
+        let db = idempotency::testing::SqliteFile::new();
+        db.conn()
+            .batch_execute("CREATE TABLE notes (id INTEGER PRIMARY KEY)")
+            .expect("create notes");
+        let manager = Manager::new(db.path().to_str().expect("a utf-8 path"), Runtime::Tokio1);
+        let pool = Pool::builder(manager).max_size(1).build().expect("a pool");
+        assert_eq!(pool.timeouts().wait, None, "a pool that would wait for ever");
+        let _held = pool.get().await.expect("the pool's one connection");
+        let (mut parts, ()) = Request::post("/notes")
+            .header("idempotency-key", "d-1")
+            .body(())
+            .expect("a request")
+            .into_parts();
+        let Ok(key) = IdempotencyKey::<Anyone>::from_request_parts(&mut parts, &()).await else {
+            panic!("the key was refused");
+        };
+        let config = Config::default();
+        let call = http::run(&pool, &config, &key, (), |conn, ()| add_note(conn));
+        let outcome = tokio::time::timeout(PATIENCE, call)
+            .await
+            .expect("an answer, not a wait for ever");
+        let response = outcome.into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()["retry-after"], "1");
     }
 
     #[test]

@@ -630,3 +630,105 @@ impl Drop for ExampleProcess {
         }
     }
 }
+
+/// The requests that waited for a request with the same key in this
+/// process before checking out a connection, by scope, as the crate
+/// reports them (its debug event): what tells a test that duplicates are
+/// queued. Counted by a layer of this test binary's global subscriber, so
+/// events from the server's worker threads are seen; a test's own
+/// thread-local subscriber is not disturbed.
+pub mod turn_waits {
+    use std::collections::HashMap;
+    use std::fmt;
+    use std::sync::{LazyLock, Mutex};
+
+    use tracing::field::{Field, Visit};
+    use tracing::subscriber::Interest;
+    use tracing::{Event, Metadata, Subscriber};
+    use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+
+    use super::PATIENCE;
+
+    const WAITING: &str = "waiting for a request with the same key in this process";
+
+    static WAITS: LazyLock<Mutex<HashMap<String, usize>>> = LazyLock::new(|| {
+        let subscriber = tracing_subscriber::registry().with(Counter);
+        tracing::subscriber::set_global_default(subscriber).expect("no other global subscriber in the tests");
+        Mutex::default()
+    });
+
+    struct Counter;
+
+    #[derive(Default)]
+    struct Fields {
+        message: String,
+        scope: String,
+    }
+
+    impl Visit for Fields {
+        fn record_str(&mut self, field: &Field, value: &str) {
+            if field.name() == "scope" {
+                self.scope = value.to_owned();
+            }
+        }
+
+        fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+            match field.name() {
+                "message" => self.message = format!("{value:?}"),
+                "scope" => self.scope = format!("{value:?}"),
+                _ => {}
+            }
+        }
+    }
+
+    impl<S: Subscriber> Layer<S> for Counter {
+        fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
+            if metadata.is_event() && metadata.target() == "idempotency" {
+                Interest::always()
+            } else {
+                Interest::never()
+            }
+        }
+
+        fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
+            let mut fields = Fields::default();
+            event.record(&mut fields);
+            if fields.message == WAITING {
+                *WAITS
+                    .lock()
+                    .expect("no panic while counting")
+                    .entry(fields.scope)
+                    .or_default() += 1;
+            }
+        }
+    }
+
+    /// Starts counting; call before the requests are sent.
+    pub fn count() {
+        LazyLock::force(&WAITS);
+        tracing::callsite::rebuild_interest_cache();
+    }
+
+    /// Waits until `n` requests of `scope` have waited for their turn.
+    pub async fn wait_for(scope: &str, n: usize) {
+        let waited = || {
+            WAITS
+                .lock()
+                .expect("no panic while counting")
+                .get(scope)
+                .copied()
+                .unwrap_or(0)
+        };
+        let counted = async {
+            while waited() < n {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        };
+        if tokio::time::timeout(PATIENCE, counted).await.is_err() {
+            panic!(
+                "{} of {n} requests of {scope} waited for their turn within {PATIENCE:?}",
+                waited()
+            );
+        }
+    }
+}
