@@ -211,7 +211,10 @@ mod tests {
         ] {
             let value: Value = serde_json::from_str(text).expect("json");
             let message = of(&json!({"amount": value})).expect_err(text).to_string();
-            assert!(message.contains("beyond what a 64-bit float holds exactly"), "{text}: {message}");
+            assert!(
+                message.contains("beyond what a 64-bit float holds exactly"),
+                "{text}: {message}"
+            );
             assert!(!message.contains(text), "the number is not quoted: {message}");
         }
     }

@@ -123,7 +123,9 @@ fn holds_card_number(value: &str) -> bool {
             }
             groups.push(group..at);
             match (bytes.get(at), bytes.get(at + 1)) {
-                (Some(separator), Some(next)) if CARD_SEPARATORS.contains(separator) && next.is_ascii_digit() => at += 1,
+                (Some(separator), Some(next)) if CARD_SEPARATORS.contains(separator) && next.is_ascii_digit() => {
+                    at += 1
+                }
                 _ => break,
             }
         }
@@ -133,9 +135,8 @@ fn holds_card_number(value: &str) -> bool {
                 .flat_map(|range| bytes[range.clone()].iter().map(|b| u32::from(b - b'0')))
                 .collect()
         };
-        let is_card = |digits: &[u32]| {
-            (13..=19).contains(&digits.len()) && (2..=6).contains(&digits[0]) && luhn_valid(digits)
-        };
+        let is_card =
+            |digits: &[u32]| (13..=19).contains(&digits.len()) && (2..=6).contains(&digits[0]) && luhn_valid(digits);
         if groups
             .iter()
             .any(|group| apart(group.start, group.end) && is_card(&digits(std::slice::from_ref(group))))
@@ -208,7 +209,12 @@ mod tests {
     fn luhn_valid_numbers_outside_the_card_industries_are_keys() {
         // A millisecond timestamp, a snowflake id, zeros: Luhn-valid, not
         // beginning with 2 to 6.
-        for value in ["1700000000004", "order-1800000000000000002", "0000000000000", "9000000000000000001"] {
+        for value in [
+            "1700000000004",
+            "order-1800000000000000002",
+            "0000000000000",
+            "9000000000000000001",
+        ] {
             assert!(!holds_card_number(value), "{value}");
         }
     }
@@ -252,7 +258,14 @@ mod tests {
         let high = (high & !0xf000) | 0x4000;
         let low = (low & !(0xc << 60)) | (0x8 << 60);
         let hex = hex(&[high.to_be_bytes(), low.to_be_bytes()].concat());
-        format!("{}-{}-{}-{}-{}", &hex[..8], &hex[8..12], &hex[12..16], &hex[16..20], &hex[20..])
+        format!(
+            "{}-{}-{}-{}-{}",
+            &hex[..8],
+            &hex[8..12],
+            &hex[12..16],
+            &hex[16..20],
+            &hex[20..]
+        )
     }
 
     #[test]

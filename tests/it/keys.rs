@@ -170,7 +170,11 @@ fn invalid_scopes_are_refused<D: TestDb>() {
 }
 
 fn card_numbers_in_scopes_are_refused<D: TestDb>() {
-    for scope in ["4111111111111111", "tenant-4111-1111-1111-1111", "4111111111111111:alice"] {
+    for scope in [
+        "4111111111111111",
+        "tenant-4111-1111-1111-1111",
+        "4111111111111111:alice",
+    ] {
         assert_eq!(refused_scope::<D>(scope), KeyError::LooksLikeCardNumber, "{scope:?}");
     }
 }

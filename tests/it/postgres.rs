@@ -564,7 +564,10 @@ fn call_nested_in_a_long_transaction_dates_its_record_by_the_statement_not_the_t
         .expect("the record");
         (before, (times.at, times.until))
     });
-    assert!(created_at >= before, "created at {created_at}, before the call {before}");
+    assert!(
+        created_at >= before,
+        "created at {created_at}, before the call {before}"
+    );
     assert!(
         expires_at >= before + Duration::hours(24),
         "a full retention from the call: expires at {expires_at}, called at {before}"
@@ -585,12 +588,11 @@ fn relay_pass_in_a_long_transaction_writes_times_in_the_future() {
         let id = idempotency::outbox::enqueue(tx, "receipts", &1).expect("enqueue");
         let pass = relay.run_once(tx, |_| Err("receiver unavailable")).expect("a pass");
         assert_eq!((pass.claimed, pass.retried), (1, 1));
-        let message: Times = diesel::sql_query(
-            "SELECT created_at AS at, available_at AS until FROM idempotency_outbox WHERE id = $1",
-        )
-        .bind::<diesel::sql_types::Text, _>(&id)
-        .get_result(tx)
-        .expect("the message");
+        let message: Times =
+            diesel::sql_query("SELECT created_at AS at, available_at AS until FROM idempotency_outbox WHERE id = $1")
+                .bind::<diesel::sql_types::Text, _>(&id)
+                .get_result(tx)
+                .expect("the message");
         (id, before, message, clock_timestamp(tx))
     });
     assert!(message.at >= before, "enqueued at {}, after {before}", message.at);

@@ -287,7 +287,9 @@ fn call_decisions_are_events_of_the_call_span_without_payload_text<D: TestDb>() 
     ] {
         let expected = (key_digest(key), outcome);
         assert!(
-            outcomes.iter().any(|(digest, outcome)| (digest.to_string(), *outcome) == expected),
+            outcomes
+                .iter()
+                .any(|(digest, outcome)| (digest.to_string(), *outcome) == expected),
             "no call span {expected:?} among {outcomes:?}"
         );
     }
