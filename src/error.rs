@@ -63,8 +63,7 @@ use std::fmt;
 pub enum Error<E = Infallible> {
     /// The idempotency key breaks the key rules; nothing was written. HTTP 400.
     InvalidKey(KeyError),
-    /// The scope breaks the key rules (without the card number check);
-    /// nothing was written. HTTP 400.
+    /// The scope breaks the key rules; nothing was written. HTTP 400.
     InvalidScope(KeyError),
     /// The key was first used with a different request (its fingerprint
     /// differs); nothing was written and the first result stays replayable.
@@ -386,11 +385,10 @@ pub enum KeyError {
         /// Byte offset of the first offending byte.
         position: usize,
     },
-    /// The key looks like a payment card number (13 to 19 digits, possibly
-    /// separated by spaces or hyphens, passing the Luhn check). Keys are
-    /// technical identifiers and must not carry personal data. One in ten
-    /// purely numeric keys of that length passes the Luhn check by chance:
-    /// prefer UUIDs, or prefix numeric ids (`order-1700000000123`).
+    /// The key or scope holds what looks like a payment card number (see
+    /// [Keys and scopes](crate::guide::contract#keys-and-scopes) for the
+    /// rule). Keys and scopes are technical identifiers and must not carry
+    /// personal data.
     LooksLikeCardNumber,
 }
 

@@ -8,8 +8,10 @@
 //! `serde_json::Value` keeps a number's text as it came (`1.00`, `1e2`), and
 //! the fingerprint must not depend on which build parsed the request.
 //! A `u128` or `i128` beyond 64 bits, which serde_json turns into a `Value`
-//! only with the feature, is refused, as are NaN and the infinities, which
-//! serde_json
+//! only with the feature, is refused, as is any number that feature keeps
+//! and the `f64` does not hold exactly (`18446744073709551617`,
+//! `1.000000000000000001`): read as their nearest `f64`, two requests that
+//! differ would be one. So are NaN and the infinities, which serde_json
 //! would write as `null` (so that a request holding one would pass for the
 //! same request holding `null`).
 
@@ -24,8 +26,8 @@ use crate::key::hex;
 ///
 /// # Errors
 ///
-/// When `request` does not serialize or holds a non-finite float or an
-/// integer beyond 64 bits.
+/// When `request` does not serialize or holds a non-finite float, an
+/// integer beyond 64 bits or a number an `f64` does not hold exactly.
 pub(crate) fn of<T: Serialize + ?Sized>(request: &T) -> Result<String, serde_json::Error> {
     let value = crate::codec::to_value(request)?;
     let mut canonical = Vec::with_capacity(128);
@@ -67,7 +69,8 @@ fn write_canonical(value: &Value, out: &mut Vec<u8>) -> Result<(), serde_json::E
 
 /// Writes `number` as serde_json without `arbitrary_precision` reads it: an
 /// integer as a `u64` or an `i64` where it fits, anything else (a fraction,
-/// an exponent, `-0`, an integer too large) as an `f64`.
+/// an exponent, `-0`) as an `f64`, provided the `f64` is the number the
+/// text names.
 fn write_number(number: &Number, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
     if let Some(unsigned) = number.as_u64() {
         return serde_json::to_writer(out, &unsigned);
@@ -78,11 +81,50 @@ fn write_number(number: &Number, out: &mut Vec<u8>) -> Result<(), serde_json::Er
         return serde_json::to_writer(out, &signed);
     }
     match number.as_f64() {
-        Some(float) if float.is_finite() => serde_json::to_writer(out, &float),
-        _ => Err(serde_json::Error::custom(format!(
-            "the number {number} is beyond the range of a 64-bit float"
-        ))),
+        Some(float) if float.is_finite() && names_exactly(number, float)? => serde_json::to_writer(out, &float),
+        // The number is not quoted: it is part of the request.
+        _ => Err(serde_json::Error::custom(
+            "a number is beyond what a 64-bit float holds exactly, which a request may not hold",
+        )),
     }
+}
+
+/// Whether the text of `number` names the same decimal as the shortest text
+/// of `float`, the one float it reads as. Every float then stands for one
+/// decimal, so requests whose numbers differ (`1.000000000000000001` and
+/// `...002`, or `18446744073709551617` and `...616`, each read as one float)
+/// never share a fingerprint; one of them at most is accepted. Only
+/// `arbitrary_precision` keeps a text other than the shortest (`1.50`,
+/// `15e-1` are accepted as the decimal 1.5); without it every float's text
+/// is its shortest.
+fn names_exactly(number: &Number, float: f64) -> Result<bool, serde_json::Error> {
+    let shortest = serde_json::to_string(&float)?;
+    Ok(decimal(&number.to_string()).is_some_and(|named| Some(named) == decimal(&shortest)))
+}
+
+/// The decimal a JSON number's text names: its sign, its digits without
+/// leading or trailing zeros (none for zero) and the power of ten of the
+/// last one (0 for zero). `None` for an exponent beyond 128 bits.
+fn decimal(text: &str) -> Option<(bool, String, i128)> {
+    let (negative, unsigned) = match text.strip_prefix('-') {
+        Some(unsigned) => (true, unsigned),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match unsigned.split_once(['e', 'E']) {
+        Some((mantissa, exponent)) => (mantissa, exponent.strip_prefix('+').unwrap_or(exponent).parse().ok()?),
+        None => (unsigned, 0_i128),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits = format!("{whole}{fraction}");
+    let significant = digits.trim_start_matches('0');
+    let trimmed = significant.trim_end_matches('0');
+    if trimmed.is_empty() {
+        return Some((negative, String::new(), 0));
+    }
+    let trailing_zeros = i128::try_from(significant.len() - trimmed.len()).ok()?;
+    let fraction_len = i128::try_from(fraction.len()).ok()?;
+    let power = exponent.checked_sub(fraction_len)?.checked_add(trailing_zeros)?;
+    Some((negative, trimmed.to_owned(), power))
 }
 
 #[cfg(test)]
@@ -113,7 +155,7 @@ mod tests {
         // The texts a `Value` keeps under `arbitrary_precision`, as the build
         // without the feature reads them.
         let parsed: Value = serde_json::from_str(
-            "[1.00, 1e2, -0, 0, 7, -7, 18446744073709551616, -9223372036854775809, 0.10000000000000001, -0.0, 5e-324]",
+            "[1.00, 1e2, -0, 0, 7, -7, 1.8446744073709552e19, -9.223372036854776e18, 0.100, -0.0, 5e-324, 1.5, 0.30000000000000004]",
         )
         .expect("json");
         let read: Value = json!([
@@ -124,10 +166,12 @@ mod tests {
             7,
             -7,
             18_446_744_073_709_551_616.0,
-            -9_223_372_036_854_775_809.0,
+            -9_223_372_036_854_775_808.0,
             0.1,
             -0.0,
-            5e-324
+            5e-324,
+            1.5,
+            0.1 + 0.2
         ]);
         assert_eq!(canonical(&parsed), canonical(&read));
         assert_eq!(of(&parsed).expect("fingerprint"), of(&read).expect("fingerprint"));
@@ -147,6 +191,49 @@ mod tests {
             of(&u64::MAX).expect("fingerprint")
         );
         assert_eq!(of(&-5_i128).expect("fits"), of(&-5_i64).expect("fingerprint"));
+    }
+
+    #[test]
+    fn numbers_beyond_what_a_float_holds_exactly_are_refused() {
+        // Each names a number that no `f64` is the shortest form of: read
+        // as the nearest float, it would share its fingerprint with another
+        // request (`...617` with `...616`, `...001` with `...002`, `0.1`
+        // with `0.10000000000000001`).
+        for text in [
+            "18446744073709551617",
+            "18446744073709551616",
+            "-9223372036854775809",
+            "1.000000000000000001",
+            "1.000000000000000002",
+            "0.10000000000000001",
+            "1e-400",
+            "123456789012345678901234567890e-10",
+        ] {
+            let value: Value = serde_json::from_str(text).expect("json");
+            let message = of(&json!({"amount": value})).expect_err(text).to_string();
+            assert!(
+                message.contains("beyond what a 64-bit float holds exactly"),
+                "{text}: {message}"
+            );
+            assert!(!message.contains(text), "the number is not quoted: {message}");
+        }
+    }
+
+    #[test]
+    fn numbers_a_float_holds_exactly_fingerprint_as_that_float() {
+        for (text, float) in [
+            ("1.5", 1.5),
+            ("0.1", 0.1),
+            ("1.50", 1.5),
+            ("15e-1", 1.5),
+            ("0.30000000000000004", 0.1 + 0.2),
+            ("1.7976931348623157e308", f64::MAX),
+            ("-2.5E+3", -2500.0),
+            ("0e999999999999999999999", 0.0),
+        ] {
+            let value: Value = serde_json::from_str(text).expect("json");
+            assert_eq!(of(&value).expect(text), of(&float).expect("a float"), "{text}");
+        }
     }
 
     #[test]

@@ -3,13 +3,18 @@
 //! gauges and histograms through the `metrics` facade, which cost next to
 //! nothing until an application installs a recorder.
 //!
-//! Keys, scopes, topics and message ids appear as the technical identifiers
-//! they are. Request, response and payload bodies never do, and neither do
+//! Scopes, topics and message ids appear as the technical identifiers they
+//! are; a key as its digest (see [`key_digest`]), since a client may put in
+//! a key what it should not (an e-mail address) in a form the key rules do
+//! not catch, and the digest serves to follow one key through the logs as
+//! well. Request, response and payload bodies never do, and neither do
 //! texts that may quote them: JSON errors are reported by their category and
 //! position, not their message, and a handler's error text stays on the
 //! message in the database.
 
 use std::time::Duration;
+
+use sha2::{Digest, Sha256};
 
 use tracing::field::Empty;
 use tracing::{Span, debug, error, info, warn};
@@ -19,6 +24,15 @@ use crate::outcome::{Outcome, Recorded};
 
 /// The target of every span and event.
 pub(crate) const TARGET: &str = "idempotency";
+
+/// How a key appears in spans and events: the first 16 hex digits of the
+/// SHA-256 of its bytes (`printf %s "$KEY" | sha256sum | cut -c1-16` finds a
+/// given key's).
+pub(crate) fn key_digest(key: &str) -> String {
+    let mut digest = crate::key::hex(&Sha256::digest(key.as_bytes()));
+    digest.truncate(16);
+    digest
+}
 
 /// The span of one idempotent call, and the decision it ended with.
 ///
@@ -35,7 +49,7 @@ pub(crate) struct CallTrace {
 impl CallTrace {
     pub(crate) fn start(backend: &'static str) -> CallTrace {
         CallTrace::with_span(
-            tracing::debug_span!(target: TARGET, "idempotent_call", scope = Empty, key = Empty, backend, outcome = Empty),
+            tracing::debug_span!(target: TARGET, "idempotent_call", scope = Empty, key_digest = Empty, backend, outcome = Empty),
             backend,
         )
     }
@@ -45,7 +59,7 @@ impl CallTrace {
         CallTrace::with_span(
             tracing::debug_span!(
                 target: TARGET, "phased_operation",
-                operation, scope = Empty, key = Empty, backend, outcome = Empty
+                operation, scope = Empty, key_digest = Empty, backend, outcome = Empty
             ),
             backend,
         )
@@ -70,9 +84,9 @@ impl CallTrace {
         self.span.record("scope", scope);
     }
 
-    /// Records a key that passed validation.
+    /// Records a key that passed validation, as its digest.
     pub(crate) fn key(&self, key: &str) {
-        self.span.record("key", key);
+        self.span.record("key_digest", key_digest(key).as_str());
     }
 
     /// The write path waited this long for the key (another call holding

@@ -45,6 +45,7 @@ pub struct NewOperation<'a> {
 #[derive(Queryable, Selectable, Debug)]
 #[diesel(table_name = idempotency_phases)]
 pub struct OperationRow {
+    pub(crate) operation: String,
     pub(crate) request_hash: String,
     pub(crate) op_id: String,
     pub(crate) status: String,

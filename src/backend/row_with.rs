@@ -146,8 +146,9 @@ pub(crate) struct OperationColumns<Time>(PhantomData<Time>);
 impl<Time: 'static> Lookup for OperationColumns<Time> {
     const TABLE: &'static str = "idempotency_phases";
     const COLUMNS: &'static str =
-        "r.request_hash, r.op_id, r.status, r.points, r.response, r.lease_until, r.expires_at";
+        "r.operation, r.request_hash, r.op_id, r.status, r.points, r.response, r.lease_until, r.expires_at";
     type SqlType = (
+        Nullable<Text>,
         Nullable<Text>,
         Nullable<Text>,
         Nullable<Text>,
@@ -159,6 +160,7 @@ impl<Time: 'static> Lookup for OperationColumns<Time> {
 }
 
 type OperationColumnsRow = (
+    Option<String>,
     Option<String>,
     Option<String>,
     Option<String>,
@@ -183,17 +185,25 @@ where
     let (now, columns) =
         row_with::<H, OperationColumns<Time>, C, (NaiveDateTime, OperationColumnsRow)>(conn, scope, key)?;
     let row = match columns {
-        (Some(request_hash), Some(op_id), Some(status), Some(points), response, lease_until, expires_at) => {
-            Some(OperationRow {
-                request_hash,
-                op_id,
-                status,
-                points,
-                response,
-                lease_until,
-                expires_at,
-            })
-        }
+        (
+            Some(operation),
+            Some(request_hash),
+            Some(op_id),
+            Some(status),
+            Some(points),
+            response,
+            lease_until,
+            expires_at,
+        ) => Some(OperationRow {
+            operation,
+            request_hash,
+            op_id,
+            status,
+            points,
+            response,
+            lease_until,
+            expires_at,
+        }),
         _ => None,
     };
     Ok((row, now))

@@ -335,7 +335,7 @@ where
                     if conn.write(WRITE_LOCK_WAIT, |tx| {
                         tx.park_unheld(&row.scope, &row.idempotency_key, &reason, now)
                     })? {
-                        tracing::warn!(target: telemetry::TARGET, scope = %row.scope, key = %row.idempotency_key, %reason, "operation parked");
+                        tracing::warn!(target: telemetry::TARGET, scope = %row.scope, key_digest = %telemetry::key_digest(&row.idempotency_key), %reason, "operation parked");
                         report.parked += 1;
                     }
                 }

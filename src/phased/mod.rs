@@ -102,7 +102,9 @@
 //!   success or a failure the operation chose to store (a declined card is
 //!   a response, not an error). Only a failure before the first commit
 //!   leaves the key free, as for a single call. Another request under the
-//!   key is [`Error::Mismatch`](crate::Error::Mismatch).
+//!   key, or another operation (a [`Phased`] of another name), is
+//!   [`Error::Mismatch`](crate::Error::Mismatch), also while the first one
+//!   runs.
 //! - **One attempt at a time.** An attempt holds a lease (default 90
 //!   seconds, renewed at every commit); every commit requires the lease's
 //!   token, so an attempt whose lease was taken over commits nothing (its

@@ -124,7 +124,8 @@ impl Phased {
     ///
     /// - [`Error::InvalidScope`], [`Error::InvalidKey`]: refused before
     ///   anything was read or written.
-    /// - [`Error::Mismatch`]: the key is bound to another request.
+    /// - [`Error::Mismatch`]: the key is bound to another request or to
+    ///   another operation (another name).
     /// - [`Error::InProgress`]: another attempt holds the operation beyond
     ///   the in-flight policy, or took it over from this one.
     /// - [`Error::Operation`]: a step's closure failed. Before the first
@@ -239,7 +240,12 @@ impl Phased {
             if row.status == COMPLETED && row.expires_at.is_some_and(|expires_at| expires_at <= now) {
                 return Ok(Begin::Attempt(Held::Unclaimed { replace: true }, clock));
             }
-            if row.request_hash != request_hash {
+            // The key is bound to the operation as well as to the request:
+            // another operation's response is not this one's, nor are its
+            // recovery points. Compared with the name stored since the first
+            // version rather than folded into the fingerprint, so that
+            // operations written before keep their fingerprints.
+            if row.operation != self.name || row.request_hash != request_hash {
                 return Err(Error::Mismatch);
             }
             match row.status.as_str() {

@@ -28,6 +28,7 @@ crate::common::backend_tests!(
     maps_built_in_different_orders_match,
     a_struct_and_a_map_with_the_same_json_match,
     any_changed_value_is_a_mismatch,
+    numbers_the_fingerprint_cannot_tell_apart_are_refused_and_nothing_is_written,
 );
 
 /// The stored fingerprint is the SHA-256 of the canonical form written
@@ -112,4 +113,30 @@ fn any_changed_value_is_a_mismatch<D: TestDb>() {
         assert!(matches!(result, Err(Error::Mismatch)), "{changed}: {result:?}");
     }
     assert_eq!(D::order_count(&mut conn), 1);
+}
+
+/// Wei-style amounts that only differ past a float's precision, and an
+/// integer past 64 bits, as the `arbitrary_precision` build keeps them:
+/// refused, or the second would be answered with the first's result.
+fn numbers_the_fingerprint_cannot_tell_apart_are_refused_and_nothing_is_written<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    for (key, text) in [
+        ("k-wei-1", r#"{"amount": 1.000000000000000001}"#),
+        ("k-wei-1", r#"{"amount": 1.000000000000000002}"#),
+        ("k-big", r#"{"amount": 18446744073709551617}"#),
+        ("k-wide", r#"{"amount": 170141183460469231731687303715884105727}"#),
+    ] {
+        let request: serde_json::Value = serde_json::from_str(text).expect("json");
+        let result = run_idempotent(&mut conn, "shop", key, &request, |tx| D::place_order(tx, "book", 1));
+        match result {
+            Err(Error::Codec(error)) => assert!(error.to_string().contains("64-bit float"), "{error}"),
+            other => panic!("{text}: {other:?}"),
+        }
+    }
+    assert_eq!(D::order_count(&mut conn), 0, "the operation never ran");
+    assert!(D::request_hashes(&mut conn).is_empty(), "no record written");
+    let plain: serde_json::Value = serde_json::from_str(r#"{"amount": 1.5, "fee": 0.1}"#).expect("json");
+    let placed = run_idempotent(&mut conn, "shop", "k-plain", &plain, |tx| D::place_order(tx, "book", 1));
+    assert!(!placed.expect("a float a request may hold").is_replayed());
 }

@@ -65,6 +65,8 @@ crate::common::backend_tests!(
     renamed_step_is_refused_and_runs_nothing,
     calls_sharing_a_name_get_a_provider_key_each,
     another_request_under_the_same_key_is_a_mismatch,
+    another_operation_under_a_spent_key_is_a_mismatch,
+    another_operation_under_a_key_in_progress_is_a_mismatch_at_once,
     key_executing_again_after_retention_charges_under_a_new_provider_key,
     purge_deletes_finished_operations_only,
 );
@@ -1571,6 +1573,72 @@ fn another_request_under_the_same_key_is_a_mismatch<D: RideDb>() {
         rides.create(&mut conn, KEY, &ada()).expect("a replay"),
         Outcome::Replayed(reply)
     );
+}
+
+/// The operation that gives a ride's charge back: another name under the
+/// ride's key, with the ride's request.
+const REFUND: &str = "refund-ride";
+
+fn refund<D: RideDb>(conn: &mut D::Conn, phased: &Phased, ran: &AtomicUsize) -> Result<Outcome<u32>, Error<RideError>> {
+    phased.run(conn, SCOPE, KEY, &ada(), |s| {
+        s.finish(|_| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, RideError>(7)
+        })
+    })
+}
+
+fn another_operation_under_a_spent_key_is_a_mismatch<D: RideDb>() {
+    let db = ride_db::<D>();
+    let mut conn = db.conn();
+    let rides = Rides::new(&db, Phased::new(OPERATION));
+    let ran = AtomicUsize::new(0);
+    rides.provider.then(Behaviour::FailBefore);
+    assert!(matches!(
+        rides.create(&mut conn, KEY, &ada()),
+        Err(Error::Operation(RideError::Provider(ProviderError::Unavailable)))
+    ));
+    // Running with its lease freed: the refund may not take it over.
+    let running = refund::<D>(&mut conn, &Phased::new(REFUND), &ran);
+    assert!(matches!(running, Err(Error::Mismatch)), "{running:?}");
+    // The same phases under another name: not a resume of the ride either.
+    let renamed = rides.with(Phased::new(REFUND)).create(&mut conn, KEY, &ada());
+    assert!(matches!(renamed, Err(Error::Mismatch)), "{renamed:?}");
+
+    let reply = executed(rides.create(&mut conn, KEY, &ada()));
+    // Finished: neither the ride's reply nor a `Codec` failure for the
+    // whole retention because a `u32` cannot read it.
+    let finished = refund::<D>(&mut conn, &Phased::new(REFUND), &ran);
+    assert!(matches!(finished, Err(Error::Mismatch)), "{finished:?}");
+    assert_eq!(ran.load(Ordering::SeqCst), 0, "the refund never ran");
+    assert_eq!(rides.provider.requests(), 2, "a mismatch calls nobody");
+    assert_charged_once::<D>(&mut conn, &reply, 1);
+    assert_eq!(
+        rides.create(&mut conn, KEY, &ada()).expect("a replay"),
+        Outcome::Replayed(reply)
+    );
+}
+
+fn another_operation_under_a_key_in_progress_is_a_mismatch_at_once<D: RideDb>() {
+    let db = ride_db::<D>();
+    let rides = Rides::new(&db, Phased::new(OPERATION));
+    let (gate, arrived, open) = gate();
+    rides.provider.then(Behaviour::Block(gate));
+    let pool = db.pool(2);
+    let ran = AtomicUsize::new(0);
+    // Waiting for a lease that the ride holds until the test opens the gate:
+    // anything but an answer at once would be `InProgress` after the wait.
+    let patient = Phased::new(REFUND).config(Config::default().in_flight(InFlight::Wait(Duration::seconds(10))));
+    std::thread::scope(|s| {
+        let first = s.spawn(|| rides.create(&mut pool.get().expect("a connection"), KEY, &ada()));
+        wait::recv(&arrived, "the ride reaches the provider");
+        let refunded = refund::<D>(&mut pool.get().expect("a connection"), &patient, &ran);
+        assert!(matches!(refunded, Err(Error::Mismatch)), "{refunded:?}");
+        open.send(()).expect("release the provider");
+        let reply = executed(first.join().expect("the ride"));
+        assert_eq!(ran.load(Ordering::SeqCst), 0, "the refund never ran");
+        assert_charged_once::<D>(&mut pool.get().expect("a connection"), &reply, 1);
+    });
 }
 
 fn key_executing_again_after_retention_charges_under_a_new_provider_key<D: RideDb>() {

@@ -518,3 +518,84 @@ fn distribute_without_citus_is_refused_and_changes_nothing() {
     .expect("read the setting in a new session");
     assert_ne!(setting.as_deref(), Some("on"), "the database's setting is unchanged");
 }
+
+/// The server's clock now, in UTC, as the crate stores times: not `now()`,
+/// which is the transaction's start.
+fn clock_timestamp(conn: &mut PgConnection) -> chrono::NaiveDateTime {
+    diesel::select(diesel::dsl::sql::<diesel::sql_types::Timestamp>(
+        "timezone('UTC', clock_timestamp())",
+    ))
+    .get_result(conn)
+    .expect("the server's clock")
+}
+
+/// Two times of a row.
+#[derive(QueryableByName)]
+struct Times {
+    #[diesel(sql_type = diesel::sql_types::Timestamp)]
+    at: chrono::NaiveDateTime,
+    #[diesel(sql_type = diesel::sql_types::Timestamp)]
+    until: chrono::NaiveDateTime,
+}
+
+/// A caller's transaction that began 1.5 s before `f` runs in it.
+fn in_a_transaction_begun_long_ago<T>(conn: &mut PgConnection, f: impl FnOnce(&mut PgConnection) -> T) -> T {
+    conn.transaction(|tx| {
+        tx.batch_execute("SELECT pg_sleep(1.5)")?;
+        Ok::<_, DieselError>(f(tx))
+    })
+    .expect("the caller's transaction")
+}
+
+#[test]
+fn call_nested_in_a_long_transaction_dates_its_record_by_the_statement_not_the_transaction() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    let key = crate::common::unique_name("k-long-transaction");
+    let (before, (created_at, expires_at)) = in_a_transaction_begun_long_ago(&mut conn, |tx| {
+        let before = clock_timestamp(tx);
+        run_idempotent(tx, SCOPE, &key, REQUEST, |_| Ok::<_, Error>(1)).expect("the nested call");
+        let times: Times = diesel::sql_query(
+            "SELECT created_at AS at, expires_at AS until FROM idempotency_keys WHERE scope = $1 AND idempotency_key = $2",
+        )
+        .bind::<diesel::sql_types::Text, _>(SCOPE)
+        .bind::<diesel::sql_types::Text, _>(&key)
+        .get_result(tx)
+        .expect("the record");
+        (before, (times.at, times.until))
+    });
+    assert!(
+        created_at >= before,
+        "created at {created_at}, before the call {before}"
+    );
+    assert!(
+        expires_at >= before + Duration::hours(24),
+        "a full retention from the call: expires at {expires_at}, called at {before}"
+    );
+}
+
+#[test]
+fn relay_pass_in_a_long_transaction_writes_times_in_the_future() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    // Shorter than the transaction is old: from the transaction's start,
+    // the message would be due again before the pass ends.
+    let relay = idempotency::outbox::Relay::default()
+        .lease(Duration::seconds(1))
+        .backoff(Duration::seconds(1), Duration::seconds(1));
+    let (id, before, message, now) = in_a_transaction_begun_long_ago(&mut conn, |tx| {
+        let before = clock_timestamp(tx);
+        let id = idempotency::outbox::enqueue(tx, "receipts", &1).expect("enqueue");
+        let pass = relay.run_once(tx, |_| Err("receiver unavailable")).expect("a pass");
+        assert_eq!((pass.claimed, pass.retried), (1, 1));
+        let message: Times =
+            diesel::sql_query("SELECT created_at AS at, available_at AS until FROM idempotency_outbox WHERE id = $1")
+                .bind::<diesel::sql_types::Text, _>(&id)
+                .get_result(tx)
+                .expect("the message");
+        (id, before, message, clock_timestamp(tx))
+    });
+    assert!(message.at >= before, "enqueued at {}, after {before}", message.at);
+    let due = message.until;
+    assert!(due > now, "message {id} due again at {due}, already past at {now}");
+}

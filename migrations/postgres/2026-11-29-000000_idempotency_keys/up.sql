@@ -1,8 +1,8 @@
 -- One row per (scope, key). A row is committed only together with the
 -- operation it guards, so other transactions only ever see 'completed' rows;
 -- 'processing' is visible to the claiming transaction alone.
--- Times are UTC, written by the library's clock rather than the database's,
--- so that an injected clock governs retention.
+-- Times are UTC, written by the database's clock (the statement's time), or
+-- by the host's on SQLite, or by a clock the application injects for tests.
 CREATE TABLE idempotency_keys (
     scope TEXT NOT NULL,
     idempotency_key TEXT NOT NULL,

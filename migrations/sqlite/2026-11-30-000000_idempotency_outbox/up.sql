@@ -11,8 +11,8 @@
 -- until its lease runs out.
 -- lease_token: written by the claim; settling an attempt requires it, so a
 -- relay whose lease was taken over cannot settle the message.
--- Times are UTC, written by the library's clock rather than the database's,
--- so that an injected clock governs leases, backoff and retention.
+-- Times are UTC, written by the database's clock (the statement's time), or
+-- by the host's on SQLite, or by a clock the application injects for tests.
 CREATE TABLE idempotency_outbox (
     id TEXT PRIMARY KEY,
     topic TEXT NOT NULL,

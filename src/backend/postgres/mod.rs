@@ -52,6 +52,22 @@ diesel::define_sql_function! {
     fn timezone(zone: Text, at: Timestamptz) -> Timestamp;
 }
 
+diesel::define_sql_function! {
+    /// PostgreSQL's `statement_timestamp()`: when the server received the
+    /// statement. The crate's clock on PostgreSQL, rather than `now()`, the
+    /// start of the transaction: a call nested in a caller's transaction
+    /// that began long ago would get a retention shortened by its age, and
+    /// a relay pass on it leases that are over already. Unlike
+    /// `clock_timestamp()` it is one time for the whole statement, as
+    /// MySQL's `UTC_TIMESTAMP(6)` is.
+    fn statement_timestamp() -> Timestamptz;
+}
+
+/// The database's time in UTC, as the crate writes times.
+pub(crate) fn database_time() -> timezone<&'static str, statement_timestamp> {
+    timezone("UTC", statement_timestamp())
+}
+
 /// Where the caller's `lock_timeout` waits while the lock is taken under the
 /// policy's; a placeholder setting, local to the transaction.
 const SAVED_LOCK_TIMEOUT: &str = "idempotency.caller_lock_timeout";
@@ -127,7 +143,7 @@ pub(crate) struct DatabaseNow;
 
 impl Head for DatabaseNow {
     type Backend = Pg;
-    const SQL: &'static str = "timezone('UTC', now())";
+    const SQL: &'static str = "timezone('UTC', statement_timestamp())";
     type SqlType = Timestamp;
 }
 
@@ -147,7 +163,7 @@ struct NowAndClaimFirst;
 
 impl Head for NowAndClaimFirst {
     type Backend = Pg;
-    const SQL: &'static str = concat!("timezone('UTC', now()), ", claims_first!());
+    const SQL: &'static str = concat!("timezone('UTC', statement_timestamp()), ", claims_first!());
     type SqlType = (Timestamp, Bool);
 }
 
@@ -191,7 +207,7 @@ impl KeyStore for PgConnection {
     }
 
     fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
-        diesel::select(timezone("UTC", diesel::dsl::now)).get_result(self)
+        diesel::select(database_time()).get_result(self)
     }
 
     fn key_transaction<T, E>(&mut self, held: HeldKey<'_>, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>

@@ -17,7 +17,7 @@ use diesel::sql_types::{Text, Timestamp};
 
 use crate::backend::citus;
 use crate::backend::outbox::{Claim, Claimed, DELIVERED, OutboxStore, claim_in_one_statement};
-use crate::backend::postgres::{Expired, purge, timezone};
+use crate::backend::postgres::{Expired, database_time, purge};
 
 /// The channel the migration's trigger notifies.
 const CHANNEL: &str = "idempotency_outbox";
@@ -70,5 +70,5 @@ impl OutboxStore for PgConnection {
         self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
     }
 
-    crate::backend::outbox::shared_queries!(created_at = timezone("UTC", diesel::dsl::now); crate::schema);
+    crate::backend::outbox::shared_queries!(created_at = database_time(); crate::schema);
 }
