@@ -215,8 +215,9 @@ impl Relay {
 
     /// The wait after failed attempt number `attempt` (from 1).
     fn backoff_after(&self, attempt: u32) -> Duration {
-        let doublings = attempt.saturating_sub(1).min(62);
-        let factor = 1i32.checked_shl(doublings).unwrap_or(i32::MAX);
+        // 2^31 is beyond an i32 (a shift would wrap it to i32::MIN, a
+        // negative wait): the factor saturates instead.
+        let factor = 2i32.checked_pow(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
         self.backoff_base
             .checked_mul(factor)
             .map_or(self.backoff_max, |wait| wait.min(self.backoff_max))
@@ -590,6 +591,20 @@ mod tests {
             Duration::seconds(70),
             "no overflow on huge attempt counts"
         );
+    }
+
+    #[test]
+    fn backoff_never_falls_after_the_thirty_first_attempt() {
+        let relay = Relay::default().backoff(Duration::milliseconds(1), Duration::minutes(15));
+        let mut previous = relay.backoff_after(30);
+        for attempt in [31, 32, 33, 64, u32::MAX] {
+            let wait = relay.backoff_after(attempt);
+            assert!(
+                wait >= previous && wait <= Duration::minutes(15),
+                "attempt {attempt}: {wait} after {previous}"
+            );
+            previous = wait;
+        }
     }
 
     #[test]
