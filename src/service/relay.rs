@@ -3,6 +3,7 @@
 //! wakes them when an enqueue commits.
 
 use std::fmt;
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::Instant;
@@ -55,11 +56,31 @@ impl Relay {
     /// batch is given back, due at once for the next relay. `run` returns
     /// when every worker has stopped.
     ///
+    /// A panic in `handler` is a failed attempt of its message, as an `Err`
+    /// is, with the text `the handler panicked: ` and the panic's message as
+    /// its error: backed off, and parked as dead after
+    /// [`max_attempts`](Relay::max_attempts), while the worker goes on with
+    /// the next message. (The panic is still reported by the panic hook;
+    /// with `panic = "abort"` it ends the process, and the message counts
+    /// as an attempt cut short by a relay that died.)
+    ///
+    /// A handler that never returns holds its worker: a thread cannot be
+    /// stopped from outside. The lease is not renewed, so once it has run
+    /// out the message is claimed again and may hold a second worker; each
+    /// claim counts an attempt, and after
+    /// [`max_attempts`](Relay::max_attempts) claims without an outcome the
+    /// message is parked as dead without being handed over again. With no
+    /// more workers than that, a message that hangs every time can hold
+    /// them all, and `run` returns only once their handlers have. Bound
+    /// the handler's own waits (a timeout on every call it makes) well
+    /// below the [`lease`](Relay::lease).
+    ///
     /// # Panics
     ///
-    /// A panic in `handler` ends its worker's thread and resumes here once
-    /// the other workers have stopped (trigger `shutdown` to stop them); its
-    /// message is delivered again after the lease.
+    /// A panic outside the handler, such as in an injected
+    /// [`clock`](Relay::clock), ends its worker's thread and resumes here
+    /// once the other workers have stopped (trigger `shutdown` to stop
+    /// them).
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -186,7 +207,7 @@ impl Relay {
         let mut report = Deliveries::default();
         let passed = self.pass(
             conn,
-            &mut |message: &Message| handler(message),
+            &mut |message: &Message| handle(handler, message),
             &|| shutdown.is_triggered(),
             &mut report,
         );
@@ -234,6 +255,31 @@ fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown, stopped: &dy
     }
     conn.unlisten()?;
     Ok(true)
+}
+
+/// Hands `message` to `handler`, with a panic as a failure of this message:
+/// recorded like an error (backed off, and parked as dead after the last
+/// attempt), so that a message that panics every time ends neither its
+/// worker nor, after the lease, the next one. The handler sees only the
+/// message, so the unwinding leaves no connection half-way.
+fn handle<E, F>(handler: &F, message: &Message) -> Result<(), String>
+where
+    E: fmt::Display,
+    F: Fn(&Message) -> Result<(), E>,
+{
+    match panic::catch_unwind(AssertUnwindSafe(|| handler(message))) {
+        Ok(handled) => handled.map_err(|failure| failure.to_string()),
+        Err(payload) => {
+            let text = payload
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str));
+            Err(match text {
+                Some(text) => format!("the handler panicked: {text}"),
+                None => String::from("the handler panicked"),
+            })
+        }
+    }
 }
 
 /// Counts a worker out when its thread ends, by return or by panic.

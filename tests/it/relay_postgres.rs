@@ -292,25 +292,24 @@ fn relay_rides_out_a_server_restart_and_loses_no_committed_message() {
     assert!(summary.work.delivered <= rows as usize, "{summary:?}");
 }
 
-/// The listener serves the workers: when a panic ends the last of them, the
-/// service returns with that panic, although no shutdown was triggered (the
-/// listener kept it running before).
+/// The listener serves the workers: when a panic ends the last of them (a
+/// handler's panic is its message's failed attempt, but an injected clock
+/// runs outside it), the service returns with that panic, although no
+/// shutdown was triggered (the listener kept it running before).
 #[test]
 fn relay_returns_with_the_panic_of_its_only_worker() {
     let db = Db::new();
     let pool = db.pool(2);
-    outbox::enqueue(&mut db.conn(), "receipts", &1).expect("enqueue");
     let shutdown = Shutdown::new();
     let (ended, ending) = mpsc::channel();
     let service = {
         let (pool, shutdown) = (pool.clone(), shutdown.clone());
         thread::spawn(move || {
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                Relay::default().workers(1).run(
-                    &pool,
-                    |_: &Message| -> Result<(), String> { panic!("a bug in the handler") },
-                    &shutdown,
-                )
+                Relay::default()
+                    .workers(1)
+                    .clock(|| panic!("a bug in the clock"))
+                    .run(&pool, |_: &Message| Ok::<_, String>(()), &shutdown)
             }));
             ended.send(run.is_err()).expect("the test waits");
         })
@@ -318,5 +317,5 @@ fn relay_returns_with_the_panic_of_its_only_worker() {
     let ended = ending.recv_timeout(PATIENCE);
     shutdown.trigger();
     wait::join(service, "the service thread");
-    assert_eq!(ended, Ok(true), "run returned with the handler's panic");
+    assert_eq!(ended, Ok(true), "run returned with the clock's panic");
 }

@@ -22,7 +22,7 @@ use idempotency::outbox::{self, Deliveries, Message, Relay};
 use idempotency::testing::ManualClock;
 
 use crate::common::TestDb;
-use crate::common::wait::{PATIENCE, StopOnDrop};
+use crate::common::wait::{PATIENCE, StopOnDrop, wait_for};
 
 crate::common::backend_tests!(
     messages_enqueued_before_and_during_the_run_are_each_delivered_once,
@@ -34,6 +34,7 @@ crate::common::backend_tests!(
     database_error_mid_batch_keeps_the_batch_deliveries_in_the_summary,
     relay_on_a_pool_of_one_connection_delivers_without_errors,
     relay_with_a_clock_behind_the_database_delivers_at_once,
+    panicking_handler_fails_its_message_while_the_others_are_delivered,
 );
 
 /// A handler's report: the message id and its attempt.
@@ -506,4 +507,64 @@ fn relay_with_a_clock_behind_the_database_delivers_at_once<D: TestDb>() {
         service.join().expect("the relay does not panic")
     });
     assert_eq!((summary.work.delivered, summary.errors), (1, 0));
+}
+
+/// A message whose handler panics is a poison message: each panic is a
+/// failed attempt of that message alone, counted and backed off until it
+/// is dead, while both workers go on delivering the rest.
+fn panicking_handler_fails_its_message_while_the_others_are_delivered<D: TestDb>() {
+    const OTHERS: usize = 20;
+    const MAX_ATTEMPTS: u32 = 3;
+    let db = D::new();
+    let pool = db.pool(3);
+    let mut conn = db.conn();
+    let poison = outbox::enqueue(&mut conn, "webhooks", &"poison").expect("enqueue");
+    for n in 0..OTHERS {
+        outbox::enqueue(&mut conn, "webhooks", &n).expect("enqueue");
+    }
+    let relay = Relay::default()
+        .workers(2)
+        .batch_size(5)
+        .lease(Duration::seconds(1))
+        .max_attempts(MAX_ATTEMPTS)
+        .backoff(Duration::milliseconds(10), Duration::milliseconds(40))
+        .poll_interval(StdDuration::from_millis(10));
+    let shutdown = Shutdown::new();
+    let (delivered, poisoned) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let handler = |message: &Message| {
+        if message.id == poison {
+            poisoned.fetch_add(1, Ordering::SeqCst);
+            panic!("the payload does not parse");
+        }
+        delivered.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, String>(())
+    };
+
+    let stopped = thread::scope(|scope| {
+        let _stop = StopOnDrop(&shutdown);
+        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        wait_for("the other messages delivered and the poison message dead", || {
+            status_count::<D>(&mut conn, "delivered") == OTHERS && status_count::<D>(&mut conn, "dead") == 1
+        });
+        shutdown.trigger();
+        service.join()
+    });
+    let summary = stopped.expect("the relay returns at shutdown, without a panic");
+
+    assert_eq!(delivered.load(Ordering::SeqCst), OTHERS, "each other message delivered once");
+    assert_eq!(poisoned.load(Ordering::SeqCst), MAX_ATTEMPTS as usize, "one panic per attempt");
+    let rows = D::outbox_messages(&mut conn);
+    let (_, _, status, attempts, last_error) = rows.iter().find(|row| row.0 == poison).expect("the poison message");
+    assert_eq!((status.as_str(), *attempts), ("dead", MAX_ATTEMPTS as i32));
+    assert_eq!(
+        last_error.as_deref(),
+        Some("the handler panicked: the payload does not parse")
+    );
+    assert_eq!(summary.errors, 0);
+    let work = summary.work;
+    assert_eq!(
+        (work.delivered, work.retried, work.dead, work.lost),
+        (OTHERS, MAX_ATTEMPTS as usize - 1, 1, 0),
+        "{summary:?}"
+    );
 }
