@@ -199,9 +199,9 @@ impl Relay {
         match conn.next_due()? {
             Some(Due::At(due)) if due > now => {
                 let until_due = (due - now).to_std().unwrap_or_default();
-                return Ok(Next::Sleep(until_due.min(self.poll_interval)));
+                return Ok(Next::SleepOrWake(until_due.min(self.poll_interval)));
             }
-            None => return Ok(Next::Sleep(self.poll_interval)),
+            None => return Ok(Next::SleepOrWake(self.poll_interval)),
             Some(Due::Now | Due::At(_)) => {}
         }
         let mut report = Deliveries::default();
@@ -215,7 +215,7 @@ impl Relay {
         passed?;
         Ok(if report.claimed == 0 {
             // Due, but another relay claimed it first.
-            Next::Sleep(self.poll_interval)
+            Next::SleepOrWake(self.poll_interval)
         } else {
             Next::Now
         })

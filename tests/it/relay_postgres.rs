@@ -19,7 +19,7 @@ use diesel::pg::{PgConnection, PgNotification};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::Text;
-use idempotency::Shutdown;
+use idempotency::{Purger, Shutdown};
 use idempotency::outbox::{self, Message, Relay};
 
 use crate::common::TestDb;
@@ -318,4 +318,47 @@ fn relay_returns_with_the_panic_of_its_only_worker() {
     shutdown.trigger();
     wait::join(service, "the service thread");
     assert_eq!(ended, Ok(true), "run returned with the clock's panic");
+}
+
+/// The relay's wake-ups are the relay's: a purger sharing its `Shutdown`
+/// sleeps its whole interval while every enqueue wakes the relay.
+#[test]
+fn purger_sharing_the_relays_shutdown_is_not_woken_by_enqueues() {
+    const MESSAGES: usize = 50;
+    let db = Db::new();
+    let pool = db.pool(3);
+    let mut conn = db.conn();
+    let relay = Relay::default().poll_interval(POLL_INTERVAL);
+    let purger = Purger::default().interval(POLL_INTERVAL);
+    let shutdown = Shutdown::new();
+    let (tx, delivered) = mpsc::channel();
+    let handler = |message: &Message| report(&tx, message);
+    let next = || delivered.recv_timeout(WAKE_BOUND).expect("delivered within the bound");
+
+    let started = Instant::now();
+    let (relayed, purged) = thread::scope(|scope| {
+        let _stop = StopOnDrop(&shutdown);
+        let relayed = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let purged = scope.spawn(|| purger.run(&pool, &shutdown));
+        // The first may be found by the relay's first look; the second
+        // only a notification brings in time, so the listener listens.
+        for n in 0..2 + MESSAGES {
+            let id = outbox::enqueue(&mut conn, "receipts", &n).expect("enqueue");
+            assert_eq!(next(), id, "message {n}");
+        }
+        shutdown.trigger();
+        (
+            relayed.join().expect("the relay does not panic"),
+            purged.join().expect("the purger does not panic"),
+        )
+    });
+    let elapsed = started.elapsed();
+
+    assert_eq!(relayed.work.delivered, 2 + MESSAGES, "{relayed:?}");
+    let bound = (elapsed.as_secs_f64() / POLL_INTERVAL.as_secs_f64()) as usize + 1;
+    assert!(
+        purged.work.rounds <= bound,
+        "{} purger rounds in {elapsed:?} at one every {POLL_INTERVAL:?}",
+        purged.work.rounds
+    );
 }
