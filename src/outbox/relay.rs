@@ -55,7 +55,7 @@ const WRITE_LOCK_WAIT: InFlight = InFlight::Wait(Duration::seconds(5));
 #[derive(Clone)]
 pub struct Relay {
     batch_size: usize,
-    lease: Duration,
+    pub(crate) lease: Duration,
     max_attempts: u32,
     backoff_base: Duration,
     backoff_max: Duration,
@@ -120,7 +120,8 @@ impl Relay {
     /// How long claimed messages are reserved for this relay (default 30
     /// seconds), counted from the claim. When it runs out before the relay
     /// recorded an outcome, as when the relay died, another run claims the
-    /// message again.
+    /// message again. [`run`](Relay::run) gives up on a handler still
+    /// running at three quarters of it.
     ///
     /// # Panics
     ///

@@ -445,22 +445,40 @@ mod tests {
         let completer = Completer::new()
             .clock(clock.source())
             .max_attempts(2)
-            .operation("explode", move |conn: &mut SqliteConnection, scope, key, name: String| {
-                explode.run(conn, scope, key, &name, |_| -> Result<crate::phased::Finished<()>, Error> {
-                    panic!("a bug in the operation")
-                })
-            })
+            .operation(
+                "explode",
+                move |conn: &mut SqliteConnection, scope, key, name: String| {
+                    explode.run(
+                        conn,
+                        scope,
+                        key,
+                        &name,
+                        |_| -> Result<crate::phased::Finished<()>, Error> { panic!("a bug in the operation") },
+                    )
+                },
+            )
             .operation("greet", move |conn, scope, key, name: String| {
                 greet.run(conn, scope, key, &name, |s| s.finish(|_| Ok::<_, String>(())))
             });
 
         clock.advance(Duration::minutes(5));
         let report = completer.run_once(&mut conn).expect("a pass");
-        assert_eq!((report.picked, report.completed, report.failed), (2, 1, 1), "{report:?}");
+        assert_eq!(
+            (report.picked, report.completed, report.failed),
+            (2, 1, 1),
+            "{report:?}"
+        );
 
         clock.advance(Duration::minutes(5));
-        assert_eq!(completer.run_once(&mut conn).expect("a pass").parked, 1, "out of attempts");
+        assert_eq!(
+            completer.run_once(&mut conn).expect("a pass").parked,
+            1,
+            "out of attempts"
+        );
         let parked = completer.parked(&mut conn, 10).expect("parked");
-        assert_eq!(parked.iter().map(|p| p.operation.as_str()).collect::<Vec<_>>(), ["explode"]);
+        assert_eq!(
+            parked.iter().map(|p| p.operation.as_str()).collect::<Vec<_>>(),
+            ["explode"]
+        );
     }
 }

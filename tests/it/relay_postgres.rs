@@ -19,8 +19,8 @@ use diesel::pg::{PgConnection, PgNotification};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::Text;
-use idempotency::{Purger, Shutdown};
 use idempotency::outbox::{self, Message, Relay};
+use idempotency::{Purger, Shutdown};
 
 use crate::common::TestDb;
 use crate::common::pg::{Db, backend_pid};
@@ -306,10 +306,11 @@ fn relay_returns_with_the_panic_of_its_only_worker() {
         let (pool, shutdown) = (pool.clone(), shutdown.clone());
         thread::spawn(move || {
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                Relay::default()
-                    .workers(1)
-                    .clock(|| panic!("a bug in the clock"))
-                    .run(&pool, |_: &Message| Ok::<_, String>(()), &shutdown)
+                Relay::default().workers(1).clock(|| panic!("a bug in the clock")).run(
+                    &pool,
+                    |_: &Message| Ok::<_, String>(()),
+                    &shutdown,
+                )
             }));
             ended.send(run.is_err()).expect("the test waits");
         })
