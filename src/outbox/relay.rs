@@ -55,7 +55,7 @@ const WRITE_LOCK_WAIT: InFlight = InFlight::Wait(Duration::seconds(5));
 #[derive(Clone)]
 pub struct Relay {
     batch_size: usize,
-    lease: Duration,
+    pub(crate) lease: Duration,
     max_attempts: u32,
     backoff_base: Duration,
     backoff_max: Duration,
@@ -120,7 +120,8 @@ impl Relay {
     /// How long claimed messages are reserved for this relay (default 30
     /// seconds), counted from the claim. When it runs out before the relay
     /// recorded an outcome, as when the relay died, another run claims the
-    /// message again.
+    /// message again. [`run`](Relay::run) gives up on a handler still
+    /// running at three quarters of it.
     ///
     /// # Panics
     ///
@@ -215,8 +216,9 @@ impl Relay {
 
     /// The wait after failed attempt number `attempt` (from 1).
     fn backoff_after(&self, attempt: u32) -> Duration {
-        let doublings = attempt.saturating_sub(1).min(62);
-        let factor = 1i32.checked_shl(doublings).unwrap_or(i32::MAX);
+        // 2^31 is beyond an i32 (a shift would wrap it to i32::MIN, a
+        // negative wait): the factor saturates instead.
+        let factor = 2i32.checked_pow(attempt.saturating_sub(1)).unwrap_or(i32::MAX);
         self.backoff_base
             .checked_mul(factor)
             .map_or(self.backoff_max, |wait| wait.min(self.backoff_max))
@@ -590,6 +592,20 @@ mod tests {
             Duration::seconds(70),
             "no overflow on huge attempt counts"
         );
+    }
+
+    #[test]
+    fn backoff_never_falls_after_the_thirty_first_attempt() {
+        let relay = Relay::default().backoff(Duration::milliseconds(1), Duration::minutes(15));
+        let mut previous = relay.backoff_after(30);
+        for attempt in [31, 32, 33, 64, u32::MAX] {
+            let wait = relay.backoff_after(attempt);
+            assert!(
+                wait >= previous && wait <= Duration::minutes(15),
+                "attempt {attempt}: {wait} after {previous}"
+            );
+            previous = wait;
+        }
     }
 
     #[test]

@@ -3,13 +3,14 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::AddAssign;
+use std::panic::{self, AssertUnwindSafe};
 
 use chrono::{DateTime, Duration, Utc};
 use serde::de::DeserializeOwned;
 
 use super::steps::without_unfinished_call;
-use crate::backend::phases::{PARKED, ParkedRow};
-use crate::backend::{RawConnection, StoreConnection};
+use crate::backend::phases::{PARKED, ParkedRow, PickedRow};
+use crate::backend::{RawConnection, StoreConnection, transaction_depth, unwind_to_depth};
 use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
 use crate::in_flight::InFlight;
@@ -33,6 +34,34 @@ enum Resumed {
 }
 
 type Resume<C> = Box<dyn Fn(&mut C, &str, &str, &str) -> Result<Resumed, String> + Send + Sync>;
+
+/// Runs `resume` on the picked operation `row`, with a panic as a failed
+/// attempt: the operation's own run freed its lease with the attempt
+/// counted, so it is tried again after the grace period and parked after
+/// its last attempt, and the pass goes on to the operations picked with it
+/// instead of leaving them to their pick hold.
+///
+/// # Errors
+///
+/// When the transactions the panic left open on `conn` (opened by the
+/// registered function around its run) cannot be rolled back.
+fn resume_catching_panic<C: RawConnection>(
+    resume: &Resume<C>,
+    conn: &mut C,
+    row: &PickedRow,
+) -> Result<Result<Resumed, String>, Error> {
+    let depth = transaction_depth(conn)?;
+    match panic::catch_unwind(AssertUnwindSafe(|| {
+        resume(conn, &row.scope, &row.idempotency_key, &row.request)
+    })) {
+        Ok(resumed) => Ok(resumed),
+        Err(_) => {
+            unwind_to_depth(conn, depth)?;
+            tracing::warn!(target: telemetry::TARGET, scope = %row.scope, key = %row.idempotency_key, "resumed operation panicked; counted as a failed attempt");
+            Ok(Ok(Resumed::Failed))
+        }
+    }
+}
 
 /// Finishes [phased operations](super) whose clients went away, and parks
 /// those it cannot: the crate's equivalent of a background job that
@@ -258,13 +287,13 @@ where
     /// operation's own failure is counted in [`Completions::failed`], not
     /// returned.
     ///
-    /// # Panics
-    ///
-    /// A panic in a registered operation passes through, and the pass ends
-    /// there: the operations picked with it wait out their five-minute pick
-    /// hold. Its attempt is counted, so after
-    /// [`max_attempts`](Completer::max_attempts) such passes the operation
-    /// is parked instead of resumed.
+    /// A panic in a registered operation is a failed attempt of that
+    /// operation (counted in [`Completions::failed`]), and the pass goes on
+    /// to the others: its run freed the lease and counted the attempt, so
+    /// it is tried again after the grace period and parked after
+    /// [`max_attempts`](Completer::max_attempts). Transactions the
+    /// registered function opened around the run and left open are rolled
+    /// back.
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -322,7 +351,7 @@ where
         report.picked = picked.len();
         for row in picked {
             let resumed = match self.operations.get(&row.operation) {
-                Some(resume) => resume(conn, &row.scope, &row.idempotency_key, &row.request),
+                Some(resume) => resume_catching_panic(resume, conn, &row)?,
                 None => Err(String::from("no function registered for the operation")),
             };
             match resumed {
@@ -384,5 +413,72 @@ where
             let points = without_unfinished_call(&row.points).map_err(Error::Codec)?;
             Ok(tx.requeue_operation(scope, key, &points, now)?)
         })
+    }
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use diesel::SqliteConnection;
+
+    use super::*;
+    use crate::testing::{ManualClock, sqlite_memory};
+    use crate::{Config, phased::Phased};
+
+    /// A registered operation that panics is a failed attempt of that
+    /// operation: the pass goes on to the others, and once the operation is
+    /// out of attempts it is parked.
+    #[test]
+    fn panicking_operation_is_a_failed_attempt_and_the_pass_goes_on() {
+        let clock = ManualClock::new();
+        let config = Config::default().clock(clock.source());
+        let mut conn = sqlite_memory();
+        for (name, key) in [("explode", "a"), ("greet", "b")] {
+            let phased = Phased::new(name).config(config.clone()).store_requests(true);
+            let abandoned = phased.run(&mut conn, "shop", key, &"ada", |s| {
+                s.phase("first", |_| Ok::<_, String>(()))?;
+                Err::<crate::phased::Finished<()>, _>(Error::Operation(String::from("the client went away")))
+            });
+            assert!(matches!(abandoned, Err(Error::Operation(_))), "{abandoned:?}");
+        }
+        let explode = Phased::new("explode").config(config.clone()).store_requests(true);
+        let greet = Phased::new("greet").config(config).store_requests(true);
+        let completer = Completer::new()
+            .clock(clock.source())
+            .max_attempts(2)
+            .operation(
+                "explode",
+                move |conn: &mut SqliteConnection, scope, key, name: String| {
+                    explode.run(
+                        conn,
+                        scope,
+                        key,
+                        &name,
+                        |_| -> Result<crate::phased::Finished<()>, Error> { panic!("a bug in the operation") },
+                    )
+                },
+            )
+            .operation("greet", move |conn, scope, key, name: String| {
+                greet.run(conn, scope, key, &name, |s| s.finish(|_| Ok::<_, String>(())))
+            });
+
+        clock.advance(Duration::minutes(5));
+        let report = completer.run_once(&mut conn).expect("a pass");
+        assert_eq!(
+            (report.picked, report.completed, report.failed),
+            (2, 1, 1),
+            "{report:?}"
+        );
+
+        clock.advance(Duration::minutes(5));
+        assert_eq!(
+            completer.run_once(&mut conn).expect("a pass").parked,
+            1,
+            "out of attempts"
+        );
+        let parked = completer.parked(&mut conn, 10).expect("parked");
+        assert_eq!(
+            parked.iter().map(|p| p.operation.as_str()).collect::<Vec<_>>(),
+            ["explode"]
+        );
     }
 }

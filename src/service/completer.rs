@@ -16,14 +16,9 @@ where
     /// error is reported and counted in [`Stopped::errors`], and the
     /// completer carries on after a pause that doubles from 100 ms up to
     /// 10 s. An operation being resumed when `shutdown` is triggered
-    /// finishes first; a wait for a pooled connection ends at once.
-    ///
-    /// # Panics
-    ///
-    /// A panic in a registered operation ends the service, as it ends a
-    /// [`run_once`](Completer::run_once) pass: restart it (its attempts are
-    /// counted, and an operation that panics on every attempt is parked
-    /// after [`max_attempts`](Completer::max_attempts)).
+    /// finishes first; a wait for a pooled connection ends at once. A panic
+    /// in a registered operation is a failed attempt of that operation, as
+    /// in [`run_once`](Completer::run_once), and the service goes on.
     pub fn run(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown) -> Stopped<Completions>
     where
         C: R2D2Connection + Send,

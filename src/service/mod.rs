@@ -67,8 +67,13 @@ impl<W: AddAssign> AddAssign for Stopped<W> {
 pub(crate) enum Next {
     /// Another pass at once: there may be more to do.
     Now,
-    /// Sleep this long, or until a wake, before the next pass.
+    /// Sleep this long before the next pass.
     Sleep(Duration),
+    /// Sleep this long, or until a wake, before the next pass: for the
+    /// relay, whose listener wakes it when a message is announced. Every
+    /// service holding a clone of the relay's [`Shutdown`] sees those
+    /// wakes, and only the relay has anything to do after one.
+    SleepOrWake(Duration),
     /// Stop: there is nothing this service can do here.
     Stop,
 }
@@ -123,6 +128,10 @@ where
         match next {
             Ok(Next::Now) => backoff.succeeded(),
             Ok(Next::Sleep(wait)) => {
+                backoff.succeeded();
+                shutdown.wait(wait);
+            }
+            Ok(Next::SleepOrWake(wait)) => {
                 backoff.succeeded();
                 shutdown.wait_for_wake(wakes, wait);
             }

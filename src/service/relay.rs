@@ -2,8 +2,12 @@
 //! are due and sleep while none are, and on PostgreSQL a listener that
 //! wakes them when an enqueue commits.
 
+use std::cell::Cell;
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::thread;
 use std::time::Instant;
 
@@ -55,11 +59,38 @@ impl Relay {
     /// batch is given back, due at once for the next relay. `run` returns
     /// when every worker has stopped.
     ///
+    /// A panic in `handler` is a failed attempt of its message, as an `Err`
+    /// is, with the text `the handler panicked: ` and the panic's message as
+    /// its error: backed off, and parked as dead after
+    /// [`max_attempts`](Relay::max_attempts), while the worker goes on with
+    /// the next message. (The panic is still reported by the panic hook;
+    /// with `panic = "abort"` it ends the process, and the message counts
+    /// as an attempt cut short by a relay that died.)
+    ///
+    /// Each worker hands its messages to a handler thread of its own and
+    /// waits for it at most three quarters of the [`lease`](Relay::lease),
+    /// counted from the claim (the lease is never renewed). A handler still
+    /// running then is given up on: its attempt is recorded as failed (the
+    /// error text `the handler did not return within three quarters of the
+    /// lease; the attempt was given up`), backed off and parked as dead
+    /// after [`max_attempts`](Relay::max_attempts) like any other failure,
+    /// the rest of its batch is given back, due at once, and the worker goes
+    /// on with a new handler thread. A thread cannot be stopped from
+    /// outside, so the one given up on runs on until its handler returns;
+    /// what it returns then is dropped, and a message it did deliver late is
+    /// delivered again, as at-least-once allows (the consumer absorbs it by
+    /// the message's [`key`](Message::key)). While four such threads per
+    /// worker are still running, the service claims nothing more until one
+    /// of them has returned, and `run` returns only once all of them have.
+    /// So choose the lease longer than a whole batch takes, and bound the
+    /// handler's own waits (a timeout on every call it makes).
+    ///
     /// # Panics
     ///
-    /// A panic in `handler` ends its worker's thread and resumes here once
-    /// the other workers have stopped (trigger `shutdown` to stop them); its
-    /// message is delivered again after the lease.
+    /// A panic outside the handler, such as in an injected
+    /// [`clock`](Relay::clock), ends its worker's thread and resumes here
+    /// once the other workers have stopped (trigger `shutdown` to stop
+    /// them).
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -120,27 +151,37 @@ impl Relay {
         // also when a panic ended them before `shutdown` was triggered.
         let working = AtomicUsize::new(self.workers);
         let stopped = || shutdown.is_triggered() || working.load(Ordering::SeqCst) == 0;
-        let work = |worker: usize| {
-            let mut stats_due = Instant::now();
-            let patience = self.poll_interval.max(CHECKOUT_WAIT);
-            let stop = || shutdown.is_triggered();
-            serve("relay", pool, shutdown, patience, &stop, |conn, done| {
-                let conn: &mut C = conn;
-                if worker == 0 && Instant::now() >= stats_due {
-                    // Keeps the backlog gauges current for monitoring.
-                    stats_due = Instant::now() + STATS_EVERY;
-                    self.stats(conn)?;
-                }
-                Ok(self.step(conn, &handler, shutdown, done)?)
-            })
-        };
+        // Handlers their workers gave up on, still running.
+        let abandoned = AtomicUsize::new(0);
         let stops: Vec<thread::Result<Stopped<Deliveries>>> = thread::scope(|scope| {
+            let work = |worker: usize| {
+                let mut attempts = Attempts {
+                    scope,
+                    handler: &handler,
+                    dispatch: &dispatch,
+                    span: &span,
+                    abandoned: &abandoned,
+                    runner: None,
+                };
+                let mut stats_due = Instant::now();
+                let patience = self.poll_interval.max(CHECKOUT_WAIT);
+                let stop = || shutdown.is_triggered();
+                serve("relay", pool, shutdown, patience, &stop, |conn, done| {
+                    let conn: &mut C = conn;
+                    if worker == 0 && Instant::now() >= stats_due {
+                        // Keeps the backlog gauges current for monitoring.
+                        stats_due = Instant::now() + STATS_EVERY;
+                        self.stats(conn)?;
+                    }
+                    Ok(self.step(conn, &mut attempts, shutdown, done)?)
+                })
+            };
             if listens {
                 scope.spawn(|| traced(&dispatch, &span, || self.listen(pool, shutdown, &stopped)));
             }
             let workers: Vec<_> = (0..self.workers)
                 .map(|worker| {
-                    let (work, dispatch, span, working) = (&work, &dispatch, &span, &working);
+                    let (dispatch, span, working) = (&dispatch, &span, &working);
                     scope.spawn(move || {
                         let _leaving = Leaving(working);
                         traced(dispatch, span, || work(worker))
@@ -164,7 +205,7 @@ impl Relay {
     fn step<C, E, F>(
         &self,
         conn: &mut C,
-        handler: &F,
+        attempts: &mut Attempts<'_, '_, F>,
         shutdown: &Shutdown,
         done: &mut Deliveries,
     ) -> Result<Next, Error>
@@ -173,28 +214,49 @@ impl Relay {
         E: fmt::Display,
         F: Fn(&Message) -> Result<(), E> + Sync,
     {
+        if attempts.abandoned.load(Ordering::SeqCst) >= ABANDONED_PER_WORKER * self.workers {
+            // Claims now would only leave more threads behind.
+            return Ok(Next::Sleep(self.poll_interval));
+        }
         let conn = conn.raw();
         let now = self.clock.now(conn)?;
         match conn.next_due()? {
             Some(Due::At(due)) if due > now => {
                 let until_due = (due - now).to_std().unwrap_or_default();
-                return Ok(Next::Sleep(until_due.min(self.poll_interval)));
+                return Ok(Next::SleepOrWake(until_due.min(self.poll_interval)));
             }
-            None => return Ok(Next::Sleep(self.poll_interval)),
+            None => return Ok(Next::SleepOrWake(self.poll_interval)),
             Some(Due::Now | Due::At(_)) => {}
         }
+        // The claim's lease runs from about now. An attempt is given up
+        // once three quarters of it have passed, so that its failure is
+        // recorded while the lease still holds, before another worker may
+        // claim the message again.
+        let give_up_at = self
+            .lease
+            .to_std()
+            .ok()
+            .and_then(|lease| Instant::now().checked_add(lease.mul_f64(0.75)));
+        let gave_up = Cell::new(false);
         let mut report = Deliveries::default();
         let passed = self.pass(
             conn,
-            &mut |message: &Message| handler(message),
-            &|| shutdown.is_triggered(),
+            &mut |message: &Message| {
+                attempts.hand_over(message, give_up_at).unwrap_or_else(|abandoned| {
+                    gave_up.set(true);
+                    Err(abandoned)
+                })
+            },
+            // After an attempt given up on, the rest of the batch is given
+            // back, due at once, rather than reached after its lease.
+            &|| shutdown.is_triggered() || gave_up.get(),
             &mut report,
         );
         *done += report;
         passed?;
         Ok(if report.claimed == 0 {
             // Due, but another relay claimed it first.
-            Next::Sleep(self.poll_interval)
+            Next::SleepOrWake(self.poll_interval)
         } else {
             Next::Now
         })
@@ -234,6 +296,136 @@ fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown, stopped: &dy
     }
     conn.unlisten()?;
     Ok(true)
+}
+
+/// How many handlers it gave up on a service leaves running
+/// per worker before its workers stop claiming until one has returned: a
+/// bound on the threads left behind while every attempt hangs.
+const ABANDONED_PER_WORKER: usize = 4;
+
+/// A worker's way to its handler: a thread of the service that runs the
+/// handler, so that the worker can give up on an attempt that outlasts its
+/// lease and go on with another thread.
+struct Attempts<'scope, 'env, F> {
+    scope: &'scope thread::Scope<'scope, 'env>,
+    handler: &'env F,
+    dispatch: &'env Dispatch,
+    span: &'env Span,
+    /// The service's handler threads given up on and still running.
+    abandoned: &'env AtomicUsize,
+    runner: Option<Runner>,
+}
+
+/// The thread that runs a worker's handler, one message at a time.
+struct Runner {
+    messages: mpsc::Sender<Message>,
+    outcomes: mpsc::Receiver<Result<(), String>>,
+    /// Set when the worker gives up on it.
+    given_up: Arc<AtomicBool>,
+}
+
+impl<'scope, 'env, F> Attempts<'scope, 'env, F> {
+    /// The outcome of the handler for `message`, or `Err` with the failure
+    /// to record when it did not return before `deadline`. Then the thread
+    /// is left to its handler: a thread cannot be stopped from outside.
+    /// What the handler returns later is dropped; its message was recorded
+    /// as failed and is delivered again, as at-least-once allows.
+    fn hand_over<E>(&mut self, message: &Message, deadline: Option<Instant>) -> Result<Result<(), String>, String>
+    where
+        E: fmt::Display,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        let runner = match &mut self.runner {
+            Some(runner) => runner,
+            None => self.runner.insert(self.spawn()),
+        };
+        if runner.messages.send(message.clone()).is_err() {
+            self.runner = None;
+            return Ok(Err(String::from("the handler's thread ended")));
+        }
+        let outcome = match deadline {
+            Some(deadline) => runner
+                .outcomes
+                .recv_timeout(deadline.saturating_duration_since(Instant::now())),
+            None => runner.outcomes.recv().map_err(|_| RecvTimeoutError::Disconnected),
+        };
+        match outcome {
+            Ok(outcome) => Ok(outcome),
+            Err(RecvTimeoutError::Timeout) => {
+                // Counted before the channels close: the thread counts
+                // itself out once it sees them closed.
+                runner.given_up.store(true, Ordering::SeqCst);
+                self.abandoned.fetch_add(1, Ordering::SeqCst);
+                self.runner = None;
+                tracing::warn!(
+                    target: telemetry::TARGET, message_id = %message.id, topic = %message.topic,
+                    attempt = message.attempt, "handler still running at three quarters of its lease; attempt given up"
+                );
+                Err(String::from(
+                    "the handler did not return within three quarters of the lease; the attempt was given up",
+                ))
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                self.runner = None;
+                Ok(Err(String::from("the handler's thread ended")))
+            }
+        }
+    }
+
+    /// Starts a thread that runs the handler on each message sent to it.
+    fn spawn<E>(&self) -> Runner
+    where
+        E: fmt::Display,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        let (messages, inbox) = mpsc::channel::<Message>();
+        let (reply, outcomes) = mpsc::channel();
+        let given_up = Arc::new(AtomicBool::new(false));
+        let (handler, dispatch, span, abandoned) = (self.handler, self.dispatch, self.span, self.abandoned);
+        let gave_up = Arc::clone(&given_up);
+        self.scope.spawn(move || {
+            traced(dispatch, span, || {
+                for message in inbox {
+                    if reply.send(handle(handler, &message)).is_err() {
+                        break;
+                    }
+                }
+            });
+            if gave_up.load(Ordering::SeqCst) {
+                abandoned.fetch_sub(1, Ordering::SeqCst);
+            }
+        });
+        Runner {
+            messages,
+            outcomes,
+            given_up,
+        }
+    }
+}
+
+/// Hands `message` to `handler`, with a panic as a failure of this message:
+/// recorded like an error (backed off, and parked as dead after the last
+/// attempt), so that a message that panics every time ends neither its
+/// worker nor, after the lease, the next one. The handler sees only the
+/// message, so the unwinding leaves no connection half-way.
+fn handle<E, F>(handler: &F, message: &Message) -> Result<(), String>
+where
+    E: fmt::Display,
+    F: Fn(&Message) -> Result<(), E>,
+{
+    match panic::catch_unwind(AssertUnwindSafe(|| handler(message))) {
+        Ok(handled) => handled.map_err(|failure| failure.to_string()),
+        Err(payload) => {
+            let text = payload
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| payload.downcast_ref::<String>().map(String::as_str));
+            Err(match text {
+                Some(text) => format!("the handler panicked: {text}"),
+                None => String::from("the handler panicked"),
+            })
+        }
+    }
 }
 
 /// Counts a worker out when its thread ends, by return or by panic.

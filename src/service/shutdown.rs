@@ -43,7 +43,7 @@ struct Inner {
 #[derive(Default)]
 struct State {
     triggered: bool,
-    /// How often a service was woken early: a new outbox message was
+    /// How often the relay was woken early: a new outbox message was
     /// announced.
     wakes: u64,
 }
@@ -79,8 +79,9 @@ impl Shutdown {
         self.wait_until(timeout, |_| false)
     }
 
-    /// Wakes the services waiting in [`wait_for_wake`](Shutdown::wait_for_wake)
-    /// without stopping them.
+    /// Wakes the relay's workers waiting in
+    /// [`wait_for_wake`](Shutdown::wait_for_wake) without stopping them;
+    /// a wait in [`wait`](Shutdown::wait) goes on.
     pub(crate) fn wake(&self) {
         self.state().wakes += 1;
         self.inner.changed.notify_all();

@@ -19,8 +19,8 @@ use diesel::pg::{PgConnection, PgNotification};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::Text;
-use idempotency::Shutdown;
 use idempotency::outbox::{self, Message, Relay};
+use idempotency::{Purger, Shutdown};
 
 use crate::common::TestDb;
 use crate::common::pg::{Db, backend_pid};
@@ -292,23 +292,23 @@ fn relay_rides_out_a_server_restart_and_loses_no_committed_message() {
     assert!(summary.work.delivered <= rows as usize, "{summary:?}");
 }
 
-/// The listener serves the workers: when a panic ends the last of them, the
-/// service returns with that panic, although no shutdown was triggered (the
-/// listener kept it running before).
+/// The listener serves the workers: when a panic ends the last of them (a
+/// handler's panic is its message's failed attempt, but an injected clock
+/// runs outside it), the service returns with that panic, although no
+/// shutdown was triggered (the listener kept it running before).
 #[test]
 fn relay_returns_with_the_panic_of_its_only_worker() {
     let db = Db::new();
     let pool = db.pool(2);
-    outbox::enqueue(&mut db.conn(), "receipts", &1).expect("enqueue");
     let shutdown = Shutdown::new();
     let (ended, ending) = mpsc::channel();
     let service = {
         let (pool, shutdown) = (pool.clone(), shutdown.clone());
         thread::spawn(move || {
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                Relay::default().workers(1).run(
+                Relay::default().workers(1).clock(|| panic!("a bug in the clock")).run(
                     &pool,
-                    |_: &Message| -> Result<(), String> { panic!("a bug in the handler") },
+                    |_: &Message| Ok::<_, String>(()),
                     &shutdown,
                 )
             }));
@@ -318,5 +318,48 @@ fn relay_returns_with_the_panic_of_its_only_worker() {
     let ended = ending.recv_timeout(PATIENCE);
     shutdown.trigger();
     wait::join(service, "the service thread");
-    assert_eq!(ended, Ok(true), "run returned with the handler's panic");
+    assert_eq!(ended, Ok(true), "run returned with the clock's panic");
+}
+
+/// The relay's wake-ups are the relay's: a purger sharing its `Shutdown`
+/// sleeps its whole interval while every enqueue wakes the relay.
+#[test]
+fn purger_sharing_the_relays_shutdown_is_not_woken_by_enqueues() {
+    const MESSAGES: usize = 50;
+    let db = Db::new();
+    let pool = db.pool(3);
+    let mut conn = db.conn();
+    let relay = Relay::default().poll_interval(POLL_INTERVAL);
+    let purger = Purger::default().interval(POLL_INTERVAL);
+    let shutdown = Shutdown::new();
+    let (tx, delivered) = mpsc::channel();
+    let handler = |message: &Message| report(&tx, message);
+    let next = || delivered.recv_timeout(WAKE_BOUND).expect("delivered within the bound");
+
+    let started = Instant::now();
+    let (relayed, purged) = thread::scope(|scope| {
+        let _stop = StopOnDrop(&shutdown);
+        let relayed = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let purged = scope.spawn(|| purger.run(&pool, &shutdown));
+        // The first may be found by the relay's first look; the second
+        // only a notification brings in time, so the listener listens.
+        for n in 0..2 + MESSAGES {
+            let id = outbox::enqueue(&mut conn, "receipts", &n).expect("enqueue");
+            assert_eq!(next(), id, "message {n}");
+        }
+        shutdown.trigger();
+        (
+            relayed.join().expect("the relay does not panic"),
+            purged.join().expect("the purger does not panic"),
+        )
+    });
+    let elapsed = started.elapsed();
+
+    assert_eq!(relayed.work.delivered, 2 + MESSAGES, "{relayed:?}");
+    let bound = (elapsed.as_secs_f64() / POLL_INTERVAL.as_secs_f64()) as usize + 1;
+    assert!(
+        purged.work.rounds <= bound,
+        "{} purger rounds in {elapsed:?} at one every {POLL_INTERVAL:?}",
+        purged.work.rounds
+    );
 }

@@ -10,7 +10,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, mpsc};
+use std::sync::{Mutex, PoisonError, mpsc};
 use std::thread;
 use std::time::Duration as StdDuration;
 
@@ -22,7 +22,7 @@ use idempotency::outbox::{self, Deliveries, Message, Relay};
 use idempotency::testing::ManualClock;
 
 use crate::common::TestDb;
-use crate::common::wait::{PATIENCE, StopOnDrop};
+use crate::common::wait::{PATIENCE, StopOnDrop, wait_for};
 
 crate::common::backend_tests!(
     messages_enqueued_before_and_during_the_run_are_each_delivered_once,
@@ -34,6 +34,9 @@ crate::common::backend_tests!(
     database_error_mid_batch_keeps_the_batch_deliveries_in_the_summary,
     relay_on_a_pool_of_one_connection_delivers_without_errors,
     relay_with_a_clock_behind_the_database_delivers_at_once,
+    panicking_handler_fails_its_message_while_the_others_are_delivered,
+    hanging_handler_is_given_up_within_its_lease_while_the_others_are_delivered,
+    worker_claims_nothing_while_four_handlers_it_gave_up_on_still_run,
 );
 
 /// A handler's report: the message id and its attempt.
@@ -506,4 +509,214 @@ fn relay_with_a_clock_behind_the_database_delivers_at_once<D: TestDb>() {
         service.join().expect("the relay does not panic")
     });
     assert_eq!((summary.work.delivered, summary.errors), (1, 0));
+}
+
+/// A message whose handler panics is a poison message: each panic is a
+/// failed attempt of that message alone, counted and backed off until it
+/// is dead, while both workers go on delivering the rest.
+fn panicking_handler_fails_its_message_while_the_others_are_delivered<D: TestDb>() {
+    const OTHERS: usize = 20;
+    const MAX_ATTEMPTS: u32 = 3;
+    let db = D::new();
+    let pool = db.pool(3);
+    let mut conn = db.conn();
+    let poison = outbox::enqueue(&mut conn, "webhooks", &"poison").expect("enqueue");
+    for n in 0..OTHERS {
+        outbox::enqueue(&mut conn, "webhooks", &n).expect("enqueue");
+    }
+    let relay = Relay::default()
+        .workers(2)
+        .batch_size(5)
+        .lease(Duration::seconds(1))
+        .max_attempts(MAX_ATTEMPTS)
+        .backoff(Duration::milliseconds(10), Duration::milliseconds(40))
+        .poll_interval(StdDuration::from_millis(10));
+    let shutdown = Shutdown::new();
+    let (delivered, poisoned) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let handler = |message: &Message| {
+        if message.id == poison {
+            poisoned.fetch_add(1, Ordering::SeqCst);
+            panic!("the payload does not parse");
+        }
+        delivered.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, String>(())
+    };
+
+    let stopped = thread::scope(|scope| {
+        let _stop = StopOnDrop(&shutdown);
+        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        wait_for("the other messages delivered and the poison message dead", || {
+            status_count::<D>(&mut conn, "delivered") == OTHERS && status_count::<D>(&mut conn, "dead") == 1
+        });
+        shutdown.trigger();
+        service.join()
+    });
+    let summary = stopped.expect("the relay returns at shutdown, without a panic");
+
+    assert_eq!(
+        delivered.load(Ordering::SeqCst),
+        OTHERS,
+        "each other message delivered once"
+    );
+    assert_eq!(
+        poisoned.load(Ordering::SeqCst),
+        MAX_ATTEMPTS as usize,
+        "one panic per attempt"
+    );
+    let rows = D::outbox_messages(&mut conn);
+    let (_, _, status, attempts, last_error) = rows.iter().find(|row| row.0 == poison).expect("the poison message");
+    assert_eq!((status.as_str(), *attempts), ("dead", MAX_ATTEMPTS as i32));
+    assert_eq!(
+        last_error.as_deref(),
+        Some("the handler panicked: the payload does not parse")
+    );
+    assert_eq!(summary.errors, 0);
+    let work = summary.work;
+    assert_eq!(
+        (work.delivered, work.retried, work.dead, work.lost),
+        (OTHERS, MAX_ATTEMPTS as usize - 1, 1, 0),
+        "{summary:?}"
+    );
+}
+
+/// A handler that never returns holds its message for less than the
+/// lease: the attempt is given up and recorded as failed, the rest of its
+/// batch is given back, and the workers go on delivering. The threads left
+/// blocked in the handler are released at the end, and what they return
+/// then changes nothing.
+fn hanging_handler_is_given_up_within_its_lease_while_the_others_are_delivered<D: TestDb>() {
+    const OTHERS: usize = 20;
+    const MAX_ATTEMPTS: u32 = 2;
+    let db = D::new();
+    let pool = db.pool(3);
+    let mut conn = db.conn();
+    let hanging = outbox::enqueue(&mut conn, "webhooks", &"hangs").expect("enqueue");
+    for n in 0..OTHERS {
+        outbox::enqueue(&mut conn, "webhooks", &n).expect("enqueue");
+    }
+    let relay = Relay::default()
+        .workers(2)
+        .batch_size(5)
+        .lease(Duration::seconds(1))
+        .max_attempts(MAX_ATTEMPTS)
+        .backoff(Duration::milliseconds(10), Duration::milliseconds(40))
+        .poll_interval(StdDuration::from_millis(10));
+    let shutdown = Shutdown::new();
+    let (delivered, hangs, returned) = (AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0));
+    // Never sent on: the handler blocks until the test drops the sender.
+    let (release, blocked) = mpsc::channel::<()>();
+    let blocked = Mutex::new(blocked);
+    let handler = |message: &Message| {
+        if message.id == hanging {
+            hangs.fetch_add(1, Ordering::SeqCst);
+            let _ = blocked.lock().unwrap_or_else(PoisonError::into_inner).recv();
+            returned.fetch_add(1, Ordering::SeqCst);
+            return Ok(());
+        }
+        delivered.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, String>(())
+    };
+
+    let stopped = thread::scope(|scope| {
+        let _stop = StopOnDrop(&shutdown);
+        let release = release;
+        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        wait_for("the other messages delivered and the hanging message dead", || {
+            status_count::<D>(&mut conn, "delivered") == OTHERS && status_count::<D>(&mut conn, "dead") == 1
+        });
+        assert_eq!(
+            returned.load(Ordering::SeqCst),
+            0,
+            "the hanging handlers are still blocked"
+        );
+        shutdown.trigger();
+        drop(release);
+        service.join()
+    });
+    let summary = stopped.expect("the relay returns once the blocked handlers are released");
+
+    assert_eq!(
+        delivered.load(Ordering::SeqCst),
+        OTHERS,
+        "each other message delivered once"
+    );
+    assert_eq!(
+        hangs.load(Ordering::SeqCst),
+        MAX_ATTEMPTS as usize,
+        "one hang per attempt"
+    );
+    assert_eq!(
+        returned.load(Ordering::SeqCst),
+        MAX_ATTEMPTS as usize,
+        "every blocked thread returned"
+    );
+    let rows = D::outbox_messages(&mut conn);
+    let (_, _, status, attempts, last_error) = rows.iter().find(|row| row.0 == hanging).expect("the hanging message");
+    assert_eq!(
+        (status.as_str(), *attempts),
+        ("dead", MAX_ATTEMPTS as i32),
+        "the late successes recorded nothing"
+    );
+    assert_eq!(
+        last_error.as_deref(),
+        Some("the handler did not return within three quarters of the lease; the attempt was given up")
+    );
+    assert_eq!(summary.errors, 0);
+    let work = summary.work;
+    assert_eq!(
+        (work.delivered, work.retried, work.dead),
+        (OTHERS, MAX_ATTEMPTS as usize - 1, 1),
+        "{summary:?}"
+    );
+}
+
+/// The threads a worker leaves behind are bounded: with four handlers it
+/// gave up on still running it claims nothing more, and it claims again
+/// once one of them has returned.
+fn worker_claims_nothing_while_four_handlers_it_gave_up_on_still_run<D: TestDb>() {
+    const HANGING: usize = 4;
+    let db = D::new();
+    let pool = db.pool(2);
+    let mut conn = db.conn();
+    let hanging: HashSet<String> = (0..HANGING)
+        .map(|n| outbox::enqueue(&mut conn, "webhooks", &n).expect("enqueue"))
+        .collect();
+    let after = outbox::enqueue(&mut conn, "webhooks", &"after").expect("enqueue");
+    let relay = Relay::default()
+        .batch_size(1)
+        .lease(Duration::milliseconds(300))
+        .max_attempts(1)
+        .poll_interval(StdDuration::from_millis(10));
+    let shutdown = Shutdown::new();
+    let released = AtomicUsize::new(0);
+    let (release, blocked) = mpsc::channel::<()>();
+    let blocked = Mutex::new(blocked);
+    let (tx, delivered) = mpsc::channel();
+    let handler = |message: &Message| {
+        if hanging.contains(&message.id) {
+            let _ = blocked.lock().unwrap_or_else(PoisonError::into_inner).recv();
+            return Ok(());
+        }
+        tx.send((message.id.clone(), released.load(Ordering::SeqCst)))
+            .map_err(|_| "the test stopped listening")
+    };
+
+    thread::scope(|scope| {
+        let _stop = StopOnDrop(&shutdown);
+        let release = release;
+        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        wait_for("the hanging messages given up on", || {
+            status_count::<D>(&mut conn, "dead") == HANGING
+        });
+        released.store(1, Ordering::SeqCst);
+        release.send(()).expect("a blocked handler takes it");
+        assert_eq!(
+            delivered.recv_timeout(PATIENCE).expect("a delivery"),
+            (after, 1),
+            "claimed only once a handler returned"
+        );
+        shutdown.trigger();
+        drop(release);
+        service.join().expect("the relay does not panic")
+    });
 }
