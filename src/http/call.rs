@@ -274,7 +274,7 @@ where
         }),
         // A panic in the operation, or a runtime shutting down before the
         // task started: either way nothing was committed.
-        Err(Unavailable::Aborted(cause)) => Err(internal(problems, cause)),
+        Err(Unavailable::Aborted(cause)) => Err(internal(problems, false, cause)),
     }
 }
 
@@ -320,14 +320,17 @@ fn failure<E>(error: Error<E>, problems: &Problems) -> Failure<E> {
         }
         other => other,
     };
-    internal(problems, Box::new(cause))
+    // A storage failure of the moment (a lost connection, a deadlock) may
+    // succeed when the same request is sent again; the client is told so.
+    internal(problems, cause.is_retryable(), Box::new(cause))
 }
 
-fn internal<E>(problems: &Problems, cause: Box<dyn StdError + Send + Sync>) -> Failure<E> {
+fn internal<E>(problems: &Problems, retryable: bool, cause: Box<dyn StdError + Send + Sync>) -> Failure<E> {
     Failure::Failed {
         problem: problems
             .problem(ProblemKind::Internal)
-            .with_detail("the server could not complete the request"),
+            .with_detail("the server could not complete the request")
+            .with_retryable(retryable),
         cause,
     }
 }

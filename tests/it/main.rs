@@ -31,6 +31,8 @@ mod fingerprint;
 mod generic;
 #[cfg(feature = "axum")]
 mod http;
+#[cfg(feature = "axum")]
+mod http_client;
 mod keys;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod killed_sessions;
