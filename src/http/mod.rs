@@ -9,6 +9,7 @@
 //! | piece | what it does |
 //! | --- | --- |
 //! | [`IdempotencyKey<A>`](IdempotencyKey) | extractor: the header as an sf-string or a bare token, paired with the scope of the caller that the authentication extractor `A` resolved ([`Caller`]) |
+//! | [`KeyHeader`] | how the extractor reads the header: the syntax it accepts |
 //! | [`run`] | one async call: the key rules checked at once, then a connection from the pool (r2d2's, or deadpool-diesel's with the feature `deadpool`: [`ConnectionPool`]), [`Config::run`](crate::Config::run) on tokio's blocking pool, join; the failures as responses ([`Failure`]) |
 //! | [`run_phased`] | the same for a [phased operation](crate::phased) with a foreign call in the middle |
 //! | [`StoredResponse<T>`](StoredResponse) | what an operation returns: status, kept headers, JSON body; stored, and replayed as it was |
@@ -131,12 +132,14 @@ use axum::http::HeaderName;
 mod call;
 mod header;
 mod key;
+mod key_header;
 mod pool;
 mod problem;
 mod response;
 
 pub use call::{Failure, run, run_phased};
 pub use key::{Caller, IdempotencyKey};
+pub use key_header::KeyHeader;
 pub use pool::ConnectionPool;
 pub use problem::{Problem, ProblemKind, Problems};
 pub use response::StoredResponse;

@@ -164,3 +164,60 @@ mod problems {
         assert_eq!(body["retryable"], json!(false));
     }
 }
+
+mod syntax {
+    use idempotency::http::KeyHeader;
+
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_key_with_rfc_9651_date_and_display_string_parameters_is_accepted() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, _) = notes_app(&db, 2, Config::default());
+        let first = answer(&app, note(&[("idempotency-key", r#""k-1";d=@1700000000"#)], "a")).await;
+        assert_eq!(first.0, StatusCode::CREATED, "{}", first.2);
+        // The parameters are not part of the key: the same key, replayed.
+        let again = answer(&app, note(&[("idempotency-key", r#""k-1";t=%"f%c3%bcr""#)], "a")).await;
+        assert_eq!((again.0, again.2), (StatusCode::CREATED, first.2));
+        assert_eq!(
+            answer(&app, note(&[("idempotency-key", r#""k-1";d=@1.5"#)], "a"))
+                .await
+                .0,
+            StatusCode::BAD_REQUEST
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_strict_syntax_refuses_a_bare_key_and_takes_an_sf_string() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, _) = notes_app(&db, 2, Config::default());
+        let lenient = app.clone();
+        let strict = app.layer(axum::Extension(KeyHeader::default().strict()));
+
+        let (status, content_type, body) = answer(&strict, note(&[("idempotency-key", "k-2")], "a")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(content_type.as_deref(), Some("application/problem+json"));
+        assert_eq!(
+            body["type"],
+            format!("{}idempotency-key-invalid", Problems::DEFAULT_BASE)
+        );
+        assert_eq!(
+            body["detail"],
+            "the Idempotency-Key header must be a structured field string: the key in double quotes"
+        );
+        assert_eq!(count_notes(&db), 0, "nothing ran");
+
+        let quoted = answer(&strict, note(&[("idempotency-key", r#""k-2";d=@1700000000"#)], "a")).await;
+        assert_eq!(quoted.0, StatusCode::CREATED);
+        // The lenient default takes the bare spelling of the same key.
+        let bare = answer(&lenient, note(&[("idempotency-key", "k-2")], "a")).await;
+        assert_eq!((bare.0, bare.2), (StatusCode::CREATED, quoted.2));
+        assert_eq!(count_notes(&db), 1);
+    }
+}
+
+fn count_notes(db: &idempotency::testing::SqliteFile) -> i64 {
+    diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM notes")
+        .get_result(&mut db.conn())
+        .expect("count notes")
+}
