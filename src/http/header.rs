@@ -4,15 +4,13 @@
 
 use std::fmt;
 
-use axum::http::HeaderMap;
-
-use super::IDEMPOTENCY_KEY;
+use axum::http::{HeaderMap, HeaderName};
 
 /// Why the `Idempotency-Key` header could not be read. The message never
 /// repeats the value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum HeaderError {
-    /// More than one `Idempotency-Key` field.
+    /// More than one field among the names accepted.
     Repeated,
     /// A value starting with `"` that is not an sf-string with optional
     /// parameters.
@@ -26,7 +24,7 @@ pub(crate) enum HeaderError {
 impl fmt::Display for HeaderError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            HeaderError::Repeated => f.write_str("the request has more than one Idempotency-Key header"),
+            HeaderError::Repeated => f.write_str("the request has more than one idempotency key header"),
             HeaderError::NotAnSfString => {
                 f.write_str("the Idempotency-Key header is not a valid structured field string")
             }
@@ -47,10 +45,15 @@ pub(crate) enum Syntax {
     Strict,
 }
 
-/// The key of the request's `Idempotency-Key` header; `None` when there is
-/// no such header.
-pub(crate) fn read_key(headers: &HeaderMap, syntax: Syntax) -> Result<Option<String>, HeaderError> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+/// The key of the request's one field among `names`; `None` when there is
+/// none. Two fields, of one name or of two, are two keys: which one the
+/// client meant cannot be told, so neither is taken.
+pub(crate) fn read_key(
+    headers: &HeaderMap,
+    names: &[HeaderName],
+    syntax: Syntax,
+) -> Result<Option<String>, HeaderError> {
+    let mut values = names.iter().flat_map(|name| headers.get_all(name));
     let Some(value) = values.next() else {
         return Ok(None);
     };
@@ -252,6 +255,7 @@ mod tests {
     use axum::http::HeaderValue;
 
     use super::*;
+    use crate::http::IDEMPOTENCY_KEY;
 
     fn key(value: &str) -> Result<String, HeaderError> {
         parse_key(value.as_bytes(), Syntax::Lenient)
@@ -354,15 +358,39 @@ mod tests {
     fn a_second_header_is_refused() {
         let mut headers = HeaderMap::new();
         headers.append(IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
-        assert_eq!(read_key(&headers, Syntax::Lenient), Ok(Some("a".to_owned())));
+        assert_eq!(
+            read_key(&headers, &[IDEMPOTENCY_KEY], Syntax::Lenient),
+            Ok(Some("a".to_owned()))
+        );
         headers.append(IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
-        assert_eq!(read_key(&headers, Syntax::Lenient), Err(HeaderError::Repeated));
+        assert_eq!(
+            read_key(&headers, &[IDEMPOTENCY_KEY], Syntax::Lenient),
+            Err(HeaderError::Repeated)
+        );
+    }
+
+    #[test]
+    fn one_field_of_each_of_two_names_is_two_keys() {
+        let x_key = HeaderName::from_static("x-idempotency-key");
+        let names = [IDEMPOTENCY_KEY, x_key.clone()];
+        let mut headers = HeaderMap::new();
+        headers.append(x_key.clone(), HeaderValue::from_static("a"));
+        assert_eq!(read_key(&headers, &names, Syntax::Lenient), Ok(Some("a".to_owned())));
+        assert_eq!(read_key(&headers, &[IDEMPOTENCY_KEY], Syntax::Lenient), Ok(None));
+        headers.append(IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
+        assert_eq!(read_key(&headers, &names, Syntax::Lenient), Err(HeaderError::Repeated));
     }
 
     #[test]
     fn a_missing_header_is_no_key() {
-        assert_eq!(read_key(&HeaderMap::new(), Syntax::Lenient), Ok(None));
-        assert_eq!(read_key(&HeaderMap::new(), Syntax::Strict), Ok(None));
+        assert_eq!(
+            read_key(&HeaderMap::new(), &[IDEMPOTENCY_KEY], Syntax::Lenient),
+            Ok(None)
+        );
+        assert_eq!(
+            read_key(&HeaderMap::new(), &[IDEMPOTENCY_KEY], Syntax::Strict),
+            Ok(None)
+        );
     }
 
     #[test]
@@ -418,7 +446,13 @@ mod tests {
         assert_eq!(strict(r#""8e03978e"#), Err(HeaderError::NotAnSfString));
         let mut headers = HeaderMap::new();
         headers.append(IDEMPOTENCY_KEY, HeaderValue::from_static("8e03978e"));
-        assert_eq!(read_key(&headers, Syntax::Strict), Err(HeaderError::NotQuoted));
-        assert_eq!(read_key(&headers, Syntax::Lenient), Ok(Some("8e03978e".to_owned())));
+        assert_eq!(
+            read_key(&headers, &[IDEMPOTENCY_KEY], Syntax::Strict),
+            Err(HeaderError::NotQuoted)
+        );
+        assert_eq!(
+            read_key(&headers, &[IDEMPOTENCY_KEY], Syntax::Lenient),
+            Ok(Some("8e03978e".to_owned()))
+        );
     }
 }

@@ -7,7 +7,7 @@ use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 
-use super::{IDEMPOTENCY_KEY, KeyHeader, ProblemKind, Problems};
+use super::{KeyHeader, ProblemKind, Problems};
 
 /// A caller as the application's authentication knows it, naming the
 /// idempotency scope its keys live in: its account, tenant or API client.
@@ -48,7 +48,8 @@ pub trait Caller {
 /// Extraction runs the authentication extractor `A` first (its rejection,
 /// such as a 401, goes out unchanged), then reads the header:
 ///
-/// - one `Idempotency-Key` field holding an RFC 9651 sf-string
+/// - one `Idempotency-Key` field (or one of another name the [`KeyHeader`]
+///   accepts) holding an RFC 9651 sf-string
 ///   (`Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`), as the
 ///   IETF draft (§2.1) specifies. Parameters after the string
 ///   (`"abc";v=1`) are checked for syntax and ignored: the draft defines
@@ -191,7 +192,8 @@ where
     type Rejection = Response;
 
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Option<Self>, Response> {
-        if !parts.headers.contains_key(IDEMPOTENCY_KEY) {
+        let header = parts.extensions.get::<KeyHeader>().cloned().unwrap_or_default();
+        if !header.is_present(&parts.headers) {
             return Ok(None);
         }
         <Self as FromRequestParts<S>>::from_request_parts(parts, state)

@@ -221,3 +221,66 @@ fn count_notes(db: &idempotency::testing::SqliteFile) -> i64 {
         .get_result(&mut db.conn())
         .expect("count notes")
 }
+
+mod names {
+    use axum::http::HeaderName;
+    use idempotency::http::KeyHeader;
+
+    use super::*;
+
+    fn also_x_key() -> KeyHeader {
+        KeyHeader::default().also_accept(HeaderName::from_static("x-idempotency-key"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_configured_name_carries_the_same_key_as_idempotency_key() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, _) = notes_app(&db, 2, Config::default());
+        let app = app.layer(axum::Extension(also_x_key()));
+
+        let first = answer(&app, note(&[("x-idempotency-key", "k-1")], "a")).await;
+        assert_eq!(first.0, StatusCode::CREATED);
+        let again = answer(&app, note(&[("idempotency-key", r#""k-1""#)], "a")).await;
+        assert_eq!((again.0, again.2), (StatusCode::CREATED, first.2));
+        assert_eq!(count_notes(&db), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_request_with_both_names_is_two_keys_and_a_400() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, _) = notes_app(&db, 2, Config::default());
+        let app = app.layer(axum::Extension(also_x_key()));
+
+        for (case, headers) in [
+            (
+                "the same key",
+                [("idempotency-key", "k-2"), ("x-idempotency-key", "k-2")],
+            ),
+            ("two keys", [("idempotency-key", "k-2"), ("x-idempotency-key", "k-3")]),
+        ] {
+            let (status, _, body) = answer(&app, note(&headers, "a")).await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{case}: {body}");
+            assert_eq!(
+                body["type"],
+                format!("{}idempotency-key-invalid", Problems::DEFAULT_BASE)
+            );
+            assert_eq!(body["detail"], "the request has more than one idempotency key header");
+        }
+        assert_eq!(count_notes(&db), 0, "nothing ran");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn by_default_only_idempotency_key_is_read() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, _) = notes_app(&db, 2, Config::default());
+        assert_eq!(KeyHeader::default().names(), [http::IDEMPOTENCY_KEY]);
+
+        let (status, _, body) = answer(&app, note(&[("x-idempotency-key", "k-4")], "a")).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            body["type"],
+            format!("{}idempotency-key-missing", Problems::DEFAULT_BASE)
+        );
+        assert_eq!(count_notes(&db), 0);
+    }
+}
