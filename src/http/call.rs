@@ -239,7 +239,10 @@ where
 /// succeed, so it must not wait for a busy pool and then be told to retry
 /// (503 with `Retry-After`): it gets its answer at once, traced and counted
 /// as the call would have been.
-fn refuse_by_rule<C: StoreConnection, A, E>(config: &Config, key: &IdempotencyKey<A>) -> Result<(), Failure<E>> {
+pub(super) fn refuse_by_rule<C: StoreConnection, A, E>(
+    config: &Config,
+    key: &IdempotencyKey<A>,
+) -> Result<(), Failure<E>> {
     let Err(broken) = config.check_rules::<C::Raw, E>(key.scope(), key.key(), None) else {
         return Ok(());
     };
@@ -250,12 +253,12 @@ fn refuse_by_rule<C: StoreConnection, A, E>(config: &Config, key: &IdempotencyKe
 
 /// Makes `call` with a connection of `pool` and the key on tokio's blocking
 /// pool; the failures as responses.
-async fn blocking<A, P, R, E, F>(pool: &P, key: &IdempotencyKey<A>, call: F) -> Result<Outcome<R>, Failure<E>>
+pub(super) async fn blocking<A, P, T, E, F>(pool: &P, key: &IdempotencyKey<A>, call: F) -> Result<T, Failure<E>>
 where
     P: ConnectionPool,
-    R: Send + 'static,
+    T: Send + 'static,
     E: Send + 'static,
-    F: FnOnce(&mut P::Connection, &str, &str) -> Result<Outcome<R>, Error<E>> + Send + 'static,
+    F: FnOnce(&mut P::Connection, &str, &str) -> Result<T, Error<E>> + Send + 'static,
 {
     let (scope, idempotency_key) = (key.scope().to_owned(), key.key().to_owned());
     let called = pool
@@ -264,7 +267,7 @@ where
         .await;
     let problems = key.problems();
     match called {
-        Ok(Ok(outcome)) => Ok(outcome),
+        Ok(Ok(answer)) => Ok(answer),
         Ok(Err(error)) => Err(failure(error, problems)),
         Err(Unavailable::Checkout(cause)) => Err(Failure::Failed {
             problem: problems

@@ -165,6 +165,12 @@ pub enum ProblemKind {
     /// 503: no database connection was free in time; nothing ran. Answered
     /// with `Retry-After`.
     Unavailable,
+    /// 404, from a [lookup](super::lookup): no request with this key has
+    /// completed and none is in progress, so sending it again is safe.
+    KeyUnknown,
+    /// 410, from a [lookup](super::lookup): the request ran, but its result
+    /// is no longer kept; sending it again would execute it again.
+    KeyExpired,
     /// 500: storage failed, a stored response no longer decodes, or the
     /// operation panicked. Nothing about the cause is sent.
     Internal,
@@ -178,6 +184,8 @@ impl ProblemKind {
             ProblemKind::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::InProgress => StatusCode::CONFLICT,
             ProblemKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::KeyUnknown => StatusCode::NOT_FOUND,
+            ProblemKind::KeyExpired => StatusCode::GONE,
             ProblemKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -185,7 +193,8 @@ impl ProblemKind {
     /// Whether the same request, with the same key, may succeed when sent
     /// again: a 409 (the other request finishes, then the retry replays it)
     /// and a 503 may; a missing or invalid key and a key reused with another
-    /// request need a changed request; a 500 may only when its cause was of
+    /// request need a changed request; a lookup's 404 and 410 do not change
+    /// by asking again; a 500 may only when its cause was of
     /// the moment ([`Error::is_retryable`](crate::Error::is_retryable)),
     /// which [`run`](super::run) tells per failure.
     pub fn retryable(self) -> bool {
@@ -200,6 +209,8 @@ impl ProblemKind {
             ProblemKind::KeyReused => "idempotency-key-reused",
             ProblemKind::InProgress => "idempotency-key-in-progress",
             ProblemKind::Unavailable => "service-unavailable",
+            ProblemKind::KeyUnknown => "idempotency-key-unknown",
+            ProblemKind::KeyExpired => "idempotency-key-expired",
             ProblemKind::Internal => "internal-error",
         }
     }
@@ -212,6 +223,8 @@ impl ProblemKind {
             ProblemKind::KeyReused => "Idempotency key reused with a different request",
             ProblemKind::InProgress => "Request with this idempotency key in progress",
             ProblemKind::Unavailable => "Service unavailable",
+            ProblemKind::KeyUnknown => "No request with this idempotency key",
+            ProblemKind::KeyExpired => "Idempotency key expired",
             ProblemKind::Internal => "Internal server error",
         }
     }
@@ -241,7 +254,8 @@ struct Settings {
 ///
 /// The names are `idempotency-key-missing`, `idempotency-key-invalid`,
 /// `idempotency-key-reused`, `idempotency-key-in-progress`,
-/// `service-unavailable` and `internal-error`; they are stable.
+/// `service-unavailable`, `idempotency-key-unknown`,
+/// `idempotency-key-expired` and `internal-error`; they are stable.
 ///
 /// An API sets its `Problems` once, as a request extension for its routes
 /// (`router.layer(axum::Extension(problems))`);

@@ -284,3 +284,154 @@ mod names {
         assert_eq!(count_notes(&db), 0);
     }
 }
+
+mod lookup {
+    use std::borrow::Cow;
+    use std::convert::Infallible;
+
+    use axum::extract::FromRequestParts;
+    use axum::http::request::Parts;
+    use axum::routing::get;
+    use chrono::Duration as Retention;
+    use idempotency::http::Caller;
+    use idempotency::testing::ManualClock;
+
+    use super::*;
+
+    /// The caller named by the bearer token; none is a 401.
+    struct Token(String);
+
+    impl<S: Sync> FromRequestParts<S> for Token {
+        type Rejection = StatusCode;
+
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+            parts
+                .headers
+                .get("authorization")
+                .and_then(|value| value.to_str().ok()?.strip_prefix("Bearer "))
+                .map(|token| Token(token.to_owned()))
+                .ok_or(StatusCode::UNAUTHORIZED)
+        }
+    }
+
+    impl Caller for Token {
+        fn scope(&self) -> Cow<'_, str> {
+            Cow::Borrowed(&self.0)
+        }
+    }
+
+    async fn post_charge(State(notes): State<Notes>, key: IdempotencyKey<Token>) -> Response {
+        let outcome: Result<Outcome<StoredResponse<i64>>, Failure<Problem>> =
+            http::run(&notes.pool, &notes.config, &key, (), |_, ()| {
+                Ok(StoredResponse::new(StatusCode::CREATED, 42))
+            })
+            .await;
+        outcome.into_response()
+    }
+
+    async fn charge_status(
+        State(notes): State<Notes>,
+        key: IdempotencyKey<Token>,
+    ) -> Result<Outcome<StoredResponse<i64>>, Failure<Infallible>> {
+        http::lookup(&notes.pool, &notes.config, &key).await
+    }
+
+    fn charges_app(db: &idempotency::testing::SqliteFile, config: Config) -> Router {
+        let (_, pool) = notes_app(db, 2, config.clone());
+        Router::new()
+            .route("/charges", post(post_charge))
+            .route("/charges/status", get(charge_status))
+            .with_state(Notes { pool, config })
+    }
+
+    fn request(method: &str, path: &str, token: Option<&str>, key: &str) -> Request<axum::body::Body> {
+        let mut request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("idempotency-key", key);
+        if let Some(token) = token {
+            request = request.header("authorization", format!("Bearer {token}"));
+        }
+        request.body(axum::body::Body::empty()).expect("a request")
+    }
+
+    async fn replayed(app: &Router, request: Request<axum::body::Body>) -> Option<String> {
+        let response = app.clone().oneshot(request).await.expect("infallible");
+        response
+            .headers()
+            .get("idempotent-replayed")
+            .map(|value| value.to_str().expect("ascii").to_owned())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_status_of_a_key_is_404_then_the_stored_response_then_410_once_expired() {
+        let db = idempotency::testing::SqliteFile::new();
+        let clock = ManualClock::new();
+        let config = Config::default().retention(Retention::hours(1)).clock(clock.source());
+        let app = charges_app(&db, config);
+        let status = || request("GET", "/charges/status", Some("acct-1"), "c-1");
+
+        let (code, _, body) = answer(&app, status()).await;
+        assert_eq!(code, StatusCode::NOT_FOUND);
+        assert_eq!(
+            body["type"],
+            format!("{}idempotency-key-unknown", Problems::DEFAULT_BASE)
+        );
+        assert_eq!(body["retryable"], json!(false));
+
+        let first = answer(&app, request("POST", "/charges", Some("acct-1"), "c-1")).await;
+        assert_eq!(first.0, StatusCode::CREATED);
+        let found = answer(&app, status()).await;
+        assert_eq!((found.0, found.2), (StatusCode::CREATED, json!(42)));
+        assert_eq!(replayed(&app, status()).await.as_deref(), Some("true"));
+
+        clock.advance(Retention::hours(1));
+        let (code, _, body) = answer(&app, status()).await;
+        assert_eq!(code, StatusCode::GONE);
+        assert_eq!(
+            body["type"],
+            format!("{}idempotency-key-expired", Problems::DEFAULT_BASE)
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_key_in_progress_is_409_with_retry_after() {
+        let db = idempotency::testing::SqliteFile::new();
+        let app = charges_app(&db, Config::default());
+        // Another connection holds SQLite's write lock, as a call in
+        // progress does.
+        let mut holder = db.conn();
+        holder.batch_execute("BEGIN IMMEDIATE").expect("take the write lock");
+        let response = app
+            .clone()
+            .oneshot(request("GET", "/charges/status", Some("acct-1"), "c-2"))
+            .await
+            .expect("infallible");
+        holder.batch_execute("ROLLBACK").expect("release the write lock");
+        assert_eq!(response.status(), StatusCode::CONFLICT);
+        assert_eq!(response.headers()["retry-after"], "1");
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("a body");
+        let body: Value = serde_json::from_slice(&body).expect("JSON");
+        assert_eq!(
+            body["type"],
+            format!("{}idempotency-key-in-progress", Problems::DEFAULT_BASE)
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_lookup_authenticates_first_and_sees_only_the_callers_scope() {
+        let db = idempotency::testing::SqliteFile::new();
+        let app = charges_app(&db, Config::default());
+        let first = answer(&app, request("POST", "/charges", Some("acct-1"), "c-3")).await;
+        assert_eq!(first.0, StatusCode::CREATED);
+
+        let anonymous = answer(&app, request("GET", "/charges/status", None, "c-3")).await;
+        assert_eq!(anonymous.0, StatusCode::UNAUTHORIZED);
+        let other = answer(&app, request("GET", "/charges/status", Some("acct-2"), "c-3")).await;
+        assert_eq!(other.0, StatusCode::NOT_FOUND, "{}", other.2);
+        let own = answer(&app, request("GET", "/charges/status", Some("acct-1"), "c-3")).await;
+        assert_eq!((own.0, own.2), (StatusCode::CREATED, json!(42)));
+    }
+}

@@ -54,6 +54,7 @@ mod retention;
 mod run;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod server;
+mod status;
 mod stored_values;
 mod telemetry;
 mod testing;
