@@ -15,6 +15,7 @@
 //! | [`run_phased`] | the same for a [phased operation](crate::phased) with a foreign call in the middle |
 //! | [`StoredResponse<T>`](StoredResponse) | what an operation returns: status, kept headers, JSON body; stored, and replayed as it was |
 //! | `Outcome<R>` as a response | `R`'s response, plus `Idempotent-Replayed: true` on a replay |
+//! | [`openapi`] (feature `openapi`) | the utoipa pieces: header parameter, problem schema and responses, the replay marker |
 //! | [`Problem`], [`Problems`] | RFC 9457 `application/problem+json` bodies, with `type` and `title` per API |
 //!
 //! The answers, by case:
@@ -135,6 +136,8 @@ mod header;
 mod key;
 mod key_header;
 mod lookup;
+#[cfg(feature = "openapi")]
+pub mod openapi;
 mod pool;
 mod problem;
 mod response;

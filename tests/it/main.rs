@@ -15,6 +15,12 @@ mod common;
 #[path = "../../examples/http_orders.rs"]
 mod http_orders;
 
+// The OpenAPI example, whose document the tests check. Its `main` is unused.
+#[cfg(feature = "openapi")]
+#[allow(dead_code)]
+#[path = "../../examples/openapi_orders.rs"]
+mod openapi_orders;
+
 mod batch;
 #[cfg(feature = "postgres")]
 mod clock_skew;
@@ -41,6 +47,8 @@ mod metrics;
 mod migrations;
 #[cfg(feature = "mysql")]
 mod mysql;
+#[cfg(feature = "openapi")]
+mod openapi;
 mod outbox;
 mod phased;
 #[cfg(feature = "postgres")]
