@@ -104,6 +104,7 @@ mod repository;
 mod run;
 mod schema;
 mod service;
+mod status;
 mod telemetry;
 #[cfg(feature = "sqlite")]
 pub mod testing;
@@ -117,6 +118,7 @@ pub use outcome::{Outcome, Recorded};
 pub use repository::Idempotent;
 pub use run::run_idempotent;
 pub use service::{Purged, Purger, Shutdown, Stopped};
+pub use status::KeyStatus;
 #[cfg(feature = "metrics")]
 pub use telemetry::describe_metrics;
 

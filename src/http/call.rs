@@ -294,7 +294,10 @@ impl<Q: Serialize> Serialize for Bound<'_, Q> {
 /// succeed, so it must not wait for a busy pool and then be told to retry
 /// (503 with `Retry-After`): it gets its answer at once, traced and counted
 /// as the call would have been.
-fn refuse_by_rule<C: StoreConnection, A, E>(config: &Config, key: &IdempotencyKey<A>) -> Result<(), Failure<E>> {
+pub(super) fn refuse_by_rule<C: StoreConnection, A, E>(
+    config: &Config,
+    key: &IdempotencyKey<A>,
+) -> Result<(), Failure<E>> {
     let Err(broken) = config.check_rules::<C::Raw, E>(key.scope(), key.key(), None) else {
         return Ok(());
     };
@@ -305,17 +308,17 @@ fn refuse_by_rule<C: StoreConnection, A, E>(config: &Config, key: &IdempotencyKe
 
 /// Makes `call` with a connection of `pool` and the key on tokio's blocking
 /// pool; the failures as responses.
-async fn blocking<A, P, R, E, F>(
+pub(super) async fn blocking<A, P, T, E, F>(
     pool: &P,
     in_flight: InFlight,
     key: &IdempotencyKey<A>,
     call: F,
-) -> Result<Outcome<R>, Failure<E>>
+) -> Result<T, Failure<E>>
 where
     P: ConnectionPool,
-    R: Send + 'static,
+    T: Send + 'static,
     E: Send + 'static,
-    F: FnOnce(&mut P::Connection, &str, &str) -> Result<Outcome<R>, Error<E>> + Send + 'static,
+    F: FnOnce(&mut P::Connection, &str, &str) -> Result<T, Error<E>> + Send + 'static,
 {
     let problems = key.problems();
     let (scope, idempotency_key) = (key.scope().to_owned(), key.key().to_owned());
@@ -331,7 +334,7 @@ where
         }))
         .await;
     match called {
-        Ok(Ok(outcome)) => Ok(outcome),
+        Ok(Ok(answer)) => Ok(answer),
         Ok(Err(error)) => Err(failure(error, problems)),
         Err(Unavailable::Checkout(cause)) => Err(Failure::Failed {
             problem: problems
@@ -341,7 +344,7 @@ where
         }),
         // A panic in the operation, or a runtime shutting down before the
         // task started: either way nothing was committed.
-        Err(Unavailable::Aborted(cause)) => Err(internal(problems, cause)),
+        Err(Unavailable::Aborted(cause)) => Err(internal(problems, false, cause)),
     }
 }
 
@@ -387,14 +390,17 @@ fn failure<E>(error: Error<E>, problems: &Problems) -> Failure<E> {
         }
         other => other,
     };
-    internal(problems, Box::new(cause))
+    // A storage failure of the moment (a lost connection, a deadlock) may
+    // succeed when the same request is sent again; the client is told so.
+    internal(problems, cause.is_retryable(), Box::new(cause))
 }
 
-fn internal<E>(problems: &Problems, cause: Box<dyn StdError + Send + Sync>) -> Failure<E> {
+fn internal<E>(problems: &Problems, retryable: bool, cause: Box<dyn StdError + Send + Sync>) -> Failure<E> {
     Failure::Failed {
         problem: problems
             .problem(ProblemKind::Internal)
-            .with_detail("the server could not complete the request"),
+            .with_detail("the server could not complete the request")
+            .with_retryable(retryable),
         cause,
     }
 }

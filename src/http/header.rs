@@ -1,55 +1,72 @@
 //! Reading the `Idempotency-Key` request header: one field, holding an
-//! RFC 8941 sf-string (the IETF draft, §2.1) or the bare token that most
-//! clients send.
+//! RFC 9651 sf-string (the IETF draft, §2.1) or, unless the syntax is
+//! strict, the bare token that most clients send.
 
 use std::fmt;
 
-use axum::http::HeaderMap;
-
-use super::IDEMPOTENCY_KEY;
+use axum::http::{HeaderMap, HeaderName};
 
 /// Why the `Idempotency-Key` header could not be read. The message never
 /// repeats the value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum HeaderError {
-    /// More than one `Idempotency-Key` field.
+    /// More than one field among the names accepted.
     Repeated,
     /// A value starting with `"` that is not an sf-string with optional
     /// parameters.
     NotAnSfString,
     /// A byte outside visible ASCII in a value that is not quoted.
     NotAToken,
+    /// A value that is not quoted, where the syntax is strict.
+    NotQuoted,
 }
 
 impl fmt::Display for HeaderError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            HeaderError::Repeated => f.write_str("the request has more than one Idempotency-Key header"),
+            HeaderError::Repeated => f.write_str("the request has more than one idempotency key header"),
             HeaderError::NotAnSfString => {
                 f.write_str("the Idempotency-Key header is not a valid structured field string")
             }
             HeaderError::NotAToken => f.write_str("the Idempotency-Key header holds bytes other than visible ascii"),
+            HeaderError::NotQuoted => {
+                f.write_str("the Idempotency-Key header must be a structured field string: the key in double quotes")
+            }
         }
     }
 }
 
-/// The key of the request's `Idempotency-Key` header; `None` when there is
-/// no such header.
-pub(crate) fn read_key(headers: &HeaderMap) -> Result<Option<String>, HeaderError> {
-    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+/// Which values of the header are keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Syntax {
+    /// An sf-string, or a bare value of visible ASCII taken as it is.
+    Lenient,
+    /// An sf-string only, as the draft requires.
+    Strict,
+}
+
+/// The key of the request's one field among `names`; `None` when there is
+/// none. Two fields, of one name or of two, are two keys: which one the
+/// client meant cannot be told, so neither is taken.
+pub(crate) fn read_key(
+    headers: &HeaderMap,
+    names: &[HeaderName],
+    syntax: Syntax,
+) -> Result<Option<String>, HeaderError> {
+    let mut values = names.iter().flat_map(|name| headers.get_all(name));
     let Some(value) = values.next() else {
         return Ok(None);
     };
     if values.next().is_some() {
         return Err(HeaderError::Repeated);
     }
-    parse_key(value.as_bytes()).map(Some)
+    parse_key(value.as_bytes(), syntax).map(Some)
 }
 
-/// The key in one field value: an sf-string, unescaped, or else the value as
-/// it is when it is all visible ASCII. Surrounding spaces and tabs are not
-/// part of the value (RFC 9110 §5.5).
-pub(crate) fn parse_key(value: &[u8]) -> Result<String, HeaderError> {
+/// The key in one field value: an sf-string, unescaped, or else, with the
+/// lenient syntax, the value as it is when it is all visible ASCII.
+/// Surrounding spaces and tabs are not part of the value (RFC 9110 §5.5).
+pub(crate) fn parse_key(value: &[u8], syntax: Syntax) -> Result<String, HeaderError> {
     let value = value.trim_ascii();
     if value.first() == Some(&b'"') {
         let mut input = Input { bytes: value, at: 0 };
@@ -61,6 +78,9 @@ pub(crate) fn parse_key(value: &[u8]) -> Result<String, HeaderError> {
             Err(HeaderError::NotAnSfString)
         };
     }
+    if syntax == Syntax::Strict {
+        return Err(HeaderError::NotQuoted);
+    }
     if value.iter().all(u8::is_ascii_graphic) {
         // Visible ASCII is valid UTF-8.
         Ok(String::from_utf8_lossy(value).into_owned())
@@ -69,7 +89,7 @@ pub(crate) fn parse_key(value: &[u8]) -> Result<String, HeaderError> {
     }
 }
 
-/// A cursor over a field value, parsing the parts of RFC 8941 §4.2 that an
+/// A cursor over a field value, parsing the parts of RFC 9651 §4.2 that an
 /// sf-string item with parameters can contain.
 struct Input<'a> {
     bytes: &'a [u8],
@@ -138,10 +158,17 @@ impl Input<'_> {
         Some(())
     }
 
-    /// §4.2.3.1: integer or decimal, string, token, byte sequence, boolean.
+    /// §4.2.3.1: integer or decimal, string, token, byte sequence, boolean,
+    /// and RFC 9651's date and display string.
     fn bare_item(&mut self) -> Option<()> {
         match self.peek()? {
-            b'-' | b'0'..=b'9' => self.number(),
+            b'-' | b'0'..=b'9' => self.number().map(drop),
+            b'@' => {
+                self.at += 1;
+                // §4.2.9: an integer, never a decimal.
+                (self.number()? == Number::Integer).then_some(())
+            }
+            b'%' => self.display_string(),
             b'"' => self.sf_string().map(drop),
             b'A'..=b'Z' | b'a'..=b'z' | b'*' => {
                 self.at += 1;
@@ -161,9 +188,36 @@ impl Input<'_> {
         }
     }
 
+    /// §4.2.10: `%"`, then printable ASCII but `"` and `%`, and `%` with two
+    /// lowercase hex digits for each byte of UTF-8 beyond it, then `"`; the
+    /// bytes must be UTF-8.
+    fn display_string(&mut self) -> Option<()> {
+        if (self.next()?, self.next()?) != (b'%', b'"') {
+            return None;
+        }
+        let mut bytes = Vec::new();
+        loop {
+            match self.next()? {
+                b'%' => {
+                    let hex = |byte: u8| match byte {
+                        b'0'..=b'9' => Some(byte - b'0'),
+                        b'a'..=b'f' => Some(byte - b'a' + 10),
+                        _ => None,
+                    };
+                    let high = hex(self.next()?)?;
+                    let low = hex(self.next()?)?;
+                    bytes.push(high << 4 | low);
+                }
+                b'"' => return std::str::from_utf8(&bytes).is_ok().then_some(()),
+                byte @ 0x20..=0x7e => bytes.push(byte),
+                _ => return None,
+            }
+        }
+    }
+
     /// §4.2.4: an optional `-`, at most 15 digits, or a decimal of at most
     /// 12 integer and 1 to 3 fractional digits.
-    fn number(&mut self) -> Option<()> {
+    fn number(&mut self) -> Option<Number> {
         if self.peek() == Some(b'-') {
             self.at += 1;
         }
@@ -174,14 +228,21 @@ impl Input<'_> {
             return None;
         }
         if self.peek() != Some(b'.') {
-            return (integer_digits <= 15).then_some(());
+            return (integer_digits <= 15).then_some(Number::Integer);
         }
         self.at += 1;
         let start = self.at;
         self.take_while(|b| b.is_ascii_digit());
         let fraction_digits = self.at - start;
-        (integer_digits <= 12 && (1..=3).contains(&fraction_digits)).then_some(())
+        (integer_digits <= 12 && (1..=3).contains(&fraction_digits)).then_some(Number::Decimal)
     }
+}
+
+/// What [`Input::number`] read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Number {
+    Integer,
+    Decimal,
 }
 
 /// RFC 9110 §5.6.2 `tchar`.
@@ -194,9 +255,14 @@ mod tests {
     use axum::http::HeaderValue;
 
     use super::*;
+    use crate::http::IDEMPOTENCY_KEY;
 
     fn key(value: &str) -> Result<String, HeaderError> {
-        parse_key(value.as_bytes())
+        parse_key(value.as_bytes(), Syntax::Lenient)
+    }
+
+    fn strict(value: &str) -> Result<String, HeaderError> {
+        parse_key(value.as_bytes(), Syntax::Strict)
     }
 
     #[test]
@@ -241,14 +307,14 @@ mod tests {
 
     #[test]
     fn control_and_non_ascii_bytes_are_refused_in_strings() {
-        assert_eq!(parse_key(b"\"a\tb\""), Err(HeaderError::NotAnSfString));
-        assert_eq!(parse_key(b"\"a\x7fb\""), Err(HeaderError::NotAnSfString));
-        assert_eq!(parse_key("\"caf\u{e9}\"".as_bytes()), Err(HeaderError::NotAnSfString));
+        assert_eq!(key("\"a\tb\""), Err(HeaderError::NotAnSfString));
+        assert_eq!(key("\"a\x7fb\""), Err(HeaderError::NotAnSfString));
+        assert_eq!(key("\"caf\u{e9}\""), Err(HeaderError::NotAnSfString));
     }
 
     #[test]
     fn spaces_inside_a_string_are_the_key_rules_concern() {
-        // RFC 8941 allows them; the key rules of `Config::run` refuse them.
+        // RFC 9651 allows them; the key rules of `Config::run` refuse them.
         assert_eq!(key(r#""a b""#).as_deref(), Ok("a b"));
         assert_eq!(key(r#""""#).as_deref(), Ok(""));
     }
@@ -285,20 +351,108 @@ mod tests {
     #[test]
     fn bare_values_with_spaces_or_non_ascii_are_refused() {
         assert_eq!(key("a b"), Err(HeaderError::NotAToken));
-        assert_eq!(parse_key(b"caf\xe9"), Err(HeaderError::NotAToken));
+        assert_eq!(parse_key(b"caf\xe9", Syntax::Lenient), Err(HeaderError::NotAToken));
     }
 
     #[test]
     fn a_second_header_is_refused() {
         let mut headers = HeaderMap::new();
         headers.append(IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
-        assert_eq!(read_key(&headers), Ok(Some("a".to_owned())));
+        assert_eq!(
+            read_key(&headers, &[IDEMPOTENCY_KEY], Syntax::Lenient),
+            Ok(Some("a".to_owned()))
+        );
         headers.append(IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
-        assert_eq!(read_key(&headers), Err(HeaderError::Repeated));
+        assert_eq!(
+            read_key(&headers, &[IDEMPOTENCY_KEY], Syntax::Lenient),
+            Err(HeaderError::Repeated)
+        );
+    }
+
+    #[test]
+    fn one_field_of_each_of_two_names_is_two_keys() {
+        let x_key = HeaderName::from_static("x-idempotency-key");
+        let names = [IDEMPOTENCY_KEY, x_key.clone()];
+        let mut headers = HeaderMap::new();
+        headers.append(x_key.clone(), HeaderValue::from_static("a"));
+        assert_eq!(read_key(&headers, &names, Syntax::Lenient), Ok(Some("a".to_owned())));
+        assert_eq!(read_key(&headers, &[IDEMPOTENCY_KEY], Syntax::Lenient), Ok(None));
+        headers.append(IDEMPOTENCY_KEY, HeaderValue::from_static("a"));
+        assert_eq!(read_key(&headers, &names, Syntax::Lenient), Err(HeaderError::Repeated));
     }
 
     #[test]
     fn a_missing_header_is_no_key() {
-        assert_eq!(read_key(&HeaderMap::new()), Ok(None));
+        assert_eq!(
+            read_key(&HeaderMap::new(), &[IDEMPOTENCY_KEY], Syntax::Lenient),
+            Ok(None)
+        );
+        assert_eq!(
+            read_key(&HeaderMap::new(), &[IDEMPOTENCY_KEY], Syntax::Strict),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn a_parameter_may_hold_every_bare_item_of_rfc_9651() {
+        for (item, value) in [
+            ("integer", r#""abc";p=-999999999999999"#),
+            ("decimal", r#""abc";p=123456789012.125"#),
+            ("string", r#""abc";p="a \"b\" c""#),
+            ("token", r#""abc";p=*tok:en/1!#"#),
+            ("byte sequence", r#""abc";p=:cHJldGVuZCB0aGlzIGlzIGJpbmFyeQ==:"#),
+            ("boolean", r#""abc";p=?1;q"#),
+            ("date", r#""abc";d=@1700000000"#),
+            ("negative date", r#""abc";d=@-62135596800"#),
+            ("display string", r#""abc";t=%"f%c3%bcr 100%25 %22sure%22""#),
+            ("empty display string", r#""abc";t=%"""#),
+            ("all of them", r#""abc";d=@0;t=%"x";i=1;s="s";b=?0"#),
+        ] {
+            assert_eq!(key(value).as_deref(), Ok("abc"), "{item}: {value}");
+            assert_eq!(strict(value).as_deref(), Ok("abc"), "{item}, strict: {value}");
+        }
+    }
+
+    #[test]
+    fn broken_dates_and_display_strings_are_refused() {
+        for (case, value) in [
+            ("a date without digits", r#""abc";d=@"#),
+            ("a decimal date", r#""abc";d=@1700000000.5"#),
+            ("a date of 16 digits", r#""abc";d=@1234567890123456"#),
+            ("a date of letters", r#""abc";d=@x"#),
+            ("a display string without its quote", r#""abc";t=%abc"#),
+            ("an unterminated display string", r#""abc";t=%"abc"#),
+            ("upper-case hex", r#""abc";t=%"%C3%BC""#),
+            ("a percent without two digits", r#""abc";t=%"%c""#),
+            ("a percent with a non-hex digit", r#""abc";t=%"%g0""#),
+            ("bytes that are not UTF-8", r#""abc";t=%"%c3""#),
+            ("a control byte", "\"abc\";t=%\"a\tb\""),
+            ("bytes after the display string", r#""abc";t=%"a"b"#),
+        ] {
+            assert_eq!(key(value), Err(HeaderError::NotAnSfString), "{case}: {value}");
+        }
+        assert_eq!(
+            parse_key("\"abc\";t=%\"\u{fc}\"".as_bytes(), Syntax::Lenient),
+            Err(HeaderError::NotAnSfString)
+        );
+    }
+
+    #[test]
+    fn the_strict_syntax_takes_only_an_sf_string() {
+        assert_eq!(strict(r#""8e03978e""#).as_deref(), Ok("8e03978e"));
+        assert_eq!(strict(" \"8e03978e\";v=1 ").as_deref(), Ok("8e03978e"));
+        assert_eq!(strict("8e03978e"), Err(HeaderError::NotQuoted));
+        assert_eq!(strict("a b"), Err(HeaderError::NotQuoted));
+        assert_eq!(strict(r#""8e03978e"#), Err(HeaderError::NotAnSfString));
+        let mut headers = HeaderMap::new();
+        headers.append(IDEMPOTENCY_KEY, HeaderValue::from_static("8e03978e"));
+        assert_eq!(
+            read_key(&headers, &[IDEMPOTENCY_KEY], Syntax::Strict),
+            Err(HeaderError::NotQuoted)
+        );
+        assert_eq!(
+            read_key(&headers, &[IDEMPOTENCY_KEY], Syntax::Lenient),
+            Ok(Some("8e03978e".to_owned()))
+        );
     }
 }

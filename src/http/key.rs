@@ -9,8 +9,7 @@ use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 
-use super::header::read_key;
-use super::{IDEMPOTENCY_KEY, ProblemKind, Problems};
+use super::{KeyHeader, ProblemKind, Problems};
 
 /// A caller as the application's authentication knows it, naming the
 /// idempotency scope its keys live in: a stable id of the principal, the
@@ -58,14 +57,16 @@ pub trait Caller {
 /// Extraction runs the authentication extractor `A` first (its rejection,
 /// such as a 401, goes out unchanged), then reads the header:
 ///
-/// - one `Idempotency-Key` field holding an RFC 8941 sf-string
+/// - one `Idempotency-Key` field (or one of another name the [`KeyHeader`]
+///   accepts) holding an RFC 9651 sf-string
 ///   (`Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324"`), as the
 ///   IETF draft (§2.1) specifies. Parameters after the string
 ///   (`"abc";v=1`) are checked for syntax and ignored: the draft defines
 ///   none;
-/// - or the bare value that Stripe's and most other clients send unquoted
-///   (`Idempotency-Key: 8e03978e-40d5-43e8-bc93-6894a57f9324`), taken as it
-///   is. The two spellings of one key are the same key.
+/// - or, unless the [`KeyHeader`] among the request's extensions is
+///   strict, the bare value that Stripe's and most other clients send
+///   unquoted (`Idempotency-Key: 8e03978e-40d5-43e8-bc93-6894a57f9324`),
+///   taken as it is. The two spellings of one key are the same key.
 ///
 /// No header, two headers, or a value that is neither: 400 with a problem
 /// ([`ProblemKind::MissingKey`], [`ProblemKind::InvalidKey`]), described by
@@ -332,7 +333,8 @@ where
         let caller = A::from_request_parts(parts, state)
             .await
             .map_err(IntoResponse::into_response)?;
-        if !parts.headers.contains_key(IDEMPOTENCY_KEY) {
+        let header = parts.extensions.get::<KeyHeader>().cloned().unwrap_or_default();
+        if !header.is_present(&parts.headers) {
             return Ok(None);
         }
         IdempotencyKey::read(caller, parts).await.map(Some)
@@ -343,7 +345,8 @@ impl<A: Caller> IdempotencyKey<A> {
     /// The key of the request in `parts`, for the authenticated `caller`.
     async fn read(caller: A, parts: &mut Parts) -> Result<Self, Response> {
         let problems = parts.extensions.get::<Problems>().cloned().unwrap_or_default();
-        let key = match read_key(&parts.headers) {
+        let header = parts.extensions.get::<KeyHeader>().cloned().unwrap_or_default();
+        let key = match header.read(&parts.headers) {
             Ok(Some(key)) => key,
             Ok(None) => {
                 let problem = problems

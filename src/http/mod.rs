@@ -9,10 +9,13 @@
 //! | piece | what it does |
 //! | --- | --- |
 //! | [`IdempotencyKey<A>`](IdempotencyKey) | extractor: the header as an sf-string or a bare token, paired with the scope of the caller that the authentication extractor `A` resolved ([`Caller`]) |
+//! | [`KeyHeader`] | how the extractor reads the header: the syntax it accepts |
 //! | [`run`] | one async call: the key rules checked at once, then a connection from the pool (r2d2's, or deadpool-diesel's with the feature `deadpool`: [`ConnectionPool`]), [`Config::run`](crate::Config::run) on tokio's blocking pool, join; the failures as responses ([`Failure`]) |
+//! | [`lookup`] | what became of a key in the caller's scope: the stored response, or a 404, 409 or 410 problem |
 //! | [`run_phased`] | the same for a [phased operation](crate::phased) with a foreign call in the middle |
 //! | [`StoredResponse<T>`](StoredResponse) | what an operation returns: status, kept headers, JSON body; stored, and replayed as it was |
 //! | `Outcome<R>` as a response | `R`'s response, plus `Idempotent-Replayed: true` on a replay |
+//! | [`openapi`] (feature `openapi`) | the utoipa pieces: header parameter, problem schema and responses, the replay marker |
 //! | [`Problem`], [`Problems`] | RFC 9457 `application/problem+json` bodies, with `type` and `title` per API |
 //!
 //! The answers, by case:
@@ -145,12 +148,18 @@ mod call;
 mod gate;
 mod header;
 mod key;
+mod key_header;
+mod lookup;
+#[cfg(feature = "openapi")]
+pub mod openapi;
 mod pool;
 mod problem;
 mod response;
 
 pub use call::{Failure, run, run_phased};
 pub use key::{Caller, IdempotencyKey};
+pub use key_header::KeyHeader;
+pub use lookup::lookup;
 pub use pool::ConnectionPool;
 pub use problem::{Problem, ProblemKind, Problems};
 pub use response::StoredResponse;

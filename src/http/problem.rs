@@ -13,8 +13,9 @@ use serde::Serialize;
 const PROBLEM_JSON: &str = "application/problem+json";
 
 /// An error response as RFC 9457 describes it: `application/problem+json`
-/// with `type`, `title`, `status` and, where it helps, `detail`, plus a
-/// `Retry-After` header when retrying later can succeed.
+/// with `type`, `title`, `status` and, where it helps, `detail` and the
+/// extension member `retryable`, plus a `Retry-After` header when retrying
+/// later can succeed.
 ///
 /// The HTTP layer builds its problems from [`Problems`]; applications build
 /// their own with [`Problem::new`] so that every error of an API has one
@@ -43,6 +44,8 @@ pub struct Problem {
     status: StatusCode,
     #[serde(skip_serializing_if = "Option::is_none")]
     detail: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retryable: Option<bool>,
     #[serde(skip)]
     retry_after: Option<Duration>,
 }
@@ -57,6 +60,7 @@ impl Problem {
             title: title.into(),
             status,
             detail: None,
+            retryable: None,
             retry_after: None,
         }
     }
@@ -72,6 +76,15 @@ impl Problem {
     /// developer. Never put the request body or values copied from it here.
     pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
         self.detail = Some(detail.into());
+        self
+    }
+
+    /// Sets the extension member `retryable`: whether sending the same
+    /// request again, with the same key, may succeed (`true`), or the client
+    /// must change the request first (`false`). Without it the member is
+    /// left out.
+    pub fn with_retryable(mut self, retryable: bool) -> Self {
+        self.retryable = Some(retryable);
         self
     }
 
@@ -102,6 +115,11 @@ impl Problem {
         self.detail.as_deref()
     }
 
+    /// The `retryable` member, if set.
+    pub fn retryable(&self) -> Option<bool> {
+        self.retryable
+    }
+
     /// The `Retry-After`, if any.
     pub fn retry_after(&self) -> Option<Duration> {
         self.retry_after
@@ -127,7 +145,8 @@ fn status_number<S: serde::Serializer>(status: &StatusCode, serializer: S) -> Re
     serializer.serialize_u16(status.as_u16())
 }
 
-/// The problems the HTTP layer itself answers with, each with its status.
+/// The problems the HTTP layer itself answers with, each with its status
+/// and whether the same request may be sent again ([`retryable`](ProblemKind::retryable)).
 /// [`Problems`] gives each its `type` and `title`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -146,6 +165,12 @@ pub enum ProblemKind {
     /// 503: no database connection was free in time; nothing ran. Answered
     /// with `Retry-After`.
     Unavailable,
+    /// 404, from a [lookup](super::lookup): no request with this key has
+    /// completed and none is in progress, so sending it again is safe.
+    KeyUnknown,
+    /// 410, from a [lookup](super::lookup): the request ran, but its result
+    /// is no longer kept; sending it again would execute it again.
+    KeyExpired,
     /// 500: storage failed, a stored response no longer decodes, or the
     /// operation panicked. Nothing about the cause is sent.
     Internal,
@@ -159,8 +184,21 @@ impl ProblemKind {
             ProblemKind::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::InProgress => StatusCode::CONFLICT,
             ProblemKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::KeyUnknown => StatusCode::NOT_FOUND,
+            ProblemKind::KeyExpired => StatusCode::GONE,
             ProblemKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
+    }
+
+    /// Whether the same request, with the same key, may succeed when sent
+    /// again: a 409 (the other request finishes, then the retry replays it)
+    /// and a 503 may; a missing or invalid key and a key reused with another
+    /// request need a changed request; a lookup's 404 and 410 do not change
+    /// by asking again; a 500 may only when its cause was of
+    /// the moment ([`Error::is_retryable`](crate::Error::is_retryable)),
+    /// which [`run`](super::run) tells per failure.
+    pub fn retryable(self) -> bool {
+        matches!(self, ProblemKind::InProgress | ProblemKind::Unavailable)
     }
 
     /// The last segment of the `type` URI under a documentation base.
@@ -171,6 +209,8 @@ impl ProblemKind {
             ProblemKind::KeyReused => "idempotency-key-reused",
             ProblemKind::InProgress => "idempotency-key-in-progress",
             ProblemKind::Unavailable => "service-unavailable",
+            ProblemKind::KeyUnknown => "idempotency-key-unknown",
+            ProblemKind::KeyExpired => "idempotency-key-expired",
             ProblemKind::Internal => "internal-error",
         }
     }
@@ -183,6 +223,8 @@ impl ProblemKind {
             ProblemKind::KeyReused => "Idempotency key reused with a different request",
             ProblemKind::InProgress => "Request with this idempotency key in progress",
             ProblemKind::Unavailable => "Service unavailable",
+            ProblemKind::KeyUnknown => "No request with this idempotency key",
+            ProblemKind::KeyExpired => "Idempotency key expired",
             ProblemKind::Internal => "Internal server error",
         }
     }
@@ -190,25 +232,30 @@ impl ProblemKind {
 
 #[derive(Debug, Clone)]
 struct Settings {
+    /// `None`: every problem is `about:blank`.
     base: Option<String>,
     titles: HashMap<ProblemKind, String>,
     retry_after: Duration,
 }
 
 /// How the HTTP layer describes its own problems: the `type` URI and
-/// `title` of each [`ProblemKind`], and the `Retry-After` of a 409 or 503.
+/// `title` of each [`ProblemKind`], its `retryable` member, and the
+/// `Retry-After` of a 409 or 503.
 ///
 /// | setting | default |
 /// | --- | --- |
-/// | `type` | `about:blank`, titled with the status's reason phrase, as RFC 9457 §4.2.1 asks |
-/// | [`documented_at`](Problems::documented_at) | `type` = base + a fixed name per kind, with a specific title |
+/// | `type` | a distinct URI per kind: [`DEFAULT_BASE`](Problems::DEFAULT_BASE) + the kind's name, each documented in the [HTTP guide](crate::guide::http#problem-types) |
+/// | `title` | a specific title per kind, the summary of its type |
+/// | [`documented_at`](Problems::documented_at) | the same names under your own documentation |
+/// | [`about_blank`](Problems::about_blank) | every `type` `about:blank`, titled with the status's reason phrase (RFC 9457 §4.2.1) |
 /// | [`title`](Problems::title) | per kind, overrides the above |
+/// | `retryable` | always sent: [`ProblemKind::retryable`] |
 /// | [`retry_after`](Problems::retry_after) | 1 second |
 ///
-/// The names under a documentation base are `idempotency-key-missing`,
-/// `idempotency-key-invalid`, `idempotency-key-reused`,
-/// `idempotency-key-in-progress`, `service-unavailable` and
-/// `internal-error`.
+/// The names are `idempotency-key-missing`, `idempotency-key-invalid`,
+/// `idempotency-key-reused`, `idempotency-key-in-progress`,
+/// `service-unavailable`, `idempotency-key-unknown`,
+/// `idempotency-key-expired` and `internal-error`; they are stable.
 ///
 /// An API sets its `Problems` once, as a request extension for its routes
 /// (`router.layer(axum::Extension(problems))`);
@@ -222,6 +269,10 @@ struct Settings {
 /// use axum::http::StatusCode;
 /// use idempotency::http::{ProblemKind, Problems};
 ///
+/// let problem = Problems::default().problem(ProblemKind::InProgress);
+/// assert_eq!(problem.type_uri(), format!("{}idempotency-key-in-progress", Problems::DEFAULT_BASE));
+/// assert_eq!(problem.retryable(), Some(true));
+///
 /// let problems = Problems::documented_at("https://docs.example.com/problems/")
 ///     .title(ProblemKind::KeyReused, "Key already used")
 ///     .retry_after(Duration::from_secs(2));
@@ -231,8 +282,9 @@ struct Settings {
 /// assert_eq!(problem.type_uri(), "https://docs.example.com/problems/idempotency-key-in-progress");
 /// assert_eq!(problem.retry_after(), Some(Duration::from_secs(2)));
 /// assert_eq!(problems.problem(ProblemKind::KeyReused).title(), "Key already used");
+/// assert_eq!(problems.problem(ProblemKind::KeyReused).retryable(), Some(false));
 ///
-/// let plain = Problems::default().problem(ProblemKind::KeyReused);
+/// let plain = Problems::about_blank().problem(ProblemKind::KeyReused);
 /// assert_eq!((plain.type_uri(), plain.title()), ("about:blank", "Unprocessable Entity"));
 /// ```
 #[derive(Debug, Clone)]
@@ -244,7 +296,7 @@ impl Default for Problems {
     fn default() -> Self {
         Problems {
             settings: Arc::new(Settings {
-                base: None,
+                base: Some(Problems::DEFAULT_BASE.to_owned()),
                 titles: HashMap::new(),
                 retry_after: Duration::from_secs(1),
             }),
@@ -253,6 +305,20 @@ impl Default for Problems {
 }
 
 impl Problems {
+    /// The base of the default `type` URIs: the HTTP guide of this crate on
+    /// docs.rs, where each kind's name is the anchor of its section.
+    pub const DEFAULT_BASE: &'static str = "https://docs.rs/idempotency/latest/idempotency/guide/http/index.html#";
+
+    /// Problems whose `type` is `about:blank`, titled with the status's
+    /// reason phrase: for an API that documents no problem types. Clients
+    /// then tell the crate's 409 from the application's own 409 only by
+    /// `retryable` and `Retry-After`.
+    pub fn about_blank() -> Self {
+        let mut problems = Problems::default();
+        Arc::make_mut(&mut problems.settings).base = None;
+        problems
+    }
+
     /// Problems whose `type` is `base` followed by the kind's name, such as
     /// `https://docs.example.com/problems/idempotency-key-reused`; `base`
     /// usually ends with `/`.
@@ -285,7 +351,7 @@ impl Problems {
             (None, Some(_)) => kind.specific_title().to_owned(),
             (None, None) => status.canonical_reason().unwrap_or_default().to_owned(),
         };
-        let mut problem = Problem::new(status, title);
+        let mut problem = Problem::new(status, title).with_retryable(kind.retryable());
         if let Some(base) = &settings.base {
             problem = problem.with_type(format!("{base}{}", kind.slug()));
         }

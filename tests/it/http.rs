@@ -1096,8 +1096,8 @@ mod library {
         drop(held);
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(retry_after.as_deref(), Some("1"));
-        assert_eq!(body["type"], "about:blank");
-        assert_eq!(body["title"], "Service Unavailable");
+        assert_eq!(body["type"], format!("{}service-unavailable", Problems::DEFAULT_BASE));
+        assert_eq!(body["title"], "Service unavailable");
         assert_eq!(answer(&app, note(Some("n-3"))).await.0, StatusCode::CREATED);
     }
 

@@ -15,6 +15,12 @@ mod common;
 #[path = "../../examples/http_orders.rs"]
 mod http_orders;
 
+// The OpenAPI example, whose document the tests check. Its `main` is unused.
+#[cfg(feature = "openapi")]
+#[allow(dead_code)]
+#[path = "../../examples/openapi_orders.rs"]
+mod openapi_orders;
+
 mod batch;
 #[cfg(feature = "postgres")]
 mod clock_skew;
@@ -31,6 +37,8 @@ mod fingerprint;
 mod generic;
 #[cfg(feature = "axum")]
 mod http;
+#[cfg(feature = "axum")]
+mod http_client;
 mod keys;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod killed_sessions;
@@ -39,6 +47,8 @@ mod metrics;
 mod migrations;
 #[cfg(feature = "mysql")]
 mod mysql;
+#[cfg(feature = "openapi")]
+mod openapi;
 mod outbox;
 mod phased;
 #[cfg(feature = "postgres")]
@@ -52,6 +62,7 @@ mod retention;
 mod run;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod server;
+mod status;
 mod stored_values;
 mod telemetry;
 mod testing;

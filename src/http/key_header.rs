@@ -1,0 +1,128 @@
+//! How the extractor reads the key from a request's headers: the names and
+//! the syntax it accepts, set once per API as a request extension.
+
+use std::sync::Arc;
+
+use axum::http::{HeaderMap, HeaderName};
+
+use super::IDEMPOTENCY_KEY;
+use super::header::{HeaderError, Syntax, read_key};
+
+/// How [`IdempotencyKey`](super::IdempotencyKey) reads the key header.
+///
+/// | setting | default |
+/// | --- | --- |
+/// | names | `Idempotency-Key` only, the draft's; [`also_accept`](KeyHeader::also_accept) adds another, such as `X-Idempotency-Key` |
+/// | syntax | lenient: an RFC 9651 sf-string (`"8e03978e"`), or a bare value of visible ASCII (`8e03978e`) taken as it is, as Stripe's clients send it |
+/// | [`strict`](KeyHeader::strict) | an sf-string only, as the IETF draft (§2.1) requires; a bare value is a 400 |
+///
+/// A request with two fields among the names accepted, of one name or of
+/// two (`Idempotency-Key: a` and `X-Idempotency-Key: a`), has two keys: it
+/// is refused with a 400 ([`ProblemKind::InvalidKey`](super::ProblemKind::InvalidKey)),
+/// even when the values agree, since which one the client meant cannot be
+/// told.
+///
+/// In both syntaxes, parameters after the string (`"8e03978e";d=@1700000000`) may
+/// hold any bare item of RFC 9651 and are checked, then ignored: the draft
+/// defines none.
+///
+/// An API sets it once, as a request extension for its routes
+/// (`router.layer(axum::Extension(key_header))`), as it sets its
+/// [`Problems`](super::Problems); without one the extractor uses the
+/// default. A clone is cheap.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
+/// use std::borrow::Cow;
+/// use axum::extract::FromRequestParts;
+/// use axum::http::{request::Parts, Request, StatusCode};
+/// use idempotency::http::{Caller, IdempotencyKey, KeyHeader};
+///
+/// # struct Anyone;
+/// # impl<S: Sync> FromRequestParts<S> for Anyone {
+/// #     type Rejection = StatusCode;
+/// #     async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, StatusCode> { Ok(Anyone) }
+/// # }
+/// # impl Caller for Anyone { fn scope(&self) -> Cow<'_, str> { Cow::Borrowed("public") } }
+/// let extract = async |value: &str| {
+///     let (mut parts, ()) = Request::post("/orders")
+///         .header("Idempotency-Key", value)
+///         .extension(KeyHeader::default().strict())
+///         .body(())?
+///         .into_parts();
+///     Ok::<_, axum::http::Error>(IdempotencyKey::<Anyone>::from_request_parts(&mut parts, &()).await)
+/// };
+///
+/// assert_eq!(KeyHeader::default().also_accept(axum::http::HeaderName::from_static("x-idempotency-key")).names().len(), 2);
+///
+/// let Ok(key) = extract(r#""order-2b9c";d=@1700000000"#).await? else { return Err("the sf-string was refused".into()) };
+/// assert_eq!(key.key(), "order-2b9c");
+/// let Err(bare) = extract("order-2b9c").await? else { return Err("a bare value was taken".into()) };
+/// assert_eq!(bare.status(), StatusCode::BAD_REQUEST);
+/// # Ok(())
+/// # })
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct KeyHeader {
+    settings: Arc<Settings>,
+}
+
+#[derive(Debug, Clone)]
+struct Settings {
+    names: Vec<HeaderName>,
+    syntax: Syntax,
+}
+
+impl Default for KeyHeader {
+    fn default() -> Self {
+        KeyHeader {
+            settings: Arc::new(Settings {
+                names: vec![IDEMPOTENCY_KEY],
+                syntax: Syntax::Lenient,
+            }),
+        }
+    }
+}
+
+impl KeyHeader {
+    /// Accepts only an sf-string, as the draft requires: a bare value is
+    /// refused with a 400 ([`ProblemKind::InvalidKey`](super::ProblemKind::InvalidKey))
+    /// that says to quote the key.
+    pub fn strict(mut self) -> Self {
+        Arc::make_mut(&mut self.settings).syntax = Syntax::Strict;
+        self
+    }
+
+    /// Accepts the key in a header of this name as well, such as
+    /// `X-Idempotency-Key`, which some clients and gateways send. A name
+    /// already accepted is not added twice.
+    pub fn also_accept(mut self, name: HeaderName) -> Self {
+        let names = &mut Arc::make_mut(&mut self.settings).names;
+        if !names.contains(&name) {
+            names.push(name);
+        }
+        self
+    }
+
+    /// The header names accepted, `Idempotency-Key` first.
+    pub fn names(&self) -> &[HeaderName] {
+        &self.settings.names
+    }
+
+    /// Whether the request has a field of a name accepted.
+    pub(crate) fn is_present(&self, headers: &HeaderMap) -> bool {
+        self.settings.names.iter().any(|name| headers.contains_key(name))
+    }
+
+    /// Whether only an sf-string is accepted.
+    pub fn is_strict(&self) -> bool {
+        self.settings.syntax == Syntax::Strict
+    }
+
+    /// The key of the request; `None` without the header.
+    pub(crate) fn read(&self, headers: &HeaderMap) -> Result<Option<String>, HeaderError> {
+        read_key(headers, &self.settings.names, self.settings.syntax)
+    }
+}
