@@ -30,7 +30,7 @@
 mod outbox;
 mod phases;
 
-use chrono::NaiveDateTime;
+use chrono::{Duration, NaiveDateTime};
 use diesel::connection::{AnsiTransactionManager, SimpleConnection};
 use diesel::pg::{Pg, PgConnection};
 use diesel::prelude::*;
@@ -61,16 +61,35 @@ const SAVED_LOCK_TIMEOUT: &str = "idempotency.caller_lock_timeout";
 /// transaction. Zero would mean "no limit" to PostgreSQL, so rejecting at
 /// once is the smallest wait it accepts. Simple-query text with no bound
 /// parameters: the only values in it are integers of ours.
-fn lock_key_sql(scope: &str, key: &str, in_flight: InFlight) -> String {
+///
+/// The first statement also bounds how long the transaction may wait for
+/// its client with `idle`: the server ends a session whose client went
+/// silent while it holds the key, which frees the key. It stays set until
+/// the transaction ends, as the lock does (a caller's transaction, for a
+/// nested call), unless the session's own bound is lower. The caller's
+/// `idle_in_transaction_session_timeout` comes back with the transaction's
+/// end, as every local setting does.
+fn lock_key_sql(scope: &str, key: &str, in_flight: InFlight, idle: Option<Duration>) -> String {
     let (high, low) = lock_key(scope, key);
+    let idle = idle.map_or_else(String::new, |idle| {
+        let millis = idle.num_milliseconds().clamp(1, i64::from(i32::MAX));
+        format!(
+            ", set_config('{IDLE}', CASE WHEN current_setting('{IDLE}')::interval \
+                 BETWEEN interval '1 millisecond' AND interval '{millis} milliseconds' \
+                 THEN current_setting('{IDLE}') ELSE '{millis}ms' END, true)"
+        )
+    });
     format!(
         "SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true), \
-                set_config('lock_timeout', '{}ms', true); \
+                set_config('lock_timeout', '{}ms', true){idle}; \
          SELECT pg_advisory_xact_lock({high}, {low}); \
          SELECT set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true)",
         in_flight.wait_millis().max(1)
     )
 }
+
+/// The setting that bounds how long a transaction waits for its client.
+const IDLE: &str = "idle_in_transaction_session_timeout";
 
 /// The advisory lock's two integers: 64 bits of a SHA-256 of the scope and
 /// the key, each prefixed with its length. Stable across processes and
@@ -198,8 +217,13 @@ impl KeyStore for PgConnection {
     where
         E: From<DieselError>,
     {
-        let HeldKey { scope, key, in_flight } = held;
-        let lock = lock_key_sql(scope, key, in_flight);
+        let HeldKey {
+            scope,
+            key,
+            in_flight,
+            idle_timeout,
+        } = held;
+        let lock = lock_key_sql(scope, key, in_flight, idle_timeout);
         if transaction_depth(self)? == 0 {
             // BEGIN, the policy's lock timeout, the lock and the caller's
             // timeout back: one round trip.
