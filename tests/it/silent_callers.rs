@@ -203,10 +203,12 @@ fn pump(mut from: TcpStream, mut to: TcpStream, shared: &Shared) {
 
 /// A phased operation of one phase, the operation, and a finish.
 fn phased<D: TestDb>(conn: &mut D::Conn, config: &Config, key: &str, op: Op<'_, D::Conn>) -> CallResult {
-    Phased::new("partition").config(config.clone()).run(conn, SCOPE, key, REQUEST, |steps| {
-        let order = steps.phase("place", op)?;
-        steps.finish(|_| Ok::<_, DomainError>(order))
-    })
+    Phased::new("partition")
+        .config(config.clone())
+        .run(conn, SCOPE, key, REQUEST, |steps| {
+            let order = steps.phase("place", op)?;
+            steps.finish(|_| Ok::<_, DomainError>(order))
+        })
 }
 
 /// A call made as `call` makes it, through a proxy, that has placed its
@@ -233,16 +235,16 @@ impl CutOff {
         let thread = thread::spawn({
             let key = key.clone();
             move || {
-            let mut conn = D::Conn::establish(&url).expect("connect through the proxy");
-            let session = D::session_id(&mut conn);
-            let op: Op<'_, D::Conn> = Box::new(move |tx| {
-                calls.fetch_add(1, Ordering::SeqCst);
-                let order = D::place_order(tx, "cut off", 1)?;
-                inside_tx.send(session).expect("the test waits for the call");
-                go_on_rx.recv().expect("the test lets the operation return");
-                Ok(order)
-            });
-            call(&mut conn, &config, &key, op)
+                let mut conn = D::Conn::establish(&url).expect("connect through the proxy");
+                let session = D::session_id(&mut conn);
+                let op: Op<'_, D::Conn> = Box::new(move |tx| {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    let order = D::place_order(tx, "cut off", 1)?;
+                    inside_tx.send(session).expect("the test waits for the call");
+                    go_on_rx.recv().expect("the test lets the operation return");
+                    Ok(order)
+                });
+                call(&mut conn, &config, &key, op)
             }
         });
         let Ok(session) = inside_rx.recv_timeout(wait::PATIENCE) else {
@@ -279,27 +281,26 @@ impl CutOff {
     }
 }
 
-/// Retries the key on `conn` as `call` makes it until the retry executes or
-/// `patience` has passed since `since`; the outcome and how many retries
-/// found the key in progress.
-fn retry_until_executed<C>(
-    conn: &mut C,
-    key: &str,
+/// Retries the key of `cut_off` on `conn` as `call` makes it, its
+/// operation counted in `calls`, until the retry executes or `patience` has
+/// passed since the proxy froze; the outcome and how many retries found the
+/// key in progress.
+fn retry_until_executed<D: ServerDb>(
+    conn: &mut D::Conn,
+    cut_off: &CutOff,
     config: &Config,
     calls: &AtomicUsize,
-    call: Call<C>,
-    op: impl Fn(&AtomicUsize) -> Op<'_, C>,
-    since: Instant,
+    call: Call<D::Conn>,
     patience: std::time::Duration,
 ) -> (Option<Outcome<i64>>, usize) {
     let mut in_progress = 0;
     loop {
-        match call(conn, config, key, op(calls)) {
+        match call(conn, config, &cut_off.key, counted::<D>(calls, "retry")) {
             Ok(outcome) => return (Some(outcome), in_progress),
             Err(Error::InProgress) => in_progress += 1,
             Err(error) => panic!("a retry of a held key: {error:?}"),
         }
-        if since.elapsed() >= patience {
+        if cut_off.frozen_at.elapsed() >= patience {
             return (None, in_progress);
         }
     }
@@ -314,14 +315,12 @@ fn cut_off_then_retried<D: ServerDb>(call: Call<D::Conn>) {
     let calls = Arc::new(AtomicUsize::new(0));
     let cut_off = CutOff::start(&db, &config, &calls, call);
     let mut direct = db.conn();
-    let (outcome, in_progress) = retry_until_executed(
+    let (outcome, in_progress) = retry_until_executed::<D>(
         &mut direct,
-        &cut_off.key,
+        &cut_off,
         &config,
         &calls,
         call,
-        |calls| counted::<D>(calls, "retry"),
-        cut_off.frozen_at,
         BOUND + IN_FLIGHT_WAIT + SLACK,
     );
     let waited = cut_off.frozen_at.elapsed();
@@ -359,20 +358,15 @@ fn without_an_idle_timeout_a_silent_caller_keeps_its_key_until_its_socket_closes
     let cut_off = CutOff::start(&db, &config, &calls, top_level::<D>);
     let mut direct = db.conn();
     // Three times the bound of the other tests, all of it in progress.
-    let (outcome, in_progress) = retry_until_executed(
-        &mut direct,
-        &cut_off.key,
-        &config,
-        &calls,
-        top_level::<D>,
-        |calls| counted::<D>(calls, "retry"),
-        cut_off.frozen_at,
-        3 * BOUND,
-    );
+    let (outcome, in_progress) =
+        retry_until_executed::<D>(&mut direct, &cut_off, &config, &calls, top_level::<D>, 3 * BOUND);
     assert_eq!(outcome, None, "the key was freed without a bound");
     assert!(in_progress > 0);
     let mut admin = db.conn();
-    assert!(D::session_exists(&mut admin, cut_off.session), "the silent session is still there");
+    assert!(
+        D::session_exists(&mut admin, cut_off.session),
+        "the silent session is still there"
+    );
     // The socket closes: the server ends the session, and the key is free.
     let (session, key) = (cut_off.session, cut_off.key.clone());
     cut_off.close();
@@ -447,12 +441,18 @@ fn a_call_bounds_its_idle_time_and_puts_the_sessions_own_setting_back<D: IdleSet
         })
     };
     D::set_idle_seconds(&mut conn, 600);
-    assert_eq!(run(&mut conn, &key("top"), &config).expect("a call"), Outcome::Executed(30));
+    assert_eq!(
+        run(&mut conn, &key("top"), &config).expect("a call"),
+        Outcome::Executed(30)
+    );
     assert_eq!(D::idle_seconds(&mut conn), 600, "put back after the call");
 
     // A session whose own bound is lower keeps it.
     D::set_idle_seconds(&mut conn, 7);
-    assert_eq!(run(&mut conn, &key("lower"), &config).expect("a call"), Outcome::Executed(7));
+    assert_eq!(
+        run(&mut conn, &key("lower"), &config).expect("a call"),
+        Outcome::Executed(7)
+    );
     assert_eq!(D::idle_seconds(&mut conn), 7);
 
     // Put back when the key's wait runs out, too.
@@ -474,11 +474,14 @@ fn a_call_bounds_its_idle_time_and_puts_the_sessions_own_setting_back<D: IdleSet
         .expect("a nested call");
     let expected = if D::OUTLIVES_A_NESTED_CALL { 30 } else { 600 };
     assert_eq!(after_the_call, expected, "in the caller's transaction after the call");
-    assert_eq!(D::idle_seconds(&mut conn), 600, "put back after the caller's transaction");
+    assert_eq!(
+        D::idle_seconds(&mut conn),
+        600,
+        "put back after the caller's transaction"
+    );
     // Without a bound nothing is touched.
     assert_eq!(
         run(&mut holder, &key("unbounded"), &config.clone().idle_timeout(None)).expect("a call"),
         Outcome::Executed(D::idle_seconds(&mut db.conn()))
     );
 }
-

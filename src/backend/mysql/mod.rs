@@ -20,8 +20,10 @@
 //! `REPEATABLE READ`, InnoDB's default, a transaction that has read before
 //! does not see that commit with a plain `SELECT`, so the record that took
 //! the key is read with `FOR UPDATE`. The crate never changes the isolation
-//! level or any other setting of the session; its own background
-//! transactions (relay claims, completer picks, purges) run at
+//! level or any other setting of the session but `wait_timeout`, which
+//! bounds how long a call may hold its key without a word from its client
+//! and is put back when the call ends (see [`IdleBound`]); its own
+//! background transactions (relay claims, completer picks, purges) run at
 //! `READ COMMITTED` when they are not nested in a caller's transaction.
 //!
 //! In a caller's transaction nothing touches the key table before the named
