@@ -121,7 +121,9 @@ impl Config {
     /// session, and the call fails with [`Error::Storage`] having committed
     /// nothing. 30 seconds is longer than the gaps of any transaction that
     /// serves a web request, whose clients and proxies give up after 30 to
-    /// 60 seconds. MySQL counts in whole seconds, rounded up.
+    /// 60 seconds. MySQL counts in whole seconds, rounded up; a bound beyond
+    /// what the server takes is shortened to it (about 24.8 days on
+    /// PostgreSQL, a year on MySQL).
     ///
     /// ```
     /// use chrono::Duration;

@@ -572,7 +572,17 @@ impl KeyStore for MysqlConnection {
 
 #[cfg(test)]
 mod tests {
-    use super::lock_key;
+    use chrono::Duration;
+
+    use super::{MAX_WAIT_TIMEOUT, lock_key, wait_timeout_seconds};
+
+    #[test]
+    fn the_idle_bound_is_whole_seconds_rounded_up_within_what_the_server_takes() {
+        assert_eq!(wait_timeout_seconds(Duration::milliseconds(1)), 1);
+        assert_eq!(wait_timeout_seconds(Duration::milliseconds(1_001)), 2);
+        assert_eq!(wait_timeout_seconds(Duration::seconds(30)), 30);
+        assert_eq!(wait_timeout_seconds(Duration::days(36_500)), MAX_WAIT_TIMEOUT);
+    }
 
     #[test]
     fn lock_key_is_pinned() {

@@ -348,7 +348,29 @@ mod tests {
     use diesel::pg::PgConnection;
     use diesel::result::{DatabaseErrorKind, Error as DieselError};
 
-    use super::{HoldBy, lock_key};
+    use super::{HoldBy, lock_key, lock_key_sql};
+    use crate::in_flight::InFlight;
+
+    #[test]
+    fn the_idle_bound_goes_into_the_locking_round_trip_only_when_set() {
+        let bounded = lock_key_sql(
+            "shop",
+            "k",
+            InFlight::Reject,
+            Some(chrono::Duration::milliseconds(1_500)),
+        );
+        assert!(bounded.contains("'1500ms'"), "{bounded}");
+        assert_eq!(
+            bounded.matches(';').count(),
+            2,
+            "three statements, as without the bound: {bounded}"
+        );
+        let unbounded = lock_key_sql("shop", "k", InFlight::Reject, None);
+        assert!(
+            !unbounded.contains("idle_in_transaction_session_timeout"),
+            "{unbounded}"
+        );
+    }
     use crate::backend::KeyStore;
     use crate::backend::citus::CLAIM_FIRST;
     use crate::backend::row_with::Head;
