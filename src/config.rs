@@ -19,6 +19,7 @@ use crate::{fingerprint, key};
 /// | --- | --- |
 /// | [`retention`](Config::retention) | 24 hours |
 /// | [`in_flight`](Config::in_flight) | `InFlight::Wait(5 s)` |
+/// | [`idle_timeout`](Config::idle_timeout) | 30 seconds |
 /// | [`max_key_len`](Config::max_key_len) | 255 bytes |
 /// | [`clock`](Config::clock) | the database's clock |
 /// | [`durable_replays`](Config::durable_replays) | `false` |
@@ -40,6 +41,7 @@ use crate::{fingerprint, key};
 pub struct Config {
     pub(crate) retention: Duration,
     pub(crate) in_flight: InFlight,
+    pub(crate) idle_timeout: Option<Duration>,
     pub(crate) max_key_len: usize,
     pub(crate) clock: Clock,
     pub(crate) durable_replays: bool,
@@ -50,6 +52,7 @@ impl Default for Config {
         Config {
             retention: Duration::hours(24),
             in_flight: InFlight::default(),
+            idle_timeout: Some(Duration::seconds(30)),
             max_key_len: 255,
             clock: Clock::Database,
             durable_replays: false,
@@ -62,6 +65,7 @@ impl fmt::Debug for Config {
         f.debug_struct("Config")
             .field("retention", &self.retention)
             .field("in_flight", &self.in_flight)
+            .field("idle_timeout", &self.idle_timeout)
             .field("max_key_len", &self.max_key_len)
             .field("durable_replays", &self.durable_replays)
             .finish_non_exhaustive()
@@ -93,6 +97,55 @@ impl Config {
             assert!(wait >= Duration::zero(), "in-flight wait must not be negative");
         }
         self.in_flight = in_flight;
+        self
+    }
+
+    /// How long a call's transaction may hold its key while its client
+    /// sends the server nothing (default 30 seconds); `None` leaves it to
+    /// the session's own settings.
+    ///
+    /// A host that loses power or its network mid-call closes no socket, and
+    /// the server would keep its transaction, and the key, until TCP gives
+    /// up on the peer (hours). With this bound the server ends such a
+    /// session once it has waited this long for the client's next
+    /// statement, which rolls its transaction back and frees the key: a
+    /// retry then executes. On PostgreSQL it is the transaction's
+    /// `idle_in_transaction_session_timeout`, on MySQL and MariaDB the
+    /// session's `wait_timeout` from the key's lock to its release, put back
+    /// afterwards; a session whose own setting is lower keeps it. SQLite
+    /// runs in the caller's process, and a dead process holds nothing.
+    ///
+    /// A call's transaction is silent while its operation works outside
+    /// the database: an operation that waits longer than this between two
+    /// statements (a slow foreign call inside the transaction) loses its
+    /// session, and the call fails with [`Error::Storage`] having committed
+    /// nothing. 30 seconds is longer than the gaps of any transaction that
+    /// serves a web request, whose clients and proxies give up after 30 to
+    /// 60 seconds. MySQL counts in whole seconds, rounded up; a bound beyond
+    /// what the server takes is shortened to it (about 24.8 days on
+    /// PostgreSQL, a year on MySQL).
+    ///
+    /// ```
+    /// use chrono::Duration;
+    /// use idempotency::Config;
+    ///
+    /// // Operations that call a slow provider inside their transaction.
+    /// let patient = Config::default().idle_timeout(Duration::minutes(2));
+    /// // The session's own settings only: a host cut off mid-call may hold
+    /// // its key until the server notices by itself.
+    /// let unbounded = Config::default().idle_timeout(None);
+    /// # let _ = (patient, unbounded);
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If the timeout is not positive or longer than 100 years.
+    pub fn idle_timeout(mut self, idle_timeout: impl Into<Option<Duration>>) -> Self {
+        let idle_timeout = idle_timeout.into();
+        if let Some(timeout) = idle_timeout {
+            assert_duration(timeout, "idle timeout");
+        }
+        self.idle_timeout = idle_timeout;
         self
     }
 

@@ -282,6 +282,7 @@ impl Config {
                 scope,
                 key,
                 in_flight: self.in_flight,
+                idle_timeout: self.idle_timeout,
             },
             |tx| {
                 trace.waited(started.elapsed());

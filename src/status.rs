@@ -108,6 +108,7 @@ impl Config {
             scope,
             key,
             in_flight: InFlight::Reject,
+            idle_timeout: self.idle_timeout,
         };
         // Holding the key proves no call holds it; the transaction writes
         // nothing, so its commit changes nothing.

@@ -511,6 +511,13 @@ pub struct HeldKey<'a> {
     )]
     pub(crate) key: &'a str,
     pub(crate) in_flight: InFlight,
+    /// How long the server lets the transaction wait for its client's next
+    /// statement while it holds the key ([`Config::idle_timeout`](crate::Config::idle_timeout)).
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql")),
+        expect(dead_code, reason = "a dead process holds no SQLite lock")
+    )]
+    pub(crate) idle_timeout: Option<chrono::Duration>,
 }
 
 /// What a record read under the key's lock means for `record`.

@@ -618,6 +618,7 @@ impl<C: PhaseStore> Steps<'_, C> {
                 scope: self.lease.scope,
                 key: self.lease.key,
                 in_flight: self.phased.config.in_flight,
+                idle_timeout: self.phased.config.idle_timeout,
             },
             |tx| {
                 if let (Some((replace, _)), Some(operation)) = (&claim, &new_operation) {

@@ -62,6 +62,8 @@ mod retention;
 mod run;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod server;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod silent_callers;
 mod status;
 mod stored_values;
 mod telemetry;

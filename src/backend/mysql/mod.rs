@@ -20,8 +20,10 @@
 //! `REPEATABLE READ`, InnoDB's default, a transaction that has read before
 //! does not see that commit with a plain `SELECT`, so the record that took
 //! the key is read with `FOR UPDATE`. The crate never changes the isolation
-//! level or any other setting of the session; its own background
-//! transactions (relay claims, completer picks, purges) run at
+//! level or any other setting of the session but `wait_timeout`, which
+//! bounds how long a call may hold its key without a word from its client
+//! and is put back when the call ends (see [`IdleBound`]); its own
+//! background transactions (relay claims, completer picks, purges) run at
 //! `READ COMMITTED` when they are not nested in a caller's transaction.
 //!
 //! In a caller's transaction nothing touches the key table before the named
@@ -189,6 +191,68 @@ impl QueryFragment<Mysql> for ReleaseLock<'_> {
 
 impl RunQueryDsl<MysqlConnection> for ReleaseLock<'_> {}
 
+/// The statements that bound how long the server waits for the client of
+/// a call that holds its key: the session's `wait_timeout`, lowered from
+/// before the key's lock is taken until after it is released, and then put
+/// back. The caller's value waits in a user variable per nesting depth, so
+/// that a nested call puts back its caller's bound, not the session's.
+/// Lock and restore share one statement, the release, so a call sends one
+/// statement more than without the bound. One text per depth, which diesel
+/// prepares once per connection.
+enum IdleBound<'a> {
+    /// Keeps the session's `wait_timeout` and lowers it to this many
+    /// seconds, unless it is lower already.
+    Set(i64),
+    /// Releases the named lock and puts the kept value back.
+    ReleaseAndRestore(&'a str),
+    /// Puts the kept value back (a lock that was never taken).
+    Restore,
+}
+
+/// An [`IdleBound`] statement of the call at transaction depth `depth`.
+struct IdleStatement<'a> {
+    depth: u32,
+    bound: IdleBound<'a>,
+}
+
+impl QueryId for IdleStatement<'_> {
+    type QueryId = ();
+    const HAS_STATIC_QUERY_ID: bool = false;
+}
+
+impl QueryFragment<Mysql> for IdleStatement<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
+        let kept = format!("@idempotency_wait_timeout_{}", self.depth);
+        match &self.bound {
+            IdleBound::Set(seconds) => {
+                out.push_sql(&format!(
+                    "SET {kept} = @@SESSION.wait_timeout, SESSION wait_timeout = LEAST("
+                ));
+                out.push_bind_param::<BigInt, _>(seconds)?;
+                out.push_sql(", @@SESSION.wait_timeout)");
+            }
+            IdleBound::ReleaseAndRestore(name) => {
+                out.push_sql("SET @idempotency_released = RELEASE_LOCK(");
+                out.push_bind_param::<Text, _>(*name)?;
+                out.push_sql(&format!("), SESSION wait_timeout = {kept}"));
+            }
+            IdleBound::Restore => out.push_sql(&format!("SET SESSION wait_timeout = {kept}")),
+        }
+        Ok(())
+    }
+}
+
+impl RunQueryDsl<MysqlConnection> for IdleStatement<'_> {}
+
+/// The longest `wait_timeout` the server takes, in seconds (a year).
+const MAX_WAIT_TIMEOUT: i64 = 31_536_000;
+
+/// `idle` in whole seconds, rounded up, as `wait_timeout` takes it.
+fn wait_timeout_seconds(idle: chrono::Duration) -> i64 {
+    let millis = idle.num_milliseconds().max(1);
+    (millis.saturating_add(999) / 1000).clamp(1, MAX_WAIT_TIMEOUT)
+}
+
 /// `UPDATE idempotency_keys SET status, response, completed_at WHERE` the
 /// key: the claimed record completed. diesel prepares its own `UPDATE`
 /// statements anew on every call, which on MySQL is a round trip of its own;
@@ -283,6 +347,25 @@ fn find_for_update(conn: &mut MysqlConnection, scope: &str, key: &str) -> QueryR
         .optional()
 }
 
+/// Runs `statement`, which gives the session back what a call took (its
+/// key's named lock, its `wait_timeout`); if it fails, the connection is
+/// discarded.
+fn restore_or_discard<Q>(conn: &mut MysqlConnection, statement: Q)
+where
+    Q: RunQueryDsl<MysqlConnection> + diesel::query_dsl::methods::ExecuteDsl<MysqlConnection>,
+{
+    if let Err(error) = statement.execute(conn) {
+        discard(conn, &error);
+    }
+}
+
+/// Marks the connection broken, so that its pool discards it instead of
+/// handing out a session that may still hold a key, or the bound of one.
+fn discard(conn: &mut MysqlConnection, error: &DieselError) {
+    tracing::warn!(target: telemetry::TARGET, %error, "could not release the key's named lock");
+    AnsiTransactionManager::transaction_manager_status_mut(conn).set_in_error();
+}
+
 impl KeyStore for MysqlConnection {
     const BACKEND: &'static str = "mysql";
     const MAX_KEY_LEN: Option<usize> = Some(255);
@@ -326,9 +409,29 @@ impl KeyStore for MysqlConnection {
     where
         E: From<DieselError>,
     {
-        let HeldKey { scope, key, in_flight } = held;
+        let HeldKey {
+            scope,
+            key,
+            in_flight,
+            idle_timeout,
+        } = held;
         let depth = transaction_depth(self)?;
-        let name = lock(self, scope, key, in_flight)?;
+        let bound = |bound| IdleStatement { depth, bound };
+        // Lowered before the lock is taken and put back by the statement
+        // that releases it: a client that goes silent at any moment between
+        // the two loses its session, and the key with it, within the bound.
+        if let Some(idle) = idle_timeout {
+            bound(IdleBound::Set(wait_timeout_seconds(idle))).execute(self)?;
+        }
+        let name = match lock(self, scope, key, in_flight) {
+            Ok(name) => name,
+            Err(error) => {
+                if idle_timeout.is_some() {
+                    restore_or_discard(self, bound(IdleBound::Restore));
+                }
+                return Err(error.into());
+            }
+        };
         // The lock outlives any transaction: it must be released on every
         // path, a panic included, and only once the transaction (or the
         // savepoint) has ended.
@@ -337,13 +440,10 @@ impl KeyStore for MysqlConnection {
             Ok(_) => Ok(()),
             Err(_) => unwind_to_depth(self, depth),
         };
-        let released = unwound.and_then(|()| ReleaseLock(&name).execute(self));
-        if let Err(error) = released {
-            // The session may still hold the lock and would hold up every
-            // call with this key for as long as it lives: marked broken, the
-            // connection is discarded by its pool instead of reused.
-            tracing::warn!(target: telemetry::TARGET, %error, "could not release the key's named lock");
-            AnsiTransactionManager::transaction_manager_status_mut(self).set_in_error();
+        match unwound {
+            Ok(()) if idle_timeout.is_some() => restore_or_discard(self, bound(IdleBound::ReleaseAndRestore(&name))),
+            Ok(()) => restore_or_discard(self, ReleaseLock(&name)),
+            Err(error) => discard(self, &error),
         }
         match result {
             Ok(result) => result,
@@ -472,7 +572,17 @@ impl KeyStore for MysqlConnection {
 
 #[cfg(test)]
 mod tests {
-    use super::lock_key;
+    use chrono::Duration;
+
+    use super::{MAX_WAIT_TIMEOUT, lock_key, wait_timeout_seconds};
+
+    #[test]
+    fn the_idle_bound_is_whole_seconds_rounded_up_within_what_the_server_takes() {
+        assert_eq!(wait_timeout_seconds(Duration::milliseconds(1)), 1);
+        assert_eq!(wait_timeout_seconds(Duration::milliseconds(1_001)), 2);
+        assert_eq!(wait_timeout_seconds(Duration::seconds(30)), 30);
+        assert_eq!(wait_timeout_seconds(Duration::days(36_500)), MAX_WAIT_TIMEOUT);
+    }
 
     #[test]
     fn lock_key_is_pinned() {

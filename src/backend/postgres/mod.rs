@@ -30,7 +30,7 @@
 mod outbox;
 mod phases;
 
-use chrono::NaiveDateTime;
+use chrono::{Duration, NaiveDateTime};
 use diesel::connection::{AnsiTransactionManager, SimpleConnection};
 use diesel::pg::{Pg, PgConnection};
 use diesel::prelude::*;
@@ -77,16 +77,35 @@ const SAVED_LOCK_TIMEOUT: &str = "idempotency.caller_lock_timeout";
 /// transaction. Zero would mean "no limit" to PostgreSQL, so rejecting at
 /// once is the smallest wait it accepts. Simple-query text with no bound
 /// parameters: the only values in it are integers of ours.
-fn lock_key_sql(scope: &str, key: &str, in_flight: InFlight) -> String {
+///
+/// The first statement also bounds how long the transaction may wait for
+/// its client with `idle`: the server ends a session whose client went
+/// silent while it holds the key, which frees the key. It stays set until
+/// the transaction ends, as the lock does (a caller's transaction, for a
+/// nested call), unless the session's own bound is lower. The caller's
+/// `idle_in_transaction_session_timeout` comes back with the transaction's
+/// end, as every local setting does.
+fn lock_key_sql(scope: &str, key: &str, in_flight: InFlight, idle: Option<Duration>) -> String {
     let (high, low) = lock_key(scope, key);
+    let idle = idle.map_or_else(String::new, |idle| {
+        let millis = idle.num_milliseconds().clamp(1, i64::from(i32::MAX));
+        format!(
+            ", set_config('{IDLE}', CASE WHEN current_setting('{IDLE}')::interval \
+                 BETWEEN interval '1 millisecond' AND interval '{millis} milliseconds' \
+                 THEN current_setting('{IDLE}') ELSE '{millis}ms' END, true)"
+        )
+    });
     format!(
         "SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true), \
-                set_config('lock_timeout', '{}ms', true); \
+                set_config('lock_timeout', '{}ms', true){idle}; \
          SELECT pg_advisory_xact_lock({high}, {low}); \
          SELECT set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true)",
         in_flight.wait_millis().max(1)
     )
 }
+
+/// The setting that bounds how long a transaction waits for its client.
+const IDLE: &str = "idle_in_transaction_session_timeout";
 
 /// The advisory lock's two integers: 64 bits of a SHA-256 of the scope and
 /// the key, each prefixed with its length. Stable across processes and
@@ -214,8 +233,13 @@ impl KeyStore for PgConnection {
     where
         E: From<DieselError>,
     {
-        let HeldKey { scope, key, in_flight } = held;
-        let lock = lock_key_sql(scope, key, in_flight);
+        let HeldKey {
+            scope,
+            key,
+            in_flight,
+            idle_timeout,
+        } = held;
+        let lock = lock_key_sql(scope, key, in_flight, idle_timeout);
         if transaction_depth(self)? == 0 {
             // BEGIN, the policy's lock timeout, the lock and the caller's
             // timeout back: one round trip.
@@ -340,7 +364,29 @@ mod tests {
     use diesel::pg::PgConnection;
     use diesel::result::{DatabaseErrorKind, Error as DieselError};
 
-    use super::{HoldBy, lock_key};
+    use super::{HoldBy, lock_key, lock_key_sql};
+    use crate::in_flight::InFlight;
+
+    #[test]
+    fn the_idle_bound_goes_into_the_locking_round_trip_only_when_set() {
+        let bounded = lock_key_sql(
+            "shop",
+            "k",
+            InFlight::Reject,
+            Some(chrono::Duration::milliseconds(1_500)),
+        );
+        assert!(bounded.contains("'1500ms'"), "{bounded}");
+        assert_eq!(
+            bounded.matches(';').count(),
+            2,
+            "three statements, as without the bound: {bounded}"
+        );
+        let unbounded = lock_key_sql("shop", "k", InFlight::Reject, None);
+        assert!(
+            !unbounded.contains("idle_in_transaction_session_timeout"),
+            "{unbounded}"
+        );
+    }
     use crate::backend::KeyStore;
     use crate::backend::citus::CLAIM_FIRST;
     use crate::backend::row_with::Head;
