@@ -84,6 +84,41 @@ fn key_too_long_for_the_index_is_refused_before_the_operation_runs() {
     assert_the_longest_fits_and_longer_is_refused::<Db>(&mut db.conn(), &config, 1300, incompressible);
 }
 
+/// A wait for the key's lock that runs out is `InProgress` whatever
+/// language the server answers in: the crate knows its own lock statement,
+/// not the server's messages. (`.ci/run` makes the German locale the test
+/// asks for.)
+#[test]
+fn lock_wait_that_runs_out_is_in_progress_in_any_language_of_the_server() {
+    let db = Db::new();
+    let holder = Holder::claim(&db, "k-lc-messages");
+    let mut conn = db.conn();
+    conn.batch_execute("SET lc_messages = 'de_DE.utf8'")
+        .expect("the server knows the locale de_DE.utf8 (locale-gen, then a restart of the server)");
+    let Err(DieselError::DatabaseError(_, info)) = conn.batch_execute("SELECT 1 / 0") else {
+        panic!("a division by zero fails");
+    };
+    assert_eq!(info.message(), "Division durch Null", "the session speaks German");
+
+    let short_wait = Config::default().in_flight(InFlight::Wait(Duration::milliseconds(100)));
+    let calls = AtomicUsize::new(0);
+    for (call, name) in [
+        (top_level::<Db> as Call<PgConnection>, "top level"),
+        (nested::<Db>, "nested"),
+    ] {
+        let waited = call(&mut conn, &short_wait, "k-lc-messages", counted::<Db>(&calls, "waiter"));
+        let Err(error) = waited else {
+            panic!("the {name} waiter gives up, got {waited:?}")
+        };
+        assert!(matches!(error, Error::InProgress), "{name}: {error:?}");
+        assert!(!Db::in_transaction(&mut conn), "{name}");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    holder.finish(Release::Commit).expect("the holder commits");
+    let retry = top_level::<Db>(&mut conn, &short_wait, "k-lc-messages", counted::<Db>(&calls, "retry"));
+    assert!(retry.expect("the retry replays").is_replayed());
+}
+
 /// A caller's `statement_timeout` shorter than the in-flight wait ends the
 /// wait for the key first; the answer is the same: the key is held.
 #[test]

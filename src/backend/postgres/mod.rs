@@ -35,13 +35,14 @@ use diesel::connection::{AnsiTransactionManager, SimpleConnection};
 use diesel::pg::{Pg, PgConnection};
 use diesel::prelude::*;
 use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
-use diesel::result::{DatabaseErrorKind, Error as DieselError};
+use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Bool, Text, Timestamp, Timestamptz};
 use diesel_migrations::MigrationHarness;
 
 use super::citus;
 use super::row_with::{Head, record_with};
 use super::{HeldKey, Hold, KeyStore, Read, Record, hold_by_claiming, hold_of, transaction_depth, transaction_with};
+use crate::error::is_connection_lost;
 use crate::in_flight::InFlight;
 
 super::raw_connection!(PgConnection);
@@ -66,6 +67,56 @@ diesel::define_sql_function! {
 /// The database's time in UTC, as the crate writes times.
 pub(crate) fn database_time() -> timezone<&'static str, statement_timestamp> {
     timezone("UTC", statement_timestamp())
+}
+
+/// The hint a failure of the key's lock statement carries. That statement
+/// only sets local settings of ours and waits for the advisory lock, so on
+/// a connection that is still up it fails only because the wait ended
+/// (`lock_timeout`, a caller's `statement_timeout`, a cancel, a deadlock):
+/// the key is held. Known by construction, not by the server's message,
+/// which is in the language of its `lc_messages`, and not by the SQLSTATE,
+/// which diesel does not pass on.
+const LOCK_WAIT_ENDED: &str = "idempotency: the wait for the key's lock ended before the lock was free";
+
+/// The server's error, marked as the end of the wait for the key's lock.
+struct LockWaitEnded(Box<dyn DatabaseErrorInformation + Send + Sync>);
+
+impl DatabaseErrorInformation for LockWaitEnded {
+    fn message(&self) -> &str {
+        self.0.message()
+    }
+    fn details(&self) -> Option<&str> {
+        self.0.details()
+    }
+    fn hint(&self) -> Option<&str> {
+        Some(LOCK_WAIT_ENDED)
+    }
+    fn table_name(&self) -> Option<&str> {
+        self.0.table_name()
+    }
+    fn column_name(&self) -> Option<&str> {
+        self.0.column_name()
+    }
+    fn constraint_name(&self) -> Option<&str> {
+        self.0.constraint_name()
+    }
+    fn statement_position(&self) -> Option<i32> {
+        self.0.statement_position()
+    }
+}
+
+/// A failure of the key's lock statement, marked as the end of the wait
+/// unless the connection went down with it.
+fn lock_wait_ended(error: DieselError) -> DieselError {
+    if is_connection_lost(&error) {
+        return error;
+    }
+    match error {
+        DieselError::DatabaseError(DatabaseErrorKind::Unknown, info) => {
+            DieselError::DatabaseError(DatabaseErrorKind::Unknown, Box::new(LockWaitEnded(info)))
+        }
+        other => other,
+    }
 }
 
 /// Where the caller's `lock_timeout` waits while the lock is taken under the
@@ -247,13 +298,15 @@ impl KeyStore for PgConnection {
             transaction_with(
                 self,
                 |conn| {
-                    AnsiTransactionManager::begin_transaction_sql(conn, &begin).inspect_err(|_| {
-                        // BEGIN went through before the statement that
-                        // failed: the server holds an aborted transaction
-                        // that diesel does not know of. A broken connection
-                        // fails this too and is discarded as broken anyway.
-                        let _ = conn.batch_execute("ROLLBACK");
-                    })
+                    AnsiTransactionManager::begin_transaction_sql(conn, &begin)
+                        .map_err(lock_wait_ended)
+                        .inspect_err(|_| {
+                            // BEGIN went through before the statement that
+                            // failed: the server holds an aborted transaction
+                            // that diesel does not know of. A broken connection
+                            // fails this too and is discarded as broken anyway.
+                            let _ = conn.batch_execute("ROLLBACK");
+                        })
                 },
                 f,
             )
@@ -262,7 +315,7 @@ impl KeyStore for PgConnection {
             // settings included; otherwise the lock is held until the
             // caller's transaction ends, as its record would be.
             self.transaction(|conn| {
-                conn.batch_execute(&lock)?;
+                conn.batch_execute(&lock).map_err(lock_wait_ended)?;
                 f(conn)
             })
         }
@@ -293,13 +346,16 @@ impl KeyStore for PgConnection {
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {
-        // diesel does not expose the SQLSTATE (55P03, lock_not_available; or
-        // 57014, query_canceled) for these errors, only the server's message,
-        // which is English unless the server's lc_messages says otherwise. A
-        // caller's `statement_timeout` shorter than the in-flight wait ends
-        // the wait for the key first, and means the same: the key is held.
+        // The key's lock statement marks its own failures, in any language.
+        // Elsewhere (a claim that waits for another's uncommitted claim
+        // under the caller's own `lock_timeout` or `statement_timeout`)
+        // diesel passes on no SQLSTATE (55P03, lock_not_available; 57014,
+        // query_canceled), only the message, which is English unless the
+        // server's lc_messages says otherwise.
         matches!(error, DieselError::DatabaseError(DatabaseErrorKind::Unknown, info)
-            if info.message().contains("lock timeout") || info.message().contains("statement timeout"))
+            if info.hint() == Some(LOCK_WAIT_ENDED)
+                || info.message().contains("lock timeout")
+                || info.message().contains("statement timeout"))
     }
 
     fn commit_rolled_back(error: &DieselError) -> bool {
@@ -362,7 +418,7 @@ impl KeyStore for PgConnection {
 #[cfg(test)]
 mod tests {
     use diesel::pg::PgConnection;
-    use diesel::result::{DatabaseErrorKind, Error as DieselError};
+    use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
 
     use super::{HoldBy, lock_key, lock_key_sql};
     use crate::in_flight::InFlight;
