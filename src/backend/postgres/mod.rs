@@ -418,10 +418,38 @@ impl KeyStore for PgConnection {
 #[cfg(test)]
 mod tests {
     use diesel::pg::PgConnection;
-    use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
+    use diesel::result::{DatabaseErrorKind, Error as DieselError};
 
-    use super::{HoldBy, lock_key, lock_key_sql};
+    use super::{HoldBy, lock_key, lock_key_sql, lock_wait_ended};
+    use crate::backend::KeyStore;
+    use crate::backend::citus::CLAIM_FIRST;
+    use crate::backend::row_with::Head;
     use crate::in_flight::InFlight;
+
+    #[test]
+    fn a_failed_lock_statement_is_the_end_of_the_wait_in_any_language() {
+        const GERMAN: &str = "Abbruch des Befehls wegen Zeitüberschreitung einer Sperre";
+        let german = DieselError::DatabaseError(DatabaseErrorKind::Unknown, Box::new(GERMAN.to_owned()));
+        assert!(
+            !PgConnection::is_in_flight_timeout(&german),
+            "the text alone says nothing"
+        );
+        let marked = lock_wait_ended(german);
+        assert!(PgConnection::is_in_flight_timeout(&marked));
+        let DieselError::DatabaseError(_, info) = &marked else {
+            panic!("still the server's error: {marked:?}")
+        };
+        assert_eq!(info.message(), GERMAN, "the server's message is kept for the log");
+
+        let lost = DieselError::DatabaseError(
+            DatabaseErrorKind::Unknown,
+            Box::new(String::from("terminating connection due to administrator command")),
+        );
+        assert!(
+            !PgConnection::is_in_flight_timeout(&lock_wait_ended(lost)),
+            "a lost connection stays lost"
+        );
+    }
 
     #[test]
     fn the_idle_bound_goes_into_the_locking_round_trip_only_when_set() {
@@ -443,9 +471,6 @@ mod tests {
             "{unbounded}"
         );
     }
-    use crate::backend::KeyStore;
-    use crate::backend::citus::CLAIM_FIRST;
-    use crate::backend::row_with::Head;
 
     #[test]
     fn the_hold_reads_the_setting_that_distribute_writes() {
