@@ -54,6 +54,8 @@ mod phased;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod purger;
+#[cfg(feature = "axum")]
+mod real_clients;
 #[cfg(feature = "postgres")]
 mod relay_postgres;
 mod relay_service;
