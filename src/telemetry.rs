@@ -151,6 +151,9 @@ impl CallTrace {
                 let error = Causes(cause);
                 warn!(target: TARGET, parent: span, %error, "commit failed; outcome unknown");
             }
+            Error::ResponseTooLarge { len, max } => {
+                warn!(target: TARGET, parent: span, len, max, "result too large to store; rolled back")
+            }
             Error::Parked => warn!(target: TARGET, parent: span, "operation parked"),
             Error::PhaseRenamed { position, .. } => {
                 error!(target: TARGET, parent: span, position, "a step was renamed")
@@ -175,6 +178,7 @@ impl CallTrace {
             Err(Error::Operation(_)) => "operation_error",
             Err(Error::Storage(_)) => "storage_error",
             Err(Error::OutcomeUnknown(_)) => "outcome_unknown",
+            Err(Error::ResponseTooLarge { .. }) => "response_too_large",
             Err(Error::Parked) => "parked",
             Err(Error::PhaseRenamed { .. }) => "phase_renamed",
             Err(Error::Codec(_)) => "codec_error",

@@ -148,6 +148,7 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// | [`Failure::Refused`] | 409 + `Retry-After` | a request with the key is in progress beyond the in-flight wait, in this process or at the database (on SQLite, any write that holds the database that long) |
 /// | [`Failure::Failed`] | 503 + `Retry-After` | no connection from `pool` within its connection timeout (for a deadpool pool without a wait timeout, 5 s) |
 /// | [`Failure::Failed`] | 503 + `Retry-After` | [`Error::OutcomeUnknown`]: the commit failed without the database refusing it, so the operation may or may not have been carried out; the retry with the same key tells which |
+/// | [`Failure::Failed`] | 500, [`ProblemKind::ResponseTooLarge`] | the result is beyond [`Config::max_response_len`]; nothing committed |
 /// | [`Failure::Failed`] | 500 | storage or JSON failed (a [`StoredResponse`](super::StoredResponse) with a header it refuses, too), an invalid scope (checked before the checkout), or `op` panicked |
 ///
 /// ```
@@ -377,6 +378,14 @@ fn failure<E>(error: Error<E>, problems: &Problems) -> Failure<E> {
                 problem: problems.problem(ProblemKind::Unavailable).with_detail(
                     "the request may or may not have been carried out; retry it with the same Idempotency-Key to learn which",
                 ),
+                cause: Box::new(cause),
+            };
+        }
+        cause @ Error::ResponseTooLarge { max, .. } => {
+            return Failure::Failed {
+                problem: problems.problem(ProblemKind::ResponseTooLarge).with_detail(format!(
+                    "the response is larger than the {max} bytes the server stores for a key; nothing was done"
+                )),
                 cause: Box::new(cause),
             };
         }

@@ -384,9 +384,10 @@ impl<C: PhaseStore> Steps<'_, C> {
             return self.stored_output(point);
         }
         let name = name.to_owned();
+        let config = &self.phased.config;
         let value = self.commit(|tx, points| {
             let value = f(tx).map_err(Error::Operation)?;
-            let output = codec::to_replayable_json(&value).map_err(Error::Codec)?;
+            let output = config.stored_json(&value)?;
             points.push(Point {
                 name,
                 output: Some(output),
@@ -476,7 +477,7 @@ impl<C: PhaseStore> Steps<'_, C> {
         let expires_at = |now: NaiveDateTime| C::storable_time(now + phased.config.retention);
         let value = self.transaction(|tx, points, now| {
             let value = f(tx).map_err(Error::Operation)?;
-            let response = codec::to_replayable_json(&value).map_err(Error::Codec)?;
+            let response = phased.config.stored_json(&value)?;
             let points = serde_json::to_string(points).map_err(Error::Codec)?;
             if !tx.complete_operation(lease, &points, &response, expires_at(now), now)? {
                 return Err(fenced());
@@ -519,7 +520,7 @@ impl<C: PhaseStore> Steps<'_, C> {
         }
         let provider_key = self.provider_key(name).ok_or_else(fenced)?;
         let value = f(&provider_key).map_err(Error::Operation)?;
-        let output = codec::to_replayable_json(&value).map_err(Error::Codec)?;
+        let output = self.phased.config.stored_json(&value)?;
         let position = self.position;
         self.commit(|_, points| {
             points[position].output = Some(output);
