@@ -122,14 +122,14 @@ impl CallTrace {
     }
 
     /// Records how an attempt of a phased operation ended.
-    pub(crate) fn finish_phased<R, E>(&self, result: &Result<Outcome<R>, Error<E>>) {
+    pub(crate) fn finish_phased<R, E>(&self, result: Result<&Outcome<R>, &Error<E>>) {
         let span = &self.span;
         match result {
             Ok(Outcome::Executed(_)) => debug!(target: TARGET, parent: span, "executed"),
             Ok(Outcome::Replayed(_)) => debug!(target: TARGET, parent: span, "replayed"),
             Err(error) => self.failed(error),
         }
-        self.end(result.as_ref());
+        self.end(result);
     }
 
     /// The event of a call that failed.
