@@ -193,7 +193,7 @@ impl Config {
     /// let refused = config.run(&mut conn, "shop", "k", &1, |_| Ok::<_, std::convert::Infallible>("x".repeat(20)));
     /// assert!(matches!(refused, Err(Error::ResponseTooLarge { len: 22, max: 16 })));
     /// // Nothing was stored: the key is free for a smaller result.
-    /// assert!(!config.run(&mut conn, "shop", "k", &1, |_| Ok::<_, std::convert::Infallible>("ok"))?.is_replayed());
+    /// assert!(!config.run(&mut conn, "shop", "k", &1, |_| Ok::<_, std::convert::Infallible>(String::from("ok")))?.is_replayed());
     /// # Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
     /// ```
     ///
