@@ -22,8 +22,8 @@
 //!
 //! | case | status |
 //! | --- | --- |
-//! | first request | the operation's (`201` with `Location`, say) |
-//! | retry with the same key and request | the first response, with `Idempotent-Replayed: true` |
+//! | first request | the operation's (`201` with `Location`, say), with `Idempotency-Expires` |
+//! | retry with the same key and request | the first response, with `Idempotent-Replayed: true` and the same `Idempotency-Expires` |
 //! | no `Idempotency-Key` where one is required | 400 problem |
 //! | two `Idempotency-Key` headers, an unparsable value, a key breaking the key rules | 400 problem |
 //! | same key, different request, or the same request at another endpoint (method, route, path parameters, query) | 422 problem |
@@ -31,6 +31,7 @@
 //! | the operation's own error | the application's response for it; the key stays free |
 //! | no database connection in time | 503 problem, `Retry-After` |
 //! | a commit whose outcome is unknown ([`Error::OutcomeUnknown`](crate::Error::OutcomeUnknown)) | 503 problem, `Retry-After`: it may or may not have been carried out, and the retry with the same key tells which |
+//! | the result is beyond [`Config::max_response_len`](crate::Config::max_response_len) as stored | 500 problem ([`ProblemKind::ResponseTooLarge`]) naming the bound, nothing committed |
 //! | storage or JSON failure, a panic in the operation | 500 problem, nothing committed |
 //!
 //! No problem carries the request body, nor the key.
