@@ -53,8 +53,10 @@ use axum::{Extension, Json, Router};
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool, R2D2Connection};
-use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse};
-use idempotency::{Config, InFlight, Outcome, StoreConnection};
+use idempotency::http::{
+    self, Answer, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse,
+};
+use idempotency::{Config, InFlight, StoreConnection};
 use serde::{Deserialize, Serialize};
 
 diesel::table! {
@@ -468,7 +470,7 @@ async fn place_order<C: OrderStore>(
     State(app): State<App<C>>,
     key: IdempotencyKey<Account>,
     Body(order): Body<NewOrder>,
-) -> Result<Outcome<StoredResponse<Order>>, Failure<OrderError>> {
+) -> Result<Answer<StoredResponse<Order>>, Failure<OrderError>> {
     if let Some(detail) = order.refusal() {
         return Err(Failure::Operation(OrderError::Invalid(detail)));
     }

@@ -18,9 +18,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
+use idempotency::Config;
 use idempotency::http::openapi::{IdempotencyKeyHeader, IdempotencyProblems, IdempotentReplays, LookupProblems};
-use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, StoredResponse};
-use idempotency::{Config, Outcome};
+use idempotency::http::{self, Answer, Caller, Failure, IdempotencyKey, Problem, StoredResponse};
 use serde::{Deserialize, Serialize};
 use utoipa::{OpenApi, ToSchema};
 
@@ -89,7 +89,7 @@ async fn place_order(
     State(app): State<App>,
     key: IdempotencyKey<Account>,
     Json(order): Json<NewOrder>,
-) -> Result<Outcome<StoredResponse<Order>>, Failure<Problem>> {
+) -> Result<Answer<StoredResponse<Order>>, Failure<Problem>> {
     http::run(&app.pool, &app.config, &key, order, |conn, order| {
         diesel::sql_query("INSERT INTO orders (item, quantity) VALUES (?, ?)")
             .bind::<diesel::sql_types::Text, _>(&order.item)
@@ -123,7 +123,7 @@ async fn place_order(
 async fn order_status(
     State(app): State<App>,
     key: IdempotencyKey<Account>,
-) -> Result<Outcome<StoredResponse<Order>>, Failure<Infallible>> {
+) -> Result<Answer<StoredResponse<Order>>, Failure<Infallible>> {
     http::lookup(&app.pool, &app.config, &key).await
 }
 

@@ -5,13 +5,14 @@ use std::fmt;
 
 use chrono::{DateTime, Duration, Utc};
 use serde::Serialize;
+use serde::de::DeserializeOwned;
 
 use crate::backend::{self, KeyStore, PhaseStore, StoreConnection};
 use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
 use crate::in_flight::InFlight;
 use crate::telemetry::CallTrace;
-use crate::{fingerprint, key};
+use crate::{codec, fingerprint, key};
 
 /// The policy for idempotent calls, built with consuming builder methods.
 ///
@@ -21,6 +22,7 @@ use crate::{fingerprint, key};
 /// | [`in_flight`](Config::in_flight) | `InFlight::Wait(5 s)` |
 /// | [`idle_timeout`](Config::idle_timeout) | 30 seconds |
 /// | [`max_key_len`](Config::max_key_len) | 255 bytes |
+/// | [`max_response_len`](Config::max_response_len) | 64 KiB |
 /// | [`clock`](Config::clock) | the database's clock |
 /// | [`durable_replays`](Config::durable_replays) | `false` |
 ///
@@ -43,6 +45,7 @@ pub struct Config {
     pub(crate) in_flight: InFlight,
     pub(crate) idle_timeout: Option<Duration>,
     pub(crate) max_key_len: usize,
+    pub(crate) max_response_len: usize,
     pub(crate) clock: Clock,
     pub(crate) durable_replays: bool,
 }
@@ -54,6 +57,7 @@ impl Default for Config {
             in_flight: InFlight::default(),
             idle_timeout: Some(Duration::seconds(30)),
             max_key_len: 255,
+            max_response_len: Config::DEFAULT_MAX_RESPONSE_LEN,
             clock: Clock::Database,
             durable_replays: false,
         }
@@ -67,12 +71,16 @@ impl fmt::Debug for Config {
             .field("in_flight", &self.in_flight)
             .field("idle_timeout", &self.idle_timeout)
             .field("max_key_len", &self.max_key_len)
+            .field("max_response_len", &self.max_response_len)
             .field("durable_replays", &self.durable_replays)
             .finish_non_exhaustive()
     }
 }
 
 impl Config {
+    /// The default of [`max_response_len`](Config::max_response_len): 64 KiB.
+    pub const DEFAULT_MAX_RESPONSE_LEN: usize = 64 * 1024;
+
     /// How long a completed key is remembered (default 24 hours). After it,
     /// the key may execute again as new: this is the retention contract, so
     /// choose it longer than any client keeps retrying.
@@ -161,6 +169,54 @@ impl Config {
         assert!(max_key_len > 0, "max_key_len must be positive");
         self.max_key_len = max_key_len;
         self
+    }
+
+    /// The largest result stored for a key, in bytes of its stored JSON
+    /// (default 64 KiB, [`DEFAULT_MAX_RESPONSE_LEN`](Config::DEFAULT_MAX_RESPONSE_LEN)).
+    ///
+    /// A result beyond it is refused before the commit with
+    /// [`Error::ResponseTooLarge`]: the operation's writes roll back and the
+    /// key stays free. The bound holds for every stored value: a call's
+    /// result, and a [phased operation](crate::phased)'s step outputs and
+    /// final response. The result of a write, what a replay answers, says
+    /// what was done (an id, a status, a link to the resource): a few KiB.
+    /// 64 KiB leaves room many times over while it keeps every key record a
+    /// small row and every replay a small read; a list or a document belongs
+    /// to a resource the client reads with a `GET`. Raise it where results
+    /// are larger by design.
+    ///
+    /// ```
+    /// use idempotency::{Config, Error};
+    ///
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// let config = Config::default().max_response_len(16);
+    /// let refused = config.run(&mut conn, "shop", "k", &1, |_| Ok::<_, std::convert::Infallible>("x".repeat(20)));
+    /// assert!(matches!(refused, Err(Error::ResponseTooLarge { len: 22, max: 16 })));
+    /// // Nothing was stored: the key is free for a smaller result.
+    /// assert!(!config.run(&mut conn, "shop", "k", &1, |_| Ok::<_, std::convert::Infallible>(String::from("ok")))?.is_replayed());
+    /// # Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `max_response_len` is zero.
+    pub fn max_response_len(mut self, max_response_len: usize) -> Self {
+        assert!(max_response_len > 0, "max_response_len must be positive");
+        self.max_response_len = max_response_len;
+        self
+    }
+
+    /// `value` as the JSON a record stores, refused beyond
+    /// [`max_response_len`](Config::max_response_len).
+    pub(crate) fn stored_json<R: Serialize + DeserializeOwned, E>(&self, value: &R) -> Result<String, Error<E>> {
+        let json = codec::to_replayable_json(value).map_err(Error::Codec)?;
+        if json.len() > self.max_response_len {
+            return Err(Error::ResponseTooLarge {
+                len: json.len(),
+                max: self.max_response_len,
+            });
+        }
+        Ok(json)
     }
 
     /// The time source for `created_at` and expiry (default: the database's

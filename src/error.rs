@@ -103,6 +103,17 @@ pub enum Error<E = Infallible> {
     /// decodes into the caller's type on a replay (the operation is never run
     /// again for it). HTTP 500.
     Codec(serde_json::Error),
+    /// The result's stored JSON is `len` bytes long, beyond the bound of
+    /// [`Config::max_response_len`](crate::Config::max_response_len), `max`:
+    /// it was refused before the commit, so everything was rolled back and
+    /// the key is not spent. The same request fails the same way; return a
+    /// smaller result (a link to the resource) or raise the bound. HTTP 500.
+    ResponseTooLarge {
+        /// The length of the result's JSON, in bytes.
+        len: usize,
+        /// The configured bound, in bytes.
+        max: usize,
+    },
     /// A [phased operation](crate::phased) was given up and waits for a
     /// person: a foreign call past its provider horizon, an interrupted call
     /// that may not be repeated, or too many attempts. Retries keep getting
@@ -145,9 +156,12 @@ impl<E> Error<E> {
             Error::Mismatch => 422,
             Error::InProgress => 409,
             Error::OutcomeUnknown(_) => 503,
-            Error::Operation(_) | Error::Storage(_) | Error::Codec(_) | Error::Parked | Error::PhaseRenamed { .. } => {
-                500
-            }
+            Error::Operation(_)
+            | Error::Storage(_)
+            | Error::Codec(_)
+            | Error::ResponseTooLarge { .. }
+            | Error::Parked
+            | Error::PhaseRenamed { .. } => 500,
         }
     }
 
@@ -223,6 +237,7 @@ impl<E> Error<E> {
             Error::Storage(error) => Error::Storage(error),
             Error::OutcomeUnknown(error) => Error::OutcomeUnknown(error),
             Error::Codec(error) => Error::Codec(error),
+            Error::ResponseTooLarge { len, max } => Error::ResponseTooLarge { len, max },
             Error::Parked => Error::Parked,
             Error::PhaseRenamed {
                 position,
@@ -321,6 +336,12 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
                 "the commit of the result failed and may have succeeded; retry with the same key to learn the outcome",
             ),
             Error::Codec(_) => f.write_str("json encoding or decoding failed"),
+            Error::ResponseTooLarge { len, max } => {
+                write!(
+                    f,
+                    "the result is {len} bytes as stored, beyond the bound of {max} bytes"
+                )
+            }
             Error::Parked => f.write_str("the operation was parked and waits for a person"),
             Error::PhaseRenamed {
                 position,
@@ -349,6 +370,7 @@ where
             | Error::InvalidScope(_)
             | Error::Mismatch
             | Error::InProgress
+            | Error::ResponseTooLarge { .. }
             | Error::Parked
             | Error::PhaseRenamed { .. } => None,
         }

@@ -8,7 +8,6 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::backend::{self, COMPLETED, HeldKey, Hold, KeyStore, PROCESSING, Read, Record, StoreConnection, Stored};
-use crate::codec;
 use crate::config::Config;
 use crate::error::Error;
 use crate::executing::Executing;
@@ -105,6 +104,8 @@ impl Config {
     /// - [`Error::Codec`]: the request or the result did not serialize
     ///   (rolled back), or a stored response no longer decodes into `R`
     ///   (`op` is not run again).
+    /// - [`Error::ResponseTooLarge`]: the result's JSON is longer than
+    ///   [`max_response_len`](Config::max_response_len); rolled back.
     /// - [`Error::Storage`]: the database failed; rolled back.
     /// - [`Error::OutcomeUnknown`]: the commit failed without the database
     ///   refusing it (usually a lost connection); it may or may not have
@@ -301,7 +302,7 @@ impl Config {
                     hold => hold,
                 };
                 let value = backend::catching_panic(tx, &mut panicked, op)?.map_err(Error::Operation)?;
-                let response = codec::to_replayable_json(&value).map_err(Error::Codec)?;
+                let response = self.stored_json(&value)?;
                 let elapsed = Duration::from_std(started.elapsed()).unwrap_or(Duration::zero());
                 tx.store(
                     hold,

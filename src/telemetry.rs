@@ -122,14 +122,14 @@ impl CallTrace {
     }
 
     /// Records how an attempt of a phased operation ended.
-    pub(crate) fn finish_phased<R, E>(&self, result: &Result<Outcome<R>, Error<E>>) {
+    pub(crate) fn finish_phased<R, E>(&self, result: Result<&Outcome<R>, &Error<E>>) {
         let span = &self.span;
         match result {
             Ok(Outcome::Executed(_)) => debug!(target: TARGET, parent: span, "executed"),
             Ok(Outcome::Replayed(_)) => debug!(target: TARGET, parent: span, "replayed"),
             Err(error) => self.failed(error),
         }
-        self.end(result.as_ref());
+        self.end(result);
     }
 
     /// The event of a call that failed.
@@ -150,6 +150,9 @@ impl CallTrace {
             Error::OutcomeUnknown(cause) => {
                 let error = Causes(cause);
                 warn!(target: TARGET, parent: span, %error, "commit failed; outcome unknown");
+            }
+            Error::ResponseTooLarge { len, max } => {
+                warn!(target: TARGET, parent: span, len, max, "result too large to store; rolled back")
             }
             Error::Parked => warn!(target: TARGET, parent: span, "operation parked"),
             Error::PhaseRenamed { position, .. } => {
@@ -175,6 +178,7 @@ impl CallTrace {
             Err(Error::Operation(_)) => "operation_error",
             Err(Error::Storage(_)) => "storage_error",
             Err(Error::OutcomeUnknown(_)) => "outcome_unknown",
+            Err(Error::ResponseTooLarge { .. }) => "response_too_large",
             Err(Error::Parked) => "parked",
             Err(Error::PhaseRenamed { .. }) => "phase_renamed",
             Err(Error::Codec(_)) => "codec_error",

@@ -12,12 +12,12 @@ use serde::ser::{SerializeStruct, Serializer};
 use super::gate;
 use super::key::Endpoint;
 use super::pool::Unavailable;
-use super::{ConnectionPool, IdempotencyKey, Problem, ProblemKind, Problems};
+use super::{Answer, ConnectionPool, IdempotencyKey, Problem, ProblemKind, Problems};
 use crate::backend::KeyStore;
 use crate::outcome::Recorded;
 use crate::phased::{Finished, Phased, Steps};
 use crate::telemetry::CallTrace;
-use crate::{Config, Error, InFlight, Outcome, StoreConnection};
+use crate::{Config, Error, InFlight, StoreConnection};
 
 /// Why [`run`] gave no outcome, and the response that says so.
 ///
@@ -88,7 +88,8 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// Runs `op` at most once for the key, as [`Config::run`] does, from an
 /// async handler: a connection is checked out of `pool` and the call made
 /// on tokio's blocking pool, and the result comes back as something a
-/// handler returns.
+/// handler returns: an [`Answer`], the [`Outcome`](crate::Outcome) with
+/// the expiry header.
 ///
 /// `op` gets the connection, inside the transaction that also holds the
 /// key record, and the request. Return the response to store, usually a
@@ -148,6 +149,7 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// | [`Failure::Refused`] | 409 + `Retry-After` | a request with the key is in progress beyond the in-flight wait, in this process or at the database (on SQLite, any write that holds the database that long) |
 /// | [`Failure::Failed`] | 503 + `Retry-After` | no connection from `pool` within its connection timeout (for a deadpool pool without a wait timeout, 5 s) |
 /// | [`Failure::Failed`] | 503 + `Retry-After` | [`Error::OutcomeUnknown`]: the commit failed without the database refusing it, so the operation may or may not have been carried out; the retry with the same key tells which |
+/// | [`Failure::Failed`] | 500, [`ProblemKind::ResponseTooLarge`] | the result is beyond [`Config::max_response_len`]; nothing committed |
 /// | [`Failure::Failed`] | 500 | storage or JSON failed (a [`StoredResponse`](super::StoredResponse) with a header it refuses, too), an invalid scope (checked before the checkout), or `op` panicked |
 ///
 /// ```
@@ -193,6 +195,7 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// let retry = charge(500).await.into_response();
 /// assert_eq!(retry.status(), StatusCode::CREATED);
 /// assert_eq!(retry.headers()["idempotent-replayed"], "true");
+/// assert_eq!(retry.headers()["idempotency-expires"], first.headers()["idempotency-expires"]);
 ///
 /// // The same key with another request.
 /// assert_eq!(charge(900).await.into_response().status(), StatusCode::UNPROCESSABLE_ENTITY);
@@ -206,7 +209,7 @@ pub async fn run<A, P, Q, R, E, F>(
     key: &IdempotencyKey<A>,
     request: Q,
     op: F,
-) -> Result<Outcome<R>, Failure<E>>
+) -> Result<Answer<R>, Failure<E>>
 where
     P: ConnectionPool,
     Q: Serialize + Send + 'static,
@@ -217,11 +220,16 @@ where
     refuse_by_rule::<P::Connection, A, E>(config, key)?;
     let config = config.clone();
     let endpoint = key.endpoint().cloned();
-    blocking(pool, config.in_flight, key, move |conn, scope, key| {
+    let recorded = blocking(pool, config.in_flight, key, move |conn, scope, key| {
         let bound = Bound::new(endpoint.as_ref(), &request);
-        config.run(conn, scope, key, &bound, |tx| op(tx, &request))
+        config.run_recorded(conn, scope, key, &bound, |tx| op(tx, &request))
     })
-    .await
+    .await?;
+    Ok(Answer::new(
+        recorded.outcome,
+        recorded.expires_at,
+        key.expiry_header().clone(),
+    ))
 }
 
 /// Runs a [phased operation](crate::phased) for the key from an async
@@ -244,7 +252,7 @@ pub async fn run_phased<A, P, Q, R, E, F>(
     key: &IdempotencyKey<A>,
     request: Q,
     body: F,
-) -> Result<Outcome<R>, Failure<E>>
+) -> Result<Answer<R>, Failure<E>>
 where
     P: ConnectionPool,
     Q: Serialize + Send + 'static,
@@ -255,11 +263,12 @@ where
     refuse_by_rule::<P::Connection, A, E>(&phased.config, key)?;
     let phased = phased.clone();
     let endpoint = key.endpoint().cloned();
-    blocking(pool, phased.config.in_flight, key, move |conn, scope, key| {
+    let (outcome, expires_at) = blocking(pool, phased.config.in_flight, key, move |conn, scope, key| {
         let bound = Bound::new(endpoint.as_ref(), &request);
-        phased.run(conn, scope, key, &bound, |steps| body(steps, &request))
+        phased.run_expiring(conn, scope, key, &bound, |steps| body(steps, &request))
     })
-    .await
+    .await?;
+    Ok(Answer::new(outcome, expires_at, key.expiry_header().clone()))
 }
 
 /// What a key is bound to: the request value, with the endpoint it was
@@ -377,6 +386,14 @@ fn failure<E>(error: Error<E>, problems: &Problems) -> Failure<E> {
                 problem: problems.problem(ProblemKind::Unavailable).with_detail(
                     "the request may or may not have been carried out; retry it with the same Idempotency-Key to learn which",
                 ),
+                cause: Box::new(cause),
+            };
+        }
+        cause @ Error::ResponseTooLarge { max, .. } => {
+            return Failure::Failed {
+                problem: problems.problem(ProblemKind::ResponseTooLarge).with_detail(format!(
+                    "the response is larger than the {max} bytes the server stores for a key; nothing was done"
+                )),
                 cause: Box::new(cause),
             };
         }

@@ -5,6 +5,7 @@ use std::borrow::Cow;
 
 use axum::extract::rejection::RawPathParamsRejection;
 use axum::extract::{FromRequestParts, MatchedPath, OptionalFromRequestParts, RawPathParams};
+use axum::http::HeaderName;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
@@ -149,6 +150,7 @@ pub struct IdempotencyKey<A> {
     scope: String,
     key: String,
     problems: Problems,
+    expiry_header: HeaderName,
     endpoint: Option<Endpoint>,
 }
 
@@ -299,6 +301,11 @@ impl<A> IdempotencyKey<A> {
         &self.problems
     }
 
+    /// The name of the response header that tells when the key expires.
+    pub(crate) fn expiry_header(&self) -> &HeaderName {
+        &self.expiry_header
+    }
+
     /// The endpoint the key is bound to, if it is.
     pub(crate) fn endpoint(&self) -> Option<&Endpoint> {
         self.endpoint.as_ref()
@@ -366,6 +373,7 @@ impl<A: Caller> IdempotencyKey<A> {
             scope,
             key,
             problems,
+            expiry_header: header.expiry_header_name().clone(),
             endpoint: Some(endpoint),
         })
     }

@@ -1,20 +1,23 @@
-//! How the extractor reads the key from a request's headers: the names and
-//! the syntax it accepts, set once per API as a request extension.
+//! The key's headers: the names and the syntax the extractor accepts, and
+//! the name of the response header that tells when a key expires, set once
+//! per API as a request extension.
 
 use std::sync::Arc;
 
 use axum::http::{HeaderMap, HeaderName};
 
-use super::IDEMPOTENCY_KEY;
 use super::header::{HeaderError, Syntax, read_key};
+use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 
-/// How [`IdempotencyKey`](super::IdempotencyKey) reads the key header.
+/// How [`IdempotencyKey`](super::IdempotencyKey) reads the key header, and
+/// the name of the header that advertises when the key expires.
 ///
 /// | setting | default |
 /// | --- | --- |
 /// | names | `Idempotency-Key` only, the draft's; [`also_accept`](KeyHeader::also_accept) adds another, such as `X-Idempotency-Key` |
 /// | syntax | lenient: an RFC 9651 sf-string (`"8e03978e"`), or a bare value of visible ASCII (`8e03978e`) taken as it is, as Stripe's clients send it |
 /// | [`strict`](KeyHeader::strict) | an sf-string only, as the IETF draft (§2.1) requires; a bare value is a 400 |
+/// | [`expiry_header`](KeyHeader::expiry_header) | `Idempotency-Expires`: the response header of every [`Answer`](super::Answer) |
 ///
 /// A request with two fields among the names accepted, of one name or of
 /// two (`Idempotency-Key: a` and `X-Idempotency-Key: a`), has two keys: it
@@ -73,6 +76,7 @@ pub struct KeyHeader {
 struct Settings {
     names: Vec<HeaderName>,
     syntax: Syntax,
+    expiry: HeaderName,
 }
 
 impl Default for KeyHeader {
@@ -81,6 +85,7 @@ impl Default for KeyHeader {
             settings: Arc::new(Settings {
                 names: vec![IDEMPOTENCY_KEY],
                 syntax: Syntax::Lenient,
+                expiry: IDEMPOTENCY_EXPIRES,
             }),
         }
     }
@@ -104,6 +109,21 @@ impl KeyHeader {
             names.push(name);
         }
         self
+    }
+
+    /// Names the response header that tells when the key's guarantee ends
+    /// (default `Idempotency-Expires`), sent on every response a key
+    /// produced: the first, its replays and a lookup's. No standard name
+    /// exists yet (the draft's issues #35 and #49 are open); an API that
+    /// documented another one, such as `X-Idempotency-Expires`, keeps it.
+    pub fn expiry_header(mut self, name: HeaderName) -> Self {
+        Arc::make_mut(&mut self.settings).expiry = name;
+        self
+    }
+
+    /// The name of the response header that tells when the key expires.
+    pub fn expiry_header_name(&self) -> &HeaderName {
+        &self.settings.expiry
     }
 
     /// The header names accepted, `Idempotency-Key` first.

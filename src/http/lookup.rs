@@ -7,7 +7,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::call::{blocking, refuse_by_rule};
-use super::{ConnectionPool, Failure, IdempotencyKey, ProblemKind, StoredResponse};
+use super::{Answer, ConnectionPool, Failure, IdempotencyKey, ProblemKind, StoredResponse};
 use crate::{Config, InFlight, KeyStatus, Outcome};
 
 /// Answers what became of the request's key in the caller's scope, from an
@@ -21,7 +21,7 @@ use crate::{Config, InFlight, KeyStatus, Outcome};
 ///
 /// | status | answer |
 /// | --- | --- |
-/// | completed | the stored response as it was first sent, with `Idempotent-Replayed: true` |
+/// | completed | the stored response as it was first sent, with `Idempotent-Replayed: true` and the expiry header ([`Answer`]) |
 /// | in progress | 409 problem ([`ProblemKind::InProgress`]), `Retry-After`: ask again later |
 /// | no record | 404 problem ([`ProblemKind::KeyUnknown`]): nothing was done, sending the request again with the key is safe |
 /// | expired | 410 problem ([`ProblemKind::KeyExpired`]): it ran, its result is no longer kept |
@@ -47,8 +47,8 @@ use crate::{Config, InFlight, KeyStatus, Outcome};
 /// use axum::Router;
 /// use diesel::prelude::*;
 /// use diesel::r2d2::{ConnectionManager, Pool};
-/// use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, StoredResponse};
-/// use idempotency::{Config, Outcome};
+/// use idempotency::http::{self, Answer, Caller, Failure, IdempotencyKey, Problem, StoredResponse};
+/// use idempotency::Config;
 /// use tower::ServiceExt;
 ///
 /// # struct Account;
@@ -59,12 +59,12 @@ use crate::{Config, InFlight, KeyStatus, Outcome};
 /// # impl Caller for Account { fn scope(&self) -> Cow<'_, str> { Cow::Borrowed("acct-1") } }
 /// type Db = Pool<ConnectionManager<SqliteConnection>>;
 ///
-/// async fn charge(State(pool): State<Db>, key: IdempotencyKey<Account>) -> Result<Outcome<StoredResponse<u32>>, Failure<Problem>> {
+/// async fn charge(State(pool): State<Db>, key: IdempotencyKey<Account>) -> Result<Answer<StoredResponse<u32>>, Failure<Problem>> {
 ///     http::run(&pool, &Config::default(), &key, (), |_, ()| Ok(StoredResponse::new(StatusCode::CREATED, 500))).await
 /// }
 ///
 /// /// `GET /charges/status` with the key and the credentials of the charge.
-/// async fn charge_status(State(pool): State<Db>, key: IdempotencyKey<Account>) -> Result<Outcome<StoredResponse<u32>>, Failure<Infallible>> {
+/// async fn charge_status(State(pool): State<Db>, key: IdempotencyKey<Account>) -> Result<Answer<StoredResponse<u32>>, Failure<Infallible>> {
 ///     http::lookup(&pool, &Config::default(), &key).await
 /// }
 ///
@@ -78,10 +78,12 @@ use crate::{Config, InFlight, KeyStatus, Outcome};
 ///
 /// assert_eq!(app.clone().oneshot(status()?).await?.status(), StatusCode::NOT_FOUND);
 /// let charged = Request::post("/charges").header("idempotency-key", "c-1").body(axum::body::Body::empty())?;
-/// assert_eq!(app.clone().oneshot(charged).await?.status(), StatusCode::CREATED);
+/// let charged = app.clone().oneshot(charged).await?;
+/// assert_eq!(charged.status(), StatusCode::CREATED);
 /// let found = app.clone().oneshot(status()?).await?;
 /// assert_eq!(found.status(), StatusCode::CREATED);
 /// assert_eq!(found.headers()["idempotent-replayed"], "true");
+/// assert_eq!(found.headers()["idempotency-expires"], charged.headers()["idempotency-expires"]);
 /// # Ok(())
 /// # })
 /// # }
@@ -90,7 +92,7 @@ pub async fn lookup<A, P, T>(
     pool: &P,
     config: &Config,
     key: &IdempotencyKey<A>,
-) -> Result<Outcome<StoredResponse<T>>, Failure<Infallible>>
+) -> Result<Answer<StoredResponse<T>>, Failure<Infallible>>
 where
     P: ConnectionPool,
     T: Serialize + DeserializeOwned + Send + 'static,
@@ -106,7 +108,13 @@ where
     let problems = key.problems();
     let refused = |kind, detail: &str| Err(Failure::Refused(problems.problem(kind).with_detail(detail)));
     match status {
-        KeyStatus::Completed { response, .. } => Ok(Outcome::Replayed(response)),
+        KeyStatus::Completed {
+            response, expires_at, ..
+        } => Ok(Answer::new(
+            Outcome::Replayed(response),
+            expires_at,
+            key.expiry_header().clone(),
+        )),
         KeyStatus::InProgress => refused(
             ProblemKind::InProgress,
             "a request with this idempotency key is still being processed; look again later",

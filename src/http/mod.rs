@@ -14,7 +14,7 @@
 //! | [`lookup`] | what became of a key in the caller's scope: the stored response, or a 404, 409 or 410 problem |
 //! | [`run_phased`] | the same for a [phased operation](crate::phased) with a foreign call in the middle |
 //! | [`StoredResponse<T>`](StoredResponse) | what an operation returns: status, kept headers, JSON body; stored, and replayed as it was |
-//! | `Outcome<R>` as a response | `R`'s response, plus `Idempotent-Replayed: true` on a replay |
+//! | [`Answer<R>`](Answer) | what `run` returns: the `Outcome<R>`, whose response is `R`'s plus `Idempotent-Replayed: true` on a replay, and `Idempotency-Expires`, when the key's guarantee ends |
 //! | [`openapi`] (feature `openapi`) | the utoipa pieces: header parameter, problem schema and responses, the replay marker |
 //! | [`Problem`], [`Problems`] | RFC 9457 `application/problem+json` bodies, with `type` and `title` per API |
 //!
@@ -22,8 +22,8 @@
 //!
 //! | case | status |
 //! | --- | --- |
-//! | first request | the operation's (`201` with `Location`, say) |
-//! | retry with the same key and request | the first response, with `Idempotent-Replayed: true` |
+//! | first request | the operation's (`201` with `Location`, say), with `Idempotency-Expires` |
+//! | retry with the same key and request | the first response, with `Idempotent-Replayed: true` and the same `Idempotency-Expires` |
 //! | no `Idempotency-Key` where one is required | 400 problem |
 //! | two `Idempotency-Key` headers, an unparsable value, a key breaking the key rules | 400 problem |
 //! | same key, different request, or the same request at another endpoint (method, route, path parameters, query) | 422 problem |
@@ -31,6 +31,7 @@
 //! | the operation's own error | the application's response for it; the key stays free |
 //! | no database connection in time | 503 problem, `Retry-After` |
 //! | a commit whose outcome is unknown ([`Error::OutcomeUnknown`](crate::Error::OutcomeUnknown)) | 503 problem, `Retry-After`: it may or may not have been carried out, and the retry with the same key tells which |
+//! | the result is beyond [`Config::max_response_len`](crate::Config::max_response_len) as stored | 500 problem ([`ProblemKind::ResponseTooLarge`]) naming the bound, nothing committed |
 //! | storage or JSON failure, a panic in the operation | 500 problem, nothing committed |
 //!
 //! No problem carries the request body, nor the key.
@@ -53,8 +54,8 @@
 //! use axum::{routing::post, Json, Router};
 //! use diesel::prelude::*;
 //! use diesel::r2d2::{ConnectionManager, Pool};
-//! use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, StoredResponse};
-//! use idempotency::{Config, Outcome};
+//! use idempotency::http::{self, Answer, Caller, Failure, IdempotencyKey, Problem, StoredResponse};
+//! use idempotency::Config;
 //! use serde::{Deserialize, Serialize};
 //! use tower::ServiceExt;
 //!
@@ -101,7 +102,7 @@
 //!     State(app): State<App>,
 //!     key: IdempotencyKey<Account>,
 //!     Json(order): Json<NewOrder>,
-//! ) -> Result<Outcome<StoredResponse<Order>>, Failure<Problem>> {
+//! ) -> Result<Answer<StoredResponse<Order>>, Failure<Problem>> {
 //!     http::run(&app.pool, &app.config, &key, order, |conn, order| {
 //!         let Id { id } = diesel::sql_query("INSERT INTO orders (item) VALUES (?) RETURNING id")
 //!             .bind::<diesel::sql_types::Text, _>(&order.item)
@@ -137,6 +138,7 @@
 //! assert_eq!(retry.status(), StatusCode::CREATED);
 //! assert_eq!(retry.headers()["location"], "/orders/1");
 //! assert_eq!(retry.headers()["idempotent-replayed"], "true");
+//! assert_eq!(retry.headers()["idempotency-expires"], first.headers()["idempotency-expires"]);
 //! # Ok(())
 //! # })
 //! # }
@@ -144,6 +146,7 @@
 
 use axum::http::HeaderName;
 
+mod answer;
 mod call;
 mod gate;
 mod header;
@@ -156,6 +159,7 @@ mod pool;
 mod problem;
 mod response;
 
+pub use answer::Answer;
 pub use call::{Failure, run, run_phased};
 pub use key::{Caller, IdempotencyKey};
 pub use key_header::KeyHeader;
@@ -166,6 +170,10 @@ pub use response::StoredResponse;
 
 /// `Idempotency-Key`, the request header of the IETF draft.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// `Idempotency-Expires`, the default name of the response header that
+/// tells when a key's guarantee ends ([`Answer`]).
+pub const IDEMPOTENCY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-expires");
 
 /// `Idempotent-Replayed`, the response header that marks a replay (`true`),
 /// as Stripe's API sends it.

@@ -13,7 +13,7 @@ use utoipa::openapi::schema::{ObjectBuilder, Ref, Schema, SchemaFormat, Type};
 use utoipa::openapi::{ComponentsBuilder, OpenApi, RefOr, Required};
 use utoipa::{IntoParams, IntoResponses, Modify, PartialSchema, ToSchema};
 
-use super::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Problem, ProblemKind};
+use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Problem, ProblemKind};
 
 /// The media type of a problem details body.
 const PROBLEM_JSON: &str = "application/problem+json";
@@ -215,8 +215,9 @@ fn problem_responses(kinds: &[(ProblemKind, &str)]) -> BTreeMap<String, RefOr<Re
 
 /// Completes a spec for idempotent handlers, as `#[openapi(modifiers(&IdempotentReplays))]`:
 /// adds the [`Problem`] schema that the problem responses refer to, and the
-/// `Idempotent-Replayed` header to every 2xx response of every operation
-/// that takes the [`IdempotencyKeyHeader`].
+/// `Idempotent-Replayed` and `Idempotency-Expires` headers (the default
+/// names) to every 2xx response of every operation that takes the
+/// [`IdempotencyKeyHeader`].
 #[derive(Debug, Clone, Copy)]
 pub struct IdempotentReplays;
 
@@ -255,6 +256,11 @@ impl Modify for IdempotentReplays {
                         .description(Some("`true` when this is the stored response of an earlier request with the same key; absent otherwise."))
                         .build();
                     response.headers.insert(header_name(&IDEMPOTENT_REPLAYED), marker);
+                    let expiry = HeaderBuilder::new()
+                        .schema(ObjectBuilder::new().schema_type(Type::String))
+                        .description(Some("When the key's guarantee ends, as an HTTP-date (RFC 9110 IMF-fixdate): the same on the first response and every replay; from then on the key executes again."))
+                        .build();
+                    response.headers.insert(header_name(&IDEMPOTENCY_EXPIRES), expiry);
                 }
             }
         }

@@ -171,6 +171,11 @@ pub enum ProblemKind {
     /// 410, from a [lookup](super::lookup): the request ran, but its result
     /// is no longer kept; sending it again would execute it again.
     KeyExpired,
+    /// 500: the operation's result is longer than
+    /// [`Config::max_response_len`](crate::Config::max_response_len) allows
+    /// to store; nothing was done and the key is free, but the same request
+    /// fails again.
+    ResponseTooLarge,
     /// 500: storage failed, a stored response no longer decodes, or the
     /// operation panicked. Nothing about the cause is sent.
     Internal,
@@ -186,7 +191,7 @@ impl ProblemKind {
             ProblemKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProblemKind::KeyUnknown => StatusCode::NOT_FOUND,
             ProblemKind::KeyExpired => StatusCode::GONE,
-            ProblemKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            ProblemKind::ResponseTooLarge | ProblemKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -211,6 +216,7 @@ impl ProblemKind {
             ProblemKind::Unavailable => "service-unavailable",
             ProblemKind::KeyUnknown => "idempotency-key-unknown",
             ProblemKind::KeyExpired => "idempotency-key-expired",
+            ProblemKind::ResponseTooLarge => "response-too-large",
             ProblemKind::Internal => "internal-error",
         }
     }
@@ -225,6 +231,7 @@ impl ProblemKind {
             ProblemKind::Unavailable => "Service unavailable",
             ProblemKind::KeyUnknown => "No request with this idempotency key",
             ProblemKind::KeyExpired => "Idempotency key expired",
+            ProblemKind::ResponseTooLarge => "Response too large to store",
             ProblemKind::Internal => "Internal server error",
         }
     }
@@ -255,7 +262,8 @@ struct Settings {
 /// The names are `idempotency-key-missing`, `idempotency-key-invalid`,
 /// `idempotency-key-reused`, `idempotency-key-in-progress`,
 /// `service-unavailable`, `idempotency-key-unknown`,
-/// `idempotency-key-expired` and `internal-error`; they are stable.
+/// `idempotency-key-expired`, `response-too-large` and `internal-error`;
+/// they are stable.
 ///
 /// An API sets its `Problems` once, as a request extension for its routes
 /// (`router.layer(axum::Extension(problems))`);

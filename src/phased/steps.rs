@@ -5,7 +5,7 @@ use std::fmt;
 use std::panic::{self, AssertUnwindSafe};
 use std::time::Instant;
 
-use chrono::{Duration, NaiveDateTime};
+use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -161,6 +161,26 @@ impl Phased {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut Steps<'_, C::Raw>) -> Result<Finished<R>, Error<E>>,
     {
+        self.run_expiring(conn, scope, key, request, body)
+            .map(|(outcome, _)| outcome)
+    }
+
+    /// [`run`](Phased::run), also telling when the operation's retention
+    /// ends: the HTTP layer sends it to the client.
+    pub(crate) fn run_expiring<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        body: F,
+    ) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>
+    where
+        C: StoreConnection,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: FnOnce(&mut Steps<'_, C::Raw>) -> Result<Finished<R>, Error<E>>,
+    {
         let trace = CallTrace::phased(<C::Raw as KeyStore>::BACKEND, &self.name);
         let conn = conn.raw();
         // In the attempt's span, so that its events carry the operation, the
@@ -178,7 +198,7 @@ impl Phased {
             // or takes it over.
             let token = id::new();
             let (start, clock) = match self.start(conn, scope, key, &request_hash, &token)? {
-                Begin::Replay(outcome) => return Ok(outcome),
+                Begin::Replay(outcome, expires_at) => return Ok((outcome, expires_at.and_utc())),
                 Begin::Attempt(start, clock) => (start, clock),
             };
             let mut steps = Steps {
@@ -192,17 +212,22 @@ impl Phased {
                 request: request_json.as_deref(),
                 clock,
                 held: start,
+                expires_at: None,
                 position: 0,
                 conn,
             };
             match panic::catch_unwind(AssertUnwindSafe(|| body(&mut steps))) {
-                Ok(Ok(Finished(response))) if matches!(steps.held, Held::Done) => Ok(Outcome::Executed(response)),
-                Ok(Ok(_)) => {
-                    // Kept from another operation's `finish`: this operation
-                    // stored no response, so it must not answer with one.
-                    steps.release("the body returned a result that its finish did not store");
-                    panic!("the body of a phased operation returned a `Finished` that its own `finish` did not make")
-                }
+                Ok(Ok(Finished(response))) => match (&steps.held, steps.expires_at) {
+                    (Held::Done, Some(expires_at)) => Ok((Outcome::Executed(response), expires_at.and_utc())),
+                    _ => {
+                        // Kept from another operation's `finish`: this operation
+                        // stored no response, so it must not answer with one.
+                        steps.release("the body returned a result that its finish did not store");
+                        panic!(
+                            "the body of a phased operation returned a `Finished` that its own `finish` did not make"
+                        )
+                    }
+                },
                 Ok(Err(error)) => {
                     steps.release(&describe(&error));
                     Err(error)
@@ -213,7 +238,7 @@ impl Phased {
                 }
             }
         });
-        trace.finish_phased(&result);
+        trace.finish_phased(result.as_ref().map(|(outcome, _)| outcome));
         result
     }
 
@@ -255,7 +280,8 @@ impl Phased {
                     if self.config.durable_replays {
                         conn.await_replication()?;
                     }
-                    return Ok(Begin::Replay(Outcome::Replayed(value)));
+                    let expires_at = row.expires_at.unwrap_or(now);
+                    return Ok(Begin::Replay(Outcome::Replayed(value), expires_at));
                 }
                 PARKED => return Err(Error::Parked),
                 _ => {}
@@ -289,7 +315,7 @@ impl Phased {
 
 /// What [`Phased::start`] decided.
 enum Begin<R> {
-    Replay(Outcome<R>),
+    Replay(Outcome<R>, NaiveDateTime),
     Attempt(Held, Reading),
 }
 
@@ -352,6 +378,8 @@ pub struct Steps<'a, C> {
     request: Option<&'a str>,
     clock: Reading,
     held: Held,
+    /// When the stored response's retention ends, once `finish` stored it.
+    expires_at: Option<NaiveDateTime>,
     position: usize,
 }
 
@@ -384,9 +412,10 @@ impl<C: PhaseStore> Steps<'_, C> {
             return self.stored_output(point);
         }
         let name = name.to_owned();
+        let config = &self.phased.config;
         let value = self.commit(|tx, points| {
             let value = f(tx).map_err(Error::Operation)?;
-            let output = codec::to_replayable_json(&value).map_err(Error::Codec)?;
+            let output = config.stored_json(&value)?;
             points.push(Point {
                 name,
                 output: Some(output),
@@ -474,16 +503,18 @@ impl<C: PhaseStore> Steps<'_, C> {
         let phased = self.phased;
         let lease = self.lease;
         let expires_at = |now: NaiveDateTime| C::storable_time(now + phased.config.retention);
-        let value = self.transaction(|tx, points, now| {
+        let (value, expires_at) = self.transaction(|tx, points, now| {
             let value = f(tx).map_err(Error::Operation)?;
-            let response = codec::to_replayable_json(&value).map_err(Error::Codec)?;
+            let response = phased.config.stored_json(&value)?;
             let points = serde_json::to_string(points).map_err(Error::Codec)?;
-            if !tx.complete_operation(lease, &points, &response, expires_at(now), now)? {
+            let expires_at = expires_at(now);
+            if !tx.complete_operation(lease, &points, &response, expires_at, now)? {
                 return Err(fenced());
             }
-            Ok(value)
+            Ok((value, expires_at))
         })?;
         self.held = Held::Done;
+        self.expires_at = Some(expires_at);
         Ok(Finished(value))
     }
 
@@ -519,7 +550,7 @@ impl<C: PhaseStore> Steps<'_, C> {
         }
         let provider_key = self.provider_key(name).ok_or_else(fenced)?;
         let value = f(&provider_key).map_err(Error::Operation)?;
-        let output = codec::to_replayable_json(&value).map_err(Error::Codec)?;
+        let output = self.phased.config.stored_json(&value)?;
         let position = self.position;
         self.commit(|_, points| {
             points[position].output = Some(output);

@@ -27,7 +27,7 @@ use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
 use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse};
-use idempotency::{Config, InFlight, Outcome};
+use idempotency::{Config, InFlight};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
@@ -975,7 +975,7 @@ mod library {
         config: Config,
     }
 
-    type NoteResponse = Result<Outcome<StoredResponse<i64>>, Failure<Problem>>;
+    type NoteResponse = Result<http::Answer<StoredResponse<i64>>, Failure<Problem>>;
 
     fn add_note(conn: &mut SqliteConnection) -> Result<StoredResponse<i64>, Problem> {
         diesel::sql_query("INSERT INTO notes DEFAULT VALUES")
@@ -1059,6 +1059,95 @@ mod library {
         assert_eq!(replay, (StatusCode::CREATED, Some("true".to_owned()), json!(3)));
         // Present but broken is refused, not taken for absent.
         assert_eq!(answer(&app, note(Some(r#""n-1"#))).await.0, StatusCode::BAD_REQUEST);
+    }
+
+    /// The expiry header of a response, if it has one.
+    async fn expiry_of(app: &Router, request: Request<axum::body::Body>, name: &str) -> (StatusCode, Option<String>) {
+        let response = app.clone().oneshot(request).await.expect("infallible");
+        let expiry = response
+            .headers()
+            .get(name)
+            .map(|v| v.to_str().expect("ascii").to_owned());
+        (response.status(), expiry)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn first_response_and_replay_advertise_one_expiry_and_refusals_none() {
+        use chrono::TimeZone;
+        let db = idempotency::testing::SqliteFile::new();
+        let start = chrono::Utc
+            .with_ymd_and_hms(2030, 6, 1, 12, 0, 0)
+            .single()
+            .expect("a date");
+        let clock = idempotency::testing::ManualClock::at(start);
+        let config = Config::default()
+            .clock(clock.source())
+            .retention(chrono::Duration::hours(2));
+        let (app, _) = notes_app(&db, 2, config);
+
+        let first = expiry_of(&app, note(Some("n-expiry")), "idempotency-expires").await;
+        assert_eq!(
+            first,
+            (StatusCode::CREATED, Some("Sat, 01 Jun 2030 14:00:00 GMT".to_owned()))
+        );
+        clock.advance(chrono::Duration::minutes(10));
+        let replay = app.clone().oneshot(note(Some("n-expiry"))).await.expect("infallible");
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(
+            replay
+                .headers()
+                .get("idempotency-expires")
+                .and_then(|v| v.to_str().ok()),
+            first.1.as_deref(),
+            "a replay advertises the first response's expiry"
+        );
+        // A key the rules refuse spends nothing, so nothing expires.
+        assert_eq!(
+            expiry_of(&app, note(Some(r#""n-1"#)), "idempotency-expires").await,
+            (StatusCode::BAD_REQUEST, None)
+        );
+        // Nor does a request without a key on an endpoint that runs it plainly.
+        assert_eq!(
+            expiry_of(&app, note(None), "idempotency-expires").await,
+            (StatusCode::CREATED, None)
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_expiry_header_is_sent_under_the_configured_name() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, _) = notes_app(&db, 2, Config::default());
+        let renamed = http::KeyHeader::default().expiry_header(axum::http::HeaderName::from_static("x-key-expires"));
+        let app = app.layer(Extension(renamed));
+        let response = app.clone().oneshot(note(Some("n-renamed"))).await.expect("infallible");
+        assert_eq!(response.status(), StatusCode::CREATED);
+        assert!(response.headers().get("idempotency-expires").is_none());
+        let expiry = response.headers()["x-key-expires"].to_str().expect("ascii");
+        let expires_at = chrono::DateTime::parse_from_rfc2822(expiry).expect("an HTTP-date");
+        let left = expires_at.with_timezone(&chrono::Utc) - chrono::Utc::now();
+        assert!(
+            left > chrono::Duration::hours(23) && left <= chrono::Duration::hours(24),
+            "the default retention, 24 h: {left:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_response_beyond_the_bound_is_a_500_problem_naming_it_and_spends_no_key() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, _) = notes_app(&db, 2, Config::default().max_response_len(8));
+        let (status, _, body) = answer(&app, note(Some("n-large"))).await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(body["type"], format!("{}response-too-large", Problems::DEFAULT_BASE));
+        assert_eq!(body["retryable"], json!(false));
+        let detail = body["detail"].as_str().expect("a detail");
+        assert!(detail.contains("8 bytes"), "{detail}");
+        let count = |table: &str| {
+            diesel::dsl::sql::<diesel::sql_types::BigInt>(&format!("SELECT count(*) FROM {table}"))
+                .get_result::<i64>(&mut db.conn())
+                .expect("count")
+        };
+        assert_eq!(count("notes"), 0, "the note was rolled back");
+        assert_eq!(count("idempotency_keys"), 0, "the key is free");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1224,7 +1313,7 @@ mod library {
     async fn post_charge(State(charges): State<Charges>, key: IdempotencyKey<Anyone>) -> axum::response::Response {
         let provider = charges.provider.clone();
         let phased = idempotency::phased::Phased::new("charge");
-        let outcome: Result<Outcome<StoredResponse<(i64, String)>>, Failure<Problem>> =
+        let outcome: Result<http::Answer<StoredResponse<(i64, String)>>, Failure<Problem>> =
             http::run_phased(&charges.pool, &phased, &key, 20_00, move |s, _cents| {
                 let note = s.phase("noted", |tx| add_note(tx).map(|response| *response.body()))?;
                 let charge = s.call("charged", |provider_key| provider.charge(provider_key))?;
@@ -1263,6 +1352,11 @@ mod library {
             (status, replayed.as_deref(), &again),
             (StatusCode::CREATED, Some("true"), &first)
         );
+        let (_, first_expiry) = expiry_of(&app, charge(), "idempotency-expires").await;
+        assert!(
+            first_expiry.is_some(),
+            "a phased operation's replay advertises its expiry"
+        );
         assert_eq!(
             provider.applied.lock().expect("no panic").len(),
             1,
@@ -1282,7 +1376,7 @@ mod library {
         config: Config,
     }
 
-    type MoveResponse = Result<Outcome<StoredResponse<Value>>, Failure<Problem>>;
+    type MoveResponse = Result<http::Answer<StoredResponse<Value>>, Failure<Problem>>;
 
     fn record(
         conn: &mut SqliteConnection,

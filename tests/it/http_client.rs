@@ -13,8 +13,8 @@ use axum::routing::post;
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
-use idempotency::http::{self, Failure, IdempotencyKey, Problem, Problems, StoredResponse};
-use idempotency::{Config, InFlight, Outcome};
+use idempotency::http::{self, Answer, Failure, IdempotencyKey, Problem, Problems, StoredResponse};
+use idempotency::{Config, InFlight};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
@@ -31,7 +31,7 @@ struct Notes {
 /// Adds a note and answers with the count; a body of `"taken"` is the
 /// application's own 409, as an already-refunded order would be.
 async fn post_note(State(notes): State<Notes>, key: IdempotencyKey<Anyone>, body: String) -> Response {
-    let outcome: Result<Outcome<StoredResponse<i64>>, Failure<Problem>> =
+    let outcome: Result<Answer<StoredResponse<i64>>, Failure<Problem>> =
         http::run(&notes.pool, &notes.config, &key, body, |conn, body| {
             if body == "taken" {
                 return Err(Problem::new(StatusCode::CONFLICT, "Conflict"));
@@ -321,7 +321,7 @@ mod lookup {
     }
 
     async fn post_charge(State(notes): State<Notes>, key: IdempotencyKey<Token>) -> Response {
-        let outcome: Result<Outcome<StoredResponse<i64>>, Failure<Problem>> =
+        let outcome: Result<Answer<StoredResponse<i64>>, Failure<Problem>> =
             http::run(&notes.pool, &notes.config, &key, (), |_, ()| {
                 Ok(StoredResponse::new(StatusCode::CREATED, 42))
             })
@@ -332,7 +332,7 @@ mod lookup {
     async fn charge_status(
         State(notes): State<Notes>,
         key: IdempotencyKey<Token>,
-    ) -> Result<Outcome<StoredResponse<i64>>, Failure<Infallible>> {
+    ) -> Result<Answer<StoredResponse<i64>>, Failure<Infallible>> {
         http::lookup(&notes.pool, &notes.config, &key).await
     }
 

@@ -51,6 +51,11 @@ fn the_spec_names_the_header_the_problems_and_the_replay_marker() {
             json!({"type": "boolean"}),
             "{path}"
         );
+        assert_eq!(
+            responses[success]["headers"]["Idempotency-Expires"]["schema"],
+            json!({"type": "string"}),
+            "{path}"
+        );
         for status in ["400", "409", "500", "503"] {
             assert_eq!(
                 responses[status]["content"]["application/problem+json"]["schema"]["$ref"],
@@ -60,6 +65,7 @@ fn the_spec_names_the_header_the_problems_and_the_replay_marker() {
         }
         assert!(responses["409"]["headers"]["Retry-After"].is_object(), "{path}");
         assert!(responses["400"]["headers"].get("Idempotent-Replayed").is_none());
+        assert!(responses["400"]["headers"].get("Idempotency-Expires").is_none());
     }
     assert!(spec["paths"]["/orders"]["post"]["responses"]["422"].is_object());
     assert!(spec["paths"]["/orders/status"]["get"]["responses"]["404"].is_object());

@@ -51,6 +51,8 @@ crate::common::backend_tests!(
     reentrant_call_with_the_same_key_is_in_progress,
     sql_metacharacters_in_scope_key_and_request_are_inert,
     config_run_uses_its_own_policy,
+    result_one_byte_over_the_bound_rolls_back_and_leaves_the_key_free,
+    result_at_the_bound_is_stored_and_replays,
 );
 
 fn place<D: TestDb>(
@@ -391,4 +393,40 @@ fn config_run_uses_its_own_policy<D: TestDb>() {
             .run(&mut conn, "shop", "1234567x", &1, |tx| D::place_order(tx, "book", 1))
             .is_ok()
     );
+}
+
+/// A call under a bound of 100 bytes whose result stores as `len` bytes: a
+/// string of `len - 2` characters, quoted.
+fn place_sized<D: TestDb>(conn: &mut D::Conn, len: usize) -> Result<Outcome<String>, Error<DomainError>> {
+    Config::default()
+        .max_response_len(100)
+        .run(conn, "shop", "k-sized", &"sized", |tx| {
+            D::place_order(tx, "book", 1)?;
+            Ok("x".repeat(len - 2))
+        })
+}
+
+fn result_one_byte_over_the_bound_rolls_back_and_leaves_the_key_free<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let refused = place_sized::<D>(&mut conn, 101);
+    assert!(
+        matches!(refused, Err(Error::ResponseTooLarge { len: 101, max: 100 })),
+        "{refused:?}"
+    );
+    assert_eq!(D::order_count(&mut conn), 0, "the domain write was rolled back");
+    assert_eq!(D::key_count(&mut conn), 0, "no key record was left");
+    let smaller = place_sized::<D>(&mut conn, 100).expect("the key is free");
+    assert!(matches!(smaller, Outcome::Executed(_)), "{smaller:?}");
+}
+
+fn result_at_the_bound_is_stored_and_replays<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let first = place_sized::<D>(&mut conn, 100).expect("at the bound");
+    assert_eq!(first, Outcome::Executed("x".repeat(98)));
+    assert_eq!(D::key_count(&mut conn), 1);
+    let retry = place_sized::<D>(&mut conn, 100).expect("replay");
+    assert_eq!(retry, Outcome::Replayed("x".repeat(98)));
+    assert_eq!(D::order_count(&mut conn), 1);
 }

@@ -1,0 +1,87 @@
+//! What a call over HTTP answers: its outcome, and when the key's guarantee
+//! ends, sent in a response header.
+
+use std::ops::Deref;
+
+use axum::http::{HeaderName, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
+
+use crate::Outcome;
+
+/// The [`Outcome`] of [`run`](super::run), [`run_phased`](super::run_phased)
+/// or [`lookup`](super::lookup), with the end of the key's retention.
+///
+/// As a response it is the outcome's (`R`'s response, with
+/// `Idempotent-Replayed: true` on a replay) plus the expiry header
+/// ([`KeyHeader::expiry_header`](super::KeyHeader::expiry_header), by
+/// default `Idempotency-Expires`) whose value is the moment the key may
+/// execute again, as an HTTP-date (RFC 9110 §5.6.7, the IMF-fixdate form),
+/// the same on the first response and on every replay. It dereferences to
+/// the outcome, so `answer.is_replayed()` reads as before.
+///
+/// ```
+/// use axum::http::HeaderName;
+/// use axum::response::IntoResponse;
+/// use chrono::{TimeZone, Utc};
+/// use idempotency::http::Answer;
+/// use idempotency::Outcome;
+///
+/// let expires_at = Utc.with_ymd_and_hms(2030, 6, 1, 12, 0, 0).single().ok_or("date")?;
+/// let answer = Answer::new(Outcome::Replayed("charged"), expires_at, HeaderName::from_static("idempotency-expires"));
+/// assert!(answer.is_replayed());
+/// assert_eq!(answer.expires_at(), expires_at);
+/// let response = answer.into_response();
+/// assert_eq!(response.headers()["idempotency-expires"], "Sat, 01 Jun 2030 12:00:00 GMT");
+/// assert_eq!(response.headers()["idempotent-replayed"], "true");
+/// # Ok::<_, &str>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer<R> {
+    outcome: Outcome<R>,
+    expires_at: DateTime<Utc>,
+    header: HeaderName,
+}
+
+impl<R> Answer<R> {
+    /// The outcome, whose key is kept until `expires_at`, advertised in a
+    /// header named `header`.
+    pub fn new(outcome: Outcome<R>, expires_at: DateTime<Utc>, header: HeaderName) -> Self {
+        Answer {
+            outcome,
+            expires_at,
+            header,
+        }
+    }
+
+    /// When the key's retention ends (UTC): from then on the same key
+    /// executes again.
+    pub fn expires_at(&self) -> DateTime<Utc> {
+        self.expires_at
+    }
+
+    /// The outcome alone.
+    pub fn into_outcome(self) -> Outcome<R> {
+        self.outcome
+    }
+}
+
+impl<R> Deref for Answer<R> {
+    type Target = Outcome<R>;
+
+    fn deref(&self) -> &Outcome<R> {
+        &self.outcome
+    }
+}
+
+impl<R: IntoResponse> IntoResponse for Answer<R> {
+    fn into_response(self) -> Response {
+        let mut response = self.outcome.into_response();
+        // An HTTP-date has whole seconds: the second the retention ends in,
+        // rounded down, so that the header never promises more than is kept.
+        let date = self.expires_at.format("%a, %d %b %Y %H:%M:%S GMT").to_string();
+        let value = HeaderValue::try_from(date).expect("an HTTP-date is visible ASCII");
+        response.headers_mut().insert(self.header, value);
+        response
+    }
+}
