@@ -545,10 +545,24 @@ async fn example_binary_serves_the_lost_response_story_and_stops_on_sigterm<D: T
     assert_eq!((retry.status, retry.replayed.as_deref()), (201, Some("true")));
     assert_eq!(retry.location.as_deref(), first.header("location"));
     assert_eq!(retry.body, serde_json::from_slice::<Value>(&first.body).expect("JSON"));
+    let expires = first.header("idempotency-expires");
+    assert!(expires.is_some(), "the first response says when its guarantee ends");
+    let again = post_order(&client, &service.base, "acct-1", &["bin-1"], BODY)
+        .send()
+        .await
+        .expect("another retry");
+    let again_expires = again
+        .headers()
+        .get("idempotency-expires")
+        .map(|value| value.to_str().ok());
+    assert_eq!(again_expires, Some(expires), "a replay names the same end");
     let other = r#"{"item": "book", "quantity": 5}"#;
-    send(post_order(&client, &service.base, "acct-1", &["bin-1"], other))
+    let reused = send(post_order(&client, &service.base, "acct-1", &["bin-1"], other))
         .await
         .assert_problem(422);
+    let kind = reused.body["type"].as_str().unwrap_or_default();
+    assert!(kind.ends_with("idempotency-key-reused"), "a type of its own: {kind}");
+    assert_eq!(reused.body["retryable"], false, "the same request cannot succeed");
     send(client.get(format!("{}/orders", service.base)))
         .await
         .assert_problem(401);
