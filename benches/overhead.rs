@@ -21,7 +21,7 @@
 //! working, not to judge speed. `--statements` adds, per scenario, every
 //! statement sent and its mean time from send to result. The relay service
 //! scenario times messages from their commit to their handler with
-//! `Relay::run` in this process, at two poll intervals.
+//! `Relay::serve` in this process, at two poll intervals.
 //!
 //! PostgreSQL reads `DATABASE_URL` and works in schemas of its own, dropped
 //! at the end; MySQL reads `MYSQL_URL` and works in databases of its own,
@@ -128,7 +128,7 @@ const PHASED_COMMITS: usize = 4;
 const RELAY_BATCH: usize = 100;
 /// The poll intervals of the relay latency scenario: `Relay`'s default, and
 /// a short one.
-const LATENCY_POLLS: [Duration; 2] = [Duration::from_millis(250), Duration::from_millis(25)];
+const LATENCY_POLLS: [chrono::Duration; 2] = [chrono::Duration::milliseconds(250), chrono::Duration::milliseconds(25)];
 
 struct Args {
     backend: String,
@@ -1160,7 +1160,7 @@ fn relay_throughput<C: Bench>(db: &Db<C>, sizes: Sizes) -> Value {
 }
 
 /// How long a message waits from its commit to its handler with
-/// `Relay::run` (one worker, defaults but for `poll_interval`) in
+/// `Relay::serve` (one worker, defaults but for `poll_interval`) in
 /// this process: messages committed one by one at a steady rate,
 /// each timed from the moment its commit returned to the moment
 /// the handler was called. A relay sleeping between polls wakes
@@ -1170,7 +1170,7 @@ fn relay_throughput<C: Bench>(db: &Db<C>, sizes: Sizes) -> Value {
 /// holds their dead entries until a vacuum, which slows every look
 /// for pending messages (p50 13 and 20 ms in two trials right after
 /// 30,000 deliveries, against 4 ms without them).
-fn relay_latency<C: Bench>(sizes: Sizes, poll_interval: Duration) -> Value {
+fn relay_latency<C: Bench>(sizes: Sizes, poll_interval: chrono::Duration) -> Value {
     use idempotency::Shutdown;
     use std::sync::mpsc;
     let db = Db::<C>::new();
@@ -1190,7 +1190,7 @@ fn relay_latency<C: Bench>(sizes: Sizes, poll_interval: Duration) -> Value {
     };
     let interval = Duration::from_secs_f64(1.0 / sizes.latency_rate);
     let latencies_ms: Vec<f64> = std::thread::scope(|scope| {
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         // A message first, untimed: the relay is up and idle.
         outbox::enqueue(&mut conn, "latency", &-1i64).expect("enqueue");
         assert_eq!(handled.recv().expect("the warm-up message").0, -1);
@@ -1216,7 +1216,7 @@ fn relay_latency<C: Bench>(sizes: Sizes, poll_interval: Duration) -> Value {
     json!({
         "messages": sizes.latency_messages,
         "rate_per_s": sizes.latency_rate,
-        "poll_interval_ms": poll_interval.as_millis() as u64,
+        "poll_interval_ms": poll_interval.num_milliseconds(),
         "woken_by": if C::NAME == "postgres" { "notify" } else { "poll" },
         "p50_ms": round3(percentile(&latencies_ms, 50.0)),
         "p99_ms": round3(percentile(&latencies_ms, 99.0)),

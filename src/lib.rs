@@ -42,16 +42,20 @@
 //! # }
 //! ```
 //!
+//! Every duration the crate's builders and functions take is a
+//! [`chrono::Duration`], the type its clock and its records count in.
+//!
 //! # Layers
 //!
 //! Each layer uses only the ones below it:
 //!
 //! - **integrations**: [`http`] for axum (feature `axum`), [`testing`] for
 //!   domain tests;
-//! - **services** (`src/service/`), background loops stopped by a
-//!   [`Shutdown`], one loop for all: the outbox [`Relay`](outbox::Relay),
-//!   the [`Purger`], the phased [`Completer`](phased::Completer), each
-//!   returning what it did as [`Stopped`];
+//! - **services**, background loops stopped by a [`Shutdown`], each beside
+//!   the feature it serves and all on one loop (`src/service/`): the outbox
+//!   [`Relay::serve`](outbox::Relay::serve), the [`Purger`], the phased
+//!   [`Completer::serve`](phased::Completer::serve), each returning what it
+//!   did as [`Stopped`];
 //! - **features**: the combinator ([`run_idempotent`], [`Config::run`]),
 //!   the [`outbox`], [`phased`] operations, [`batch`] jobs, the
 //!   [`Idempotent`] repository wrapper, purging
@@ -100,6 +104,7 @@ pub mod key;
 pub mod outbox;
 mod outcome;
 pub mod phased;
+mod purging;
 mod repository;
 mod run;
 mod schema;
@@ -115,9 +120,10 @@ pub use config::Config;
 pub use error::{Error, KeyError};
 pub use in_flight::InFlight;
 pub use outcome::{Outcome, Recorded};
+pub use purging::{Purged, Purger};
 pub use repository::Idempotent;
 pub use run::run_idempotent;
-pub use service::{Purged, Purger, Shutdown, Stopped};
+pub use service::{Shutdown, Stopped};
 pub use status::KeyStatus;
 #[cfg(feature = "metrics")]
 pub use telemetry::describe_metrics;

@@ -274,14 +274,14 @@ fn outbox_under(fault: Fault, schema_name: &str) {
         .batch_size(50)
         .lease(chrono::Duration::seconds(3))
         .workers(2)
-        .poll_interval(Duration::from_millis(500));
+        .poll_interval(chrono::Duration::milliseconds(500));
     let requests = requests_with_duplicates(KEYS);
     let receiver = Receiver::default();
     let shutdown = Shutdown::new();
 
     let (traffic, fault_run, summary) = thread::scope(|scope| {
         let service = scope.spawn(|| {
-            relay.run(
+            relay.serve(
                 &relay_pool,
                 |message| {
                     *receiver

@@ -110,9 +110,13 @@ use crate::clock::Clock;
 use crate::error::KeyError;
 use crate::in_flight::InFlight;
 
+mod backlog;
+mod handler;
 mod relay;
+mod workers;
 
 use crate::backend::outbox::{NewMessage, OutboxStore, Settlement};
+pub use backlog::{DeadLetter, Stats};
 pub use relay::Relay;
 
 /// The longest topic accepted, in bytes.
@@ -284,33 +288,13 @@ impl Message {
     }
 }
 
-/// A message parked after its last attempt failed, as
-/// [`Relay::dead_letters`] lists it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DeadLetter {
-    /// The message id, also its key.
-    pub id: String,
-    /// The topic it was enqueued for.
-    pub topic: String,
-    /// The payload as JSON text.
-    pub payload_json: String,
-    /// How many attempts were made.
-    pub attempts: u32,
-    /// The handler's error on the last attempt, or why the attempt ended
-    /// without one.
-    pub last_error: Option<String>,
-    /// When it was enqueued (UTC, by the system clock: `enqueue` takes no
-    /// clock).
-    pub created_at: NaiveDateTime,
-}
-
 /// How long delivered messages are kept by default.
 pub(crate) const DEFAULT_RETENTION: chrono::Duration = chrono::Duration::days(7);
 
-/// How long a purge's writes wait for SQLite's write lock while the
-/// application's own calls hold it; as long as a call waits by default.
-const PURGE_LOCK_WAIT: InFlight = InFlight::Wait(chrono::Duration::seconds(5));
+/// How long the outbox's own writes (claims, outcomes, requeues, purges)
+/// wait for SQLite's write lock while the application's calls hold it; as
+/// long as a call waits by default.
+const WRITE_LOCK_WAIT: InFlight = InFlight::Wait(chrono::Duration::seconds(5));
 
 /// Deletes the messages delivered `retention` ago on `clock`, in batches of
 /// `batch_size`, ending after the batch in which `stop` becomes true.
@@ -325,7 +309,7 @@ pub(crate) fn purge_delivered<C: StoreConnection>(
     // One fixed cut-off, so the loop ends while deliveries go on.
     let cutoff = clock.now(conn)? - retention;
     let purged = backend::purge_in_batches("idempotency_outbox", batch_size, stop, |limit| {
-        conn.write(PURGE_LOCK_WAIT, |tx| tx.purge_delivered_batch(cutoff, limit))
+        conn.write(WRITE_LOCK_WAIT, |tx| tx.purge_delivered_batch(cutoff, limit))
     })?;
     Ok(purged)
 }
@@ -371,25 +355,6 @@ impl AddAssign for Deliveries {
         self.lost += other.lost;
         self.released += other.released;
     }
-}
-
-/// The outbox's backlog, as [`Relay::stats`] reports it: what to watch and
-/// alert on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Stats {
-    /// Messages not delivered yet: due, leased to a relay, or waiting for
-    /// their backoff or not-before time.
-    pub pending: u64,
-    /// How long the oldest pending message has waited since it was
-    /// enqueued; `None` without pending messages. A growing age means the
-    /// relays do not keep up, or a handler keeps failing.
-    pub oldest_pending_age: Option<chrono::Duration>,
-    /// Pending messages due now, not leased to any relay.
-    pub due_now: u64,
-    /// Messages parked after their last attempt failed, waiting for a
-    /// person ([`Relay::dead_letters`], [`Relay::requeue`]).
-    pub dead: u64,
 }
 
 /// Why an outbox call failed.

@@ -4,21 +4,18 @@
 use std::fmt;
 
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
+use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 
-use super::{DeadLetter, Deliveries, Error, Message, Stats};
-use crate::backend::outbox::{Claim, Claimed, MessageId, OutboxStore, Settlement};
-use crate::backend::{KeyStore, RawConnection, StoreConnection};
+use super::{DeadLetter, Deliveries, Error, Message, Stats, WRITE_LOCK_WAIT, backlog, workers};
+use crate::backend::outbox::{Claim, Claimed, MessageId, Settlement};
+use crate::backend::{RawConnection, StoreConnection};
 use crate::clock::{Clock, Reading, assert_duration};
 use crate::id;
-use crate::in_flight::InFlight;
+use crate::service::{Shutdown, Stopped};
 use crate::telemetry;
 
 /// The most of a handler's error text kept on a message, in bytes.
 const MAX_ERROR_LEN: usize = 2000;
-
-/// How long a relay's writes wait for SQLite's write lock while the
-/// application's own calls hold it; as long as a call waits by default.
-const WRITE_LOCK_WAIT: InFlight = InFlight::Wait(Duration::seconds(5));
 
 /// Delivers outbox messages: claims due ones, hands each to a handler and
 /// records the outcome. Built with consuming builder methods:
@@ -31,11 +28,11 @@ const WRITE_LOCK_WAIT: InFlight = InFlight::Wait(Duration::seconds(5));
 /// | [`backoff`](Relay::backoff) | 1 second, doubling, at most 15 minutes |
 /// | [`retention`](Relay::retention) | 7 days for delivered messages |
 /// | [`clock`](Relay::clock) | the database's clock |
-/// | [`workers`](Relay::workers) | 1 thread for [`run`](Relay::run) |
-/// | [`poll_interval`](Relay::poll_interval) | 250 ms for [`run`](Relay::run) |
+/// | [`workers`](Relay::workers) | 1 thread for [`serve`](Relay::serve) |
+/// | [`poll_interval`](Relay::poll_interval) | 250 ms for [`serve`](Relay::serve) |
 ///
 /// A relay holds no connection and no state between runs. Start it as a
-/// background service with [`run`](Relay::run), which claims while messages
+/// background service with [`serve`](Relay::serve), which claims while messages
 /// are due and sleeps while none are, until stopped; or call
 /// [`run_once`](Relay::run_once) from a scheduler of your own. Any number of
 /// relays, in one process or several, may run over one database; see the
@@ -55,14 +52,14 @@ const WRITE_LOCK_WAIT: InFlight = InFlight::Wait(Duration::seconds(5));
 #[derive(Clone)]
 pub struct Relay {
     batch_size: usize,
-    pub(crate) lease: Duration,
+    pub(super) lease: Duration,
     max_attempts: u32,
     backoff_base: Duration,
     backoff_max: Duration,
     retention: Duration,
-    pub(crate) clock: Clock,
-    pub(crate) workers: usize,
-    pub(crate) poll_interval: std::time::Duration,
+    pub(super) clock: Clock,
+    pub(super) workers: usize,
+    pub(super) poll_interval: std::time::Duration,
 }
 
 impl Default for Relay {
@@ -120,7 +117,7 @@ impl Relay {
     /// How long claimed messages are reserved for this relay (default 30
     /// seconds), counted from the claim. When it runs out before the relay
     /// recorded an outcome, as when the relay died, another run claims the
-    /// message again. [`run`](Relay::run) gives up on a handler still
+    /// message again. [`serve`](Relay::serve) gives up on a handler still
     /// running at three quarters of it.
     ///
     /// # Panics
@@ -186,7 +183,7 @@ impl Relay {
         self
     }
 
-    /// How many threads [`run`](Relay::run) delivers on, each claiming
+    /// How many threads [`serve`](Relay::serve) delivers on, each claiming
     /// batches of its own on a pooled connection (default 1). One worker
     /// keeps each topic in enqueue order; several deliver in parallel and
     /// keep no order.
@@ -200,17 +197,17 @@ impl Relay {
         self
     }
 
-    /// How often [`run`](Relay::run) looks for due messages while none are
-    /// (default 250 ms): the longest a new message waits on SQLite and
+    /// How often [`serve`](Relay::serve) looks for due messages while none
+    /// are (default 250 ms): the longest a new message waits on SQLite and
     /// MySQL, and on PostgreSQL when a notification was missed. A retry whose
     /// backoff ends sooner wakes the relay at its due time instead.
     ///
     /// # Panics
     ///
-    /// If `poll_interval` is zero.
-    pub fn poll_interval(mut self, poll_interval: std::time::Duration) -> Self {
-        assert!(!poll_interval.is_zero(), "poll_interval must be positive");
-        self.poll_interval = poll_interval;
+    /// If `poll_interval` is not positive or longer than 100 years.
+    pub fn poll_interval(mut self, poll_interval: Duration) -> Self {
+        assert_duration(poll_interval, "poll_interval");
+        self.poll_interval = poll_interval.to_std().unwrap_or_default();
         self
     }
 
@@ -330,11 +327,116 @@ impl Relay {
         Ok(report)
     }
 
+    /// Delivers messages until `shutdown` is triggered: the relay as a
+    /// background service. Returns what it did.
+    ///
+    /// [`workers`](Relay::workers) threads each take a connection from
+    /// `pool` while they work and give it back while they sleep. A worker
+    /// claims as long as messages are due, then sleeps until the next one
+    /// is due, at most a [`poll_interval`](Relay::poll_interval). On
+    /// PostgreSQL a further pooled connection listens for the notification
+    /// each enqueue sends when it commits, and wakes the workers within
+    /// milliseconds; the notification only wakes them, polling is what
+    /// guarantees delivery. Give the pool `workers + 1` connections: the
+    /// listener keeps its own while the service runs, and on a smaller pool
+    /// the relay does not listen (it says so in a `warn` event) and finds
+    /// new messages by polling alone.
+    ///
+    /// A database error never ends the service: it is reported (a `tracing`
+    /// event, counted in [`Stopped::errors`]), and the worker tries again
+    /// after a pause that doubles from 100 ms up to 10 s, so it carries on by
+    /// itself once the database is back. The service's threads send their
+    /// `tracing` events where the calling thread sends its own: to its
+    /// subscriber, inside its current span.
+    ///
+    /// When `shutdown` is triggered no new claim is made; a handler that is
+    /// running finishes and its outcome is recorded, and the rest of its
+    /// batch is given back, due at once for the next relay. `serve` returns
+    /// when every worker has stopped.
+    ///
+    /// A panic in `handler` is a failed attempt of its message, as an `Err`
+    /// is, with the text `the handler panicked: ` and the panic's message as
+    /// its error: backed off, and parked as dead after
+    /// [`max_attempts`](Relay::max_attempts), while the worker goes on with
+    /// the next message. (The panic is still reported by the panic hook;
+    /// with `panic = "abort"` it ends the process, and the message counts
+    /// as an attempt cut short by a relay that died.)
+    ///
+    /// Each worker hands its messages to a handler thread of its own and
+    /// waits for it at most three quarters of the [`lease`](Relay::lease),
+    /// counted from the claim (the lease is never renewed). A handler still
+    /// running then is given up on: its attempt is recorded as failed (the
+    /// error text `the handler did not return within three quarters of the
+    /// lease; the attempt was given up`), backed off and parked as dead
+    /// after [`max_attempts`](Relay::max_attempts) like any other failure,
+    /// the rest of its batch is given back, due at once, and the worker goes
+    /// on with a new handler thread. A thread cannot be stopped from
+    /// outside, so the one given up on runs on until its handler returns;
+    /// what it returns then is dropped, and a message it did deliver late is
+    /// delivered again, as at-least-once allows (the consumer absorbs it by
+    /// the message's [`key`](Message::key)). While four such threads per
+    /// worker are still running, the service claims nothing more until one
+    /// of them has returned, and `serve` returns only once all of them have.
+    /// So choose the lease longer than a whole batch takes, and bound the
+    /// handler's own waits (a timeout on every call it makes).
+    ///
+    /// # Panics
+    ///
+    /// A panic outside the handler, such as in an injected
+    /// [`clock`](Relay::clock), ends its worker's thread and resumes here
+    /// once the other workers have stopped (trigger `shutdown` to stop
+    /// them).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use std::sync::mpsc;
+    /// use std::thread;
+    ///
+    /// use diesel::r2d2::{ConnectionManager, Pool};
+    /// use diesel::SqliteConnection;
+    /// use idempotency::outbox::{self, Relay};
+    /// use idempotency::Shutdown;
+    ///
+    /// # let db = idempotency::testing::SqliteFile::new();
+    /// # let url = db.path().to_str().ok_or("path is not utf-8")?.to_owned();
+    /// let pool = Pool::builder().max_size(2).build(ConnectionManager::<SqliteConnection>::new(url))?;
+    /// let shutdown = Shutdown::new();
+    /// let (delivered, received) = mpsc::channel();
+    ///
+    /// let service = {
+    ///     let (pool, shutdown) = (pool.clone(), shutdown.clone());
+    ///     thread::spawn(move || {
+    ///         Relay::default().serve(&pool, |message| delivered.send(message.topic.clone()), &shutdown)
+    ///     })
+    /// };
+    /// outbox::enqueue(&mut pool.get()?, "receipts", &42)?;
+    /// assert_eq!(received.recv()?, "receipts");
+    ///
+    /// shutdown.trigger();
+    /// let stopped = service.join().map_err(|_| "the relay panicked")?;
+    /// assert_eq!(stopped.work.delivered, 1);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn serve<C, E, F>(
+        &self,
+        pool: &Pool<ConnectionManager<C>>,
+        handler: F,
+        shutdown: &Shutdown,
+    ) -> Stopped<Deliveries>
+    where
+        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+        E: fmt::Display,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        workers::deliver(self, pool, handler, shutdown)
+    }
+
     /// One claim and its deliveries, counted into `report` as they are
     /// recorded, so that an error later in the batch keeps what was done
     /// before it. Once `stop` says so, the messages not yet handed over are
     /// given back, due at once for another relay.
-    pub(crate) fn pass<C, E, F>(
+    pub(super) fn pass<C, E, F>(
         &self,
         conn: &mut C,
         handler: &mut F,
@@ -397,8 +499,8 @@ impl Relay {
 
     /// The outbox's backlog now: pending messages, the age of the oldest,
     /// those due now, and dead ones. With the `metrics` feature it also sets
-    /// the backlog gauges (a running [`run`](Relay::run) refreshes them every
-    /// 10 seconds).
+    /// the backlog gauges (a running [`serve`](Relay::serve) refreshes them
+    /// every 10 seconds).
     ///
     /// # Errors
     ///
@@ -429,20 +531,7 @@ impl Relay {
     /// # }
     /// ```
     pub fn stats<C: StoreConnection>(&self, conn: &mut C) -> Result<Stats, Error> {
-        let conn = conn.raw();
-        let now = self.clock.now(conn)?;
-        let backlog = conn.backlog(now)?;
-        let count = |n: i64| u64::try_from(n).unwrap_or(0);
-        let stats = Stats {
-            pending: count(backlog.pending),
-            oldest_pending_age: backlog
-                .oldest_pending
-                .map(|oldest| (now - oldest).max(Duration::zero())),
-            due_now: count(backlog.due),
-            dead: count(backlog.dead),
-        };
-        telemetry::backlog(stats.pending, stats.due_now, stats.dead, stats.oldest_pending_age);
-        Ok(stats)
+        backlog::stats(conn, &self.clock)
     }
 
     /// Up to `limit` dead messages, oldest first.
@@ -470,18 +559,7 @@ impl Relay {
     where
         C: StoreConnection,
     {
-        let rows = conn.raw().dead_messages(limit)?;
-        Ok(rows
-            .into_iter()
-            .map(|row| DeadLetter {
-                id: row.id,
-                topic: row.topic,
-                payload_json: row.payload,
-                attempts: u32::try_from(row.attempts).unwrap_or(0),
-                last_error: row.last_error,
-                created_at: row.created_at,
-            })
-            .collect())
+        backlog::dead_letters(conn, limit)
     }
 
     /// Sends a dead message again: pending, due at once, with a fresh count
@@ -512,7 +590,7 @@ impl Relay {
     where
         C: StoreConnection,
     {
-        Ok(conn.raw().write(WRITE_LOCK_WAIT, |tx| tx.requeue(id))?)
+        backlog::requeue(conn, id)
     }
 
     /// Deletes every message delivered longer than

@@ -6,6 +6,7 @@ use std::ops::AddAssign;
 use std::panic::{self, AssertUnwindSafe};
 
 use chrono::{DateTime, Duration, Utc};
+use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use serde::de::DeserializeOwned;
 
 use super::steps::without_unfinished_call;
@@ -15,6 +16,7 @@ use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
 use crate::in_flight::InFlight;
 use crate::outcome::Outcome;
+use crate::service::{Next, Shutdown, Stopped, serve};
 use crate::telemetry;
 
 /// How long other completers pass over an operation one has picked, unless
@@ -73,7 +75,7 @@ fn resume_catching_panic<C: RawConnection>(
 /// | [`grace`](Completer::grace) | 5 minutes idle before an operation counts as abandoned |
 /// | [`max_attempts`](Completer::max_attempts) | 5 attempts, then parked |
 /// | [`batch_size`](Completer::batch_size) | 10 operations per pass |
-/// | [`poll_interval`](Completer::poll_interval) | 30 seconds between passes of [`run`](Completer::run) |
+/// | [`poll_interval`](Completer::poll_interval) | 30 seconds between passes of [`serve`](Completer::serve) |
 /// | [`clock`](Completer::clock) | the database's clock |
 ///
 /// An operation is abandoned when it is running, no attempt holds its
@@ -91,8 +93,8 @@ pub struct Completer<C> {
     operations: BTreeMap<String, Resume<C>>,
     grace: Duration,
     max_attempts: u32,
-    pub(crate) batch_size: usize,
-    pub(crate) poll_interval: std::time::Duration,
+    batch_size: usize,
+    poll_interval: std::time::Duration,
     clock: Clock,
 }
 
@@ -257,15 +259,15 @@ where
         self
     }
 
-    /// The pause between passes of [`run`](Completer::run) (default 30
+    /// The pause between passes of [`serve`](Completer::serve) (default 30
     /// seconds).
     ///
     /// # Panics
     ///
-    /// If `poll_interval` is zero.
-    pub fn poll_interval(mut self, poll_interval: std::time::Duration) -> Self {
-        assert!(!poll_interval.is_zero(), "poll_interval must be positive");
-        self.poll_interval = poll_interval;
+    /// If `poll_interval` is not positive or longer than 100 years.
+    pub fn poll_interval(mut self, poll_interval: Duration) -> Self {
+        assert_duration(poll_interval, "poll_interval");
+        self.poll_interval = poll_interval.to_std().unwrap_or_default();
         self
     }
 
@@ -371,6 +373,37 @@ where
             }
         }
         Ok(report)
+    }
+
+    /// Passes until `shutdown` is triggered, one every
+    /// [`poll_interval`](Completer::poll_interval) (at once again after a
+    /// full batch): the completer as a background service. A database
+    /// error is reported and counted in [`Stopped::errors`], and the
+    /// completer carries on after a pause that doubles from 100 ms up to
+    /// 10 s. An operation being resumed when `shutdown` is triggered
+    /// finishes first; a wait for a pooled connection ends at once. A panic
+    /// in a registered operation is a failed attempt of that operation, as
+    /// in [`run_once`](Completer::run_once), and the service goes on.
+    pub fn serve(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown) -> Stopped<Completions>
+    where
+        C: R2D2Connection + Send,
+    {
+        let stop = || shutdown.is_triggered();
+        serve(
+            "completer",
+            pool,
+            shutdown,
+            pool.connection_timeout(),
+            &stop,
+            |conn, done| {
+                let pass = self.run_once(&mut **conn)?;
+                *done += pass;
+                Ok(match pass.picked < self.batch_size {
+                    true => Next::Sleep(self.poll_interval),
+                    false => Next::Now,
+                })
+            },
+        )
     }
 
     /// Up to `limit` parked operations, oldest first: what waits for a

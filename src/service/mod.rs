@@ -1,19 +1,17 @@
-//! The background services and the one loop they all run.
+//! What every background service shares: the one loop they all run, the
+//! [`Shutdown`] that stops them and the [`Stopped`] they return.
 //!
-//! [`Relay::run`](crate::outbox::Relay::run) delivers outbox messages,
-//! [`Purger::run`] deletes what is past its retention and
-//! [`Completer::run`](crate::phased::Completer::run) finishes abandoned
-//! phased operations. Each is a loop of passes, and the loop is written
-//! once here: take a pooled connection, waiting in slices so that a
+//! [`Relay::serve`](crate::outbox::Relay::serve) delivers outbox messages,
+//! [`Purger::serve`](crate::Purger::serve) deletes what is past its
+//! retention and [`Completer::serve`](crate::phased::Completer::serve)
+//! finishes abandoned phased operations. Each lives beside the feature it
+//! serves and is a loop of passes, and the loop is written once here: take a pooled connection, waiting in slices so that a
 //! [`Shutdown`] is seen at once; run a pass; sleep as the pass asks, or
 //! until a wake; after an error, log its whole cause chain, count it, and
 //! back off from 100 ms, doubling up to 10 s, so that the service carries on
 //! by itself once the database is back. Every service returns what it did
 //! as one shape, [`Stopped`].
 
-mod completer;
-mod purger;
-mod relay;
 mod shutdown;
 
 use std::error::Error as StdError;
@@ -23,7 +21,6 @@ use std::time::{Duration, Instant};
 
 use diesel::r2d2::{ManageConnection, Pool, PoolError, PooledConnection};
 
-pub use purger::{Purged, Purger};
 pub use shutdown::Shutdown;
 
 use crate::telemetry;
@@ -42,7 +39,7 @@ use crate::telemetry;
 /// let pool = Pool::builder().max_size(1).build(ConnectionManager::<SqliteConnection>::new(url))?;
 /// let shutdown = Shutdown::new();
 /// shutdown.trigger();
-/// let stopped = Purger::default().run(&pool, &shutdown);
+/// let stopped = Purger::default().serve(&pool, &shutdown);
 /// assert_eq!((stopped.work.rounds, stopped.errors), (0, 0));
 /// # Ok(())
 /// # }
@@ -129,7 +126,7 @@ where
             Ok(Next::Now) => backoff.succeeded(),
             Ok(Next::Sleep(wait)) => {
                 backoff.succeeded();
-                shutdown.wait(wait);
+                shutdown.pause(wait);
             }
             Ok(Next::SleepOrWake(wait)) => {
                 backoff.succeeded();
@@ -140,7 +137,7 @@ where
                 stopped.errors += 1;
                 let wait = backoff.failed();
                 telemetry::service_error(name, &*error, wait);
-                shutdown.wait(wait);
+                shutdown.pause(wait);
             }
         }
     }

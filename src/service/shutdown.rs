@@ -4,9 +4,9 @@ use std::fmt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-/// Tells background services ([`Relay::run`](crate::outbox::Relay::run),
-/// [`Purger::run`](crate::Purger::run),
-/// [`Completer::run`](crate::phased::Completer::run)) to stop. Clones share one signal:
+/// Tells background services ([`Relay::serve`](crate::outbox::Relay::serve),
+/// [`Purger::serve`](crate::Purger::serve),
+/// [`Completer::serve`](crate::phased::Completer::serve)) to stop. Clones share one signal:
 /// keep one where the application shuts down (a signal handler, the end of
 /// `main`) and give clones to the services.
 ///
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 ///     let shutdown = shutdown.clone();
 ///     thread::spawn(move || {
 ///         while !shutdown.is_triggered() {
-///             shutdown.wait(std::time::Duration::from_secs(60));
+///             shutdown.wait(chrono::Duration::seconds(60));
 ///         }
 ///     })
 /// };
@@ -74,8 +74,15 @@ impl Shutdown {
     }
 
     /// Waits until the signal is triggered or `timeout` has passed; returns
-    /// whether it was triggered.
-    pub fn wait(&self, timeout: Duration) -> bool {
+    /// whether it was triggered. A `timeout` that is not positive waits for
+    /// nothing.
+    pub fn wait(&self, timeout: chrono::Duration) -> bool {
+        self.pause(timeout.to_std().unwrap_or_default())
+    }
+
+    /// [`wait`](Shutdown::wait) on the monotonic clock's durations, which
+    /// the services' own loops count in.
+    pub(crate) fn pause(&self, timeout: Duration) -> bool {
         self.wait_until(timeout, |_| false)
     }
 

@@ -81,7 +81,7 @@ fn the_relay_service_delivers_every_tenants_messages_once_without_notify() {
     let relay = Relay::default()
         .workers(2)
         .batch_size(5)
-        .poll_interval(StdDuration::from_millis(20));
+        .poll_interval(Duration::milliseconds(20));
     let shutdown = Shutdown::new();
     let delivered = Mutex::new(BTreeMap::new());
     let duplicates = AtomicUsize::new(0);
@@ -100,7 +100,7 @@ fn the_relay_service_delivers_every_tenants_messages_once_without_notify() {
     };
     let stopped = thread::scope(|scope| {
         let _stop = wait::StopOnDrop(&shutdown);
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         for i in 0..DURING {
             let tenant = &tenants[i % tenants.len()];
             let key = format!("during-{i}");

@@ -513,14 +513,14 @@ fn services_stop_at_once_while_the_database_is_unreachable() {
     let (stopped, stops) = mpsc::channel();
     let services = [
         spawn_service("relay", &stopped, |pool, shutdown| {
-            let relay = Relay::default().poll_interval(std::time::Duration::from_secs(60));
-            relay.run(&pool, |_: &Message| Ok::<_, String>(()), shutdown);
+            let relay = Relay::default().poll_interval(chrono::Duration::seconds(60));
+            relay.serve(&pool, |_: &Message| Ok::<_, String>(()), shutdown);
         }),
         spawn_service("purger", &stopped, |pool, shutdown| {
-            Purger::default().run(&pool, shutdown);
+            Purger::default().serve(&pool, shutdown);
         }),
         spawn_service("completer", &stopped, |pool, shutdown| {
-            Completer::<PgConnection>::new().run(&pool, shutdown);
+            Completer::<PgConnection>::new().serve(&pool, shutdown);
         }),
     ];
     let mut stopped_services: Vec<&str> = (0..services.len())

@@ -31,7 +31,7 @@ fn purger_beside_live_traffic_fails_no_call_and_purges_only_expired_records<D: T
     let pool = db.pool(THREADS as u32 + 1);
     let (clock, config) = kept_an_hour();
     let purger = Purger::default()
-        .interval(StdDuration::from_millis(5))
+        .interval(Duration::milliseconds(5))
         .batch_size(10)
         .config(config.clone());
     let shutdown = Shutdown::new();
@@ -58,7 +58,7 @@ fn purger_beside_live_traffic_fails_no_call_and_purges_only_expired_records<D: T
 
     let purged: Stopped<Purged> = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
-        let service = scope.spawn(|| purger.run(&pool, &shutdown));
+        let service = scope.spawn(|| purger.serve(&pool, &shutdown));
         for t in 0..THREADS {
             let (call, phase, retried_old, failures) = (&call, &phase, &retried_old, &failures);
             scope.spawn(move || {
@@ -144,14 +144,14 @@ fn purger_deletes_delivered_messages_after_retention_and_stops_at_once<D: TestDb
     // An hour between rounds: the first round runs at once, and the
     // trigger ends the wait for the second.
     let purger = Purger::default()
-        .interval(StdDuration::from_secs(3600))
+        .interval(Duration::seconds(3600))
         .batch_size(10)
         .config(Config::default().clock(clock.source()))
         .message_retention(Duration::days(7));
     let shutdown = Shutdown::new();
     let purged = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
-        let service = scope.spawn(|| purger.run(&pool, &shutdown));
+        let service = scope.spawn(|| purger.serve(&pool, &shutdown));
         wait_for("the delivered messages purged", || {
             D::outbox_messages(&mut conn).len() == 2
         });
@@ -197,7 +197,7 @@ fn purger_stops_between_batches_once_shutdown_is_triggered<D: TestDb>() {
         now()
     });
     let purger = Purger::default().batch_size(1).config(triggering);
-    let purged = purger.run(&pool, &shutdown);
+    let purged = purger.serve(&pool, &shutdown);
     assert_eq!(
         (purged.work.rounds, purged.work.keys),
         (1, 1),

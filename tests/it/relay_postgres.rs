@@ -29,7 +29,7 @@ use crate::common::wait::{self, PATIENCE, StopOnDrop, wait_for};
 
 /// The relays' poll interval in the wake-up tests: far longer than a test
 /// waits, so a message that arrives came through a notification.
-const POLL_INTERVAL: Duration = Duration::from_secs(120);
+const POLL_INTERVAL: chrono::Duration = chrono::Duration::seconds(120);
 
 /// How long a woken relay may take to deliver. Wide on purpose: it holds on
 /// a loaded machine running the whole suite at once, and is still a
@@ -75,7 +75,7 @@ fn relay_is_woken_by_each_commit_long_before_its_poll_interval() {
 
     thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         // The relay's first look may find the first message without a
         // notification; every later one only a notification brings in time.
         for round in 0..4 {
@@ -209,7 +209,7 @@ fn relay_rides_out_a_server_restart_and_loses_no_committed_message() {
     let relay = Relay::default()
         .workers(WORKERS)
         .lease(chrono::Duration::seconds(2))
-        .poll_interval(Duration::from_millis(20));
+        .poll_interval(chrono::Duration::milliseconds(20));
     let shutdown = Shutdown::new();
     let delivered = Mutex::new(HashSet::new());
     let (tx, deliveries) = mpsc::channel::<String>();
@@ -226,7 +226,7 @@ fn relay_rides_out_a_server_restart_and_loses_no_committed_message() {
     let summary = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
         let _stop_producing = ClearOnDrop(&producing);
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         // Enqueues at a steady pace on a connection of its own, and
         // reconnects and carries on after its own errors. Only an enqueue
         // that returned its id is known to have committed.
@@ -306,11 +306,10 @@ fn relay_returns_with_the_panic_of_its_only_worker() {
         let (pool, shutdown) = (pool.clone(), shutdown.clone());
         thread::spawn(move || {
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                Relay::default().workers(1).clock(|| panic!("a bug in the clock")).run(
-                    &pool,
-                    |_: &Message| Ok::<_, String>(()),
-                    &shutdown,
-                )
+                Relay::default()
+                    .workers(1)
+                    .clock(|| panic!("a bug in the clock"))
+                    .serve(&pool, |_: &Message| Ok::<_, String>(()), &shutdown)
             }));
             ended.send(run.is_err()).expect("the test waits");
         })
@@ -339,8 +338,8 @@ fn purger_sharing_the_relays_shutdown_is_not_woken_by_enqueues() {
     let started = Instant::now();
     let (relayed, purged) = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
-        let relayed = scope.spawn(|| relay.run(&pool, handler, &shutdown));
-        let purged = scope.spawn(|| purger.run(&pool, &shutdown));
+        let relayed = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
+        let purged = scope.spawn(|| purger.serve(&pool, &shutdown));
         // The first may be found by the relay's first look; the second
         // only a notification brings in time, so the listener listens.
         for n in 0..2 + MESSAGES {
@@ -356,7 +355,7 @@ fn purger_sharing_the_relays_shutdown_is_not_woken_by_enqueues() {
     let elapsed = started.elapsed();
 
     assert_eq!(relayed.work.delivered, 2 + MESSAGES, "{relayed:?}");
-    let bound = (elapsed.as_secs_f64() / POLL_INTERVAL.as_secs_f64()) as usize + 1;
+    let bound = (elapsed.as_secs_f64() / POLL_INTERVAL.as_seconds_f64()) as usize + 1;
     assert!(
         purged.work.rounds <= bound,
         "{} purger rounds in {elapsed:?} at one every {POLL_INTERVAL:?}",

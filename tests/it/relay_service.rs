@@ -1,4 +1,4 @@
-//! The relay as a service: `Relay::run` delivers what is due until it is
+//! The relay as a service: `Relay::serve` delivers what is due until it is
 //! stopped, sleeps until the next due time, stops without losing what it
 //! had claimed, and `Relay::stats` reports the backlog.
 //!
@@ -69,7 +69,7 @@ fn messages_enqueued_before_and_during_the_run_are_each_delivered_once<D: TestDb
     let relay = Relay::default()
         .workers(WORKERS)
         .batch_size(5)
-        .poll_interval(StdDuration::from_millis(20));
+        .poll_interval(Duration::milliseconds(20));
     let shutdown = Shutdown::new();
     let delivered = Mutex::new(HashSet::new());
     let duplicates = AtomicUsize::new(0);
@@ -82,7 +82,7 @@ fn messages_enqueued_before_and_during_the_run_are_each_delivered_once<D: TestDb
     let handler = |message: &Message| {
         if handed.fetch_add(1, Ordering::SeqCst) < WORKERS {
             arrived.send(()).expect("the test listens");
-            all_arrived.wait(PATIENCE);
+            all_arrived.wait(Duration::from_std(PATIENCE).expect("a patience chrono holds"));
         }
         if !delivered.lock().expect("delivered").insert(message.id.clone()) {
             duplicates.fetch_add(1, Ordering::SeqCst);
@@ -93,7 +93,7 @@ fn messages_enqueued_before_and_during_the_run_are_each_delivered_once<D: TestDb
 
     let summary = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         for _ in 0..WORKERS {
             arrivals
                 .recv_timeout(PATIENCE)
@@ -145,7 +145,7 @@ fn failed_delivery_is_not_claimed_before_its_backoff_ends<D: TestDb>() {
     let relay = Relay::default()
         .clock(clock.source())
         .backoff(backoff, backoff)
-        .poll_interval(StdDuration::from_millis(10));
+        .poll_interval(Duration::milliseconds(10));
     let failing = outbox::enqueue(&mut conn, "webhooks", &"fails once").expect("enqueue");
     let shutdown = Shutdown::new();
     let (tx, handed) = mpsc::channel::<Handed>();
@@ -162,7 +162,7 @@ fn failed_delivery_is_not_claimed_before_its_backoff_ends<D: TestDb>() {
 
     let summary = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         assert_eq!(next(), (failing.clone(), 1));
         // Delivered in a later pass than the failure, so the failure has
         // been recorded, at the clock's time, when this arrives.
@@ -192,7 +192,7 @@ fn delayed_message_is_not_claimed_before_its_not_before_time<D: TestDb>() {
     let clock = ManualClock::new();
     let relay = Relay::default()
         .clock(clock.source())
-        .poll_interval(StdDuration::from_millis(10));
+        .poll_interval(Duration::milliseconds(10));
     let delay = Duration::hours(3);
     let delayed =
         outbox::enqueue_at(&mut conn, "reminders", &"invoice 7 is due", clock.now() + delay).expect("enqueue");
@@ -207,7 +207,7 @@ fn delayed_message_is_not_claimed_before_its_not_before_time<D: TestDb>() {
 
     thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         let probe = outbox::enqueue(&mut conn, "reminders", &"probe").expect("enqueue");
         assert_eq!(next(), (probe, 1), "a delayed message is not due at once");
 
@@ -231,7 +231,7 @@ fn relay_sleeps_until_the_next_due_time_rather_than_its_poll_interval<D: TestDb>
     let wait = Duration::milliseconds(300);
     // Far longer than the test waits for any delivery: a relay that slept
     // for its poll interval would make the test fail.
-    let poll_interval = StdDuration::from_secs(120);
+    let poll_interval = Duration::seconds(120);
     let relay = Relay::default()
         .lease(lease)
         .backoff(wait, wait)
@@ -257,7 +257,7 @@ fn relay_sleeps_until_the_next_due_time_rather_than_its_poll_interval<D: TestDb>
 
     thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         let (id, attempt, first_claim) = next();
         assert_eq!((id.as_str(), attempt), (failing.as_str(), 1));
         let mut rest = vec![next(), next()];
@@ -307,7 +307,7 @@ fn stopping_lets_the_running_handler_finish_and_gives_the_rest_of_the_batch_back
 
     let summary: Stopped<Deliveries> = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         assert_eq!(handler_started.recv_timeout(PATIENCE).expect("a delivery"), ids[0]);
         // The whole batch is claimed and the first handler is blocked.
         shutdown.trigger();
@@ -436,7 +436,7 @@ fn database_error_mid_batch_keeps_the_batch_deliveries_in_the_summary<D: TestDb>
     let summary = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
         scope
-            .spawn(|| relay.run(&pool, handler, &shutdown))
+            .spawn(|| relay.serve(&pool, handler, &shutdown))
             .join()
             .expect("the relay does not panic")
     });
@@ -465,13 +465,13 @@ fn relay_on_a_pool_of_one_connection_delivers_without_errors<D: TestDb>() {
     // No connection to spare for a listener on PostgreSQL.
     let pool = db.pool(1);
     let mut conn = db.conn();
-    let relay = Relay::default().poll_interval(StdDuration::from_millis(20));
+    let relay = Relay::default().poll_interval(Duration::milliseconds(20));
     let shutdown = Shutdown::new();
     let (tx, delivered) = mpsc::channel();
     let handler = |message: &Message| tx.send(message.id.clone()).map_err(|e| e.to_string());
     let summary = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         for i in 0..3 {
             let id = outbox::enqueue(&mut conn, "receipts", &i).expect("enqueue");
             assert_eq!(delivered.recv_timeout(PATIENCE).expect("delivered"), id);
@@ -491,14 +491,14 @@ fn relay_with_a_clock_behind_the_database_delivers_at_once<D: TestDb>() {
     let behind = ManualClock::at(Utc::now() - Duration::hours(1));
     let relay = Relay::default()
         .clock(behind.source())
-        .poll_interval(StdDuration::from_millis(50));
+        .poll_interval(Duration::milliseconds(50));
     let id = outbox::enqueue(&mut db.conn(), "receipts", &1).expect("enqueue");
     let (sender, received) = mpsc::channel();
     let shutdown = Shutdown::new();
     let summary = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
         let service = scope.spawn(|| {
-            relay.run(
+            relay.serve(
                 &pool,
                 |message: &Message| sender.send(message.id.clone()).map_err(|e| e.to_string()),
                 &shutdown,
@@ -530,7 +530,7 @@ fn panicking_handler_fails_its_message_while_the_others_are_delivered<D: TestDb>
         .lease(Duration::seconds(1))
         .max_attempts(MAX_ATTEMPTS)
         .backoff(Duration::milliseconds(10), Duration::milliseconds(40))
-        .poll_interval(StdDuration::from_millis(10));
+        .poll_interval(Duration::milliseconds(10));
     let shutdown = Shutdown::new();
     let (delivered, poisoned) = (AtomicUsize::new(0), AtomicUsize::new(0));
     let handler = |message: &Message| {
@@ -544,7 +544,7 @@ fn panicking_handler_fails_its_message_while_the_others_are_delivered<D: TestDb>
 
     let stopped = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         wait_for("the other messages delivered and the poison message dead", || {
             status_count::<D>(&mut conn, "delivered") == OTHERS && status_count::<D>(&mut conn, "dead") == 1
         });
@@ -600,7 +600,7 @@ fn hanging_handler_is_given_up_within_its_lease_while_the_others_are_delivered<D
         .lease(Duration::seconds(1))
         .max_attempts(MAX_ATTEMPTS)
         .backoff(Duration::milliseconds(10), Duration::milliseconds(40))
-        .poll_interval(StdDuration::from_millis(10));
+        .poll_interval(Duration::milliseconds(10));
     let shutdown = Shutdown::new();
     let (delivered, hangs, returned) = (AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0));
     // Never sent on: the handler blocks until the test drops the sender.
@@ -620,7 +620,7 @@ fn hanging_handler_is_given_up_within_its_lease_while_the_others_are_delivered<D
     let stopped = thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
         let release = release;
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         wait_for("the other messages delivered and the hanging message dead", || {
             status_count::<D>(&mut conn, "delivered") == OTHERS && status_count::<D>(&mut conn, "dead") == 1
         });
@@ -686,7 +686,7 @@ fn worker_claims_nothing_while_four_handlers_it_gave_up_on_still_run<D: TestDb>(
         .batch_size(1)
         .lease(Duration::milliseconds(300))
         .max_attempts(1)
-        .poll_interval(StdDuration::from_millis(10));
+        .poll_interval(Duration::milliseconds(10));
     let shutdown = Shutdown::new();
     let released = AtomicUsize::new(0);
     let (release, blocked) = mpsc::channel::<()>();
@@ -704,7 +704,7 @@ fn worker_claims_nothing_while_four_handlers_it_gave_up_on_still_run<D: TestDb>(
     thread::scope(|scope| {
         let _stop = StopOnDrop(&shutdown);
         let release = release;
-        let service = scope.spawn(|| relay.run(&pool, handler, &shutdown));
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
         wait_for("the hanging messages given up on", || {
             status_count::<D>(&mut conn, "dead") == HANGING
         });

@@ -414,7 +414,7 @@ fn relay_and_purge_decisions_are_events_without_payload_text<D: TestDb>() {
     let pool = db.pool(2);
     let shutdown = Shutdown::new();
     thread::scope(|scope| {
-        let service = scope.spawn(|| capture.run(|| Relay::default().run(&pool, |_| Ok::<_, String>(()), &shutdown)));
+        let service = scope.spawn(|| capture.run(|| Relay::default().serve(&pool, |_| Ok::<_, String>(()), &shutdown)));
         let deadline = Instant::now() + PATIENCE;
         while capture.events("database error; retrying").is_empty() {
             if Instant::now() > deadline {
@@ -481,7 +481,7 @@ fn relay_on_a_pool_without_a_connection_to_spare_says_it_does_not_listen<D: Test
     let shutdown = Shutdown::new();
     shutdown.trigger();
     let pool = db.pool(1);
-    capture.run(|| Relay::default().run(&pool, |_| Ok::<_, String>(()), &shutdown));
+    capture.run(|| Relay::default().serve(&pool, |_| Ok::<_, String>(()), &shutdown));
     let warned = capture.events(
         "no pooled connection to spare for the listener (it needs workers + 1); new messages wait for the poll interval",
     );
@@ -531,9 +531,9 @@ fn services_log_the_whole_cause_of_a_database_error<D: TestDb>() {
     for (service, table) in services {
         let capture = Capture::default();
         let event = first_service_error(&capture, |shutdown| match service {
-            "purger" => drop(Purger::default().run(&pool, shutdown)),
-            "completer" => drop(Completer::<D::Conn>::new().run(&pool, shutdown)),
-            _ => drop(Relay::default().run(&pool, |_| Ok::<_, String>(()), shutdown)),
+            "purger" => drop(Purger::default().serve(&pool, shutdown)),
+            "completer" => drop(Completer::<D::Conn>::new().serve(&pool, shutdown)),
+            _ => drop(Relay::default().serve(&pool, |_| Ok::<_, String>(()), shutdown)),
         });
         assert_eq!((event.level, event.field("service")), (Level::WARN, service));
         // The database's own message names the missing table; the crate's

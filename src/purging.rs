@@ -1,15 +1,18 @@
-//! The background purger: retention that takes care of itself.
+//! Purging as a service: the [`Purger`] runs
+//! [`Config::purge_expired`] and
+//! [`Relay::purge_delivered`](crate::outbox::Relay::purge_delivered) on a
+//! schedule, so that retention takes care of itself.
 
 use std::ops::AddAssign;
-use std::time::Duration;
 
+use chrono::Duration;
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 
-use super::{Next, Shutdown, Stopped, serve};
 use crate::backend::StoreConnection;
 use crate::clock::assert_duration;
 use crate::config::Config;
 use crate::outbox;
+use crate::service::{Next, Shutdown, Stopped, serve};
 
 /// Deletes expired key records, completed phased operations past their
 /// retention and delivered outbox messages in the background until
@@ -32,8 +35,8 @@ use crate::outbox;
 /// ```
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use std::thread;
-/// use std::time::Duration;
 ///
+/// use chrono::Duration;
 /// use diesel::r2d2::{ConnectionManager, Pool};
 /// use diesel::SqliteConnection;
 /// use idempotency::{Purger, Shutdown};
@@ -44,7 +47,7 @@ use crate::outbox;
 /// let shutdown = Shutdown::new();
 /// let purger = {
 ///     let (pool, shutdown) = (pool.clone(), shutdown.clone());
-///     thread::spawn(move || Purger::default().interval(Duration::from_secs(300)).run(&pool, &shutdown))
+///     thread::spawn(move || Purger::default().interval(Duration::minutes(5)).serve(&pool, &shutdown))
 /// };
 /// // ... the service runs ...
 /// shutdown.trigger();
@@ -55,16 +58,16 @@ use crate::outbox;
 /// ```
 #[derive(Debug, Clone)]
 pub struct Purger {
-    interval: Duration,
+    interval: std::time::Duration,
     batch_size: usize,
     config: Config,
-    message_retention: chrono::Duration,
+    message_retention: Duration,
 }
 
 impl Default for Purger {
     fn default() -> Self {
         Purger {
-            interval: Duration::from_secs(60),
+            interval: std::time::Duration::from_secs(60),
             batch_size: 1_000,
             config: Config::default(),
             message_retention: outbox::DEFAULT_RETENTION,
@@ -97,10 +100,10 @@ impl Purger {
     ///
     /// # Panics
     ///
-    /// If `interval` is zero.
+    /// If `interval` is not positive or longer than 100 years.
     pub fn interval(mut self, interval: Duration) -> Self {
-        assert!(!interval.is_zero(), "interval must be positive");
-        self.interval = interval;
+        assert_duration(interval, "interval");
+        self.interval = interval.to_std().unwrap_or_default();
         self
     }
 
@@ -132,7 +135,7 @@ impl Purger {
     /// # Panics
     ///
     /// If `retention` is not positive or longer than 100 years.
-    pub fn message_retention(mut self, retention: chrono::Duration) -> Self {
+    pub fn message_retention(mut self, retention: Duration) -> Self {
         assert_duration(retention, "message_retention");
         self.message_retention = retention;
         self
@@ -145,7 +148,7 @@ impl Purger {
     /// purger never stops on its own. A batch that runs when `shutdown` is
     /// triggered finishes, and the purger stops after it; a wait for a
     /// pooled connection ends at once.
-    pub fn run<C>(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown) -> Stopped<Purged>
+    pub fn serve<C>(&self, pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown) -> Stopped<Purged>
     where
         C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
     {

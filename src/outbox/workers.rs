@@ -1,0 +1,215 @@
+//! The relay as a background service: workers that deliver while messages
+//! are due and sleep while none are, and on PostgreSQL a listener that
+//! wakes them when an enqueue commits.
+
+use std::cell::Cell;
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread;
+use std::time::Instant;
+
+use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
+use tracing::{Dispatch, Span};
+
+use super::handler::{Attempts, traced};
+use super::{Deliveries, Error, Message, Relay};
+use crate::backend::StoreConnection;
+use crate::backend::outbox::{Due, OutboxStore};
+use crate::service::{Next, Shutdown, Stopped, serve};
+use crate::telemetry;
+
+/// How long a service waits for a pooled connection before it looks at its
+/// shutdown signal again.
+const CHECKOUT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How often a listening connection is asked for notifications. Asking
+/// reads the socket without a round trip.
+const LISTEN_POLL: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// How often the service's first worker refreshes the backlog gauges.
+const STATS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// [`Relay::serve`]: `relay.workers` threads delivering with `handler`
+/// from `pool` until `shutdown`, and the listener that wakes them where the
+/// backend announces new messages.
+pub(super) fn deliver<C, E, F>(
+    relay: &Relay,
+    pool: &Pool<ConnectionManager<C>>,
+    handler: F,
+    shutdown: &Shutdown,
+) -> Stopped<Deliveries>
+where
+    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+    E: fmt::Display,
+    F: Fn(&Message) -> Result<(), E> + Sync,
+{
+    // The service's threads report where the caller's thread does: to
+    // its subscriber (also one set with `with_default`), inside its
+    // current span.
+    let dispatch = tracing::dispatcher::get_default(Dispatch::clone);
+    let span = Span::current();
+    // The listener keeps its connection while the service runs: on a
+    // pool that cannot spare one besides the workers' it would take the
+    // one they need, so there they find new messages by polling alone.
+    let announces = announces::<C>();
+    let listens = announces && pool.max_size() as usize > relay.workers;
+    if announces && !listens {
+        telemetry::relay::not_listening(pool.max_size(), relay.workers);
+    }
+    // The listener serves the workers: it stops with the last of them,
+    // also when a panic ended them before `shutdown` was triggered.
+    let working = AtomicUsize::new(relay.workers);
+    let stopped = || shutdown.is_triggered() || working.load(Ordering::SeqCst) == 0;
+    // Handlers their workers gave up on, still running.
+    let abandoned = AtomicUsize::new(0);
+    let stops: Vec<thread::Result<Stopped<Deliveries>>> = thread::scope(|scope| {
+        let work = |worker: usize| {
+            let mut attempts = Attempts::new(scope, &handler, &dispatch, &span, &abandoned);
+            let mut stats_due = Instant::now();
+            let patience = relay.poll_interval.max(CHECKOUT_WAIT);
+            let stop = || shutdown.is_triggered();
+            serve("relay", pool, shutdown, patience, &stop, |conn, done| {
+                let conn: &mut C = conn;
+                if worker == 0 && Instant::now() >= stats_due {
+                    // Keeps the backlog gauges current for monitoring.
+                    stats_due = Instant::now() + STATS_EVERY;
+                    relay.stats(conn)?;
+                }
+                Ok(step(relay, conn, &mut attempts, shutdown, done)?)
+            })
+        };
+        if listens {
+            scope.spawn(|| traced(&dispatch, &span, || listen(pool, shutdown, &stopped)));
+        }
+        let workers: Vec<_> = (0..relay.workers)
+            .map(|worker| {
+                let (dispatch, span, working) = (&dispatch, &span, &working);
+                scope.spawn(move || {
+                    let _leaving = Leaving(working);
+                    traced(dispatch, span, || work(worker))
+                })
+            })
+            .collect();
+        workers.into_iter().map(|worker| worker.join()).collect()
+    });
+    let mut total = Stopped::default();
+    for stopped in stops {
+        match stopped {
+            Ok(stopped) => total += stopped,
+            Err(payload) => std::panic::resume_unwind(payload),
+        }
+    }
+    total
+}
+
+/// Delivers one batch if a message is due, counted into `done`;
+/// otherwise says how long to sleep.
+fn step<C, E, F>(
+    relay: &Relay,
+    conn: &mut C,
+    attempts: &mut Attempts<'_, '_, F>,
+    shutdown: &Shutdown,
+    done: &mut Deliveries,
+) -> Result<Next, Error>
+where
+    C: StoreConnection,
+    E: fmt::Display,
+    F: Fn(&Message) -> Result<(), E> + Sync,
+{
+    if attempts.too_many_abandoned(relay.workers) {
+        return Ok(Next::Sleep(relay.poll_interval));
+    }
+    let conn = conn.raw();
+    let now = relay.clock.now(conn)?;
+    match conn.next_due()? {
+        Some(Due::At(due)) if due > now => {
+            let until_due = (due - now).to_std().unwrap_or_default();
+            return Ok(Next::SleepOrWake(until_due.min(relay.poll_interval)));
+        }
+        None => return Ok(Next::SleepOrWake(relay.poll_interval)),
+        Some(Due::Now | Due::At(_)) => {}
+    }
+    // The claim's lease runs from about now. An attempt is given up
+    // once three quarters of it have passed, so that its failure is
+    // recorded while the lease still holds, before another worker may
+    // claim the message again.
+    let give_up_at = relay
+        .lease
+        .to_std()
+        .ok()
+        .and_then(|lease| Instant::now().checked_add(lease.mul_f64(0.75)));
+    let gave_up = Cell::new(false);
+    let mut report = Deliveries::default();
+    let passed = relay.pass(
+        conn,
+        &mut |message: &Message| {
+            attempts.hand_over(message, give_up_at).unwrap_or_else(|abandoned| {
+                gave_up.set(true);
+                Err(abandoned)
+            })
+        },
+        // After an attempt given up on, the rest of the batch is given
+        // back, due at once, rather than reached after its lease.
+        &|| shutdown.is_triggered() || gave_up.get(),
+        &mut report,
+    );
+    *done += report;
+    passed?;
+    Ok(if report.claimed == 0 {
+        // Due, but another relay claimed it first.
+        Next::SleepOrWake(relay.poll_interval)
+    } else {
+        Next::Now
+    })
+}
+
+/// Listens for announced messages and wakes the workers, on backends
+/// that announce them, until `stopped`; reconnects after a lost
+/// connection.
+fn listen<C>(pool: &Pool<ConnectionManager<C>>, shutdown: &Shutdown, stopped: &dyn Fn() -> bool)
+where
+    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+{
+    serve("relay listener", pool, shutdown, CHECKOUT_WAIT, stopped, |conn, ()| {
+        Ok(match listen_on(&mut **conn, shutdown, stopped)? {
+            true => Next::Now,
+            false => Next::Stop,
+        })
+    });
+}
+
+/// Listens on `conn` and wakes the workers at every announcement until
+/// `stopped`; `false` at once where the backend announces nothing.
+fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown, stopped: &dyn Fn() -> bool) -> Result<bool, Error> {
+    let conn = conn.raw();
+    if !conn.listen()? {
+        return Ok(false);
+    }
+    // Wakes once now: a message committed before LISTEN took effect was
+    // announced to nobody.
+    shutdown.wake();
+    while !stopped() {
+        if conn.announced()? {
+            shutdown.wake();
+        }
+        shutdown.pause(LISTEN_POLL);
+    }
+    conn.unlisten()?;
+    Ok(true)
+}
+
+/// Counts a worker out when its thread ends, by return or by panic.
+struct Leaving<'a>(&'a AtomicUsize);
+
+impl Drop for Leaving<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Whether connections of type `C` announce new messages to listeners.
+/// (Generic over any `StoreConnection`, where `C::Raw` stays a projection
+/// whose bounds the compiler knows.)
+fn announces<C: StoreConnection>() -> bool {
+    <C::Raw as OutboxStore>::ANNOUNCES
+}
