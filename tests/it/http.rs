@@ -975,8 +975,16 @@ fn in_flight_wait_zero_rejects_at_once() {
         args(&[]).expect("parse").in_flight,
         InFlight::Wait(chrono::Duration::seconds(5))
     );
-    assert!(args(&["--in-flight-wait", "-1"]).is_err());
-    assert!(args(&["--port", "80"]).is_err());
+    let negative = args(&["--in-flight-wait", "-1"]);
+    assert!(
+        matches!(&negative, Err(message) if message.starts_with("--in-flight-wait: invalid digit")),
+        "{negative:?}"
+    );
+    let unknown = args(&["--port", "80"]);
+    assert!(
+        matches!(&unknown, Err(message) if message.starts_with("unknown argument --port\nusage: http_orders")),
+        "{unknown:?}"
+    );
 }
 
 /// The parts of `idempotency::http` that the service leaves out, on a
