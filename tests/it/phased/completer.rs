@@ -17,7 +17,7 @@ fn completer_finishes_an_abandoned_operation<D: RideDb>() {
     let clock = ManualClock::new();
     let rides = Rides::new(&db, create_ride(&clock));
     rides.provider.then(Behaviour::FailBefore);
-    assert!(rides.create(&mut conn, KEY, &ada()).is_err(), "the client went away");
+    assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
 
     let completer = rides.completer().clock(clock.source());
     assert_eq!(completer.run_once(&mut conn).expect("a pass"), Completions::default());
@@ -43,7 +43,7 @@ fn completer_leaves_operations_without_a_stored_request_to_their_clients<D: Ride
     let clock = ManualClock::new();
     let rides = Rides::new(&db, create_ride(&clock).store_requests(false));
     rides.provider.then(Behaviour::FailBefore);
-    assert!(rides.create(&mut conn, KEY, &ada()).is_err(), "the client went away");
+    assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
 
     clock.advance(Duration::minutes(10));
     let completer = rides.completer().clock(clock.source());
@@ -64,7 +64,7 @@ fn completer_racing_client_retries_finishes_each_operation_once<D: RideDb>() {
     let keys: Vec<String> = (0..OPERATIONS).map(|i| format!("ride-{i}")).collect();
     for key in &keys {
         rides.provider.then(Behaviour::FailBefore);
-        assert!(rides.create(&mut db.conn(), key, &ada()).is_err(), "abandoned");
+        assert_provider_unavailable(rides.create(&mut db.conn(), key, &ada()));
     }
     clock.advance(Duration::minutes(5));
 
@@ -168,7 +168,7 @@ fn completer_parks_after_max_attempts_and_requeue_brings_it_back<D: RideDb>() {
     let rides = Rides::new(&db, create_ride(&clock));
     let completer = rides.completer().clock(clock.source()).max_attempts(2);
     rides.provider.then(Behaviour::FailBefore).then(Behaviour::FailBefore);
-    assert!(rides.create(&mut conn, KEY, &ada()).is_err(), "attempt 1");
+    assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
 
     clock.advance(Duration::minutes(5));
     let report = completer.run_once(&mut conn).expect("a pass");
@@ -219,7 +219,7 @@ fn completer_retries_a_failed_operation_once_its_grace_ran_out<D: RideDb>() {
     let rides = Rides::new(&db, create_ride(&clock));
     let completer = rides.completer().clock(clock.source()).grace(Duration::minutes(1));
     rides.provider.then(Behaviour::FailBefore).then(Behaviour::FailBefore);
-    assert!(rides.create(&mut conn, KEY, &ada()).is_err(), "the client went away");
+    assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
 
     clock.advance(Duration::minutes(1));
     let report = completer.run_once(&mut conn).expect("a pass");

@@ -129,7 +129,7 @@ fn another_request_under_the_same_key_is_a_mismatch<D: RideDb>() {
     let rides = Rides::new(&db, Phased::new(OPERATION));
     let dearer = NewRide { cents: 25_00, ..ada() };
     rides.provider.then(Behaviour::FailBefore);
-    assert!(rides.create(&mut conn, KEY, &ada()).is_err(), "running, not finished");
+    assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
     let running = rides.create(&mut conn, KEY, &dearer);
     assert!(matches!(running, Err(Error::Mismatch)), "{running:?}");
 

@@ -14,15 +14,9 @@ fn provider_horizon_parks_the_operation_for_a_person<D: RideDb>() {
     let clock = ManualClock::new();
     let rides = Rides::new(&db, create_ride(&clock).provider_horizon(Duration::hours(1)));
     rides.provider.then(Behaviour::FailBefore).then(Behaviour::FailBefore);
-    assert!(
-        rides.create(&mut conn, KEY, &ada()).is_err(),
-        "the call was made and failed"
-    );
+    assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
     clock.advance(Duration::minutes(59));
-    assert!(
-        rides.create(&mut conn, KEY, &ada()).is_err(),
-        "made again within the horizon"
-    );
+    assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
     assert_eq!(rides.provider.requests(), 2);
 
     clock.advance(Duration::minutes(1));
