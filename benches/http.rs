@@ -31,7 +31,7 @@
 // The service under measurement is the example's; its `main`, command line
 // and read routes are unused here.
 #[allow(dead_code)]
-#[path = "../examples/http_orders.rs"]
+#[path = "../examples/http_orders/main.rs"]
 mod http_orders;
 
 mod common;
@@ -48,7 +48,11 @@ use axum::{Json, Router};
 use common::{Args, Scratch};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
-use http_orders::{Account, Body, Database, NewOrder, Order, OrderStore, Settings};
+use http_orders::Settings;
+use http_orders::account::Account;
+use http_orders::database::{self, Database};
+use http_orders::orders::{NewOrder, Order, OrderStore};
+use http_orders::problems::Body;
 use idempotency::http::{Caller, IDEMPOTENT_REPLAYED};
 use idempotency::{Config, Outcome};
 
@@ -269,7 +273,7 @@ async fn batch(
 fn run(args: &Args) -> anyhow::Result<()> {
     let sizes = if args.quick { QUICK } else { FULL };
     let scratch = Scratch::new(&args.backend, "idem_http_bench")?;
-    let router = match http_orders::open(scratch.url(), http_orders::CHECKOUT_TIMEOUT)? {
+    let router = match database::open(scratch.url(), database::CHECKOUT_TIMEOUT)? {
         Database::Sqlite(pool) => router(pool)?,
         #[cfg(feature = "postgres")]
         Database::Postgres(pool) => router(pool)?,

@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use crate::common::TestDb;
 use crate::common::http::*;
-use crate::http_orders::{self, Limits, Settings};
+use crate::http_orders::server::Limits;
+use crate::http_orders::{self, Settings};
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::{Request, StatusCode, request::Parts};
 use axum::middleware::Next;
@@ -676,13 +677,13 @@ async fn items_no_backend_can_store_are_422_on_every_backend<D: TestDb>() {
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let order = |item: &str| serde_json::to_string(&json!({"item": item, "quantity": 1})).expect("JSON");
-    let longest = "\u{1f4e6}".repeat(http_orders::MAX_ITEM_CHARS);
+    let longest = "\u{1f4e6}".repeat(http_orders::orders::MAX_ITEM_CHARS);
     let refused = [
         ("an item with NUL", order("a\u{0}b"), "U+0000"),
         ("an item of 65,536 bytes", order(&"x".repeat(65_536)), "1000 characters"),
         (
             "an item one character too long",
-            order(&"x".repeat(http_orders::MAX_ITEM_CHARS + 1)),
+            order(&"x".repeat(http_orders::orders::MAX_ITEM_CHARS + 1)),
             "1000 characters",
         ),
     ];
@@ -724,7 +725,7 @@ async fn idle_sockets_do_not_keep_a_new_client_from_being_served<D: TestDb>() {
     /// Below the example's header read timeout: the new client is served
     /// because an idle socket made room, not because one timed out.
     const SERVED_WITHIN: Duration = Duration::from_secs(5);
-    assert!(SERVED_WITHIN < http_orders::HEADER_READ_TIMEOUT);
+    assert!(SERVED_WITHIN < http_orders::server::HEADER_READ_TIMEOUT);
     let db = database::<D>().await;
     let args = ["--addr", "127.0.0.1:0", "--database", db.url()];
     let launch = Launch {
@@ -868,7 +869,7 @@ async fn scope_of(token: &str) -> String {
         .body(())
         .expect("a request")
         .into_parts();
-    match http_orders::Account::from_request_parts(&mut parts, &()).await {
+    match http_orders::account::Account::from_request_parts(&mut parts, &()).await {
         Ok(account) => account.scope().into_owned(),
         Err(_) => panic!("{token} is no account"),
     }
@@ -965,7 +966,7 @@ async fn example_binary_answers_a_key_reused_at_another_endpoint_with_422<D: Tes
 
 #[test]
 fn in_flight_wait_zero_rejects_at_once() {
-    let args = |list: &[&str]| http_orders::parse_args(list.iter().map(|arg| arg.to_string()));
+    let args = |list: &[&str]| http_orders::args::parse(list.iter().map(|arg| arg.to_string()));
     assert_eq!(
         args(&["--in-flight-wait", "0"]).expect("parse").in_flight,
         InFlight::Reject
@@ -974,8 +975,16 @@ fn in_flight_wait_zero_rejects_at_once() {
         args(&[]).expect("parse").in_flight,
         InFlight::Wait(chrono::Duration::seconds(5))
     );
-    assert!(args(&["--in-flight-wait", "-1"]).is_err());
-    assert!(args(&["--port", "80"]).is_err());
+    let negative = args(&["--in-flight-wait", "-1"]);
+    assert!(
+        matches!(&negative, Err(message) if message.starts_with("--in-flight-wait: invalid digit")),
+        "{negative:?}"
+    );
+    let unknown = args(&["--port", "80"]);
+    assert!(
+        matches!(&unknown, Err(message) if message.starts_with("unknown argument --port\nusage: http_orders")),
+        "{unknown:?}"
+    );
 }
 
 /// The parts of `idempotency::http` that the service leaves out, on a

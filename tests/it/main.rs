@@ -12,7 +12,7 @@ mod common;
 // here but for one test.
 #[cfg(feature = "axum")]
 #[allow(dead_code)]
-#[path = "../../examples/http_orders.rs"]
+#[path = "../../examples/http_orders/main.rs"]
 mod http_orders;
 
 // The OpenAPI example, whose document the tests check. Its `main` is unused.

@@ -339,7 +339,10 @@ fn phased_operations_count_by_outcome<D: TestDb>() {
             s.phase("greeting", |_| Ok::<_, String>(1))?;
             Err(Error::Operation(String::from("the client went away")))
         });
-        assert!(failed.is_err());
+        assert!(
+            matches!(&failed, Err(Error::Operation(message)) if message == "the client went away"),
+            "{failed:?}"
+        );
         let renamed: Result<idempotency::Outcome<i32>, Error<String>> = phased.run(&mut conn, "shop", "p-1", &1, |s| {
             s.phase("salutation", |_| Ok::<_, String>(1))?;
             s.finish(|_| Ok::<_, String>(1))

@@ -201,7 +201,11 @@ fn holder_rolling_back_with_two_waiters_executes_once(nested: bool) {
         Db::wait_until_waiting_for_a_key(&mut admin, waiter.session);
     }
 
-    assert!(holder.finish(Release::Fail).is_err());
+    let failed = holder.finish(Release::Fail);
+    assert!(
+        matches!(failed, Err(Error::Operation(DomainError::Refused))),
+        "{failed:?}"
+    );
     let results: Vec<(CallResult, usize)> = waiters
         .into_iter()
         .map(|waiter| {

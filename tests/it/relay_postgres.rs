@@ -162,7 +162,13 @@ fn enqueue_notifies_at_commit_and_never_for_a_rollback() {
         outbox::enqueue(tx, "receipts", &"rolled back")?;
         Err::<(), _>(outbox::Error::Storage(diesel::result::Error::RollbackTransaction))
     });
-    assert!(rolled_back.is_err());
+    assert!(
+        matches!(
+            rolled_back,
+            Err(outbox::Error::Storage(diesel::result::Error::RollbackTransaction))
+        ),
+        "{rolled_back:?}"
+    );
     writer
         .transaction(|tx| {
             outbox::enqueue(tx, "receipts", &"committed")?;

@@ -145,7 +145,10 @@ fn purge_inside_a_caller_transaction_rolls_back_with_it<D: TestDb>() {
         assert_eq!(config.purge_expired(tx, 10).expect("purge"), 1);
         Err::<(), _>(diesel::result::Error::RollbackTransaction)
     });
-    assert!(rolled_back.is_err());
+    assert!(
+        matches!(rolled_back, Err(diesel::result::Error::RollbackTransaction)),
+        "{rolled_back:?}"
+    );
     assert_eq!(D::key_count(&mut conn), 1);
 }
 

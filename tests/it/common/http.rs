@@ -17,7 +17,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
 use super::TestDb;
-use crate::http_orders::{self, Database, Limits, OrderStore, Service, Settings};
+use crate::http_orders::database::{self, Database};
+use crate::http_orders::orders::OrderStore;
+use crate::http_orders::server::{self, Limits};
+use crate::http_orders::{self, Service, Settings};
 
 pub use super::wait::PATIENCE;
 
@@ -92,7 +95,7 @@ impl Server {
     pub async fn start_exhausted(db: &impl TestDb, settings: Settings) -> (Server, HeldPool) {
         let database = db.url().to_owned();
         let (service, held) = tokio::task::spawn_blocking(move || {
-            match http_orders::open(&database, settings.checkout_timeout).expect("open the service's database") {
+            match database::open(&database, settings.checkout_timeout).expect("open the service's database") {
                 Database::Sqlite(pool) => exhaust(pool, settings),
                 #[cfg(feature = "postgres")]
                 Database::Postgres(pool) => exhaust(pool, settings),
@@ -110,7 +113,7 @@ impl Server {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("listen on a free port");
         let addr = listener.local_addr().expect("the listening address");
         let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(http_orders::serve(listener, router, limits, async {
+        tokio::spawn(server::serve(listener, router, limits, async {
             let _ = stopped.await;
         }));
         Server { addr, _stop: stop }

@@ -415,6 +415,19 @@ pub trait ServerDb: TestDb {
 
 /// A policy that keeps records an hour by a clock of the test's own, which
 /// the test advances past it: for the tests of expiry.
+/// The message of the panic that `caught`, what `std::panic::catch_unwind`
+/// returned, holds: a test tells the panic it raised from another.
+pub fn panic_message<T>(caught: std::thread::Result<T>) -> String {
+    let Err(payload) = caught else {
+        panic!("the panic did not reach the caller")
+    };
+    match (payload.downcast_ref::<&str>(), payload.downcast_ref::<String>()) {
+        (Some(message), _) => (*message).to_owned(),
+        (None, Some(message)) => message.clone(),
+        (None, None) => panic!("a panic without a message"),
+    }
+}
+
 pub fn kept_an_hour() -> (idempotency::testing::ManualClock, idempotency::Config) {
     let clock = idempotency::testing::ManualClock::new();
     let config = idempotency::Config::default()
