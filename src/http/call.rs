@@ -11,7 +11,7 @@ use serde::ser::{SerializeStruct, Serializer};
 
 use super::gate;
 use super::key::Endpoint;
-use super::pool::Unavailable;
+use super::pool::sealed::Unavailable;
 use super::{Answer, ConnectionPool, IdempotencyKey, Problem, ProblemKind, Problems};
 use crate::backend::KeyStore;
 use crate::outcome::Recorded;
