@@ -1169,7 +1169,7 @@ mod library {
         let db = idempotency::testing::SqliteFile::new();
         let problems = Problems::documented_at("https://api.example/errors/")
             .title(ProblemKind::InProgress, "Busy with this key")
-            .retry_after(Duration::from_secs(3));
+            .retry_after(chrono::Duration::seconds(3));
         let (app, _) = notes_app(&db, 2, Config::default().in_flight(InFlight::Reject));
         let app = app.layer(Extension(problems));
 
