@@ -148,6 +148,8 @@ use axum::http::HeaderName;
 
 mod answer;
 mod call;
+mod endpoint;
+mod failure;
 mod gate;
 mod header;
 mod key;
@@ -157,15 +159,18 @@ mod lookup;
 pub mod openapi;
 mod pool;
 mod problem;
+mod rejection;
 mod response;
 
 pub use answer::Answer;
-pub use call::{Failure, run, run_phased};
+pub use call::{run, run_phased};
+pub use failure::Failure;
 pub use key::{Caller, IdempotencyKey};
 pub use key_header::KeyHeader;
 pub use lookup::lookup;
 pub use pool::ConnectionPool;
 pub use problem::{Problem, ProblemKind, Problems};
+pub use rejection::IdempotencyKeyRejection;
 pub use response::StoredResponse;
 
 /// `Idempotency-Key`, the request header of the IETF draft.

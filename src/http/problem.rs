@@ -2,6 +2,7 @@
 //! layer, and how an API names and documents its problem types.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::Arc;
 
 use axum::http::{HeaderValue, StatusCode, header};
@@ -141,6 +142,15 @@ impl IntoResponse for Problem {
         response
     }
 }
+
+/// The `detail`, or the `title` where there is none.
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.detail().unwrap_or(&self.title))
+    }
+}
+
+impl std::error::Error for Problem {}
 
 fn status_number<S: serde::Serializer>(status: &StatusCode, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_u16(status.as_u16())
