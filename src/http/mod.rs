@@ -9,6 +9,7 @@
 //! | piece | what it does |
 //! | --- | --- |
 //! | [`IdempotencyKey<A>`](IdempotencyKey) | extractor: the header as an sf-string or a bare token, paired with the scope of the caller that the authentication extractor `A` resolved ([`Caller`]) |
+//! | [`IdempotencyKeyRejection<R>`](IdempotencyKeyRejection) | why the extractor refused a request: the caller's own rejection `R`, or the key header's problem; a handler may match on it |
 //! | [`KeyHeader`] | how the extractor reads the header: the syntax it accepts |
 //! | [`run`] | one async call: the key rules checked at once, then a connection from the pool (r2d2's, or deadpool-diesel's with the feature `deadpool`: [`ConnectionPool`]), [`Config::run`](crate::Config::run) on tokio's blocking pool, join; the failures as responses ([`Failure`]) |
 //! | [`lookup`] | what became of a key in the caller's scope: the stored response, or a 404, 409 or 410 problem |
