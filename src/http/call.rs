@@ -150,7 +150,7 @@ where
     F: FnOnce(&mut P::Connection, &Q) -> Result<R, E> + Send + 'static,
 {
     let owned = config.clone();
-    answer(pool, config, key, request, move |conn, scope, key, bound| {
+    bound_call(pool, config, key, request, move |conn, scope, key, bound| {
         let recorded = owned.run_recorded(conn, scope, key, bound, |tx| op(tx, bound.request()))?;
         Ok((recorded.outcome, recorded.expires_at))
     })
@@ -186,16 +186,17 @@ where
     F: FnOnce(&mut Steps<'_, P::Connection>, &Q) -> Result<Finished<R>, Error<E>> + Send + 'static,
 {
     let owned = phased.clone();
-    answer(pool, &phased.config, key, request, move |conn, scope, key, bound| {
+    bound_call(pool, &phased.config, key, request, move |conn, scope, key, bound| {
         owned.run_expiring(conn, scope, key, bound, |steps| body(steps, bound.request()))
     })
     .await
 }
 
-/// Makes `call` for the key with `request` bound to the key's endpoint,
-/// as [`blocking`] makes it, and answers its outcome with the key's expiry
-/// header.
-async fn answer<A, P, Q, R, E, F>(
+/// The path that [`run`] and [`run_phased`] share: `call` gets the
+/// request bound to the key's endpoint (what the key is fingerprinted
+/// with), is made on the blocking pool by [`blocking`], and its outcome is
+/// answered with the key's expiry header.
+async fn bound_call<A, P, Q, R, E, F>(
     pool: &P,
     config: &Config,
     key: &IdempotencyKey<A>,
