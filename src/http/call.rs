@@ -20,7 +20,7 @@ use crate::{Config, Error, InFlight, Outcome, StoreConnection};
 /// Runs `op` at most once for the key, as [`Config::run`] does, from an
 /// async handler: a connection is checked out of `pool` and the call made
 /// on tokio's blocking pool, and the result comes back as something a
-/// handler returns: an [`Answer`], the [`Outcome`](crate::Outcome) with
+/// handler returns: an [`Answer`], the [`Outcome`] with
 /// the expiry header.
 ///
 /// `op` gets the connection, inside the transaction that also holds the
@@ -44,7 +44,7 @@ use crate::{Config, Error, InFlight, Outcome, StoreConnection};
 ///   the scope, 500) even while the pool is exhausted, not a 503 that tells
 ///   the client to retry it.
 /// - **Duplicates wait without a connection.** Under
-///   [`InFlight::Wait`](crate::InFlight::Wait), requests with one scope and
+///   [`InFlight::Wait`], requests with one scope and
 ///   key in this process pass one at a time, and the others wait for their
 ///   turn before checking out a connection, as long as the wait allows
 ///   (then a 409). A flood of duplicates of one slow request thus holds one

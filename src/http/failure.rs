@@ -13,17 +13,17 @@ use crate::Error;
 ///
 /// What committed: nothing, and the key is free, in every case but two
 /// [`Failed`](Failure::Failed) ones. After a commit that failed without the
-/// database refusing it ([`Error::OutcomeUnknown`](crate::Error::OutcomeUnknown), a 503) the operation
+/// database refusing it ([`Error::OutcomeUnknown`], a 503) the operation
 /// may or may not have been carried out: the client's retry with the same
 /// key replays it if it was, and executes it if it was not. After a replay
-/// whose stored response no longer decodes ([`Error::Codec`](crate::Error::Codec), a 500) the
+/// whose stored response no longer decodes ([`Error::Codec`], a 500) the
 /// key stays spent. As a response: the operation's own error through its
 /// `IntoResponse`, the application's mapping; every other failure as its
 /// problem.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Failure<E> {
-    /// The operation returned this error ([`Error::Operation`](crate::Error::Operation)). Everything
+    /// The operation returned this error ([`Error::Operation`]). Everything
     /// it wrote was rolled back and the key is still free, so the client may
     /// correct the request and retry with the same key.
     Operation(E),
