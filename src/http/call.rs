@@ -1,94 +1,26 @@
-//! The idempotent call from an async handler: the sync diesel work on
-//! tokio's blocking pool, its errors as HTTP responses.
+//! The idempotent call from an async handler: the key rules checked at
+//! once, then a turn among this process's duplicates of the key, then the
+//! sync diesel work on a pooled connection on tokio's blocking pool; its
+//! errors as responses.
 
-use std::error::Error as StdError;
-use std::fmt;
-
-use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use serde::ser::{SerializeStruct, Serializer};
 
+use super::endpoint::Bound;
 use super::gate;
-use super::key::Endpoint;
-use super::pool::Unavailable;
-use super::{Answer, ConnectionPool, IdempotencyKey, Problem, ProblemKind, Problems};
+use super::pool::sealed::Unavailable;
+use super::{Answer, ConnectionPool, Failure, IdempotencyKey};
 use crate::backend::KeyStore;
 use crate::outcome::Recorded;
 use crate::phased::{Finished, Phased, Steps};
 use crate::telemetry::CallTrace;
-use crate::{Config, Error, InFlight, StoreConnection};
-
-/// Why [`run`] gave no outcome, and the response that says so.
-///
-/// What committed: nothing, and the key is free, in every case but two
-/// [`Failed`](Failure::Failed) ones. After a commit that failed without the
-/// database refusing it ([`Error::OutcomeUnknown`], a 503) the operation
-/// may or may not have been carried out: the client's retry with the same
-/// key replays it if it was, and executes it if it was not. After a replay
-/// whose stored response no longer decodes ([`Error::Codec`], a 500) the
-/// key stays spent. As a response: the operation's own error through its
-/// `IntoResponse`, the application's mapping; every other failure as its
-/// problem.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum Failure<E> {
-    /// The operation returned this error ([`Error::Operation`]). Everything
-    /// it wrote was rolled back and the key is still free, so the client may
-    /// correct the request and retry with the same key.
-    Operation(E),
-    /// The request was refused: the key breaks the key rules (400), was
-    /// used with another request (422), or is held by a request in progress
-    /// (409, with `Retry-After`).
-    Refused(Problem),
-    /// The call could not be completed: no pooled connection in time (503,
-    /// with `Retry-After`), a commit whose outcome is unknown (503, with
-    /// `Retry-After`: retry with the same key), storage or JSON failed, or
-    /// the operation panicked (500). `cause` is for the server's log; the
-    /// problem says nothing about it.
-    Failed {
-        /// What the client is told.
-        problem: Problem,
-        /// What went wrong.
-        cause: Box<dyn StdError + Send + Sync>,
-    },
-}
-
-impl<E: IntoResponse> IntoResponse for Failure<E> {
-    fn into_response(self) -> Response {
-        match self {
-            Failure::Operation(error) => error.into_response(),
-            Failure::Refused(problem) | Failure::Failed { problem, .. } => problem.into_response(),
-        }
-    }
-}
-
-impl<E: fmt::Display> fmt::Display for Failure<E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Failure::Operation(error) => error.fmt(f),
-            Failure::Refused(problem) | Failure::Failed { problem, .. } => {
-                f.write_str(problem.detail().unwrap_or(problem.title()))
-            }
-        }
-    }
-}
-
-impl<E: StdError + 'static> StdError for Failure<E> {
-    fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        match self {
-            // Shown as this error itself, so its chain goes on with its own source.
-            Failure::Operation(error) => error.source(),
-            Failure::Refused(_) => None,
-            Failure::Failed { cause, .. } => Some(&**cause),
-        }
-    }
-}
+use crate::{Config, Error, InFlight, Outcome, StoreConnection};
 
 /// Runs `op` at most once for the key, as [`Config::run`] does, from an
 /// async handler: a connection is checked out of `pool` and the call made
 /// on tokio's blocking pool, and the result comes back as something a
-/// handler returns: an [`Answer`], the [`Outcome`](crate::Outcome) with
+/// handler returns: an [`Answer`], the [`Outcome`] with
 /// the expiry header.
 ///
 /// `op` gets the connection, inside the transaction that also holds the
@@ -112,7 +44,7 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 ///   the scope, 500) even while the pool is exhausted, not a 503 that tells
 ///   the client to retry it.
 /// - **Duplicates wait without a connection.** Under
-///   [`InFlight::Wait`](crate::InFlight::Wait), requests with one scope and
+///   [`InFlight::Wait`], requests with one scope and
 ///   key in this process pass one at a time, and the others wait for their
 ///   turn before checking out a connection, as long as the wait allows
 ///   (then a 409). A flood of duplicates of one slow request thus holds one
@@ -132,7 +64,7 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 ///   the key stays free) and becomes a 500.
 /// - **Errors** become [`Failure`]: `op`'s own error as
 ///   [`Failure::Operation`], answered through `E`'s `IntoResponse`; the
-///   others as problems described by the [`Problems`] that came with the key.
+///   others as problems described by the [`Problems`](super::Problems) that came with the key.
 ///   The scope comes from the server's own authentication ([`Caller`](super::Caller)),
 ///   so an invalid scope is the server's mistake: a 500, not the 400 of
 ///   [`Error::status_code`], whose generic mapping assumes a scope the
@@ -149,7 +81,7 @@ impl<E: StdError + 'static> StdError for Failure<E> {
 /// | [`Failure::Refused`] | 409 + `Retry-After` | a request with the key is in progress beyond the in-flight wait, in this process or at the database (on SQLite, any write that holds the database that long) |
 /// | [`Failure::Failed`] | 503 + `Retry-After` | no connection from `pool` within its connection timeout (for a deadpool pool without a wait timeout, 5 s) |
 /// | [`Failure::Failed`] | 503 + `Retry-After` | [`Error::OutcomeUnknown`]: the commit failed without the database refusing it, so the operation may or may not have been carried out; the retry with the same key tells which |
-/// | [`Failure::Failed`] | 500, [`ProblemKind::ResponseTooLarge`] | the result is beyond [`Config::max_response_len`]; nothing committed |
+/// | [`Failure::Failed`] | 500, [`ProblemKind::ResponseTooLarge`](super::ProblemKind::ResponseTooLarge) | the result is beyond [`Config::max_response_len`]; nothing committed |
 /// | [`Failure::Failed`] | 500 | storage or JSON failed (a [`StoredResponse`](super::StoredResponse) with a header it refuses, too), an invalid scope (checked before the checkout), or `op` panicked |
 ///
 /// ```
@@ -217,19 +149,12 @@ where
     E: Send + 'static,
     F: FnOnce(&mut P::Connection, &Q) -> Result<R, E> + Send + 'static,
 {
-    refuse_by_rule::<P::Connection, A, E>(config, key)?;
-    let config = config.clone();
-    let endpoint = key.endpoint().cloned();
-    let recorded = blocking(pool, config.in_flight, key, move |conn, scope, key| {
-        let bound = Bound::new(endpoint.as_ref(), &request);
-        config.run_recorded(conn, scope, key, &bound, |tx| op(tx, &request))
+    let owned = config.clone();
+    bound_call(pool, config, key, request, move |conn, scope, key, bound| {
+        let recorded = owned.run_recorded(conn, scope, key, bound, |tx| op(tx, bound.request()))?;
+        Ok((recorded.outcome, recorded.expires_at))
     })
-    .await?;
-    Ok(Answer::new(
-        recorded.outcome,
-        recorded.expires_at,
-        key.expiry_header().clone(),
-    ))
+    .await
 }
 
 /// Runs a [phased operation](crate::phased) for the key from an async
@@ -260,65 +185,47 @@ where
     E: Send + 'static,
     F: FnOnce(&mut Steps<'_, P::Connection>, &Q) -> Result<Finished<R>, Error<E>> + Send + 'static,
 {
-    refuse_by_rule::<P::Connection, A, E>(&phased.config, key)?;
-    let phased = phased.clone();
-    let endpoint = key.endpoint().cloned();
-    let (outcome, expires_at) = blocking(pool, phased.config.in_flight, key, move |conn, scope, key| {
-        let bound = Bound::new(endpoint.as_ref(), &request);
-        phased.run_expiring(conn, scope, key, &bound, |steps| body(steps, &request))
+    let owned = phased.clone();
+    bound_call(pool, &phased.config, key, request, move |conn, scope, key, bound| {
+        owned.run_expiring(conn, scope, key, bound, |steps| body(steps, bound.request()))
+    })
+    .await
+}
+
+/// The path that [`run`] and [`run_phased`] share: `call` gets the
+/// request bound to the key's endpoint (what the key is fingerprinted
+/// with), is made on the blocking pool by [`blocking`], and its outcome is
+/// answered with the key's expiry header.
+async fn bound_call<A, P, Q, R, E, F>(
+    pool: &P,
+    config: &Config,
+    key: &IdempotencyKey<A>,
+    request: Q,
+    call: F,
+) -> Result<Answer<R>, Failure<E>>
+where
+    P: ConnectionPool,
+    Q: Serialize + Send + 'static,
+    R: Send + 'static,
+    E: Send + 'static,
+    F: FnOnce(&mut P::Connection, &str, &str, &Bound<Q>) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>
+        + Send
+        + 'static,
+{
+    let bound = Bound::new(key.endpoint().cloned(), request);
+    let (outcome, expires_at) = blocking(pool, config, config.in_flight, key, move |conn, scope, key| {
+        call(conn, scope, key, &bound)
     })
     .await?;
     Ok(Answer::new(outcome, expires_at, key.expiry_header().clone()))
 }
 
-/// What a key is bound to: the request value, with the endpoint it was
-/// sent to unless the key spans endpoints. Without an endpoint it is the
-/// request value itself, so the fingerprint is the one the request alone
-/// has.
-struct Bound<'a, Q> {
-    endpoint: Option<&'a Endpoint>,
-    request: &'a Q,
-}
-
-impl<'a, Q> Bound<'a, Q> {
-    fn new(endpoint: Option<&'a Endpoint>, request: &'a Q) -> Self {
-        Bound { endpoint, request }
-    }
-}
-
-impl<Q: Serialize> Serialize for Bound<'_, Q> {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let Some(endpoint) = self.endpoint else {
-            return self.request.serialize(serializer);
-        };
-        let mut bound = serializer.serialize_struct("Bound", 2)?;
-        bound.serialize_field("endpoint", endpoint)?;
-        bound.serialize_field("request", self.request)?;
-        bound.end()
-    }
-}
-
-/// Refuses a scope or key that breaks the key rules of `config` on the
-/// backend of `C` before any connection is checked out. Such a request can never
-/// succeed, so it must not wait for a busy pool and then be told to retry
-/// (503 with `Retry-After`): it gets its answer at once, traced and counted
-/// as the call would have been.
-pub(super) fn refuse_by_rule<C: StoreConnection, A, E>(
-    config: &Config,
-    key: &IdempotencyKey<A>,
-) -> Result<(), Failure<E>> {
-    let Err(broken) = config.check_rules::<C::Raw, E>(key.scope(), key.key(), None) else {
-        return Ok(());
-    };
-    let refused: Result<Recorded<()>, Error<E>> = Err(broken);
-    CallTrace::start(<C::Raw as KeyStore>::BACKEND).finish(&refused);
-    refused.map(drop).map_err(|error| failure(error, key.problems()))
-}
-
 /// Makes `call` with a connection of `pool` and the key on tokio's blocking
-/// pool; the failures as responses.
+/// pool, once the key rules of `config` pass and the key's turn in this
+/// process comes (as long as `in_flight` waits); the failures as responses.
 pub(super) async fn blocking<A, P, T, E, F>(
     pool: &P,
+    config: &Config,
     in_flight: InFlight,
     key: &IdempotencyKey<A>,
     call: F,
@@ -329,10 +236,11 @@ where
     E: Send + 'static,
     F: FnOnce(&mut P::Connection, &str, &str) -> Result<T, Error<E>> + Send + 'static,
 {
+    refuse_by_rule::<P::Connection, A, E>(config, key)?;
     let problems = key.problems();
     let (scope, idempotency_key) = (key.scope().to_owned(), key.key().to_owned());
     let Ok(turn) = gate::turn::<P::Connection>(&scope, &idempotency_key, in_flight).await else {
-        return Err(failure(Error::InProgress, problems));
+        return Err(Failure::of(Error::InProgress, problems));
     };
     let called = pool
         .clone()
@@ -344,80 +252,24 @@ where
         .await;
     match called {
         Ok(Ok(answer)) => Ok(answer),
-        Ok(Err(error)) => Err(failure(error, problems)),
-        Err(Unavailable::Checkout(cause)) => Err(Failure::Failed {
-            problem: problems
-                .problem(ProblemKind::Unavailable)
-                .with_detail("the server is busy; nothing was done, retry later"),
-            cause,
-        }),
+        Ok(Err(error)) => Err(Failure::of(error, problems)),
+        Err(Unavailable::Checkout(cause)) => Err(Failure::unavailable(problems, cause)),
         // A panic in the operation, or a runtime shutting down before the
         // task started: either way nothing was committed.
-        Err(Unavailable::Aborted(cause)) => Err(internal(problems, false, cause)),
+        Err(Unavailable::Aborted(cause)) => Err(Failure::internal(problems, false, cause)),
     }
 }
 
-fn failure<E>(error: Error<E>, problems: &Problems) -> Failure<E> {
-    let error = match error.into_operation() {
-        Ok(error) => return Failure::Operation(error),
-        Err(error) => error,
+/// Refuses a scope or key that breaks the key rules of `config` on the
+/// backend of `C` before any connection is checked out. Such a request can
+/// never succeed, so it must not wait for a busy pool and then be told to
+/// retry (503 with `Retry-After`): it gets its answer at once, traced and
+/// counted as the call would have been.
+fn refuse_by_rule<C: StoreConnection, A, E>(config: &Config, key: &IdempotencyKey<A>) -> Result<(), Failure<E>> {
+    let Err(broken) = config.check_rules::<C::Raw, E>(key.scope(), key.key(), None) else {
+        return Ok(());
     };
-    let cause = match error {
-        Error::InvalidKey(reason) => {
-            let problem = problems
-                .problem(ProblemKind::InvalidKey)
-                .with_detail(format!("the idempotency key {reason}"));
-            return Failure::Refused(problem);
-        }
-        Error::Mismatch => {
-            let problem = problems
-                .problem(ProblemKind::KeyReused)
-                .with_detail("this idempotency key was first used with a different request");
-            return Failure::Refused(problem);
-        }
-        Error::InProgress => {
-            let problem = problems
-                .problem(ProblemKind::InProgress)
-                .with_detail("a request with this idempotency key is still being processed; retry later");
-            return Failure::Refused(problem);
-        }
-        cause @ Error::OutcomeUnknown(_) => {
-            return Failure::Failed {
-                problem: problems.problem(ProblemKind::Unavailable).with_detail(
-                    "the request may or may not have been carried out; retry it with the same Idempotency-Key to learn which",
-                ),
-                cause: Box::new(cause),
-            };
-        }
-        cause @ Error::ResponseTooLarge { max, .. } => {
-            return Failure::Failed {
-                problem: problems.problem(ProblemKind::ResponseTooLarge).with_detail(format!(
-                    "the response is larger than the {max} bytes the server stores for a key; nothing was done"
-                )),
-                cause: Box::new(cause),
-            };
-        }
-        cause @ Error::Parked => {
-            return Failure::Failed {
-                problem: problems.problem(ProblemKind::Internal).with_detail(
-                    "the operation was stopped and waits for the service's operators; retrying does not help",
-                ),
-                cause: Box::new(cause),
-            };
-        }
-        other => other,
-    };
-    // A storage failure of the moment (a lost connection, a deadlock) may
-    // succeed when the same request is sent again; the client is told so.
-    internal(problems, cause.is_retryable(), Box::new(cause))
-}
-
-fn internal<E>(problems: &Problems, retryable: bool, cause: Box<dyn StdError + Send + Sync>) -> Failure<E> {
-    Failure::Failed {
-        problem: problems
-            .problem(ProblemKind::Internal)
-            .with_detail("the server could not complete the request")
-            .with_retryable(retryable),
-        cause,
-    }
+    let refused: Result<Recorded<()>, Error<E>> = Err(broken);
+    CallTrace::start(<C::Raw as KeyStore>::BACKEND).finish(&refused);
+    refused.map(drop).map_err(|error| Failure::of(error, key.problems()))
 }

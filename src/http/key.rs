@@ -3,14 +3,12 @@
 
 use std::borrow::Cow;
 
-use axum::extract::rejection::RawPathParamsRejection;
-use axum::extract::{FromRequestParts, MatchedPath, OptionalFromRequestParts, RawPathParams};
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::http::HeaderName;
 use axum::http::request::Parts;
-use axum::response::{IntoResponse, Response};
-use serde::Serialize;
 
-use super::{KeyHeader, ProblemKind, Problems};
+use super::endpoint::Endpoint;
+use super::{IdempotencyKeyRejection, KeyHeader, ProblemKind, Problems};
 
 /// A caller as the application's authentication knows it, naming the
 /// idempotency scope its keys live in: a stable id of the principal, the
@@ -72,7 +70,8 @@ pub trait Caller {
 /// No header, two headers, or a value that is neither: 400 with a problem
 /// ([`ProblemKind::MissingKey`], [`ProblemKind::InvalidKey`]), described by
 /// the [`Problems`] found among the request's extensions (the default if
-/// none). The key rules (length, visible ASCII, no card numbers) are those
+/// none). The rejection is an [`IdempotencyKeyRejection`], whose variant a
+/// handler may match on to answer in its own way. The key rules (length, visible ASCII, no card numbers) are those
 /// of the [`Config`](crate::Config) that [`run`](super::run) is given, and
 /// `run` answers a key that breaks them with the same 400, before it checks
 /// out a connection.
@@ -86,7 +85,7 @@ pub trait Caller {
 ///
 /// The key is bound to the endpoint it was sent to, captured here from the
 /// request: the method, the matched route (axum's
-/// [`MatchedPath`]; the request's path where no route matched, as when the
+/// [`MatchedPath`](axum::extract::MatchedPath); the request's path where no route matched, as when the
 /// extractor runs outside a router), the path parameters and the query.
 /// [`run`](super::run) and [`run_phased`](super::run_phased) fingerprint
 /// them with the request value, so the same key and body sent to another
@@ -107,7 +106,8 @@ pub trait Caller {
 /// use std::borrow::Cow;
 /// use axum::extract::FromRequestParts;
 /// use axum::http::{request::Parts, Request, StatusCode};
-/// use idempotency::http::{Caller, IdempotencyKey};
+/// use axum::response::IntoResponse;
+/// use idempotency::http::{Caller, IdempotencyKey, IdempotencyKeyRejection};
 ///
 /// /// Everyone is one caller here; real code verifies a credential and
 /// /// scopes by the id of the caller it names.
@@ -138,8 +138,10 @@ pub trait Caller {
 /// assert_eq!(bare.key(), key.key());
 ///
 /// let Err(rejection) = extract(r#""unterminated"#).await? else { return Err("a broken string was taken".into()) };
-/// assert_eq!(rejection.status(), StatusCode::BAD_REQUEST);
-/// assert_eq!(rejection.headers()["content-type"], "application/problem+json");
+/// assert!(matches!(rejection, IdempotencyKeyRejection::InvalidKey(_)));
+/// let response = rejection.into_response();
+/// assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+/// assert_eq!(response.headers()["content-type"], "application/problem+json");
 /// # Ok(())
 /// # })
 /// # }
@@ -152,88 +154,6 @@ pub struct IdempotencyKey<A> {
     problems: Problems,
     expiry_header: HeaderName,
     endpoint: Option<Endpoint>,
-}
-
-/// The endpoint a key was sent to, as it is fingerprinted with the request.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub(crate) struct Endpoint {
-    method: String,
-    route: String,
-    path: Vec<(String, String)>,
-    /// A parameter without `=` has no value, which is not an empty one.
-    query: Vec<(String, Option<String>)>,
-}
-
-/// `component` of a query as RFC 3986 (§6.2.2) normalizes it: the escapes
-/// of unreserved characters decoded, the others in upper case. Nothing
-/// else is decoded: parsers disagree on what `+` means, so `+`, `%20` and
-/// `%2B` stay three spellings.
-fn normalized(component: &str) -> String {
-    let mut out = String::with_capacity(component.len());
-    let mut rest = component;
-    while let Some(at) = rest.find('%') {
-        out.push_str(&rest[..at]);
-        let hex = rest
-            .get(at + 1..at + 3)
-            .filter(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()));
-        match hex.and_then(|hex| u8::from_str_radix(hex, 16).ok()) {
-            Some(byte) if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) => {
-                out.push(char::from(byte));
-                rest = &rest[at + 3..];
-            }
-            Some(_) => {
-                out.push('%');
-                out.push_str(&rest[at + 1..at + 3].to_ascii_uppercase());
-                rest = &rest[at + 3..];
-            }
-            None => {
-                out.push('%');
-                rest = &rest[at + 1..];
-            }
-        }
-    }
-    out.push_str(rest);
-    out
-}
-
-impl Endpoint {
-    /// The endpoint of the request in `parts`.
-    async fn of(parts: &mut Parts) -> Result<Endpoint, Response> {
-        let route = match parts.extensions.get::<MatchedPath>() {
-            Some(matched) => matched.as_str().to_owned(),
-            None => parts.uri.path().to_owned(),
-        };
-        let mut path: Vec<(String, String)> = match RawPathParams::from_request_parts(parts, &()).await {
-            Ok(params) => params
-                .iter()
-                .map(|(name, value)| (name.to_owned(), value.to_owned()))
-                .collect(),
-            // A route without parameters, or no router at all.
-            Err(RawPathParamsRejection::MissingPathParams(_)) => Vec::new(),
-            Err(rejection) => return Err(rejection.into_response()),
-        };
-        path.sort();
-        let mut query: Vec<(String, Option<String>)> = parts
-            .uri
-            .query()
-            .unwrap_or("")
-            .split('&')
-            .filter(|parameter| !parameter.is_empty())
-            .map(|parameter| match parameter.split_once('=') {
-                Some((name, value)) => (normalized(name), Some(normalized(value))),
-                None => (normalized(parameter), None),
-            })
-            .collect();
-        // Stable: the values of one name keep their order, which may mean
-        // something to the application.
-        query.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(Endpoint {
-            method: parts.method.as_str().to_owned(),
-            route,
-            path,
-            query,
-        })
-    }
 }
 
 impl<A> IdempotencyKey<A> {
@@ -297,17 +217,17 @@ impl<A> IdempotencyKey<A> {
     }
 
     /// How failures of calls with this key are described.
-    pub(crate) fn problems(&self) -> &Problems {
+    pub(super) fn problems(&self) -> &Problems {
         &self.problems
     }
 
     /// The name of the response header that tells when the key expires.
-    pub(crate) fn expiry_header(&self) -> &HeaderName {
+    pub(super) fn expiry_header(&self) -> &HeaderName {
         &self.expiry_header
     }
 
     /// The endpoint the key is bound to, if it is.
-    pub(crate) fn endpoint(&self) -> Option<&Endpoint> {
+    pub(super) fn endpoint(&self) -> Option<&Endpoint> {
         self.endpoint.as_ref()
     }
 }
@@ -317,12 +237,12 @@ where
     S: Send + Sync,
     A: FromRequestParts<S> + Caller + Send,
 {
-    type Rejection = Response;
+    type Rejection = IdempotencyKeyRejection<A::Rejection>;
 
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Response> {
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         let caller = A::from_request_parts(parts, state)
             .await
-            .map_err(IntoResponse::into_response)?;
+            .map_err(IdempotencyKeyRejection::Caller)?;
         IdempotencyKey::read(caller, parts).await
     }
 }
@@ -332,14 +252,14 @@ where
     S: Send + Sync,
     A: FromRequestParts<S> + Caller + Send,
 {
-    type Rejection = Response;
+    type Rejection = IdempotencyKeyRejection<A::Rejection>;
 
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Option<Self>, Response> {
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Option<Self>, Self::Rejection> {
         // Before looking at the header: authentication must not depend on
         // whether the client sent one.
         let caller = A::from_request_parts(parts, state)
             .await
-            .map_err(IntoResponse::into_response)?;
+            .map_err(IdempotencyKeyRejection::Caller)?;
         let header = parts.extensions.get::<KeyHeader>().cloned().unwrap_or_default();
         if !header.is_present(&parts.headers) {
             return Ok(None);
@@ -350,7 +270,7 @@ where
 
 impl<A: Caller> IdempotencyKey<A> {
     /// The key of the request in `parts`, for the authenticated `caller`.
-    async fn read(caller: A, parts: &mut Parts) -> Result<Self, Response> {
+    async fn read<R>(caller: A, parts: &mut Parts) -> Result<Self, IdempotencyKeyRejection<R>> {
         let problems = parts.extensions.get::<Problems>().cloned().unwrap_or_default();
         let header = parts.extensions.get::<KeyHeader>().cloned().unwrap_or_default();
         let key = match header.read(&parts.headers) {
@@ -359,14 +279,14 @@ impl<A: Caller> IdempotencyKey<A> {
                 let problem = problems
                     .problem(ProblemKind::MissingKey)
                     .with_detail("this endpoint requires an Idempotency-Key header");
-                return Err(problem.into_response());
+                return Err(IdempotencyKeyRejection::MissingKey(problem));
             }
             Err(error) => {
                 let problem = problems.problem(ProblemKind::InvalidKey).with_detail(error.to_string());
-                return Err(problem.into_response());
+                return Err(IdempotencyKeyRejection::InvalidKey(problem));
             }
         };
-        let endpoint = Endpoint::of(parts).await?;
+        let endpoint = Endpoint::of(parts).await.map_err(IdempotencyKeyRejection::PathParams)?;
         let scope = caller.scope().into_owned();
         Ok(IdempotencyKey {
             caller,
@@ -376,22 +296,5 @@ impl<A: Caller> IdempotencyKey<A> {
             expiry_header: header.expiry_header_name().clone(),
             endpoint: Some(endpoint),
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::normalized;
-
-    #[test]
-    fn a_query_is_normalized_as_rfc_3986_says_and_no_further() {
-        assert_eq!(normalized("%65ur%7e"), "eur~");
-        assert_eq!(normalized("a%2fb%2F"), "a%2Fb%2F");
-        for spelling in ["a+b", "a%20b", "a%2Bb"] {
-            assert_eq!(normalized(spelling), spelling);
-        }
-        assert_eq!(normalized("100%"), "100%");
-        assert_eq!(normalized("%g1%+1"), "%g1%+1");
-        assert_eq!(normalized("caf%C3%A9"), "caf%C3%A9");
     }
 }

@@ -40,7 +40,7 @@ use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 /// use std::borrow::Cow;
 /// use axum::extract::FromRequestParts;
 /// use axum::http::{request::Parts, Request, StatusCode};
-/// use idempotency::http::{Caller, IdempotencyKey, KeyHeader};
+/// use idempotency::http::{Caller, IdempotencyKey, IdempotencyKeyRejection, KeyHeader};
 ///
 /// # struct Anyone;
 /// # impl<S: Sync> FromRequestParts<S> for Anyone {
@@ -61,8 +61,11 @@ use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 ///
 /// let Ok(key) = extract(r#""order-2b9c";d=@1700000000"#).await? else { return Err("the sf-string was refused".into()) };
 /// assert_eq!(key.key(), "order-2b9c");
-/// let Err(bare) = extract("order-2b9c").await? else { return Err("a bare value was taken".into()) };
+/// let Err(IdempotencyKeyRejection::InvalidKey(bare)) = extract("order-2b9c").await? else {
+///     return Err("a bare value was taken".into());
+/// };
 /// assert_eq!(bare.status(), StatusCode::BAD_REQUEST);
+/// assert_eq!(bare.detail(), Some("the Idempotency-Key header must be a structured field string: the key in double quotes"));
 /// # Ok(())
 /// # })
 /// # }

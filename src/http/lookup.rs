@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::call::{blocking, refuse_by_rule};
+use super::call::blocking;
 use super::{Answer, ConnectionPool, Failure, IdempotencyKey, ProblemKind, StoredResponse};
 use crate::{Config, InFlight, KeyStatus, Outcome};
 
@@ -97,12 +97,11 @@ where
     P: ConnectionPool,
     T: Serialize + DeserializeOwned + Send + 'static,
 {
-    refuse_by_rule::<P::Connection, A, Infallible>(config, key)?;
-    let config = config.clone();
+    let owned = config.clone();
     // A lookup waits for no call in progress (it answers 409), so it takes
     // no turn behind the process's duplicates of the key.
-    let status = blocking(pool, InFlight::Reject, key, move |conn, scope, key| {
-        config.status::<_, StoredResponse<T>>(conn, scope, key)
+    let status = blocking(pool, config, InFlight::Reject, key, move |conn, scope, key| {
+        owned.status::<_, StoredResponse<T>>(conn, scope, key)
     })
     .await?;
     let problems = key.problems();

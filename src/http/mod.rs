@@ -9,6 +9,7 @@
 //! | piece | what it does |
 //! | --- | --- |
 //! | [`IdempotencyKey<A>`](IdempotencyKey) | extractor: the header as an sf-string or a bare token, paired with the scope of the caller that the authentication extractor `A` resolved ([`Caller`]) |
+//! | [`IdempotencyKeyRejection<R>`](IdempotencyKeyRejection) | why the extractor refused a request: the caller's own rejection `R`, or the key header's problem; a handler may match on it |
 //! | [`KeyHeader`] | how the extractor reads the header: the syntax it accepts |
 //! | [`run`] | one async call: the key rules checked at once, then a connection from the pool (r2d2's, or deadpool-diesel's with the feature `deadpool`: [`ConnectionPool`]), [`Config::run`](crate::Config::run) on tokio's blocking pool, join; the failures as responses ([`Failure`]) |
 //! | [`lookup`] | what became of a key in the caller's scope: the stored response, or a 404, 409 or 410 problem |
@@ -148,6 +149,8 @@ use axum::http::HeaderName;
 
 mod answer;
 mod call;
+mod endpoint;
+mod failure;
 mod gate;
 mod header;
 mod key;
@@ -157,15 +160,18 @@ mod lookup;
 pub mod openapi;
 mod pool;
 mod problem;
+mod rejection;
 mod response;
 
 pub use answer::Answer;
-pub use call::{Failure, run, run_phased};
+pub use call::{run, run_phased};
+pub use failure::Failure;
 pub use key::{Caller, IdempotencyKey};
 pub use key_header::KeyHeader;
 pub use lookup::lookup;
 pub use pool::ConnectionPool;
 pub use problem::{Problem, ProblemKind, Problems};
+pub use rejection::IdempotencyKeyRejection;
 pub use response::StoredResponse;
 
 /// `Idempotency-Key`, the request header of the IETF draft.

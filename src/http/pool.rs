@@ -1,11 +1,9 @@
 //! The pools `http::run` checks connections out of: r2d2's, and with the
 //! feature `deadpool` deadpool-diesel's, as axum's own diesel example uses.
 
-use std::error::Error as StdError;
-use std::future::Future;
-
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 
+use self::sealed::{Call, Checkout, Unavailable};
 use crate::StoreConnection;
 
 /// A pool of diesel connections that [`run`](super::run) and
@@ -19,56 +17,58 @@ use crate::StoreConnection;
 /// with `Retry-After`: r2d2's `connection_timeout` (30 s unless set),
 /// deadpool's `wait` timeout, and for a deadpool pool without one, which
 /// would wait for ever, 5 s.
-pub trait ConnectionPool: Clone + Send + Sync + 'static + sealed::Sealed {
+pub trait ConnectionPool: Clone + Send + Sync + 'static + Checkout<Self::Connection> {
     /// The diesel connection the pool hands out.
     type Connection: StoreConnection<Raw = Self::Connection> + Send + 'static;
+}
 
-    /// Runs `call` with a connection of the pool on a thread where it may
-    /// block; the blocking work goes on when the returned future is dropped.
-    /// (The pool is a handle; a clone is what the future keeps.)
-    #[doc(hidden)]
+/// What the HTTP layer asks of a pool. Public in a module no other crate
+/// can name: `ConnectionPool` is sealed by it, and none of this is part of
+/// the crate's API.
+pub(super) mod sealed {
+    use std::error::Error as StdError;
+    use std::future::Future;
+
+    /// A call to make with a connection `C`, returning `T`.
     ///
-    /// `call` is boxed so that the future's type names no closure type, and
-    /// so no lifetime of the handler that made it: an axum handler's future
+    /// Boxed so that the future of a checkout names no closure type, and so
+    /// no lifetime of the handler that made it: an axum handler's future
     /// must be `Send` for every such lifetime.
-    fn with_connection<T: Send + 'static>(
-        self,
-        call: Call<Self::Connection, T>,
-    ) -> impl Future<Output = Result<T, Unavailable>> + Send;
+    pub type Call<C, T> = Box<dyn FnOnce(&mut C) -> T + Send>;
+
+    /// Why a pool ran no call.
+    #[derive(Debug)]
+    pub enum Unavailable {
+        /// No connection in time: the pool's own error.
+        Checkout(Box<dyn StdError + Send + Sync>),
+        /// The call panicked, or the runtime stopped before it ran.
+        Aborted(Box<dyn StdError + Send + Sync>),
+    }
+
+    /// Checking out a connection `C` for one call.
+    pub trait Checkout<C> {
+        /// Runs `call` with a connection of the pool on a thread where it
+        /// may block; the blocking work goes on when the returned future is
+        /// dropped. (The pool is a handle; a clone is what the future
+        /// keeps.)
+        fn with_connection<T: Send + 'static>(
+            self,
+            call: Call<C, T>,
+        ) -> impl Future<Output = Result<T, Unavailable>> + Send;
+    }
 }
-
-/// How long a checkout from a deadpool pool without a wait timeout may
-/// wait: the default in-flight wait, the wait of a web request.
-#[cfg(feature = "deadpool")]
-const UNTIMED_POOL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// A call to make with a connection `C`, returning `T`.
-#[doc(hidden)]
-pub type Call<C, T> = Box<dyn FnOnce(&mut C) -> T + Send>;
-
-/// Why a pool ran no call.
-#[doc(hidden)]
-#[derive(Debug)]
-pub enum Unavailable {
-    /// No connection in time: the pool's own error.
-    Checkout(Box<dyn StdError + Send + Sync>),
-    /// The call panicked, or the runtime stopped before it ran.
-    Aborted(Box<dyn StdError + Send + Sync>),
-}
-
-pub(crate) mod sealed {
-    pub trait Sealed {}
-}
-
-impl<C> sealed::Sealed for Pool<ConnectionManager<C>> where C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static
-{}
 
 impl<C> ConnectionPool for Pool<ConnectionManager<C>>
 where
     C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
 {
     type Connection = C;
+}
 
+impl<C> Checkout<C> for Pool<ConnectionManager<C>>
+where
+    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+{
     async fn with_connection<T: Send + 'static>(self, call: Call<C, T>) -> Result<T, Unavailable> {
         // r2d2 waits for a connection by blocking, so the checkout joins the
         // call on the blocking thread.
@@ -87,15 +87,12 @@ mod deadpool_diesel_pool {
     use deadpool_diesel::{Manager, Pool};
     use diesel::connection::{AnsiTransactionManager, TransactionManager};
 
-    use super::{Call, ConnectionPool, UNTIMED_POOL_WAIT, Unavailable, sealed};
+    use super::{Call, Checkout, ConnectionPool, Unavailable};
     use crate::StoreConnection;
 
-    impl<C> sealed::Sealed for Pool<Manager<C>>
-    where
-        C: StoreConnection<Raw = C> + diesel::Connection<TransactionManager = AnsiTransactionManager> + Send + 'static,
-        Manager<C>: deadpool::managed::Manager<Type = deadpool_diesel::Connection<C>, Error = deadpool_diesel::Error>,
-    {
-    }
+    /// How long a checkout from a pool without a wait timeout may wait: the
+    /// default in-flight wait, the wait of a web request.
+    const UNTIMED_POOL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
     impl<C> ConnectionPool for Pool<Manager<C>>
     where
@@ -103,7 +100,13 @@ mod deadpool_diesel_pool {
         Manager<C>: deadpool::managed::Manager<Type = deadpool_diesel::Connection<C>, Error = deadpool_diesel::Error>,
     {
         type Connection = C;
+    }
 
+    impl<C> Checkout<C> for Pool<Manager<C>>
+    where
+        C: StoreConnection<Raw = C> + diesel::Connection<TransactionManager = AnsiTransactionManager> + Send + 'static,
+        Manager<C>: deadpool::managed::Manager<Type = deadpool_diesel::Connection<C>, Error = deadpool_diesel::Error>,
+    {
         async fn with_connection<T: Send + 'static>(self, call: Call<C, T>) -> Result<T, Unavailable> {
             // deadpool waits for ever without a wait timeout; a web request
             // must be told to retry instead.

@@ -2,11 +2,12 @@
 //! layer, and how an API names and documents its problem types.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use chrono::Duration;
 use serde::Serialize;
 
 /// The media type of a problem details body.
@@ -88,8 +89,8 @@ impl Problem {
         self
     }
 
-    /// Answers with `Retry-After` in whole seconds (rounded up), telling the
-    /// client when a retry may succeed.
+    /// Answers with `Retry-After` in whole seconds (rounded up; a negative
+    /// duration is 0), telling the client when a retry may succeed.
     pub fn with_retry_after(mut self, after: Duration) -> Self {
         self.retry_after = Some(after);
         self
@@ -134,12 +135,22 @@ impl IntoResponse for Problem {
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         if let Some(after) = retry_after {
+            let after = after.to_std().unwrap_or_default();
             let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
             headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
         response
     }
 }
+
+/// The `detail`, or the `title` where there is none.
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.detail().unwrap_or(&self.title))
+    }
+}
+
+impl std::error::Error for Problem {}
 
 fn status_number<S: serde::Serializer>(status: &StatusCode, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_u16(status.as_u16())
@@ -273,8 +284,8 @@ struct Settings {
 /// clone is cheap.
 ///
 /// ```
-/// use std::time::Duration;
 /// use axum::http::StatusCode;
+/// use chrono::Duration;
 /// use idempotency::http::{ProblemKind, Problems};
 ///
 /// let problem = Problems::default().problem(ProblemKind::InProgress);
@@ -283,12 +294,12 @@ struct Settings {
 ///
 /// let problems = Problems::documented_at("https://docs.example.com/problems/")
 ///     .title(ProblemKind::KeyReused, "Key already used")
-///     .retry_after(Duration::from_secs(2));
+///     .retry_after(Duration::seconds(2));
 ///
 /// let problem = problems.problem(ProblemKind::InProgress);
 /// assert_eq!(problem.status(), StatusCode::CONFLICT);
 /// assert_eq!(problem.type_uri(), "https://docs.example.com/problems/idempotency-key-in-progress");
-/// assert_eq!(problem.retry_after(), Some(Duration::from_secs(2)));
+/// assert_eq!(problem.retry_after(), Some(Duration::seconds(2)));
 /// assert_eq!(problems.problem(ProblemKind::KeyReused).title(), "Key already used");
 /// assert_eq!(problems.problem(ProblemKind::KeyReused).retryable(), Some(false));
 ///
@@ -306,7 +317,7 @@ impl Default for Problems {
             settings: Arc::new(Settings {
                 base: Some(Problems::DEFAULT_BASE.to_owned()),
                 titles: HashMap::new(),
-                retry_after: Duration::from_secs(1),
+                retry_after: Duration::seconds(1),
             }),
         }
     }
@@ -344,7 +355,8 @@ impl Problems {
 
     /// Sets the `Retry-After` of a 409 (key in progress) and a 503 (no
     /// connection free); default 1 second. Match it to how long your
-    /// operations take.
+    /// operations take. A `chrono::Duration`, as every duration the crate's
+    /// builders take.
     pub fn retry_after(mut self, after: Duration) -> Self {
         Arc::make_mut(&mut self.settings).retry_after = after;
         self
@@ -377,9 +389,13 @@ mod tests {
     #[test]
     fn retry_after_is_rounded_up_to_whole_seconds() {
         let response = Problem::new(StatusCode::CONFLICT, "Conflict")
-            .with_retry_after(Duration::from_millis(1500))
+            .with_retry_after(Duration::milliseconds(1500))
             .into_response();
         assert_eq!(response.headers()[header::RETRY_AFTER], "2");
+        let response = Problem::new(StatusCode::CONFLICT, "Conflict")
+            .with_retry_after(Duration::seconds(-3))
+            .into_response();
+        assert_eq!(response.headers()[header::RETRY_AFTER], "0");
     }
 
     #[test]
@@ -395,7 +411,7 @@ mod tests {
     fn body_has_the_rfc_9457_members_only() {
         let problem = Problem::new(StatusCode::BAD_REQUEST, "Bad Request")
             .with_detail("why")
-            .with_retry_after(Duration::from_secs(1));
+            .with_retry_after(Duration::seconds(1));
         let body = serde_json::to_value(&problem).unwrap();
         assert_eq!(
             body,

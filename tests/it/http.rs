@@ -27,7 +27,9 @@ use axum::{Extension, Json, Router};
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
-use idempotency::http::{self, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse};
+use idempotency::http::{
+    self, Caller, Failure, IdempotencyKey, IdempotencyKeyRejection, Problem, ProblemKind, Problems, StoredResponse,
+};
 use idempotency::{Config, InFlight};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -1178,7 +1180,7 @@ mod library {
         let db = idempotency::testing::SqliteFile::new();
         let problems = Problems::documented_at("https://api.example/errors/")
             .title(ProblemKind::InProgress, "Busy with this key")
-            .retry_after(Duration::from_secs(3));
+            .retry_after(chrono::Duration::seconds(3));
         let (app, _) = notes_app(&db, 2, Config::default().in_flight(InFlight::Reject));
         let app = app.layer(Extension(problems));
 
@@ -1706,6 +1708,171 @@ mod library {
         assert_eq!(notes, 2, "only authenticated requests wrote");
     }
 
+    /// A request to `app` and what came back: status, `Content-Type`, body.
+    async fn raw_answer(app: &Router, request: Request<axum::body::Body>) -> (StatusCode, Option<String>, String) {
+        let response = app.clone().oneshot(request).await.expect("infallible");
+        let status = response.status();
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .map(|v| v.to_str().expect("ascii").to_owned());
+        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("a body");
+        (status, content_type, String::from_utf8(body.to_vec()).expect("UTF-8"))
+    }
+
+    /// A request with a bearer token and the given key fields.
+    fn private_note(uri: &str, token: Option<&str>, keys: &[&str]) -> Request<axum::body::Body> {
+        let mut request = Request::post(uri);
+        for key in keys {
+            request = request.header("idempotency-key", *key);
+        }
+        if let Some(token) = token {
+            request = request.header("authorization", format!("Bearer {token}"));
+        }
+        request.body(axum::body::Body::empty()).expect("a request")
+    }
+
+    /// Requires a key; the path parameter is bound with it.
+    async fn post_required_note(
+        State(notes): State<Notes>,
+        Path(_): Path<String>,
+        key: IdempotencyKey<Bearer>,
+    ) -> axum::response::Response {
+        let outcome: NoteResponse = http::run(&notes.pool, &notes.config, &key, (), |conn, ()| add_note(conn)).await;
+        outcome.into_response()
+    }
+
+    fn required_and_optional_notes(db: &idempotency::testing::SqliteFile) -> Router {
+        let (_, pool) = notes_app(db, 2, Config::default());
+        Router::new()
+            .route("/notes/{book}", post(post_required_note))
+            .route("/notes", post(post_private_note))
+            .with_state(Notes {
+                pool,
+                config: Config::default(),
+            })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_key_rejections_answer_with_their_problems_and_the_callers_own_response() {
+        let db = idempotency::testing::SqliteFile::new();
+        let app = required_and_optional_notes(&db);
+        let problem = |slug: &str, title: &str, detail: &str| {
+            let body = json!({
+                "type": format!("{}{slug}", Problems::DEFAULT_BASE),
+                "title": title,
+                "status": 400,
+                "detail": detail,
+                "retryable": false,
+            });
+            (
+                StatusCode::BAD_REQUEST,
+                Some("application/problem+json".to_owned()),
+                body.to_string(),
+            )
+        };
+        assert_eq!(
+            raw_answer(&app, private_note("/notes/b-1", Some("t-1"), &[])).await,
+            problem(
+                "idempotency-key-missing",
+                "Idempotency-Key header missing",
+                "this endpoint requires an Idempotency-Key header"
+            )
+        );
+        let repeated = problem(
+            "idempotency-key-invalid",
+            "Invalid Idempotency-Key header",
+            "the request has more than one idempotency key header",
+        );
+        assert_eq!(
+            raw_answer(&app, private_note("/notes/b-1", Some("t-1"), &["a", "b"])).await,
+            repeated
+        );
+        assert_eq!(
+            raw_answer(&app, private_note("/notes", Some("t-1"), &["a", "b"])).await,
+            repeated,
+            "an optional key is refused alike"
+        );
+        let unauthorized = (StatusCode::UNAUTHORIZED, None, String::new());
+        for uri in ["/notes/b-1", "/notes"] {
+            assert_eq!(
+                raw_answer(&app, private_note(uri, None, &["n-1"])).await,
+                unauthorized,
+                "{uri}: the caller's own rejection, unchanged"
+            );
+        }
+        let (status, content_type, body) = raw_answer(&app, private_note("/notes/%FF", Some("t-1"), &["n-1"])).await;
+        assert_eq!(
+            (status, content_type.as_deref()),
+            (StatusCode::BAD_REQUEST, Some("text/plain; charset=utf-8"))
+        );
+        assert!(body.contains("UTF-8"), "axum's own words: {body}");
+        let notes: i64 = diesel::dsl::sql::<diesel::sql_types::BigInt>("SELECT count(*) FROM notes")
+            .get_result(&mut db.conn())
+            .expect("count notes");
+        assert_eq!(notes, 0, "no rejected request wrote");
+    }
+
+    /// Answers a request without a key with 428 and a problem of its own,
+    /// a caller without credentials with a challenge; every other
+    /// rejection as the extractor answers it.
+    async fn post_note_or_explain(
+        State(notes): State<Notes>,
+        key: Result<IdempotencyKey<Bearer>, IdempotencyKeyRejection<StatusCode>>,
+    ) -> axum::response::Response {
+        match key {
+            Ok(key) => {
+                let outcome: NoteResponse =
+                    http::run(&notes.pool, &notes.config, &key, (), |conn, ()| add_note(conn)).await;
+                outcome.into_response()
+            }
+            Err(IdempotencyKeyRejection::MissingKey(problem)) => {
+                assert_eq!(problem.status(), StatusCode::BAD_REQUEST);
+                Problem::new(StatusCode::PRECONDITION_REQUIRED, "Precondition Required")
+                    .with_detail(problem.to_string())
+                    .into_response()
+            }
+            Err(IdempotencyKeyRejection::Caller(status)) => (status, [("www-authenticate", "Bearer")]).into_response(),
+            Err(other) => other.into_response(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_handler_answers_each_rejection_of_the_key_its_own_way() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (_, pool) = notes_app(&db, 2, Config::default());
+        let app = Router::new()
+            .route("/notes", post(post_note_or_explain))
+            .with_state(Notes {
+                pool,
+                config: Config::default(),
+            });
+
+        let (status, _, body) = answer(&app, private_note("/notes", Some("t-1"), &[])).await;
+        assert_eq!(status, StatusCode::PRECONDITION_REQUIRED);
+        assert_eq!(body["detail"], "this endpoint requires an Idempotency-Key header");
+
+        let response = app
+            .clone()
+            .oneshot(private_note("/notes", None, &["n-1"]))
+            .await
+            .expect("infallible");
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(response.headers()["www-authenticate"], "Bearer");
+
+        let (status, _, body) = answer(&app, private_note("/notes", Some("t-1"), &["a b"])).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            body["type"],
+            format!("{}idempotency-key-invalid", Problems::DEFAULT_BASE)
+        );
+
+        let (status, _, _) = answer(&app, private_note("/notes", Some("t-1"), &["n-1"])).await;
+        assert_eq!(status, StatusCode::CREATED);
+    }
+
     /// A note whose stored response carries the header that the request's
     /// `x-store` names (request headers are no part of the fingerprint, so a
     /// retry with the same key may name another).
@@ -1809,8 +1976,10 @@ mod library {
     }
 
     #[test]
-    fn failure_is_an_error_that_crosses_threads() {
+    fn failure_and_the_key_rejection_are_errors_that_cross_threads() {
         fn assert_error<E: std::error::Error + Send + Sync + 'static>() {}
         assert_error::<Failure<std::io::Error>>();
+        assert_error::<IdempotencyKeyRejection<std::io::Error>>();
+        assert_error::<IdempotencyKeyRejection<Problem>>();
     }
 }
