@@ -101,6 +101,7 @@ pub mod outbox;
 mod outcome;
 pub mod phased;
 mod repository;
+mod row_status;
 mod run;
 mod schema;
 mod service;

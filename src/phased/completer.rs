@@ -9,12 +9,13 @@ use chrono::{DateTime, Duration, Utc};
 use serde::de::DeserializeOwned;
 
 use super::steps::without_unfinished_call;
-use crate::backend::phases::{PARKED, ParkedRow, PickedRow};
+use crate::backend::phases::{ParkedRow, PickedRow};
 use crate::backend::{RawConnection, StoreConnection, transaction_depth, unwind_to_depth};
 use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
 use crate::in_flight::InFlight;
 use crate::outcome::Outcome;
+use crate::row_status::OperationStatus;
 use crate::telemetry;
 
 /// How long other completers pass over an operation one has picked, unless
@@ -407,7 +408,11 @@ where
         let conn = conn.raw();
         let now = self.clock.now(conn)?;
         conn.write(WRITE_LOCK_WAIT, |tx| {
-            let Some(row) = tx.read_operation(scope, key)?.0.filter(|row| row.status == PARKED) else {
+            let Some(row) = tx
+                .read_operation(scope, key)?
+                .0
+                .filter(|row| row.status == OperationStatus::Parked)
+            else {
                 return Ok(false);
             };
             let points = without_unfinished_call(&row.points).map_err(Error::Codec)?;
