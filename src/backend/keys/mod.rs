@@ -316,3 +316,17 @@ impl DatabaseErrorInformation for KeyRecordChanged {
         None
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::KeyRecordChanged;
+    use crate::Error;
+
+    #[test]
+    fn a_changed_key_record_is_a_storage_error_that_says_so_and_may_be_retried() {
+        assert!(KeyRecordChanged::check(1).is_ok());
+        let changed = KeyRecordChanged::check(0).expect_err("no row written");
+        assert!(changed.to_string().contains("the key record changed"), "{changed}");
+        assert!(Error::<()>::Storage(changed).is_retryable());
+    }
+}
