@@ -106,6 +106,7 @@ mod outcome;
 pub mod phased;
 mod purging;
 mod repository;
+mod row_status;
 mod run;
 mod schema;
 mod service;

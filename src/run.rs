@@ -7,11 +7,12 @@ use chrono::{Duration, NaiveDateTime, SubsecRound};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::backend::{self, COMPLETED, HeldKey, Hold, KeyStore, PROCESSING, Read, Record, StoreConnection, Stored};
+use crate::backend::{self, HeldKey, Hold, KeyStore, Read, Record, StoreConnection, Stored};
 use crate::config::Config;
 use crate::error::Error;
 use crate::executing::Executing;
 use crate::outcome::{Outcome, Recorded};
+use crate::row_status::RecordStatus;
 use crate::telemetry::CallTrace;
 
 /// Runs `op` at most once for `(scope, key)` with [`Config::default()`]; see
@@ -207,7 +208,7 @@ impl Config {
                     scope,
                     idempotency_key: key,
                     request_hash: &request_hash,
-                    status: PROCESSING,
+                    status: RecordStatus::Processing,
                     response: None,
                     created_at: now,
                     completed_at: None,
@@ -222,7 +223,7 @@ impl Config {
                 }) => {
                     let now = self.clock.or_database(now);
                     match record {
-                        Some(stored) if stored.status == COMPLETED && stored.expires_at > now => {
+                        Some(stored) if stored.status == RecordStatus::Completed && stored.expires_at > now => {
                             if self.durable_replays {
                                 conn.await_replication()?;
                             }
@@ -288,13 +289,13 @@ impl Config {
             |tx| {
                 trace.waited(started.elapsed());
                 let hold = match tx.hold(&record, claims_first)? {
-                    Hold::Taken(stored) => {
+                    Hold::Recorded(stored) => {
                         if self.durable_replays {
                             tx.await_replication()?;
                         }
                         return replay(stored, record.request_hash);
                     }
-                    Hold::Busy => return Err(Error::InProgress),
+                    Hold::ClaimedElsewhere => return Err(Error::InProgress),
                     hold @ (Hold::Expired | Hold::Claimed { took_over: true }) => {
                         trace.took_over();
                         hold
@@ -307,7 +308,7 @@ impl Config {
                 tx.store(
                     hold,
                     &Record {
-                        status: COMPLETED,
+                        status: RecordStatus::Completed,
                         response: Some(&response),
                         completed_at: Some(record.created_at + elapsed),
                         ..record
@@ -337,7 +338,7 @@ fn replay<R: DeserializeOwned, E>(stored: Stored, request_hash: &str) -> Result<
         return Err(Error::Mismatch);
     }
     match stored.response {
-        Some(response) if stored.status == COMPLETED => serde_json::from_str(&response)
+        Some(response) if stored.status == RecordStatus::Completed => serde_json::from_str(&response)
             .map(|value| Recorded::new(Outcome::Replayed(value), stored.created_at, stored.expires_at))
             .map_err(Error::Codec),
         // Claimed by an enclosing call on this same connection whose

@@ -7,10 +7,11 @@ use std::convert::Infallible;
 use chrono::{DateTime, NaiveDateTime, Utc};
 use serde::de::DeserializeOwned;
 
-use crate::backend::{self, COMPLETED, HeldKey, KeyStore, Read, StoreConnection, Stored};
+use crate::backend::{self, HeldKey, KeyStore, Read, StoreConnection, Stored};
 use crate::config::Config;
 use crate::error::Error;
 use crate::in_flight::InFlight;
+use crate::row_status::RecordStatus;
 
 /// What [`Config::status`] found for a key in a scope.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,7 +116,7 @@ impl Config {
         match conn.key_transaction(held, |tx| tx.find(scope, key).map_err(Error::Storage)) {
             Ok(None) => Ok(KeyStatus::NoRecord),
             Ok(Some(stored)) if is_answered(&stored, now) => completed(&stored),
-            Ok(Some(stored)) if stored.status == COMPLETED => Ok(KeyStatus::Expired {
+            Ok(Some(stored)) if stored.status == RecordStatus::Completed => Ok(KeyStatus::Expired {
                 expired_at: stored.expires_at.and_utc(),
             }),
             // A claim this connection's own enclosing call holds.
@@ -129,7 +130,7 @@ impl Config {
 }
 
 fn is_answered(stored: &Stored, now: NaiveDateTime) -> bool {
-    stored.status == COMPLETED && stored.expires_at > now
+    stored.status == RecordStatus::Completed && stored.expires_at > now
 }
 
 fn completed<R: DeserializeOwned>(stored: &Stored) -> Result<KeyStatus<R>, Error> {

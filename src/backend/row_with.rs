@@ -21,6 +21,7 @@ use diesel::sql_types::{HasSqlType, Nullable, Text};
 
 use super::Stored;
 use crate::backend::phases::OperationRow;
+use crate::row_status::{OperationStatus, RecordStatus};
 
 /// The first column of a [`RowWith`] query, in the SQL of its backend.
 pub(crate) trait Head: 'static {
@@ -112,7 +113,7 @@ impl<Time: 'static> Lookup for KeyRecord<Time> {
 
 type KeyRecordRow = (
     Option<String>,
-    Option<String>,
+    Option<RecordStatus>,
     Option<String>,
     Option<NaiveDateTime>,
     Option<NaiveDateTime>,
@@ -163,7 +164,7 @@ type OperationColumnsRow = (
     Option<String>,
     Option<String>,
     Option<String>,
-    Option<String>,
+    Option<OperationStatus>,
     Option<String>,
     Option<String>,
     Option<NaiveDateTime>,

@@ -10,12 +10,13 @@ use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use serde::de::DeserializeOwned;
 
 use super::steps::without_unfinished_call;
-use crate::backend::phases::{PARKED, ParkedRow, PickedRow};
+use crate::backend::phases::{ParkedRow, PickedRow};
 use crate::backend::{RawConnection, StoreConnection, transaction_depth, unwind_to_depth};
 use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
 use crate::in_flight::InFlight;
 use crate::outcome::Outcome;
+use crate::row_status::OperationStatus;
 use crate::service::{Next, Shutdown, Stopped, serve};
 use crate::telemetry;
 
@@ -440,7 +441,11 @@ where
         let conn = conn.raw();
         let now = self.clock.now(conn)?;
         conn.write(WRITE_LOCK_WAIT, |tx| {
-            let Some(row) = tx.read_operation(scope, key)?.0.filter(|row| row.status == PARKED) else {
+            let Some(row) = tx
+                .read_operation(scope, key)?
+                .0
+                .filter(|row| row.status == OperationStatus::Parked)
+            else {
                 return Ok(false);
             };
             let points = without_unfinished_call(&row.points).map_err(Error::Codec)?;

@@ -9,13 +9,14 @@ use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::phases::{COMPLETED, Lease, NewOperation, OperationRow, PARKED, PhaseStore, RUNNING};
+use crate::backend::phases::{Lease, NewOperation, OperationRow, PhaseStore};
 use crate::backend::{self, HeldKey, KeyStore, StoreConnection, transaction_depth};
 use crate::clock::{Reading, assert_duration};
 use crate::config::Config;
 use crate::error::Error;
 use crate::executing::Executing;
 use crate::outcome::Outcome;
+use crate::row_status::OperationStatus;
 use crate::telemetry::CallTrace;
 use crate::{codec, id, key, telemetry};
 
@@ -262,7 +263,7 @@ impl Phased {
             let Some(row) = row else {
                 return Ok(Begin::Attempt(Held::Unclaimed { replace: false }, clock));
             };
-            if row.status == COMPLETED && row.expires_at.is_some_and(|expires_at| expires_at <= now) {
+            if row.status == OperationStatus::Completed && row.expires_at.is_some_and(|expires_at| expires_at <= now) {
                 return Ok(Begin::Attempt(Held::Unclaimed { replace: true }, clock));
             }
             // The key is bound to the operation as well as to the request:
@@ -273,8 +274,8 @@ impl Phased {
             if row.operation != self.name || row.request_hash != request_hash {
                 return Err(Error::Mismatch);
             }
-            match row.status.as_str() {
-                COMPLETED => {
+            match row.status {
+                OperationStatus::Completed => {
                     let response = row.response.unwrap_or_default();
                     let value = serde_json::from_str(&response).map_err(Error::Codec)?;
                     if self.config.durable_replays {
@@ -283,8 +284,8 @@ impl Phased {
                     let expires_at = row.expires_at.unwrap_or(now);
                     return Ok(Begin::Replay(Outcome::Replayed(value), expires_at));
                 }
-                PARKED => return Err(Error::Parked),
-                _ => {}
+                OperationStatus::Parked => return Err(Error::Parked),
+                OperationStatus::Running => {}
             }
             if row.lease_until.is_none_or(|until| until <= now) {
                 let lease = Lease { scope, key, token };
@@ -623,7 +624,7 @@ impl<C: PhaseStore> Steps<'_, C> {
             request_hash: self.request_hash,
             request: self.request,
             op_id,
-            status: RUNNING,
+            status: OperationStatus::Running,
             points: "[]",
             lease_token: self.lease.token,
             lease_until: now + self.phased.lease,

@@ -13,7 +13,7 @@ crate::common::backend_tests!(
     generic_call_executes_replays_and_delivers_once_on_a_pooled_connection,
     generic_nested_call_runs_on_a_plain_connection,
     generic_nested_call_runs_on_a_pooled_connection,
-    the_supertraits_of_a_raw_connection_are_nameable_in_bounds,
+    a_raw_connection_is_the_one_bound_generic_code_needs,
 );
 
 fn place_with_receipt<C: StoreConnection>(conn: &mut C, key: &str) -> Result<Outcome<u32>, Error<outbox::Error>> {
@@ -88,18 +88,16 @@ fn generic_nested_call_runs_on_a_pooled_connection<D: TestDb>() {
     assert!(!D::in_transaction(&mut pooled));
 }
 
-/// Generic code that spells out what `RawConnection` is made of.
+/// Generic code over the plain connection: `RawConnection` is the one
+/// bound it needs.
 fn deliver_on_raw<C>(conn: &mut C) -> Result<usize, outbox::Error>
 where
-    C: idempotency::backend::KeyStore
-        + idempotency::backend::OutboxStore
-        + idempotency::backend::PhaseStore
-        + idempotency::RawConnection,
+    C: idempotency::RawConnection,
 {
     deliver_all(conn)
 }
 
-fn the_supertraits_of_a_raw_connection_are_nameable_in_bounds<D: TestDb>() {
+fn a_raw_connection_is_the_one_bound_generic_code_needs<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
     assert_eq!(

@@ -7,8 +7,9 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Text, Timestamp};
 
-use crate::backend::outbox::{Claim, Claimed, PENDING};
+use crate::backend::outbox::{Claim, Claimed};
 use crate::backend::sql_limit;
+use crate::row_status::MessageStatus;
 
 /// `OutboxStore::claim_batch` on a distributed outbox: the oldest due
 /// messages are read across shards without locks; then each scope's share
@@ -27,7 +28,7 @@ pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &Claim<'_>) -> QueryRe
         "SELECT scope, id FROM idempotency_outbox \
          WHERE status = $1 AND (available_at IS NULL OR available_at <= $2) ORDER BY id LIMIT $3",
     )
-    .bind::<Text, _>(PENDING)
+    .bind::<Text, _>(MessageStatus::Pending)
     .bind::<Timestamp, _>(claim.now)
     .bind::<BigInt, _>(sql_limit(claim.limit))
     .load(conn)?;
@@ -51,7 +52,7 @@ pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &Claim<'_>) -> QueryRe
             .bind::<Text, _>(claim.lease_token)
             .bind::<Text, _>(&scope)
             .bind::<Array<Text>, _>(&ids)
-            .bind::<Text, _>(PENDING)
+            .bind::<Text, _>(MessageStatus::Pending)
             .bind::<Timestamp, _>(claim.now)
             .load::<Claimed>(conn)?,
         );

@@ -57,8 +57,11 @@ use diesel::sql_types::{BigInt, Datetime, Double, Nullable, Text};
 use diesel_migrations::MigrationHarness;
 
 use super::row_with::{Head, record_with};
-use super::{Claim, HeldKey, Hold, KeyStore, Read, Record, Stored, transaction_depth, unwind_to_depth};
+use super::{
+    Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, Stored, transaction_depth, unwind_to_depth,
+};
 use crate::in_flight::InFlight;
+use crate::row_status::RecordStatus;
 use crate::telemetry;
 
 pub(crate) mod schema;
@@ -268,7 +271,7 @@ impl QueryFragment<Mysql> for Complete<'_> {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
         let record = self.0;
         out.push_sql("UPDATE idempotency_keys SET status = ");
-        out.push_bind_param::<Text, _>(record.status)?;
+        out.push_bind_param::<Text, _>(&record.status)?;
         out.push_sql(", response = ");
         out.push_bind_param::<Nullable<Text>, _>(&record.response)?;
         out.push_sql(", completed_at = ");
@@ -306,7 +309,7 @@ fn lock(conn: &mut MysqlConnection, scope: &str, key: &str, in_flight: InFlight)
 /// and `AsChangeset` are for the other backends' table.
 type Written<'a> = (
     Eq<k::request_hash, &'a str>,
-    Eq<k::status, &'a str>,
+    Eq<k::status, RecordStatus>,
     Eq<k::response, Option<&'a str>>,
     Eq<k::created_at, NaiveDateTime>,
     Eq<k::completed_at, Option<NaiveDateTime>>,
@@ -314,7 +317,7 @@ type Written<'a> = (
 );
 
 fn written<'a>(record: &Record<'a>) -> Written<'a> {
-    super::record_values!(k, record)
+    super::keys::record_values!(k, record)
 }
 
 /// Inserts `record` as a claim with a plain `INSERT`; `false` when its key
@@ -470,10 +473,10 @@ impl KeyStore for MysqlConnection {
         // take over, so the record is read first, with a lock: a locking
         // read sees the latest commit whatever the transaction's snapshot.
         match find_for_update(self, scope, key)? {
-            Some(stored) if stored.expires_at > record.created_at => Ok(Hold::Taken(stored)),
+            Some(stored) if stored.expires_at > record.created_at => Ok(Hold::Recorded(stored)),
             // Expired (and now locked by this transaction), or purged since
             // the claim met it.
-            _ => Ok(self.claim(record)?.hold().unwrap_or(Hold::Busy)),
+            _ => Ok(self.claim(record)?.hold().unwrap_or(Hold::ClaimedElsewhere)),
         }
     }
 
@@ -549,16 +552,12 @@ impl KeyStore for MysqlConnection {
         // ever completed here.
         let stored = match hold {
             Hold::Claimed { .. } => Complete(record).execute(self)?,
-            Hold::Free | Hold::Expired | Hold::Taken(_) | Hold::Busy => 0,
+            Hold::Free | Hold::Expired | Hold::Recorded(_) | Hold::ClaimedElsewhere => 0,
         };
         // The key is held by this transaction; anything else means
         // something bypasses the lock, and committing would leave an
         // executed operation without its result.
-        if stored == 1 {
-            Ok(())
-        } else {
-            Err(DieselError::NotFound)
-        }
+        KeyRecordChanged::check(stored)
     }
 
     fn find(&mut self, scope: &str, key: &str) -> QueryResult<Option<Stored>> {

@@ -23,10 +23,11 @@ use diesel::mysql::MysqlConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Datetime, Text};
 
-use crate::backend::mysql::schema::idempotency_outbox as o;
+use crate::backend::mysql::schema::{self, idempotency_outbox as o};
 use crate::backend::mysql::{UtcNow, read_committed};
-use crate::backend::outbox::{Claim, Claimed, DELIVERED, OutboxStore, PENDING};
+use crate::backend::outbox::{Claim, Claimed, OutboxStore, outbox_statements};
 use crate::backend::sql_limit;
+use crate::row_status::MessageStatus;
 
 impl OutboxStore for MysqlConnection {
     fn claim_batch(&mut self, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>> {
@@ -37,7 +38,7 @@ impl OutboxStore for MysqlConnection {
                  WHERE status = ? AND (available_at IS NULL OR available_at <= ?) \
                  ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",
             )
-            .bind::<Text, _>(PENDING)
+            .bind::<Text, _>(MessageStatus::Pending)
             .bind::<Datetime, _>(claim.now)
             .bind::<BigInt, _>(sql_limit(claim.limit))
             .load(tx)?;
@@ -68,12 +69,12 @@ impl OutboxStore for MysqlConnection {
               WHERE status = ? AND delivered_at <= ? ORDER BY delivered_at LIMIT ? FOR UPDATE SKIP LOCKED) AS done \
              STRAIGHT_JOIN idempotency_outbox AS o FORCE INDEX (PRIMARY) ON o.id = done.id",
             )
-            .bind::<Text, _>(DELIVERED)
+            .bind::<Text, _>(MessageStatus::Delivered)
             .bind::<Datetime, _>(cutoff)
             .bind::<BigInt, _>(sql_limit(batch))
             .execute(tx)
         })
     }
 
-    crate::backend::outbox::shared_queries!(created_at = UtcNow; crate::backend::mysql::schema);
+    outbox_statements!(schema, created_at = UtcNow; insert_message, settle, dead_messages, release, next_due, backlog, requeue);
 }

@@ -8,10 +8,11 @@ use diesel::mysql::MysqlConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Datetime, Text};
 
-use crate::backend::mysql::{DatabaseNow, read_committed};
-use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore};
+use crate::backend::mysql::{DatabaseNow, read_committed, schema};
+use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::operation_with;
 use crate::backend::sql_limit;
+use crate::row_status::OperationStatus;
 
 impl PhaseStore for MysqlConnection {
     fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
@@ -32,11 +33,11 @@ impl PhaseStore for MysqlConnection {
              ON p.scope = expired.scope AND p.idempotency_key = expired.idempotency_key",
             )
             .bind::<Datetime, _>(cutoff)
-            .bind::<Text, _>(COMPLETED)
+            .bind::<Text, _>(OperationStatus::Completed)
             .bind::<BigInt, _>(sql_limit(limit))
             .execute(tx)
         })
     }
 
-    crate::backend::phases::shared_queries!(strict crate::backend::mysql::schema);
+    phase_statements!(schema: pick_abandoned, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation, park_unheld, park_exhausted, parked_operations, requeue_operation, insert_operation_strictly);
 }

@@ -40,10 +40,12 @@ use diesel::sql_types::{BigInt, Bool, Text, Timestamp, Timestamptz};
 use diesel_migrations::MigrationHarness;
 
 use super::citus;
+use super::keys::{hold_by_claiming, hold_of};
 use super::row_with::{Head, record_with};
-use super::{HeldKey, Hold, KeyStore, Read, Record, hold_by_claiming, hold_of, transaction_depth, transaction_with};
+use super::{HeldKey, Hold, KeyStore, Read, Record, transaction_depth, transaction_with};
 use crate::error::is_connection_lost;
 use crate::in_flight::InFlight;
+use crate::schema;
 
 super::raw_connection!(PgConnection);
 
@@ -412,7 +414,7 @@ impl KeyStore for PgConnection {
         purge(self, &expired, limit)
     }
 
-    super::shared_queries!(crate::schema);
+    super::keys::key_statements!(schema: find, claim, store);
 }
 
 #[cfg(test)]

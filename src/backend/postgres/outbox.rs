@@ -16,8 +16,10 @@ use diesel::prelude::*;
 use diesel::sql_types::{Text, Timestamp};
 
 use crate::backend::citus;
-use crate::backend::outbox::{Claim, Claimed, DELIVERED, OutboxStore, claim_in_one_statement};
+use crate::backend::outbox::{Claim, Claimed, OutboxStore, claim_in_one_statement, outbox_statements};
 use crate::backend::postgres::{Expired, database_time, purge};
+use crate::row_status::MessageStatus;
+use crate::schema;
 
 /// The channel the migration's trigger notifies.
 const CHANNEL: &str = "idempotency_outbox";
@@ -47,7 +49,10 @@ impl OutboxStore for PgConnection {
             table: "idempotency_outbox",
             key: "id",
             condition: "status = $1 AND delivered_at <= $2",
-            bind: &|rows| rows.bind::<Text, _>(DELIVERED).bind::<Timestamp, _>(cutoff),
+            bind: &|rows| {
+                rows.bind::<Text, _>(MessageStatus::Delivered)
+                    .bind::<Timestamp, _>(cutoff)
+            },
         };
         purge(self, &delivered, batch)
     }
@@ -70,5 +75,5 @@ impl OutboxStore for PgConnection {
         self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
     }
 
-    crate::backend::outbox::shared_queries!(created_at = database_time(); crate::schema);
+    outbox_statements!(schema, created_at = database_time(); insert_message, settle, dead_messages, release, next_due, backlog, requeue);
 }

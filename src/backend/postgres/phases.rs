@@ -5,9 +5,11 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{Text, Timestamp};
 
-use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore};
+use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::postgres::{DatabaseNow, Expired, purge};
 use crate::backend::row_with::operation_with;
+use crate::row_status::OperationStatus;
+use crate::schema;
 
 impl PhaseStore for PgConnection {
     fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
@@ -19,10 +21,13 @@ impl PhaseStore for PgConnection {
             table: "idempotency_phases",
             key: "idempotency_key",
             condition: "status = $1 AND expires_at <= $2",
-            bind: &|rows| rows.bind::<Text, _>(COMPLETED).bind::<Timestamp, _>(cutoff),
+            bind: &|rows| {
+                rows.bind::<Text, _>(OperationStatus::Completed)
+                    .bind::<Timestamp, _>(cutoff)
+            },
         };
         purge(self, &expired, limit)
     }
 
-    crate::backend::phases::shared_queries!(crate::schema);
+    phase_statements!(schema: pick_abandoned, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation, park_unheld, park_exhausted, parked_operations, requeue_operation, insert_operation);
 }

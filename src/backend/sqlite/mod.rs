@@ -27,8 +27,10 @@ use diesel::sql_types::{BigInt, Integer, Timestamp};
 use diesel::sqlite::{Sqlite, SqliteConnection};
 use diesel_migrations::MigrationHarness;
 
-use super::{Hold, KeyStore, Read, Record, hold_by_claiming, hold_by_reading, transaction_depth, transaction_with};
+use super::keys::{hold_by_claiming, hold_by_reading};
+use super::{Hold, KeyStore, Read, Record, transaction_depth, transaction_with};
 use crate::in_flight::InFlight;
+use crate::schema;
 
 super::raw_connection!(SqliteConnection);
 
@@ -196,5 +198,5 @@ impl KeyStore for SqliteConnection {
         .execute(self)
     }
 
-    super::shared_queries!(crate::schema);
+    super::keys::key_statements!(schema: find, claim, store);
 }

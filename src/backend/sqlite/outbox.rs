@@ -7,8 +7,10 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use crate::backend::outbox::{Claim, Claimed, DELIVERED, OutboxStore, claim_in_one_statement};
+use crate::backend::outbox::{Claim, Claimed, OutboxStore, claim_in_one_statement, outbox_statements};
 use crate::backend::sql_limit;
+use crate::row_status::MessageStatus;
+use crate::schema;
 
 impl OutboxStore for SqliteConnection {
     fn claim_batch(&mut self, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>> {
@@ -28,12 +30,12 @@ impl OutboxStore for SqliteConnection {
             "DELETE FROM idempotency_outbox WHERE id IN \
              (SELECT id FROM idempotency_outbox WHERE status = ? AND delivered_at <= ? LIMIT ?)",
         )
-        .bind::<Text, _>(DELIVERED)
+        .bind::<Text, _>(MessageStatus::Delivered)
         .bind::<Timestamp, _>(cutoff)
         .bind::<BigInt, _>(sql_limit(batch))
         .execute(self)
     }
 
     // SQLite's clock is the application host's.
-    crate::backend::outbox::shared_queries!(created_at = Utc::now().naive_utc(); crate::schema);
+    outbox_statements!(schema, created_at = Utc::now().naive_utc(); insert_message, settle, dead_messages, release, next_due, backlog, requeue);
 }

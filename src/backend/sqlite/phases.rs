@@ -6,9 +6,10 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use crate::backend::phases::{COMPLETED, OperationRow, PhaseStore};
+use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::sql_limit;
-use crate::schema::idempotency_phases as p;
+use crate::row_status::OperationStatus;
+use crate::schema::{self, idempotency_phases as p};
 
 impl PhaseStore for SqliteConnection {
     fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
@@ -28,11 +29,11 @@ impl PhaseStore for SqliteConnection {
              (SELECT scope, idempotency_key FROM idempotency_phases \
               WHERE status = ? AND expires_at <= ? LIMIT ?)",
         )
-        .bind::<Text, _>(COMPLETED)
+        .bind::<Text, _>(OperationStatus::Completed)
         .bind::<Timestamp, _>(cutoff)
         .bind::<BigInt, _>(sql_limit(limit))
         .execute(self)
     }
 
-    crate::backend::phases::shared_queries!(crate::schema);
+    phase_statements!(schema: pick_abandoned, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation, park_unheld, park_exhausted, parked_operations, requeue_operation, insert_operation);
 }

@@ -1,0 +1,332 @@
+//! Key records: the statements every backend implements for them, the rows
+//! they read and write, and how a write transaction holds its key.
+
+use std::ops::RangeInclusive;
+
+use chrono::NaiveDateTime;
+use diesel::connection::AnsiTransactionManager;
+use diesel::prelude::*;
+use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind};
+
+use super::sealed::Sealed;
+use crate::in_flight::InFlight;
+use crate::row_status::RecordStatus;
+use crate::schema::idempotency_keys;
+
+mod statements;
+
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) use statements::key_statements;
+pub(crate) use statements::record_values;
+
+/// A key record as this crate writes it: claimed (`processing`, no response
+/// yet) or completed with its response.
+#[derive(Insertable, AsChangeset, Clone, Copy)]
+#[diesel(table_name = idempotency_keys, primary_key(scope, idempotency_key), treat_none_as_null = true)]
+pub struct Record<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) idempotency_key: &'a str,
+    pub(crate) request_hash: &'a str,
+    pub(crate) status: RecordStatus,
+    pub(crate) response: Option<&'a str>,
+    pub(crate) created_at: NaiveDateTime,
+    pub(crate) completed_at: Option<NaiveDateTime>,
+    pub(crate) expires_at: NaiveDateTime,
+}
+
+/// What a replay needs of a stored record.
+#[derive(Queryable, Debug)]
+pub struct Stored {
+    pub(crate) request_hash: String,
+    pub(crate) status: RecordStatus,
+    pub(crate) response: Option<String>,
+    pub(crate) created_at: NaiveDateTime,
+    pub(crate) expires_at: NaiveDateTime,
+}
+
+/// What the replay read outside the write transaction found.
+pub struct Read {
+    /// The record, whatever its state.
+    pub(crate) record: Option<Stored>,
+    /// The database's time when it was read.
+    pub(crate) now: NaiveDateTime,
+    /// Whether the database claims every key before the operation runs
+    /// (PostgreSQL's `idempotency.claim_first`): a write transaction then
+    /// claims at once, without reading the record again.
+    pub(crate) claims_first: bool,
+}
+
+/// What a guarded claim of a key did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// There was no record: the claim is inserted.
+    Inserted,
+    /// There was an expired record: the claim replaced it.
+    TookOver,
+    /// An unexpired record holds the key.
+    Refused,
+}
+
+impl Claim {
+    /// The hold a successful claim gives.
+    pub(crate) fn hold(self) -> Option<Hold> {
+        match self {
+            Claim::Inserted => Some(Hold::Claimed { took_over: false }),
+            Claim::TookOver => Some(Hold::Claimed { took_over: true }),
+            Claim::Refused => None,
+        }
+    }
+}
+
+/// How a write transaction holds its key, decided once it holds the key's
+/// lock, and so how the operation's result is stored.
+#[derive(Debug)]
+pub enum Hold {
+    /// No record: the completed record is inserted after the operation.
+    Free,
+    /// An expired record: it is replaced by the completed one after the
+    /// operation.
+    Expired,
+    /// Claimed with a guarded insert before the operation (`took_over`: by
+    /// replacing an expired record): the operation's result completes the
+    /// record.
+    Claimed {
+        /// Whether the claim replaced an expired record.
+        took_over: bool,
+    },
+    /// An unexpired record: the answer is a replay, a mismatch, or (for a
+    /// record an enclosing call has claimed) in progress.
+    Recorded(Stored),
+    /// The key was freed and claimed again by another call while this
+    /// transaction looked at it: in progress elsewhere.
+    ClaimedElsewhere,
+}
+
+/// `at`, moved into the years `years`.
+fn within_years(at: NaiveDateTime, years: &RangeInclusive<i32>) -> NaiveDateTime {
+    use chrono::{NaiveDate, NaiveTime};
+    let day = |year, month, date| NaiveDate::from_ymd_opt(year, month, date).expect("a calendar date");
+    let earliest = day(*years.start(), 1, 1).and_time(NaiveTime::MIN);
+    let latest = day(*years.end(), 12, 31)
+        .and_hms_micro_opt(23, 59, 59, 999_999)
+        .expect("a time of day");
+    at.clamp(earliest, latest)
+}
+
+/// The key records' statements, one implementation per backend: a
+/// supertrait of [`RawConnection`](crate::RawConnection), in this private
+/// module, so only the crate implements and calls it.
+///
+/// SQLite and PostgreSQL share the DSL of `find`, `claim` and `store`
+/// (`key_statements!`); MySQL, whose calls always claim first, writes its
+/// own.
+pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Sized + Sealed {
+    /// The backend's name, as events and metrics report it.
+    const BACKEND: &'static str;
+
+    /// The longest key or scope, in bytes, that the key table holds, where
+    /// that is less than any configured limit: keys are refused beyond it,
+    /// never cut.
+    const MAX_KEY_LEN: Option<usize> = None;
+
+    /// The years the backend's time columns hold, where they hold fewer
+    /// than chrono does.
+    const STORABLE_YEARS: Option<RangeInclusive<i32>> = None;
+
+    /// `at` within [`STORABLE_YEARS`](KeyStore::STORABLE_YEARS). For a time a
+    /// caller chooses (a message's `not_before`): a backend that stores a
+    /// time beyond its range as a zero date would make a message meant for
+    /// the far future due at once.
+    fn storable_time(at: NaiveDateTime) -> NaiveDateTime {
+        match &Self::STORABLE_YEARS {
+            Some(years) => within_years(at, years),
+            None => at,
+        }
+    }
+
+    /// Applies the pending migrations of this backend's set.
+    fn apply_migrations(&mut self) -> diesel::migration::Result<()>;
+
+    /// The record for `(scope, key)` and the database's time, in one
+    /// statement outside any write transaction.
+    fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read>;
+
+    /// The database's time (UTC).
+    fn database_now(&mut self) -> QueryResult<NaiveDateTime>;
+
+    /// Runs `f` in a write transaction (a savepoint when a transaction is
+    /// open) that holds the key `(held.scope, held.key)` against every
+    /// other call, waiting for a holder as `held.in_flight` allows. Commits
+    /// if `f` succeeds and rolls back otherwise.
+    ///
+    /// By default, the transaction of [`write`](KeyStore::write): enough
+    /// where the database's write lock holds every key (SQLite). A backend
+    /// whose writers run side by side locks the key itself.
+    fn key_transaction<T, E>(&mut self, held: HeldKey<'_>, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<diesel::result::Error>,
+    {
+        self.write(held.in_flight, f)
+    }
+
+    /// Runs `f` in a short write transaction (a savepoint when one is open)
+    /// that waits for the database's write lock as `in_flight` allows, where
+    /// the backend has one.
+    fn write<T, E>(&mut self, in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<diesel::result::Error>;
+
+    /// Inside [`key_transaction`](KeyStore::key_transaction): how this
+    /// transaction holds the key `record` is for, claiming it first where a
+    /// read could miss a concurrent commit, or where the read before the
+    /// transaction found that the database `claims_first`.
+    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold>;
+
+    /// Inserts `record` as a claim, or takes over an expired record with its
+    /// key.
+    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim>;
+
+    /// Writes the completed `record` as `hold` requires.
+    fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()>;
+
+    /// Whether `error` means a wait for a lock ran out.
+    fn is_in_flight_timeout(error: &diesel::result::Error) -> bool;
+
+    /// Whether `error`, returned by the commit of a top-level transaction,
+    /// proves that the transaction rolled back: the server answered the
+    /// `COMMIT` with a refusal. Any other failure of a commit (the
+    /// connection lost on the way, an answer that never came, a text that
+    /// proves nothing) leaves the outcome unknown.
+    fn commit_rolled_back(error: &diesel::result::Error) -> bool;
+
+    /// Returns once everything this connection has seen is safe on the
+    /// database's synchronous standbys: outside a transaction by a commit
+    /// of its own that waits for them; inside one by making the enclosing
+    /// commit such a commit. Nothing to do on a backend without standbys.
+    fn await_replication(&mut self) -> QueryResult<()>;
+
+    /// Deletes at most `limit` records expired at `cutoff`.
+    fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
+
+    /// The stored record for `(scope, key)`.
+    fn find(&mut self, scope: &str, key: &str) -> QueryResult<Option<Stored>>;
+}
+
+/// How a transaction whose read sees every commit before it holds its key:
+/// the record decides, nothing is written yet.
+#[cfg(feature = "sqlite")]
+pub(crate) fn hold_by_reading<C: KeyStore>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
+    Ok(hold_of(conn.find(record.scope, record.idempotency_key)?, record))
+}
+
+/// The key a call holds, and how long it waits for another holder.
+#[derive(Debug, Clone, Copy)]
+pub struct HeldKey<'a> {
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql")),
+        expect(dead_code, reason = "SQLite's write lock holds every key")
+    )]
+    pub(crate) scope: &'a str,
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql")),
+        expect(dead_code, reason = "SQLite's write lock holds every key")
+    )]
+    pub(crate) key: &'a str,
+    pub(crate) in_flight: InFlight,
+    /// How long the server lets the transaction wait for its client's next
+    /// statement while it holds the key ([`Config::idle_timeout`](crate::Config::idle_timeout)).
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql")),
+        expect(dead_code, reason = "a dead process holds no SQLite lock")
+    )]
+    pub(crate) idle_timeout: Option<chrono::Duration>,
+}
+
+/// What a record read under the key's lock means for `record`.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) fn hold_of(stored: Option<Stored>, record: &Record<'_>) -> Hold {
+    match stored {
+        None => Hold::Free,
+        Some(stored) if stored.expires_at <= record.created_at => Hold::Expired,
+        Some(stored) => Hold::Recorded(stored),
+    }
+}
+
+/// How a transaction whose reads may miss a concurrent commit holds its key:
+/// by a claim that the primary key guards, before the operation runs.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) fn hold_by_claiming<C: KeyStore>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
+    if let Some(hold) = conn.claim(record)?.hold() {
+        return Ok(hold);
+    }
+    match conn.find(record.scope, record.idempotency_key)? {
+        Some(stored) => Ok(Hold::Recorded(stored)),
+        // Purged between the claim and this read, so free now.
+        None => Ok(conn.claim(record)?.hold().unwrap_or(Hold::ClaimedElsewhere)),
+    }
+}
+
+/// The key record changed while this transaction held its key: a statement
+/// that writes the record of a held key did not find it as the hold left
+/// it. Something bypassed the key's lock; the transaction is rolled back
+/// rather than commit an executed operation without its result, so
+/// nothing of the call remains and a retry is safe.
+///
+/// Reported as what diesel calls such a conflict with a concurrent
+/// transaction, a storage error of kind `SerializationFailure`, which
+/// [`Error::is_retryable`](crate::Error::is_retryable) already answers
+/// with `true`; its message says what happened.
+#[derive(Debug)]
+pub struct KeyRecordChanged;
+
+impl KeyRecordChanged {
+    /// `Ok` when the write of a held key's record changed its one row.
+    pub(crate) fn check(written: usize) -> QueryResult<()> {
+        if written == 1 {
+            Ok(())
+        } else {
+            Err(diesel::result::Error::DatabaseError(
+                DatabaseErrorKind::SerializationFailure,
+                Box::new(KeyRecordChanged),
+            ))
+        }
+    }
+}
+
+impl DatabaseErrorInformation for KeyRecordChanged {
+    fn message(&self) -> &str {
+        "idempotency: the key record changed while this transaction held the key; rolled back, a retry is safe"
+    }
+    fn details(&self) -> Option<&str> {
+        None
+    }
+    fn hint(&self) -> Option<&str> {
+        None
+    }
+    fn table_name(&self) -> Option<&str> {
+        Some("idempotency_keys")
+    }
+    fn column_name(&self) -> Option<&str> {
+        None
+    }
+    fn constraint_name(&self) -> Option<&str> {
+        None
+    }
+    fn statement_position(&self) -> Option<i32> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KeyRecordChanged;
+    use crate::Error;
+
+    #[test]
+    fn a_changed_key_record_is_a_storage_error_that_says_so_and_may_be_retried() {
+        assert!(KeyRecordChanged::check(1).is_ok());
+        let changed = KeyRecordChanged::check(0).expect_err("no row written");
+        assert!(changed.to_string().contains("the key record changed"), "{changed}");
+        assert!(Error::<()>::Storage(changed).is_retryable());
+    }
+}

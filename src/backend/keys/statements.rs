@@ -1,0 +1,123 @@
+//! The key statements whose DSL is the same on SQLite and PostgreSQL.
+//! diesel's query types are concrete per table and connection, so a
+//! generic function would need a bound for every intermediate query type;
+//! the bodies are written once here, one arm per method of
+//! [`KeyStore`](super::KeyStore), and each backend's impl names the methods
+//! it takes from them.
+
+/// The methods `find`, `claim` and `store` of
+/// [`KeyStore`](super::KeyStore) for the tables of a schema module:
+/// `key_statements!(schema: find, claim, store);` inside the impl. (MySQL,
+/// whose calls always claim first, only ever completes a claimed record,
+/// with a statement it prepares once, and writes its own.)
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+macro_rules! key_statements {
+    ($schema:ident: $($method:ident),+ $(,)?) => {
+        $($crate::backend::keys::key_statements!(@$method $schema);)+
+    };
+    (@find $schema:ident) => {
+        fn find(&mut self, scope: &str, key: &str) -> diesel::QueryResult<Option<$crate::backend::Stored>> {
+            use $schema::idempotency_keys as k;
+            use diesel::prelude::*;
+            // A primary key lookup needs no LIMIT; a bound LIMIT would make
+            // SQLite prepare the statement again on every call.
+            k::table
+                .find((scope, key))
+                .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at))
+                .get_result(self)
+                .optional()
+        }
+    };
+    (@claim $schema:ident) => {
+        fn claim(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<$crate::backend::Claim> {
+            use $schema::idempotency_keys as k;
+            use $crate::backend::Claim;
+            use diesel::prelude::*;
+            // DO NOTHING, not DO UPDATE: the claim then knows whether it
+            // replaced an expired record, and a fresh key costs PostgreSQL
+            // measurably less. A record that is already there is taken over
+            // by a second, guarded statement only if its retention has ended.
+            let inserted = diesel::insert_into(k::table)
+                .values(record)
+                .on_conflict_do_nothing()
+                .execute(self)?;
+            if inserted == 1 {
+                return Ok(Claim::Inserted);
+            }
+            let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
+                .filter(k::expires_at.le(record.created_at))
+                .set(record)
+                .execute(self)?;
+            Ok(if taken_over == 1 {
+                Claim::TookOver
+            } else {
+                Claim::Refused
+            })
+        }
+    };
+    (@store $schema:ident) => {
+        fn store(
+            &mut self,
+            hold: $crate::backend::Hold,
+            record: &$crate::backend::Record<'_>,
+        ) -> diesel::QueryResult<()> {
+            use $schema::idempotency_keys as k;
+            use $crate::backend::{Hold, KeyRecordChanged};
+            use diesel::prelude::*;
+            let completed = $crate::backend::keys::record_values!(k, record);
+            let stored = match hold {
+                Hold::Free => diesel::insert_into(k::table)
+                    .values((k::scope.eq(record.scope), k::idempotency_key.eq(record.idempotency_key), completed))
+                    .execute(self)?,
+                Hold::Expired => {
+                    let replaced = diesel::update(k::table.find((record.scope, record.idempotency_key)))
+                        .filter(k::expires_at.le(record.created_at))
+                        .set(completed)
+                        .execute(self)?;
+                    if replaced == 0 {
+                        // Purged since it was read: a purge deletes expired
+                        // records without taking the key's lock (only
+                        // PostgreSQL lets it run meanwhile). The lock still
+                        // keeps every other call off the key.
+                        diesel::insert_into(k::table)
+                            .values((k::scope.eq(record.scope), k::idempotency_key.eq(record.idempotency_key), completed))
+                            .execute(self)?
+                    } else {
+                        replaced
+                    }
+                }
+                Hold::Claimed { .. } => diesel::update(k::table.find((record.scope, record.idempotency_key)))
+                    .set((
+                        k::status.eq(record.status),
+                        k::response.eq(record.response),
+                        k::completed_at.eq(record.completed_at),
+                    ))
+                    .execute(self)?,
+                // Nothing of this transaction's to write.
+                Hold::Recorded(_) | Hold::ClaimedElsewhere => 0,
+            };
+            // The key is held by this transaction; anything else means
+            // something bypasses the lock, and committing would leave an
+            // executed operation without its result.
+            KeyRecordChanged::check(stored)
+        }
+    };
+}
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) use key_statements;
+
+/// The columns of a key record besides its key, in table `$k` (a backend's
+/// `idempotency_keys` module), as a call writes them.
+macro_rules! record_values {
+    ($k:ident, $record:expr) => {
+        (
+            $k::request_hash.eq($record.request_hash),
+            $k::status.eq($record.status),
+            $k::response.eq($record.response),
+            $k::created_at.eq($record.created_at),
+            $k::completed_at.eq($record.completed_at),
+            $k::expires_at.eq($record.expires_at),
+        )
+    };
+}
+pub(crate) use record_values;

@@ -1,0 +1,190 @@
+//! Where outbox messages live: the statements every backend implements.
+//!
+//! The statements whose DSL is the same everywhere are written once in
+//! `outbox_statements!` (`statements.rs`), given each backend's expression
+//! for the database's time; each backend's `outbox.rs` adds the claim, which differs in how
+//! concurrent relays keep off each other's messages, and the purge. The claim and the
+//! purge update or delete through a limited subquery, which diesel's DSL
+//! cannot express, so they are SQL with bound parameters.
+
+use chrono::NaiveDateTime;
+use diesel::QueryResult;
+use diesel::prelude::*;
+
+use crate::backend::KeyStore;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+use crate::row_status::MessageStatus;
+use crate::schema::idempotency_outbox;
+
+mod statements;
+
+pub(crate) use statements::outbox_statements;
+
+/// A message as `enqueue` writes it: pending, never attempted, due at once
+/// or at `not_before`.
+pub struct NewMessage<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) scope: &'a str,
+    pub(crate) topic: &'a str,
+    pub(crate) payload: &'a str,
+    pub(crate) not_before: Option<NaiveDateTime>,
+}
+
+/// What a relay claims: up to `limit` pending messages due at `now`,
+/// leased until `lease_until` with `lease_token`.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    pub(crate) now: NaiveDateTime,
+    pub(crate) lease_until: NaiveDateTime,
+    pub(crate) lease_token: &'a str,
+    pub(crate) limit: usize,
+}
+
+/// `claim_sql`, a statement that claims in one go, with the parameters of
+/// `claim` bound in the order the backends' statements take them: the
+/// lease's end, its token, the pending status, now, and the limit.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) fn claim_in_one_statement<'a, DB>(
+    claim_sql: &str,
+    claim: &Claim<'a>,
+) -> diesel::query_builder::BoxedSqlQuery<'a, DB, diesel::query_builder::SqlQuery>
+where
+    DB: diesel::backend::Backend
+        + diesel::sql_types::HasSqlType<diesel::sql_types::Timestamp>
+        + diesel::sql_types::HasSqlType<diesel::sql_types::Text>
+        + diesel::sql_types::HasSqlType<diesel::sql_types::BigInt>,
+    NaiveDateTime: diesel::serialize::ToSql<diesel::sql_types::Timestamp, DB>,
+    &'a str: diesel::serialize::ToSql<diesel::sql_types::Text, DB>,
+    i64: diesel::serialize::ToSql<diesel::sql_types::BigInt, DB>,
+    MessageStatus: diesel::serialize::ToSql<diesel::sql_types::Text, DB>,
+{
+    use diesel::sql_types::{BigInt, Text, Timestamp};
+    diesel::sql_query(claim_sql)
+        .into_boxed()
+        .bind::<Timestamp, _>(claim.lease_until)
+        .bind::<Text, _>(claim.lease_token)
+        .bind::<Text, _>(MessageStatus::Pending)
+        .bind::<Timestamp, _>(claim.now)
+        .bind::<BigInt, _>(crate::backend::sql_limit(claim.limit))
+}
+
+/// A message a relay has just claimed; `attempts` counts this attempt.
+#[derive(Queryable, QueryableByName)]
+#[diesel(table_name = idempotency_outbox)]
+pub struct Claimed {
+    pub(crate) id: String,
+    pub(crate) scope: String,
+    pub(crate) topic: String,
+    pub(crate) payload: String,
+    pub(crate) attempts: i32,
+}
+
+/// A claimed message, by its scope and its id.
+#[derive(Debug, Clone, Copy)]
+pub struct MessageId<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) id: &'a str,
+}
+
+/// A message parked as dead, as listed.
+#[derive(Queryable)]
+pub struct DeadRow {
+    pub(crate) id: String,
+    pub(crate) topic: String,
+    pub(crate) payload: String,
+    pub(crate) attempts: i32,
+    pub(crate) last_error: Option<String>,
+    pub(crate) created_at: NaiveDateTime,
+}
+
+/// The messages by state, as `Relay::stats` reports them.
+pub struct Backlog {
+    pub(crate) pending: i64,
+    pub(crate) oldest_pending: Option<NaiveDateTime>,
+    pub(crate) due: i64,
+    pub(crate) dead: i64,
+}
+
+/// When the next pending message is due, as a relay service sleeps for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Due {
+    /// A message was never attempted, or was given back.
+    Now,
+    /// The earliest end of a lease, a backoff or a `not_before`.
+    At(NaiveDateTime),
+}
+
+/// How a claimed message's attempt ended, written only while the claim's
+/// lease token is still the message's.
+#[derive(Debug)]
+pub enum Settlement {
+    /// The handler accepted it.
+    Delivered { at: NaiveDateTime },
+    /// The handler failed; the message is due again at `due`.
+    Retry { due: NaiveDateTime, error: String },
+    /// Parked after `attempts` attempts, the last with `error`.
+    Dead { error: String, attempts: i32 },
+}
+
+/// The outbox's statements, one implementation per backend: a supertrait
+/// of [`RawConnection`](crate::RawConnection), in a private module, so only
+/// the crate implements and calls it; the relay is written against this
+/// trait alone. Each backend writes `claim_batch` and
+/// `purge_delivered_batch`; the rest is `outbox_statements!`.
+pub trait OutboxStore: KeyStore {
+    /// Leases the pending messages `claim` asks for, oldest first: each
+    /// gets one more attempt, the claim's `lease_token` and `available_at =
+    /// lease_until`, so no other relay claims it before the lease runs out.
+    fn claim_batch(&mut self, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>>;
+
+    /// Writes a new message, created at the database's time.
+    fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()>;
+
+    /// Records how an attempt ended; `false` when the lease was taken over
+    /// (or the message requeued) and nothing was written. The message is
+    /// named by its scope and id, as a distributed database places it.
+    fn settle(&mut self, message: MessageId<'_>, lease_token: &str, settlement: &Settlement) -> QueryResult<bool>;
+
+    /// Up to `limit` dead messages, oldest first.
+    fn dead_messages(&mut self, limit: usize) -> QueryResult<Vec<DeadRow>>;
+
+    /// Makes a dead message pending again with fresh attempts, due at once.
+    fn requeue(&mut self, id: &str) -> QueryResult<bool>;
+
+    /// Deletes at most `limit` messages delivered at or before `cutoff`.
+    fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
+
+    /// Gives a claimed message back unattempted, due at once, for a relay
+    /// that stops before handing it over; `false` when the lease was taken
+    /// over meanwhile.
+    fn release(&mut self, message: MessageId<'_>, lease_token: &str) -> QueryResult<bool>;
+
+    /// When the earliest pending message is due: now for one never
+    /// attempted (or given back), otherwise when its lease, its backoff or
+    /// its `not_before` ends; `None` without pending messages.
+    fn next_due(&mut self) -> QueryResult<Option<Due>>;
+
+    /// The counts behind `Relay::stats`, with `now` deciding what is due.
+    fn backlog(&mut self, now: NaiveDateTime) -> QueryResult<Backlog>;
+
+    /// Whether the backend announces new or requeued messages, so that a
+    /// relay service has something to listen for. Backends that do not
+    /// keep the defaults below: their relays find new messages by polling.
+    const ANNOUNCES: bool = false;
+
+    /// Starts listening for announcements of new or requeued messages on
+    /// this connection; `false` where the backend announces nothing.
+    fn listen(&mut self) -> QueryResult<bool> {
+        Ok(false)
+    }
+
+    /// Whether a message was announced since the last look; never waits.
+    fn announced(&mut self) -> QueryResult<bool> {
+        Ok(false)
+    }
+
+    /// Stops listening, so the connection goes back to a pool clean.
+    fn unlisten(&mut self) -> QueryResult<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,174 @@
+//! Where operations in phases live: the statements every backend
+//! implements.
+//!
+//! Every write of an attempt is guarded by its lease token, so an attempt
+//! whose lease was taken over changes nothing. The statements are the same
+//! DSL on every backend (`phase_statements!`, in `statements.rs`), except the read that brings
+//! the database's time along and the purge.
+//!
+//! A completer picks abandoned operations without locking what it reads:
+//! each pick is a guarded update of one operation, which another
+//! completer's concurrent pick of it fails. A locking read (`FOR UPDATE SKIP
+//! LOCKED`) would do the same in fewer statements, but a distributed
+//! database refuses it on a table spread over several nodes, and the guarded
+//! update runs on the node of the operation alone.
+
+use chrono::NaiveDateTime;
+use diesel::QueryResult;
+use diesel::prelude::*;
+
+use crate::backend::KeyStore;
+use crate::row_status::OperationStatus;
+use crate::schema::idempotency_phases;
+
+mod statements;
+
+pub(crate) use statements::{operation_values, phase_statements, update_held};
+
+/// An operation as its first commit writes it.
+pub struct NewOperation<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) idempotency_key: &'a str,
+    pub(crate) operation: &'a str,
+    pub(crate) request_hash: &'a str,
+    pub(crate) request: Option<&'a str>,
+    pub(crate) op_id: &'a str,
+    pub(crate) status: OperationStatus,
+    pub(crate) points: &'a str,
+    pub(crate) lease_token: &'a str,
+    pub(crate) lease_until: NaiveDateTime,
+    pub(crate) attempts: i32,
+    pub(crate) created_at: NaiveDateTime,
+    pub(crate) updated_at: NaiveDateTime,
+}
+
+/// An operation as an attempt reads it.
+#[derive(Queryable, Selectable, Debug)]
+#[diesel(table_name = idempotency_phases)]
+pub struct OperationRow {
+    pub(crate) operation: String,
+    pub(crate) request_hash: String,
+    pub(crate) op_id: String,
+    pub(crate) status: OperationStatus,
+    pub(crate) points: String,
+    pub(crate) response: Option<String>,
+    pub(crate) lease_until: Option<NaiveDateTime>,
+    pub(crate) expires_at: Option<NaiveDateTime>,
+}
+
+/// An attempt's hold on an operation: its key and lease token.
+#[derive(Clone, Copy)]
+pub struct Lease<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) key: &'a str,
+    pub(crate) token: &'a str,
+}
+
+/// An operation a completer picked.
+#[derive(Queryable, Debug)]
+pub struct PickedRow {
+    pub(crate) scope: String,
+    pub(crate) idempotency_key: String,
+    pub(crate) operation: String,
+    pub(crate) request: String,
+}
+
+/// A parked operation, as listed.
+#[derive(Queryable, Debug)]
+pub struct ParkedRow {
+    pub(crate) scope: String,
+    pub(crate) idempotency_key: String,
+    pub(crate) operation: String,
+    pub(crate) attempts: i32,
+    pub(crate) last_error: Option<String>,
+    pub(crate) created_at: NaiveDateTime,
+    pub(crate) updated_at: NaiveDateTime,
+}
+
+/// The statements of phased operations, one implementation per backend: a
+/// supertrait of [`RawConnection`](crate::RawConnection), in a private
+/// module, so only the crate implements and calls it. Each backend writes
+/// `read_operation` and `purge_operations_batch`; the rest is
+/// `phase_statements!`.
+pub trait PhaseStore: KeyStore {
+    /// The operation for `(scope, key)` and the database's time, in one
+    /// statement.
+    fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)>;
+
+    /// Writes a new operation; `false` when one with its key exists.
+    fn insert_operation(&mut self, operation: &NewOperation<'_>) -> QueryResult<bool>;
+
+    /// Deletes the completed operation of `(scope, key)` if its retention
+    /// ended at `now`, so that the key can start anew.
+    fn delete_expired_operation(&mut self, scope: &str, key: &str, now: NaiveDateTime) -> QueryResult<usize>;
+
+    /// Gives the lease of a running operation whose lease is free at `now`
+    /// to `lease`, counting an attempt; `false` when another attempt holds
+    /// it or it is no longer running.
+    fn take_over(&mut self, lease: Lease<'_>, until: NaiveDateTime, now: NaiveDateTime) -> QueryResult<bool>;
+
+    /// Stores the recovery points and renews the lease.
+    fn save_points(
+        &mut self,
+        lease: Lease<'_>,
+        points: &str,
+        until: NaiveDateTime,
+        now: NaiveDateTime,
+    ) -> QueryResult<bool>;
+
+    /// Completes the operation with its response.
+    fn complete_operation(
+        &mut self,
+        lease: Lease<'_>,
+        points: &str,
+        response: &str,
+        expires_at: NaiveDateTime,
+        now: NaiveDateTime,
+    ) -> QueryResult<bool>;
+
+    /// Frees the lease at once after a failed attempt, noting why, and the
+    /// completer's pick if a completer made it: the attempt is over, and the
+    /// next waits only for the grace period.
+    fn release_operation(&mut self, lease: Lease<'_>, error: &str, now: NaiveDateTime) -> QueryResult<bool>;
+
+    /// Parks a running operation for a person, noting why.
+    fn park_operation(&mut self, lease: Lease<'_>, reason: &str, now: NaiveDateTime) -> QueryResult<bool>;
+
+    /// Picks up to `limit` running operations of `operations` whose lease
+    /// is free at `now`, idle since `idle_since` and not taken by another
+    /// completer, oldest first, and marks them this completer's until
+    /// `until`; an operation another completer picks at the same moment is
+    /// picked by one of them.
+    fn pick_abandoned(
+        &mut self,
+        operations: &[&str],
+        now: NaiveDateTime,
+        idle_since: NaiveDateTime,
+        until: NaiveDateTime,
+        limit: usize,
+    ) -> QueryResult<Vec<PickedRow>>;
+
+    /// Parks a running operation that no attempt holds, noting why: one the
+    /// completer cannot resume.
+    fn park_unheld(&mut self, scope: &str, key: &str, reason: &str, now: NaiveDateTime) -> QueryResult<bool>;
+
+    /// Parks the running operations of `operations` that had `max_attempts`
+    /// attempts and are idle with a free lease.
+    fn park_exhausted(
+        &mut self,
+        operations: &[&str],
+        max_attempts: i32,
+        now: NaiveDateTime,
+        idle_since: NaiveDateTime,
+    ) -> QueryResult<usize>;
+
+    /// Up to `limit` parked operations, oldest first.
+    fn parked_operations(&mut self, limit: usize) -> QueryResult<Vec<ParkedRow>>;
+
+    /// Makes a parked operation running again with fresh attempts, a free
+    /// lease and the recovery points `points`.
+    fn requeue_operation(&mut self, scope: &str, key: &str, points: &str, now: NaiveDateTime) -> QueryResult<bool>;
+
+    /// Deletes at most `limit` completed operations expired at `cutoff`.
+    fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
+}

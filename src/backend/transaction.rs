@@ -1,0 +1,39 @@
+//! The transactions the crate opens itself: how deep a connection is in
+//! them, and one opened by a `BEGIN` of the backend's choosing.
+
+use diesel::connection::{AnsiTransactionManager, TransactionManager};
+use diesel::prelude::*;
+
+use super::KeyStore;
+
+/// How deep the connection's open transactions are nested; 0 outside one.
+pub(crate) fn transaction_depth<C: KeyStore>(conn: &mut C) -> QueryResult<u32> {
+    let depth = AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth()?;
+    Ok(depth.map_or(0, |depth| depth.get()))
+}
+
+/// Runs `f` in a transaction opened by `begin` (which must open exactly one
+/// level), committing if `f` succeeds and rolling back otherwise, as
+/// diesel's own `transaction` does for its fixed `BEGIN`.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) fn transaction_with<C, T, E>(
+    conn: &mut C,
+    begin: impl FnOnce(&mut C) -> QueryResult<()>,
+    f: impl FnOnce(&mut C) -> Result<T, E>,
+) -> Result<T, E>
+where
+    C: KeyStore,
+    E: From<diesel::result::Error>,
+{
+    begin(conn)?;
+    match f(conn) {
+        Ok(value) => {
+            AnsiTransactionManager::commit_transaction(conn)?;
+            Ok(value)
+        }
+        Err(error) => match AnsiTransactionManager::rollback_transaction(conn) {
+            Ok(()) | Err(diesel::result::Error::BrokenTransactionManager) => Err(error),
+            Err(rollback_error) => Err(rollback_error.into()),
+        },
+    }
+}
