@@ -101,24 +101,20 @@ pub mod outbox;
 mod outcome;
 pub mod phased;
 mod repository;
-mod run;
 mod schema;
 mod service;
-mod status;
 mod telemetry;
 #[cfg(feature = "sqlite")]
 pub mod testing;
 
 pub use backend::migrate::{MIGRATIONS, Migrations, run_migrations};
 pub use backend::{RawConnection, StoreConnection};
-pub use config::Config;
+pub use config::{Config, KeyStatus, run_idempotent};
 pub use error::{Error, KeyError};
 pub use in_flight::InFlight;
 pub use outcome::{Outcome, Recorded};
 pub use repository::Idempotent;
-pub use run::run_idempotent;
 pub use service::{Purged, Purger, Shutdown, Stopped};
-pub use status::KeyStatus;
 #[cfg(feature = "metrics")]
 pub use telemetry::describe_metrics;
 

@@ -33,7 +33,6 @@ use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 
-use crate::error::Error;
 use crate::in_flight::InFlight;
 use crate::schema::idempotency_keys;
 use crate::telemetry;
@@ -544,20 +543,6 @@ pub(crate) fn hold_by_claiming<C: KeyStore>(conn: &mut C, record: &Record<'_>) -
     }
 }
 
-/// What the failure of a call's write transaction tells its caller, the
-/// same for a single call and a phased step. `committing`: the transaction
-/// that holds the key was committing when it failed. A commit that failed
-/// without the database refusing it ([`KeyStore::commit_rolled_back`]) may
-/// have committed: [`Error::OutcomeUnknown`]. A wait for the key, or for
-/// SQLite's write lock, that ran out is [`Error::InProgress`].
-pub(crate) fn call_error<C: KeyStore, E>(error: Error<E>, committing: bool) -> Error<E> {
-    match error {
-        Error::Storage(error) if committing && !C::commit_rolled_back(&error) => Error::OutcomeUnknown(error),
-        Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
-        other => other,
-    }
-}
-
 /// A row count as SQL's `LIMIT` takes it.
 pub(crate) fn sql_limit(limit: usize) -> i64 {
     i64::try_from(limit).unwrap_or(i64::MAX)
@@ -632,29 +617,6 @@ where
             Err(rollback_error) => Err(rollback_error.into()),
         },
     }
-}
-
-/// A panic caught inside a transaction, to go on once it has rolled back.
-pub(crate) type Panic = Box<dyn std::any::Any + Send>;
-
-/// Runs `f`, the application's code, inside one of the crate's
-/// transactions. A panic in it rolls back the levels `f` opened and left
-/// open, is kept in `panicked`, and comes back as an error, which rolls the
-/// crate's own level back as any error does; the caller resumes the panic
-/// once the transaction has ended, so the connection is left out of it. (A
-/// connection that cannot roll back is left marked broken, which makes r2d2
-/// discard it.)
-pub(crate) fn catching_panic<C: KeyStore, T>(
-    tx: &mut C,
-    panicked: &mut Option<Panic>,
-    f: impl FnOnce(&mut C) -> T,
-) -> QueryResult<T> {
-    let depth = transaction_depth(tx)?;
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(tx))).map_err(|payload| {
-        let _ = unwind_to_depth(tx, depth);
-        *panicked = Some(payload);
-        diesel::result::Error::RollbackTransaction
-    })
 }
 
 /// Rolls back the levels an operation opened and left open when it panicked,

@@ -10,11 +10,11 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::phases::{COMPLETED, Lease, NewOperation, OperationRow, PARKED, PhaseStore, RUNNING};
-use crate::backend::{self, HeldKey, KeyStore, StoreConnection, transaction_depth};
+use crate::backend::{KeyStore, StoreConnection, transaction_depth};
 use crate::clock::{Reading, assert_duration};
 use crate::config::Config;
+use crate::config::call::{key_transaction, stored_json};
 use crate::error::Error;
-use crate::executing::Executing;
 use crate::outcome::Outcome;
 use crate::telemetry::CallTrace;
 use crate::{codec, id, key, telemetry};
@@ -415,7 +415,7 @@ impl<C: PhaseStore> Steps<'_, C> {
         let config = &self.phased.config;
         let value = self.commit(|tx, points| {
             let value = f(tx).map_err(Error::Operation)?;
-            let output = config.stored_json(&value)?;
+            let output = stored_json(config, &value)?;
             points.push(Point {
                 name,
                 output: Some(output),
@@ -505,7 +505,7 @@ impl<C: PhaseStore> Steps<'_, C> {
         let expires_at = |now: NaiveDateTime| C::storable_time(now + phased.config.retention);
         let (value, expires_at) = self.transaction(|tx, points, now| {
             let value = f(tx).map_err(Error::Operation)?;
-            let response = phased.config.stored_json(&value)?;
+            let response = stored_json(&phased.config, &value)?;
             let points = serde_json::to_string(points).map_err(Error::Codec)?;
             let expires_at = expires_at(now);
             if !tx.complete_operation(lease, &points, &response, expires_at, now)? {
@@ -550,7 +550,7 @@ impl<C: PhaseStore> Steps<'_, C> {
         }
         let provider_key = self.provider_key(name).ok_or_else(fenced)?;
         let value = f(&provider_key).map_err(Error::Operation)?;
-        let output = self.phased.config.stored_json(&value)?;
+        let output = stored_json(&self.phased.config, &value)?;
         let position = self.position;
         self.commit(|_, points| {
             points[position].output = Some(output);
@@ -631,45 +631,25 @@ impl<C: PhaseStore> Steps<'_, C> {
             created_at: now,
             updated_at: now,
         });
-        // Set once `work` is done: what fails after it is the step's commit,
-        // and unless the server refused the commit, the step may or may not
-        // have committed.
-        let mut committing = false;
-        // A panic in `work` (the application's step) is caught inside the
-        // transaction, which then rolls back as for an error, and goes on
-        // from here: `run` frees the lease on a connection that is out of
-        // its transaction.
-        let mut panicked = None;
-        // What the step enqueues takes its scope, as in a single call.
-        let Some(_executing) = Executing::enter(&*self.conn, self.lease.scope, self.lease.key) else {
-            return Err(Error::InProgress);
-        };
-        let result = self.conn.key_transaction(
-            HeldKey {
-                scope: self.lease.scope,
-                key: self.lease.key,
-                in_flight: self.phased.config.in_flight,
-                idle_timeout: self.phased.config.idle_timeout,
-            },
-            |tx| {
-                if let (Some((replace, _)), Some(operation)) = (&claim, &new_operation) {
-                    if *replace {
-                        tx.delete_expired_operation(operation.scope, operation.idempotency_key, now)?;
-                    }
-                    if !tx.insert_operation(operation)? {
-                        // Another attempt claimed the key since this one read it.
-                        return Err(Error::InProgress);
-                    }
+        let held = (self.lease.scope, self.lease.key);
+        let result = key_transaction(self.conn, &self.phased.config, held, None, |tx, guard| {
+            if let (Some((replace, _)), Some(operation)) = (&claim, &new_operation) {
+                if *replace {
+                    tx.delete_expired_operation(operation.scope, operation.idempotency_key, now)?;
                 }
-                let value = backend::catching_panic(tx, &mut panicked, |tx| work(tx, &mut points, now))??;
-                committing = true;
-                Ok(value)
-            },
-        );
-        if let Some(payload) = panicked {
-            panic::resume_unwind(payload);
-        }
-        let result = result.map_err(|error| backend::call_error::<C, E>(error, committing))?;
+                if !tx.insert_operation(operation)? {
+                    // Another attempt claimed the key since this one read it.
+                    return Err(Error::InProgress);
+                }
+            }
+            // A panic in `work` (the application's step) rolls the
+            // transaction back, as an error does, and goes on from
+            // `key_transaction`: `run` frees the lease on a connection that
+            // is out of its transaction.
+            let value = guard.catching_panic(tx, |tx| work(tx, &mut points, now))??;
+            guard.committing();
+            Ok(value)
+        })?;
         match (&mut self.held, claim) {
             (Held::Leased { points: held, .. }, None) => *held = points,
             (held, Some((_, op_id))) => *held = Held::Leased { op_id, points },
