@@ -6,7 +6,7 @@
 use std::panic::{self, AssertUnwindSafe};
 use std::time::Instant;
 
-use chrono::{Duration, NaiveDateTime, SubsecRound};
+use chrono::{Duration, SubsecRound};
 use diesel::QueryResult;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -23,7 +23,10 @@ use crate::telemetry::CallTrace;
 
 /// The call of [`Config::run_recorded`] once `scope` and `key` passed the
 /// key rules and the request is fingerprinted (`request_hash`): a replay
-/// from one read, or the write path.
+/// from one read, or the write path, which holds the key (by a claim at
+/// once where the read found that the database `claims_first`), then
+/// replays what another call stored meanwhile, or runs `op` and stores its
+/// result.
 pub(super) fn recorded<C, R, E, F>(
     config: &Config,
     conn: &mut C,
@@ -38,23 +41,7 @@ where
     R: Serialize + DeserializeOwned,
     F: FnOnce(&mut C) -> Result<R, E>,
 {
-    // The record this call writes if it executes, claimed as of `now`: to
-    // the microsecond, as PostgreSQL keeps times, so that the times an
-    // execution reports are the ones its replays read back.
-    let claim = |now: NaiveDateTime| {
-        let now = now.trunc_subsecs(6);
-        Record {
-            scope,
-            idempotency_key: key,
-            request_hash,
-            status: PROCESSING,
-            response: None,
-            created_at: now,
-            completed_at: None,
-            expires_at: C::storable_time(now + config.retention),
-        }
-    };
-    let recorded = match conn.read(scope, key) {
+    let (now, claims_first) = match conn.read(scope, key) {
         Ok(Read {
             record,
             now,
@@ -66,47 +53,38 @@ where
                     if config.durable_replays {
                         conn.await_replication()?;
                     }
-                    replay(stored, request_hash)
+                    return replay(stored, request_hash);
                 }
-                _ => execute(config, conn, claim(now), claims_first, trace, op),
+                _ => (now, claims_first),
             }
         }
         // A reader kept out by a writer (SQLite outside WAL mode) takes the
         // write path, which waits as the in-flight policy allows and reads
         // again once it holds the lock.
-        Err(error) if C::is_in_flight_timeout(&error) => {
-            let now = config.clock.now(conn)?;
-            execute(config, conn, claim(now), false, trace, op)
-        }
-        Err(error) => Err(Error::Storage(error)),
+        Err(error) if C::is_in_flight_timeout(&error) => (config.clock.now(conn)?, false),
+        Err(error) => return Err(Error::Storage(error)),
     };
-    recorded.map_err(|error| call_error::<C, E>(error, false))
-}
-
-/// The write path: hold the key (by a claim at once where the read found
-/// that the database `claims_first`), then replay what another call stored
-/// meanwhile, or run `op` and store its result.
-fn execute<C, R, E, F>(
-    config: &Config,
-    conn: &mut C,
-    record: Record<'_>,
-    claims_first: bool,
-    trace: &CallTrace,
-    op: F,
-) -> Result<Recorded<R>, Error<E>>
-where
-    C: KeyStore,
-    R: Serialize + DeserializeOwned,
-    F: FnOnce(&mut C) -> Result<R, E>,
-{
-    let (scope, key) = (record.scope, record.idempotency_key);
+    // The record this call writes if it executes, claimed as of `now`: to
+    // the microsecond, as PostgreSQL keeps times, so that the times an
+    // execution reports are the ones its replays read back.
+    let now = now.trunc_subsecs(6);
+    let record = Record {
+        scope,
+        idempotency_key: key,
+        request_hash,
+        status: PROCESSING,
+        response: None,
+        created_at: now,
+        completed_at: None,
+        expires_at: C::storable_time(now + config.retention),
+    };
     key_transaction(conn, config, (scope, key), Some(trace), |tx, guard| {
         let hold = match tx.hold(&record, claims_first)? {
             Hold::Taken(stored) => {
                 if config.durable_replays {
                     tx.await_replication()?;
                 }
-                return replay(stored, record.request_hash);
+                return replay(stored, request_hash);
             }
             Hold::Busy => return Err(Error::InProgress),
             hold @ (Hold::Expired | Hold::Claimed { took_over: true }) => {
@@ -123,16 +101,12 @@ where
             &Record {
                 status: COMPLETED,
                 response: Some(&response),
-                completed_at: Some(record.created_at + elapsed),
+                completed_at: Some(now + elapsed),
                 ..record
             },
         )?;
         guard.committing();
-        Ok(Recorded::new(
-            Outcome::Executed(value),
-            record.created_at,
-            record.expires_at,
-        ))
+        Ok(Recorded::new(Outcome::Executed(value), now, record.expires_at))
     })
 }
 
