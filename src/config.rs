@@ -1,6 +1,9 @@
-//! The policy of idempotent calls: retention, in-flight handling, key length
-//! and the clock.
+//! The combinator: [`run_idempotent`] and [`Config`], the policy of
+//! idempotent calls (retention, in-flight handling, key length, the clock)
+//! with the calls made under it. A call's path from its read to its commit
+//! is in `call`, the lookup of what became of a key in `status`.
 
+use std::convert::Infallible;
 use std::fmt;
 
 use chrono::{DateTime, Duration, Utc};
@@ -11,8 +14,63 @@ use crate::backend::{self, KeyStore, PhaseStore, StoreConnection};
 use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
 use crate::in_flight::InFlight;
+use crate::outcome::{Outcome, Recorded};
 use crate::telemetry::CallTrace;
-use crate::{codec, fingerprint, key};
+use crate::{fingerprint, key};
+
+pub(crate) mod call;
+mod status;
+
+pub use status::KeyStatus;
+
+/// Runs `op` at most once for `(scope, key)` with [`Config::default()`]; see
+/// [`Config::run`].
+///
+/// # Errors
+///
+/// As [`Config::run`].
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::prelude::*;
+/// use idempotency::{run_idempotent, Outcome};
+///
+/// let mut conn = idempotency::testing::sqlite_memory();
+/// diesel::sql_query("CREATE TABLE orders (id INTEGER PRIMARY KEY, item TEXT NOT NULL)").execute(&mut conn)?;
+///
+/// let place = |conn: &mut SqliteConnection| {
+///     run_idempotent(conn, "orders", "3f6c1f2e-retry-me", &"one book", |tx| {
+///         diesel::sql_query("INSERT INTO orders (item) VALUES ('book')").execute(tx)?;
+///         Ok::<_, diesel::result::Error>(String::from("order 1 placed"))
+///     })
+/// };
+///
+/// assert_eq!(place(&mut conn)?, Outcome::Executed(String::from("order 1 placed")));
+/// // The response was lost; the client retries with the same key.
+/// assert_eq!(place(&mut conn)?, Outcome::Replayed(String::from("order 1 placed")));
+///
+/// #[derive(QueryableByName)]
+/// struct Count { #[diesel(sql_type = diesel::sql_types::BigInt)] n: i64 }
+/// let orders: Count = diesel::sql_query("SELECT count(*) AS n FROM orders").get_result(&mut conn)?;
+/// assert_eq!(orders.n, 1);
+/// # Ok(())
+/// # }
+/// ```
+pub fn run_idempotent<C, Q, R, E, F>(
+    conn: &mut C,
+    scope: &str,
+    key: &str,
+    request: &Q,
+    op: F,
+) -> Result<Outcome<R>, Error<E>>
+where
+    C: StoreConnection,
+    Q: Serialize + ?Sized,
+    R: Serialize + DeserializeOwned,
+    F: FnOnce(&mut C::Raw) -> Result<R, E>,
+{
+    Config::default().run(conn, scope, key, request, op)
+}
 
 /// The policy for idempotent calls, built with consuming builder methods.
 ///
@@ -206,19 +264,6 @@ impl Config {
         self
     }
 
-    /// `value` as the JSON a record stores, refused beyond
-    /// [`max_response_len`](Config::max_response_len).
-    pub(crate) fn stored_json<R: Serialize + DeserializeOwned, E>(&self, value: &R) -> Result<String, Error<E>> {
-        let json = codec::to_replayable_json(value).map_err(Error::Codec)?;
-        if json.len() > self.max_response_len {
-            return Err(Error::ResponseTooLarge {
-                len: json.len(),
-                max: self.max_response_len,
-            });
-        }
-        Ok(json)
-    }
-
     /// The time source for `created_at` and expiry (default: the database's
     /// clock). Tests inject a [`ManualClock`](crate::testing::ManualClock) to
     /// move through the retention window without waiting.
@@ -331,6 +376,201 @@ impl Config {
     ) -> Result<String, Error<E>> {
         self.check_rules::<C, E>(scope, key, Some(trace))?;
         fingerprint::of(request).map_err(Error::Codec)
+    }
+
+    /// Runs `op` at most once for `(scope, key)` and returns its result on
+    /// this and every later call with the same key and request.
+    ///
+    /// The key record and everything `op` writes through its connection are
+    /// committed in one transaction (a savepoint when `conn` is already in
+    /// one), so either both exist or neither does:
+    ///
+    /// 1. `scope` and `key` are checked: non-empty, at most
+    ///    [`max_key_len`](Config::max_key_len) bytes, visible ASCII; a key
+    ///    that looks like a payment card number is refused.
+    /// 2. `request` is fingerprinted: SHA-256 of its canonical JSON.
+    /// 3. A completed, unexpired record for `(scope, key)` is answered from
+    ///    storage with one read: [`Outcome::Replayed`] when the fingerprints
+    ///    match, [`Error::Mismatch`] when they do not. `op` is not called.
+    /// 4. Otherwise the key is claimed in a write transaction, waiting for a
+    ///    transaction that holds it as the [`InFlight`](crate::InFlight)
+    ///    policy allows. `op` runs on the same connection, its result is
+    ///    stored as JSON, and the transaction commits: [`Outcome::Executed`].
+    ///
+    /// The fingerprint covers `request` alone. Where one scope serves several
+    /// operations, put the operation's name in the request or in the scope,
+    /// or one operation's key would replay another's result.
+    ///
+    /// A record whose retention has ended is taken over as new, so after
+    /// [`retention`](Config::retention) a key may execute again.
+    ///
+    /// # Errors
+    ///
+    /// No error writes anything: a free key stays free, a spent one stays as
+    /// it was. Only [`Error::OutcomeUnknown`] may have committed.
+    ///
+    /// - [`Error::InvalidScope`], [`Error::InvalidKey`]: refused before
+    ///   anything was read or written.
+    /// - [`Error::Mismatch`]: the key was used with another request.
+    /// - [`Error::InProgress`]: another transaction still holds the key when
+    ///   the in-flight policy ran out.
+    /// - [`Error::Operation`]: `op` failed; its writes were rolled back.
+    /// - [`Error::Codec`]: the request or the result did not serialize
+    ///   (rolled back), or a stored response no longer decodes into `R`
+    ///   (`op` is not run again).
+    /// - [`Error::ResponseTooLarge`]: the result's JSON is longer than
+    ///   [`max_response_len`](Config::max_response_len); rolled back.
+    /// - [`Error::Storage`]: the database failed; rolled back.
+    /// - [`Error::OutcomeUnknown`]: the commit failed without the database
+    ///   refusing it (usually a lost connection); it may or may not have
+    ///   committed. Retry with the same key and request: the retry replays
+    ///   or executes, never both.
+    ///
+    /// # Panics
+    ///
+    /// A panic in `op` rolls the transaction (or savepoint) back and then
+    /// resumes; the key stays free and the connection is left as it was
+    /// before the call: outside a transaction, or in the caller's.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use idempotency::{Config, Error};
+    ///
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// let config = Config::default();
+    /// let charge = |conn: &mut _, cents: u32| {
+    ///     config.run(conn, "payments", "charge-7f3a", &cents, |_tx| Ok::<_, std::convert::Infallible>(cents))
+    /// };
+    ///
+    /// assert_eq!(charge(&mut conn, 500)?.into_inner(), 500);
+    /// assert!(matches!(charge(&mut conn, 900), Err(Error::Mismatch)));
+    /// assert!(charge(&mut conn, 500)?.is_replayed());
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn run<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        op: F,
+    ) -> Result<Outcome<R>, Error<E>>
+    where
+        C: StoreConnection,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: FnOnce(&mut C::Raw) -> Result<R, E>,
+    {
+        self.run_recorded(conn, scope, key, request, op)
+            .map(|recorded| recorded.outcome)
+    }
+
+    /// [`run`](Config::run), also telling when the key record was created
+    /// and when it expires: an HTTP layer can send the expiry to the client,
+    /// and tests can check it.
+    ///
+    /// # Errors
+    ///
+    /// As [`run`](Config::run).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::Duration;
+    /// use idempotency::{testing::ManualClock, Config};
+    ///
+    /// let clock = ManualClock::new();
+    /// let config = Config::default().clock(clock.source()).retention(Duration::hours(2));
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// let first = config.run_recorded(&mut conn, "shop", "order-1", &"book", |_| Ok::<_, std::convert::Infallible>(1))?;
+    /// assert_eq!((first.created_at, first.expires_at), (clock.now(), clock.now() + Duration::hours(2)));
+    ///
+    /// clock.advance(Duration::minutes(10));
+    /// let retry = config.run_recorded(&mut conn, "shop", "order-1", &"book", |_| Ok::<_, std::convert::Infallible>(2))?;
+    /// assert!(retry.outcome.is_replayed());
+    /// assert_eq!(retry.expires_at, first.expires_at, "a replay does not extend the retention");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn run_recorded<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        op: F,
+    ) -> Result<Recorded<R>, Error<E>>
+    where
+        C: StoreConnection,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: FnOnce(&mut C::Raw) -> Result<R, E>,
+    {
+        let trace = CallTrace::start(C::Raw::BACKEND);
+        let conn = conn.raw();
+        // In the call's span, so that its events carry the scope, the key
+        // and the backend.
+        let result = trace.span().in_scope(|| {
+            let request_hash = self.admit::<C::Raw, Q, E>(scope, key, request, &trace)?;
+            call::recorded(self, conn, scope, key, &request_hash, &trace, op)
+        });
+        trace.finish(&result);
+        result
+    }
+
+    /// What became of `key` in `scope`: no record, in progress, completed
+    /// with its stored result, or expired. It never runs an operation and
+    /// never writes; the request is not needed, so the fingerprint is not
+    /// compared. Lookups are by `(scope, key)` only: take the scope from
+    /// the authenticated caller, as for every call, so that one tenant
+    /// never learns of another's keys.
+    ///
+    /// A completed, unexpired record is answered with one read. Otherwise
+    /// the lookup tries to hold the key as a call would, without waiting
+    /// (whatever the [`InFlight`] policy): a holder makes it
+    /// [`InProgress`](KeyStatus::InProgress); held, the record is read
+    /// again, so a call that committed meanwhile is seen.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidScope`] and [`Error::InvalidKey`] where the key
+    /// rules refuse them; [`Error::Storage`] when the database fails;
+    /// [`Error::Codec`] when the stored result does not decode into `R`.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::Duration;
+    /// use idempotency::testing::ManualClock;
+    /// use idempotency::{Config, KeyStatus};
+    ///
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// let clock = ManualClock::new();
+    /// let config = Config::default().retention(Duration::hours(1)).clock(clock.source());
+    /// assert_eq!(config.status::<_, i32>(&mut conn, "shop", "order-1")?, KeyStatus::NoRecord);
+    ///
+    /// let first = config.run_recorded(&mut conn, "shop", "order-1", &"book", |_| Ok::<_, std::convert::Infallible>(7))?;
+    /// let KeyStatus::Completed { response, expires_at, .. } = config.status::<_, i32>(&mut conn, "shop", "order-1")? else {
+    ///     return Err("not completed".into());
+    /// };
+    /// assert_eq!((response, expires_at), (7, first.expires_at));
+    /// // Another scope knows nothing of it.
+    /// assert_eq!(config.status::<_, i32>(&mut conn, "other", "order-1")?, KeyStatus::NoRecord);
+    ///
+    /// clock.advance(Duration::hours(1));
+    /// assert_eq!(
+    ///     config.status::<_, i32>(&mut conn, "shop", "order-1")?,
+    ///     KeyStatus::Expired { expired_at: first.expires_at }
+    /// );
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn status<C, R>(&self, conn: &mut C, scope: &str, key: &str) -> Result<KeyStatus<R>, Error>
+    where
+        C: StoreConnection,
+        R: DeserializeOwned,
+    {
+        self.check_rules::<C::Raw, Infallible>(scope, key, None)?;
+        status::look_up(self, conn.raw(), scope, key)
     }
 
     /// Deletes every record whose retention has ended (`expires_at <= now`),

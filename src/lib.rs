@@ -107,25 +107,21 @@ pub mod phased;
 mod purging;
 mod repository;
 mod row_status;
-mod run;
 mod schema;
 mod service;
-mod status;
 mod telemetry;
 #[cfg(feature = "sqlite")]
 pub mod testing;
 
 pub use backend::migrate::{MIGRATIONS, Migrations, run_migrations};
 pub use backend::{RawConnection, StoreConnection};
-pub use config::Config;
+pub use config::{Config, KeyStatus, run_idempotent};
 pub use error::{Error, KeyError};
 pub use in_flight::InFlight;
 pub use outcome::{Outcome, Recorded};
 pub use purging::{Purged, Purger};
 pub use repository::Idempotent;
-pub use run::run_idempotent;
 pub use service::{Shutdown, Stopped};
-pub use status::KeyStatus;
 #[cfg(feature = "metrics")]
 pub use telemetry::describe_metrics;
 

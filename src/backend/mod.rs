@@ -28,11 +28,7 @@
 //! record after it. Either way the primary key backs the lock: a writer that
 //! got past it cannot commit a second record.
 
-use diesel::connection::{AnsiTransactionManager, TransactionManager};
-use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
-
-use crate::error::Error;
 
 /// Makes a backend's plain connection a [`RawConnection`]: its own
 /// [`StoreConnection::Raw`].
@@ -76,9 +72,9 @@ pub(crate) use keys::{Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Re
 pub(crate) use outbox::OutboxStore;
 pub(crate) use phases::PhaseStore;
 pub(crate) use purge::{purge_in_batches, sql_limit};
-pub(crate) use transaction::transaction_depth;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use transaction::transaction_with;
+pub(crate) use transaction::{transaction_depth, unwind_to_depth};
 
 /// A diesel connection that idempotent calls can run on:
 /// `SqliteConnection` (feature `sqlite`), `PgConnection` (feature
@@ -159,50 +155,4 @@ impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
 
 pub(crate) mod sealed {
     pub trait Sealed {}
-}
-
-/// What the failure of a call's write transaction tells its caller, the
-/// same for a single call and a phased step. `committing`: the transaction
-/// that holds the key was committing when it failed. A commit that failed
-/// without the database refusing it ([`KeyStore::commit_rolled_back`]) may
-/// have committed: [`Error::OutcomeUnknown`]. A wait for the key, or for
-/// SQLite's write lock, that ran out is [`Error::InProgress`].
-pub(crate) fn call_error<C: KeyStore, E>(error: Error<E>, committing: bool) -> Error<E> {
-    match error {
-        Error::Storage(error) if committing && !C::commit_rolled_back(&error) => Error::OutcomeUnknown(error),
-        Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
-        other => other,
-    }
-}
-
-/// A panic caught inside a transaction, to go on once it has rolled back.
-pub(crate) type Panic = Box<dyn std::any::Any + Send>;
-
-/// Runs `f`, the application's code, inside one of the crate's
-/// transactions. A panic in it rolls back the levels `f` opened and left
-/// open, is kept in `panicked`, and comes back as an error, which rolls the
-/// crate's own level back as any error does; the caller resumes the panic
-/// once the transaction has ended, so the connection is left out of it. (A
-/// connection that cannot roll back is left marked broken, which makes r2d2
-/// discard it.)
-pub(crate) fn catching_panic<C: KeyStore, T>(
-    tx: &mut C,
-    panicked: &mut Option<Panic>,
-    f: impl FnOnce(&mut C) -> T,
-) -> QueryResult<T> {
-    let depth = transaction_depth(tx)?;
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(tx))).map_err(|payload| {
-        let _ = unwind_to_depth(tx, depth);
-        *panicked = Some(payload);
-        diesel::result::Error::RollbackTransaction
-    })
-}
-
-/// Rolls back the levels an operation opened and left open when it panicked,
-/// so that the caller's own level can be rolled back as usual.
-pub(crate) fn unwind_to_depth<C: KeyStore>(conn: &mut C, depth: u32) -> QueryResult<()> {
-    while transaction_depth(conn)? > depth {
-        AnsiTransactionManager::rollback_transaction(conn)?;
-    }
-    Ok(())
 }

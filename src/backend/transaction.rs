@@ -1,5 +1,6 @@
 //! The transactions the crate opens itself: how deep a connection is in
-//! them, and one opened by a `BEGIN` of the backend's choosing.
+//! them, one opened by a `BEGIN` of the backend's choosing, and the levels
+//! a panicking operation left open, rolled back.
 
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
@@ -10,6 +11,15 @@ use super::KeyStore;
 pub(crate) fn transaction_depth<C: KeyStore>(conn: &mut C) -> QueryResult<u32> {
     let depth = AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth()?;
     Ok(depth.map_or(0, |depth| depth.get()))
+}
+
+/// Rolls back the levels an operation opened and left open when it panicked,
+/// so that the caller's own level can be rolled back as usual.
+pub(crate) fn unwind_to_depth<C: KeyStore>(conn: &mut C, depth: u32) -> QueryResult<()> {
+    while transaction_depth(conn)? > depth {
+        AnsiTransactionManager::rollback_transaction(conn)?;
+    }
+    Ok(())
 }
 
 /// Runs `f` in a transaction opened by `begin` (which must open exactly one

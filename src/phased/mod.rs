@@ -151,7 +151,9 @@
 //! request for the completer, and a provider that deduplicates.
 
 mod completer;
+mod operation;
 mod steps;
 
 pub use completer::{Completer, Completions, Parked};
-pub use steps::{Finished, Phased, Steps};
+pub use operation::Phased;
+pub use steps::{Finished, Steps};

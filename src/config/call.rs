@@ -1,0 +1,250 @@
+//! One call from its read to its commit: the answer from a stored record,
+//! or the write path that holds the key, runs the operation and stores its
+//! result. The write path's transaction, [`key_transaction`], is every
+//! step's of a [phased operation](crate::phased) as well.
+
+use std::panic::{self, AssertUnwindSafe};
+use std::time::Instant;
+
+use chrono::{Duration, SubsecRound};
+use diesel::QueryResult;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::Config;
+use crate::backend::{HeldKey, Hold, KeyStore, Read, Record, Stored, transaction_depth, unwind_to_depth};
+use crate::codec;
+use crate::error::Error;
+use crate::executing::Executing;
+use crate::outcome::{Outcome, Recorded};
+use crate::row_status::RecordStatus;
+use crate::telemetry::CallTrace;
+
+/// The call of [`Config::run_recorded`] once `scope` and `key` passed the
+/// key rules and the request is fingerprinted (`request_hash`): a replay
+/// from one read, or the write path, which holds the key (by a claim at
+/// once where the read found that the database `claims_first`), then
+/// replays what another call stored meanwhile, or runs `op` and stores its
+/// result.
+pub(super) fn recorded<C, R, E, F>(
+    config: &Config,
+    conn: &mut C,
+    scope: &str,
+    key: &str,
+    request_hash: &str,
+    trace: &CallTrace,
+    op: F,
+) -> Result<Recorded<R>, Error<E>>
+where
+    C: KeyStore,
+    R: Serialize + DeserializeOwned,
+    F: FnOnce(&mut C) -> Result<R, E>,
+{
+    let (now, claims_first) = match conn.read(scope, key) {
+        Ok(Read {
+            record,
+            now,
+            claims_first,
+        }) => {
+            let now = config.clock.or_database(now);
+            match record {
+                Some(stored) if stored.status == RecordStatus::Completed && stored.expires_at > now => {
+                    if config.durable_replays {
+                        conn.await_replication()?;
+                    }
+                    return replay(stored, request_hash);
+                }
+                _ => (now, claims_first),
+            }
+        }
+        // A reader kept out by a writer (SQLite outside WAL mode) takes the
+        // write path, which waits as the in-flight policy allows and reads
+        // again once it holds the lock.
+        Err(error) if C::is_in_flight_timeout(&error) => (config.clock.now(conn)?, false),
+        Err(error) => return Err(Error::Storage(error)),
+    };
+    // The record this call writes if it executes, claimed as of `now`: to
+    // the microsecond, as PostgreSQL keeps times, so that the times an
+    // execution reports are the ones its replays read back.
+    let now = now.trunc_subsecs(6);
+    let record = Record {
+        scope,
+        idempotency_key: key,
+        request_hash,
+        status: RecordStatus::Processing,
+        response: None,
+        created_at: now,
+        completed_at: None,
+        expires_at: C::storable_time(now + config.retention),
+    };
+    key_transaction(conn, config, (scope, key), Some(trace), |tx, guard| {
+        let hold = match tx.hold(&record, claims_first)? {
+            Hold::Recorded(stored) => {
+                if config.durable_replays {
+                    tx.await_replication()?;
+                }
+                return replay(stored, request_hash);
+            }
+            Hold::ClaimedElsewhere => return Err(Error::InProgress),
+            hold @ (Hold::Expired | Hold::Claimed { took_over: true }) => {
+                trace.took_over();
+                hold
+            }
+            hold => hold,
+        };
+        let value = guard.catching_panic(tx, op)?.map_err(Error::Operation)?;
+        let response = stored_json(config, &value)?;
+        let elapsed = Duration::from_std(guard.started.elapsed()).unwrap_or(Duration::zero());
+        tx.store(
+            hold,
+            &Record {
+                status: RecordStatus::Completed,
+                response: Some(&response),
+                completed_at: Some(now + elapsed),
+                ..record
+            },
+        )?;
+        guard.committing();
+        Ok(Recorded::new(Outcome::Executed(value), now, record.expires_at))
+    })
+}
+
+/// The answer from a stored record: its response when the request matches.
+fn replay<R: DeserializeOwned, E>(stored: Stored, request_hash: &str) -> Result<Recorded<R>, Error<E>> {
+    if stored.request_hash != request_hash {
+        return Err(Error::Mismatch);
+    }
+    match stored.response {
+        Some(response) if stored.status == RecordStatus::Completed => serde_json::from_str(&response)
+            .map(|value| Recorded::new(Outcome::Replayed(value), stored.created_at, stored.expires_at))
+            .map_err(Error::Codec),
+        // Claimed by an enclosing call on this same connection whose
+        // operation has not finished.
+        _ => Err(Error::InProgress),
+    }
+}
+
+/// Runs `work` in a write transaction that holds `(scope, key)` against
+/// every other call, as a single call's write path and every step of a
+/// phased operation do; `work` is what each does once it holds the key.
+///
+/// A call on this thread that already executes the same key on `conn` (an
+/// enclosing one) makes it [`Error::InProgress`] before anything is
+/// written. The wait for the key is recorded on `trace`. The application's
+/// code runs through the [`Guard`], so that a panic in it rolls the
+/// transaction back before it goes on, and the connection is left as it
+/// was. A failure is reported as [`call_error`] says; the commit's own
+/// failure as [`Error::OutcomeUnknown`] only where `work` marked the
+/// transaction [`committing`](Guard::committing) and it is this call's own,
+/// not a savepoint in a caller's.
+pub(crate) fn key_transaction<C, T, E>(
+    conn: &mut C,
+    config: &Config,
+    (scope, key): (&str, &str),
+    trace: Option<&CallTrace>,
+    work: impl FnOnce(&mut C, &mut Guard) -> Result<T, Error<E>>,
+) -> Result<T, Error<E>>
+where
+    C: KeyStore,
+{
+    // An enclosing call on this connection that executes the same key has
+    // written nothing yet for a nested call to find; and what the work
+    // enqueues through the connection takes the call's scope from here.
+    let Some(_executing) = Executing::enter(&*conn, scope, key) else {
+        return Err(Error::InProgress);
+    };
+    let mut guard = Guard {
+        started: Instant::now(),
+        panicked: None,
+        committing: false,
+    };
+    // Whether this call's own transaction commits: a nested call's
+    // savepoint commits nothing by itself.
+    let commits = transaction_depth(conn)? == 0;
+    let held = HeldKey {
+        scope,
+        key,
+        in_flight: config.in_flight,
+        idle_timeout: config.idle_timeout,
+    };
+    let result = conn.key_transaction(held, |tx| {
+        if let Some(trace) = trace {
+            trace.waited(guard.started.elapsed());
+        }
+        work(tx, &mut guard)
+    });
+    if let Some(payload) = guard.panicked {
+        panic::resume_unwind(payload);
+    }
+    if let (Some(trace), Err(Error::Storage(error))) = (trace, &result) {
+        if C::is_in_flight_timeout(error) {
+            trace.waited(guard.started.elapsed());
+        }
+    }
+    result.map_err(|error| call_error::<C, E>(error, commits && guard.committing))
+}
+
+/// A panic caught inside a transaction, to go on once it has rolled back.
+type Panic = Box<dyn std::any::Any + Send>;
+
+/// What the work of a [`key_transaction`] runs the application's code
+/// through, and marks the transaction with once it has written.
+pub(crate) struct Guard {
+    /// When the call began to wait for its key.
+    started: Instant,
+    panicked: Option<Panic>,
+    committing: bool,
+}
+
+impl Guard {
+    /// Runs `f`, the application's code, inside the key transaction. A panic
+    /// in it rolls back the levels `f` opened and left open, is kept, and
+    /// comes back as an error, which rolls the transaction's own level back
+    /// as any error does; [`key_transaction`] resumes the panic once the
+    /// transaction has ended, so the connection is left out of it. (A
+    /// connection that cannot roll back is left marked broken, which makes
+    /// r2d2 discard it.)
+    pub(crate) fn catching_panic<C: KeyStore, T>(&mut self, tx: &mut C, f: impl FnOnce(&mut C) -> T) -> QueryResult<T> {
+        let depth = transaction_depth(tx)?;
+        panic::catch_unwind(AssertUnwindSafe(|| f(tx))).map_err(|payload| {
+            let _ = unwind_to_depth(tx, depth);
+            self.panicked = Some(payload);
+            diesel::result::Error::RollbackTransaction
+        })
+    }
+
+    /// Marks the transaction as written and about to commit: a failure from
+    /// here on is its commit's, which may have committed.
+    pub(crate) fn committing(&mut self) {
+        self.committing = true;
+    }
+}
+
+/// What the failure of a call's write transaction tells its caller, the
+/// same for a single call, a phased step and a lookup. `committing`: the
+/// transaction that holds the key was committing when it failed. A commit
+/// that failed without the database refusing it
+/// ([`KeyStore::commit_rolled_back`]) may have committed:
+/// [`Error::OutcomeUnknown`]. A wait for the key, or for SQLite's write
+/// lock, that ran out is [`Error::InProgress`].
+pub(crate) fn call_error<C: KeyStore, E>(error: Error<E>, committing: bool) -> Error<E> {
+    match error {
+        Error::Storage(error) if committing && !C::commit_rolled_back(&error) => Error::OutcomeUnknown(error),
+        Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
+        other => other,
+    }
+}
+
+/// `value` as the JSON a record stores, refused beyond
+/// [`max_response_len`](Config::max_response_len): a call's result, a
+/// phased step's output or its final response.
+pub(crate) fn stored_json<R: Serialize + DeserializeOwned, E>(config: &Config, value: &R) -> Result<String, Error<E>> {
+    let json = codec::to_replayable_json(value).map_err(Error::Codec)?;
+    if json.len() > config.max_response_len {
+        return Err(Error::ResponseTooLarge {
+            len: json.len(),
+            max: config.max_response_len,
+        });
+    }
+    Ok(json)
+}
