@@ -23,7 +23,8 @@ pub enum RecordStatus {
 impl RecordStatus {
     const ALL: [Self; 2] = [Self::Processing, Self::Completed];
 
-    fn as_str(self) -> &'static str {
+    /// The text the state is stored as.
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Processing => "processing",
             Self::Completed => "completed",

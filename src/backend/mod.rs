@@ -16,17 +16,19 @@
 //! `phases/` (each statement trait, its rows and its shared statements),
 //! `transaction.rs` and `purge.rs`.
 //!
-//! A call writes its key record once, completed, after the operation: the
-//! write transaction first holds the key (SQLite: the database's write lock;
-//! PostgreSQL: an advisory lock on the key; MySQL: a named lock on the key),
-//! reads the record under that lock, runs the operation and inserts the
-//! record. Where a read under the lock could miss a concurrent commit (a
-//! call nested in a caller's transaction, a PostgreSQL session at
-//! `REPEATABLE READ` or above, every call on MySQL, whose named locks do not
-//! last as long as a caller's transaction), the transaction instead claims
-//! the key with a guarded insert before the operation and completes the
-//! record after it. Either way the primary key backs the lock: a writer that
-//! got past it cannot commit a second record.
+//! The write transaction first holds the key (SQLite: the database's write
+//! lock; PostgreSQL: an advisory lock on the key; MySQL: a named lock on the
+//! key). On SQLite it reads the record under that lock, runs the operation
+//! and inserts the record once, completed. On PostgreSQL a key the replay
+//! read found free is claimed in the round trip that takes the lock, and the
+//! claim is completed after the operation. Where a read under the lock could
+//! miss a concurrent commit (a call nested in a caller's transaction, a
+//! PostgreSQL session at `REPEATABLE READ` or above, every call on MySQL,
+//! whose named locks do not last as long as a caller's transaction), the
+//! transaction claims the key with a guarded insert before the operation and
+//! completes the record after it; otherwise a record found is read under the
+//! lock and replaced once. Either way the primary key backs the lock: a
+//! writer that got past it cannot commit a second record.
 
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 

@@ -22,10 +22,11 @@ use crate::telemetry::CallTrace;
 
 /// The call of [`Config::run_recorded`] once `scope` and `key` passed the
 /// key rules and the request is fingerprinted (`request_hash`): a replay
-/// from one read, or the write path, which holds the key (by a claim at
-/// once where the read found that the database `claims_first`), then
-/// replays what another call stored meanwhile, or runs `op` and stores its
-/// result.
+/// from one read, or the write path, which holds the key (a key the read
+/// found no record for claimed in the round trip that takes it, where the
+/// backend can; by a claim at once where the read found that the database
+/// `claims_first`), then replays what another call stored meanwhile, or
+/// runs `op` and stores its result.
 pub(super) fn recorded<C, R, E, F>(
     config: &Config,
     conn: &mut C,
@@ -40,7 +41,9 @@ where
     R: Serialize + DeserializeOwned,
     F: FnOnce(&mut C) -> Result<R, E>,
 {
-    let (now, claims_first) = match conn.read(scope, key) {
+    // `fresh`: the read found no record, so the backend may claim the key
+    // in the round trip that takes it.
+    let (now, claims_first, fresh) = match conn.read(scope, key) {
         Ok(Read {
             record,
             now,
@@ -54,13 +57,13 @@ where
                     }
                     return replay(stored, request_hash);
                 }
-                _ => (now, claims_first),
+                record => (now, claims_first, record.is_none()),
             }
         }
         // A reader kept out by a writer (SQLite outside WAL mode) takes the
         // write path, which waits as the in-flight policy allows and reads
         // again once it holds the lock.
-        Err(error) if C::is_in_flight_timeout(&error) => (config.clock.now(conn)?, false),
+        Err(error) if C::is_in_flight_timeout(&error) => (config.clock.now(conn)?, false, false),
         Err(error) => return Err(Error::Storage(error)),
     };
     // The record this call writes if it executes, claimed as of `now`: to
@@ -77,8 +80,13 @@ where
         completed_at: None,
         expires_at: C::storable_time(now + config.retention),
     };
-    key_transaction(conn, config, (scope, key), Some(trace), |tx, guard| {
-        let hold = match tx.hold(&record, claims_first)? {
+    let claim = fresh.then_some(&record);
+    key_transaction(conn, config, (scope, key), Some(trace), claim, |tx, guard, claimed| {
+        let hold = match claimed {
+            true => Hold::Claimed { took_over: false },
+            false => tx.hold(&record, claims_first)?,
+        };
+        let hold = match hold {
             Hold::Recorded(stored) => {
                 if config.durable_replays {
                     tx.await_replication()?;
@@ -127,6 +135,8 @@ fn replay<R: DeserializeOwned, E>(stored: Stored, request_hash: &str) -> Result<
 /// Runs `work` in a write transaction that holds `(scope, key)` against
 /// every other call, as a single call's write path and every step of a
 /// phased operation do; `work` is what each does once it holds the key.
+/// Where the backend can, it writes `claim` in the round trip that takes
+/// the key, and `work` learns so from its third argument (`claimed`).
 ///
 /// A call on this thread that already executes the same key on `conn` (an
 /// enclosing one) makes it [`Error::InProgress`] before anything is
@@ -142,7 +152,8 @@ pub(crate) fn key_transaction<C, T, E>(
     config: &Config,
     (scope, key): (&str, &str),
     trace: Option<&CallTrace>,
-    work: impl FnOnce(&mut C, &mut Guard) -> Result<T, Error<E>>,
+    claim: Option<&Record<'_>>,
+    work: impl FnOnce(&mut C, &mut Guard, bool) -> Result<T, Error<E>>,
 ) -> Result<T, Error<E>>
 where
     C: KeyStore,
@@ -166,12 +177,13 @@ where
         key,
         in_flight: config.in_flight,
         idle_timeout: config.idle_timeout,
+        claim,
     };
-    let result = conn.key_transaction(held, |tx| {
+    let result = conn.key_transaction(held, |tx, claimed| {
         if let Some(trace) = trace {
             trace.waited(guard.started.elapsed());
         }
-        work(tx, &mut guard)
+        work(tx, &mut guard, claimed)
     });
     if let Some(payload) = guard.panicked {
         panic::resume_unwind(payload);

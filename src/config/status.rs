@@ -66,10 +66,11 @@ pub(super) fn look_up<C: KeyStore, R: DeserializeOwned>(
         key,
         in_flight: InFlight::Reject,
         idle_timeout: config.idle_timeout,
+        claim: None,
     };
     // Holding the key proves no call holds it; the transaction writes
     // nothing, so its commit changes nothing.
-    match conn.key_transaction(held, |tx| tx.find(scope, key).map_err(Error::Storage)) {
+    match conn.key_transaction(held, |tx, _| tx.find(scope, key).map_err(Error::Storage)) {
         Ok(None) => Ok(KeyStatus::NoRecord),
         Ok(Some(stored)) if is_answered(&stored, now) => completed(&stored),
         Ok(Some(stored)) if stored.status == RecordStatus::Completed => Ok(KeyStatus::Expired {

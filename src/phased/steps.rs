@@ -385,7 +385,7 @@ impl<C: PhaseStore> Steps<'_, C> {
             updated_at: now,
         });
         let held = (self.lease.scope, self.lease.key);
-        let result = key_transaction(self.conn, &self.phased.config, held, None, |tx, guard| {
+        let result = key_transaction(self.conn, &self.phased.config, held, None, None, |tx, guard, _| {
             if let (Some((replace, _)), Some(operation)) = (&claim, &new_operation) {
                 if *replace {
                     tx.delete_expired_operation(operation.scope, operation.idempotency_key, now)?;

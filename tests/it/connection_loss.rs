@@ -348,7 +348,9 @@ fn accept_within(listener: &TcpListener, patience: Duration) -> std::io::Result<
 }
 
 const COMMIT: &[u8] = b"COMMIT\0";
-const KEY_INSERT: &[u8] = b"INSERT INTO \"idempotency_keys\"";
+/// The statement that stores a fresh key's result, after the operation: the
+/// claim that rides with the lock is completed.
+const KEY_STORE: &[u8] = b"UPDATE \"idempotency_keys\"";
 
 /// One call through a proxy that cuts at `needle`; asserts that its
 /// operation ran once, and returns its result.
@@ -439,7 +441,7 @@ fn commit_that_never_arrived_is_an_unknown_outcome_and_the_retry_executes() {
 
 #[test]
 fn connection_lost_before_the_commit_is_a_storage_error_and_the_retry_executes() {
-    lose_the_connection(KEY_INSERT, Cut::AfterSending, rolled_back, false);
+    lose_the_connection(KEY_STORE, Cut::AfterSending, rolled_back, false);
 }
 
 /// Runs a job of `items` items with `workers` workers on `pool`, whose

@@ -494,32 +494,60 @@ fn record_status(conn: &mut PgConnection, key: &str) -> QueryResult<Option<Strin
 }
 
 #[test]
-fn the_claim_first_setting_claims_the_key_before_the_operation_runs() {
+fn a_fresh_key_is_claimed_in_the_round_trip_that_takes_its_lock() {
     let db = Db::new();
+    let mut conn = db.conn();
+    let seen = run_idempotent(&mut conn, SCOPE, "claimed-at-once", REQUEST, |tx| {
+        record_status(tx, "claimed-at-once")
+    })
+    .expect("the call")
+    .into_inner();
+    assert_eq!(seen.as_deref(), Some("processing"), "the claim, seen by the operation");
+    assert_eq!(
+        record_status(&mut conn, "claimed-at-once").expect("read").as_deref(),
+        Some("completed")
+    );
+}
+
+#[test]
+fn the_claim_first_setting_claims_an_expired_key_before_the_operation_runs() {
+    let db = Db::new();
+    let clock = idempotency::testing::ManualClock::new();
+    let config = Config::default().clock(clock.source()).retention(Duration::hours(1));
     for (setting, inside) in [
-        ("off", None),
-        ("on", Some("processing")),
-        ("TRUE", Some("processing")),
-        ("maybe", None),
+        ("off", "completed"),
+        ("on", "processing"),
+        ("TRUE", "processing"),
+        ("maybe", "completed"),
     ] {
         let mut conn = db.conn();
         conn.batch_execute(&format!("SET idempotency.claim_first = '{setting}'"))
             .expect("set the setting");
         let key = format!("claim-first-{setting}");
-        let seen = run_idempotent(&mut conn, SCOPE, &key, REQUEST, |tx| record_status(tx, &key))
-            .expect("the call")
+        config
+            .run(&mut conn, SCOPE, &key, REQUEST, |_| {
+                Ok::<_, DieselError>(None::<String>)
+            })
+            .expect("the first call");
+        clock.advance(Duration::hours(2));
+        // An expired record: read under the lock and replaced once, or
+        // claimed over before the operation runs.
+        let seen = config
+            .run(&mut conn, SCOPE, &key, REQUEST, |tx| record_status(tx, &key))
+            .expect("the call after the retention")
             .into_inner();
         assert_eq!(
             seen.as_deref(),
-            inside,
+            Some(inside),
             "the record inside the operation, claim_first = {setting}"
         );
         assert_eq!(
             record_status(&mut conn, &key).expect("read").as_deref(),
             Some("completed")
         );
-        let replayed =
-            run_idempotent(&mut conn, SCOPE, &key, REQUEST, |tx| record_status(tx, &key)).expect("the retry");
+        let replayed = config
+            .run(&mut conn, SCOPE, &key, REQUEST, |tx| record_status(tx, &key))
+            .expect("the retry");
         assert!(replayed.is_replayed(), "claim_first = {setting}");
     }
 }
@@ -633,4 +661,45 @@ fn relay_pass_in_a_long_transaction_writes_times_in_the_future() {
     assert!(message.at >= before, "enqueued at {}, after {before}", message.at);
     let due = message.until;
     assert!(due > now, "message {id} due again at {due}, already past at {now}");
+}
+
+#[test]
+fn a_first_call_sends_one_statement_more_than_its_transaction_with_one_insert() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    let sent = Arc::new(Mutex::new(Vec::new()));
+    let recorder = Arc::clone(&sent);
+    conn.set_instrumentation(move |event: diesel::connection::InstrumentationEvent<'_>| {
+        if let diesel::connection::InstrumentationEvent::StartQuery { query, .. } = event {
+            recorder.lock().expect("not poisoned").push(query.to_string());
+        }
+    });
+    let take = |sent: &Mutex<Vec<String>>| std::mem::take(&mut *sent.lock().expect("not poisoned"));
+
+    // The floor: the operation's transaction with one insert of a record.
+    conn.transaction(|tx| {
+        Db::place_order(tx, "book", 1)?;
+        diesel::sql_query("INSERT INTO orders (item, quantity) VALUES ('record', 0)").execute(tx)
+    })
+    .expect("the floor");
+    let floor = take(&sent).len();
+
+    let first = run_idempotent(&mut conn, SCOPE, "counted", REQUEST, |tx| {
+        Db::place_order(tx, "book", 1)
+    });
+    assert!(!first.expect("executes").is_replayed());
+    let statements = take(&sent);
+    assert_eq!(statements.len(), floor + 1, "{statements:#?}");
+    assert!(
+        statements.iter().any(|sql| sql.starts_with("BEGIN")
+            && sql.contains("pg_advisory_xact_lock")
+            && sql.contains("INSERT INTO idempotency_keys")),
+        "the lock and the claim share the round trip of BEGIN: {statements:#?}"
+    );
+
+    let replay = run_idempotent(&mut conn, SCOPE, "counted", REQUEST, |tx| {
+        Db::place_order(tx, "book", 1)
+    });
+    assert!(replay.expect("replays").is_replayed());
+    assert_eq!(take(&sent).len(), 1, "a replay is one read");
 }

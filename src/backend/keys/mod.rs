@@ -21,7 +21,7 @@ pub(crate) use statements::record_values;
 
 /// A key record as this crate writes it: claimed (`processing`, no response
 /// yet) or completed with its response.
-#[derive(Insertable, AsChangeset, Clone, Copy)]
+#[derive(Insertable, AsChangeset, Clone, Copy, Debug)]
 #[diesel(table_name = idempotency_keys, primary_key(scope, idempotency_key), treat_none_as_null = true)]
 pub struct Record<'a> {
     pub(crate) scope: &'a str,
@@ -157,16 +157,23 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     /// Runs `f` in a write transaction (a savepoint when a transaction is
     /// open) that holds the key `(held.scope, held.key)` against every
     /// other call, waiting for a holder as `held.in_flight` allows. Commits
-    /// if `f` succeeds and rolls back otherwise.
+    /// if `f` succeeds and rolls back otherwise. `f` learns whether the
+    /// transaction already holds the key by [`held.claim`](HeldKey::claim),
+    /// written while it took the key; otherwise it decides with
+    /// [`hold`](KeyStore::hold).
     ///
     /// By default, the transaction of [`write`](KeyStore::write): enough
     /// where the database's write lock holds every key (SQLite). A backend
     /// whose writers run side by side locks the key itself.
-    fn key_transaction<T, E>(&mut self, held: HeldKey<'_>, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    fn key_transaction<T, E>(
+        &mut self,
+        held: HeldKey<'_>,
+        f: impl FnOnce(&mut Self, bool) -> Result<T, E>,
+    ) -> Result<T, E>
     where
         E: From<diesel::result::Error>,
     {
-        self.write(held.in_flight, f)
+        self.write(held.in_flight, |conn| f(conn, false))
     }
 
     /// Runs `f` in a short write transaction (a savepoint when one is open)
@@ -240,6 +247,15 @@ pub struct HeldKey<'a> {
         expect(dead_code, reason = "a dead process holds no SQLite lock")
     )]
     pub(crate) idle_timeout: Option<chrono::Duration>,
+    /// The claim of a key the read before the transaction found no record
+    /// for, to write in the round trip that takes the key where the
+    /// backend can (PostgreSQL, outside a caller's transaction): the
+    /// transaction then holds the key by its claim without reading it again.
+    #[cfg_attr(
+        not(feature = "postgres"),
+        expect(dead_code, reason = "only PostgreSQL claims in the round trip that takes the key")
+    )]
+    pub(crate) claim: Option<&'a Record<'a>>,
 }
 
 /// What a record read under the key's lock means for `record`.

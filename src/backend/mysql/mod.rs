@@ -408,7 +408,11 @@ impl KeyStore for MysqlConnection {
         diesel::select(UtcNow).get_result(self)
     }
 
-    fn key_transaction<T, E>(&mut self, held: HeldKey<'_>, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    fn key_transaction<T, E>(
+        &mut self,
+        held: HeldKey<'_>,
+        f: impl FnOnce(&mut Self, bool) -> Result<T, E>,
+    ) -> Result<T, E>
     where
         E: From<DieselError>,
     {
@@ -417,6 +421,7 @@ impl KeyStore for MysqlConnection {
             key,
             in_flight,
             idle_timeout,
+            claim: _,
         } = held;
         let depth = transaction_depth(self)?;
         let bound = |bound| IdleStatement { depth, bound };
@@ -438,7 +443,7 @@ impl KeyStore for MysqlConnection {
         // The lock outlives any transaction: it must be released on every
         // path, a panic included, and only once the transaction (or the
         // savepoint) has ended.
-        let result = panic::catch_unwind(AssertUnwindSafe(|| self.transaction(f)));
+        let result = panic::catch_unwind(AssertUnwindSafe(|| self.transaction(|conn| f(conn, false))));
         let unwound = match result {
             Ok(_) => Ok(()),
             Err(_) => unwind_to_depth(self, depth),

@@ -6,8 +6,16 @@
 //! `lock_timeout` that is put back to the caller's value in the same round
 //! trip, so it bounds the lock and never the operation.
 //!
-//! At `READ COMMITTED` the read after the lock sees the holder's commit, so
-//! the record is written once, after the operation. In a caller's
+//! A key the replay read found no record for is claimed in that same round
+//! trip, after the lock: a plain `INSERT` of its record, which the primary
+//! key refuses if a holder committed one while this call waited, and the
+//! operation's result completes it. A first call thus sends one statement
+//! more than its transaction with one insert of the record would. A refused
+//! or failed claim is rolled back and the key taken again without one.
+//!
+//! A key whose record the read found is read again after the lock: at `READ
+//! COMMITTED` that read sees the holder's commit, so an expired record is
+//! replaced once, after the operation. In a caller's
 //! transaction, or a session at `REPEATABLE READ` or `SERIALIZABLE`, the read
 //! may miss it: there the key is claimed with a guarded insert before the
 //! operation runs, and a conflict with a commit the transaction cannot see
@@ -30,7 +38,7 @@
 mod outbox;
 mod phases;
 
-use chrono::{Duration, NaiveDateTime};
+use chrono::{Datelike, Duration, NaiveDateTime};
 use diesel::connection::{AnsiTransactionManager, SimpleConnection};
 use diesel::pg::{Pg, PgConnection};
 use diesel::prelude::*;
@@ -155,6 +163,36 @@ fn lock_key_sql(scope: &str, key: &str, in_flight: InFlight, idle: Option<Durati
          SELECT set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true)",
         in_flight.wait_millis().max(1)
     )
+}
+
+/// The claim of `record` as simple-query text, to follow the lock in the
+/// round trip that takes it; `None` for a time the text form below does not
+/// write (years outside 1 to 9999), which is claimed by bound statements
+/// instead. The values are written as literals because a simple query binds
+/// none: escape strings, which mean the same whatever
+/// `standard_conforming_strings` says, and timestamps in ISO form.
+fn claim_sql(record: &Record<'_>) -> Option<String> {
+    let time = |at: NaiveDateTime| {
+        (1..=9999)
+            .contains(&at.year())
+            .then(|| format!("'{}'::timestamp", at.format("%Y-%m-%d %H:%M:%S%.6f")))
+    };
+    Some(format!(
+        "INSERT INTO idempotency_keys \
+         (scope, idempotency_key, request_hash, status, created_at, expires_at) \
+         VALUES ({}, {}, {}, {}, {}, {})",
+        text_literal(record.scope),
+        text_literal(record.idempotency_key),
+        text_literal(record.request_hash),
+        text_literal(record.status.as_str()),
+        time(record.created_at)?,
+        time(record.expires_at)?,
+    ))
+}
+
+/// `value` as an escape string literal: every backslash and quote escaped.
+fn text_literal(value: &str) -> String {
+    format!("E'{}'", value.replace('\\', "\\\\").replace('\'', "\\'"))
 }
 
 /// The setting that bounds how long a transaction waits for its client.
@@ -282,45 +320,73 @@ impl KeyStore for PgConnection {
         diesel::select(database_time()).get_result(self)
     }
 
-    fn key_transaction<T, E>(&mut self, held: HeldKey<'_>, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    fn key_transaction<T, E>(
+        &mut self,
+        held: HeldKey<'_>,
+        f: impl FnOnce(&mut Self, bool) -> Result<T, E>,
+    ) -> Result<T, E>
     where
         E: From<DieselError>,
     {
         let HeldKey {
             scope,
             key,
-            in_flight,
+            mut in_flight,
             idle_timeout,
+            claim,
         } = held;
-        let lock = lock_key_sql(scope, key, in_flight, idle_timeout);
-        if transaction_depth(self)? == 0 {
-            // BEGIN, the policy's lock timeout, the lock and the caller's
-            // timeout back: one round trip.
-            let begin = format!("BEGIN; {lock}");
-            transaction_with(
-                self,
-                |conn| {
-                    AnsiTransactionManager::begin_transaction_sql(conn, &begin)
-                        .map_err(lock_wait_ended)
-                        .inspect_err(|_| {
-                            // BEGIN went through before the statement that
-                            // failed: the server holds an aborted transaction
-                            // that diesel does not know of. A broken connection
-                            // fails this too and is discarded as broken anyway.
-                            let _ = conn.batch_execute("ROLLBACK");
-                        })
-                },
-                f,
-            )
-        } else {
+        if transaction_depth(self)? > 0 {
             // In a savepoint: a lock wait that runs out rolls back to it,
             // settings included; otherwise the lock is held until the
             // caller's transaction ends, as its record would be.
-            self.transaction(|conn| {
+            let lock = lock_key_sql(scope, key, in_flight, idle_timeout);
+            return self.transaction(|conn| {
                 conn.batch_execute(&lock).map_err(lock_wait_ended)?;
-                f(conn)
-            })
+                f(conn, false)
+            });
         }
+        // A key the read found free is claimed in the round trip that takes
+        // its lock: the transaction then holds it without reading it again.
+        if let Some(claim) = claim.and_then(claim_sql) {
+            let begin = format!("BEGIN; {}; {claim}", lock_key_sql(scope, key, in_flight, idle_timeout));
+            match AnsiTransactionManager::begin_transaction_sql(self, &begin) {
+                Ok(()) => return transaction_with(self, |_| Ok(()), |conn| f(conn, true)),
+                Err(error) => {
+                    // BEGIN went through: see below.
+                    let _ = self.batch_execute("ROLLBACK");
+                    if is_connection_lost(&error) {
+                        return Err(error.into());
+                    }
+                    // A duplicate is a record committed since the read (by
+                    // the holder this call waited for): the transaction
+                    // below reads it. Any other failure is the end of the
+                    // wait for the lock or a failure of the claim itself;
+                    // the transaction below tells them apart, and waits no
+                    // longer for a lock that is still held.
+                    if !matches!(error, DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) {
+                        in_flight = InFlight::Reject;
+                    }
+                }
+            }
+        }
+        // BEGIN, the policy's lock timeout, the lock and the caller's
+        // timeout back: one round trip.
+        let begin = format!("BEGIN; {}", lock_key_sql(scope, key, in_flight, idle_timeout));
+        transaction_with(
+            self,
+            |conn| {
+                AnsiTransactionManager::begin_transaction_sql(conn, &begin)
+                    .map_err(lock_wait_ended)
+                    .inspect_err(|_| {
+                        // BEGIN went through before the statement that
+                        // failed: the server holds an aborted transaction
+                        // that diesel does not know of. A broken connection
+                        // fails this too and is discarded as broken anyway.
+                        let _ = conn.batch_execute("ROLLBACK");
+                    })
+            },
+            |conn| f(conn, false),
+        )
     }
 
     fn write<T, E>(&mut self, _in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>

@@ -160,9 +160,10 @@ pub trait TestDb: Sized + Send + Sync + 'static {
     /// migrations: the `orders` table, and any setting of the database's own.
     const SETUP: &'static str;
 
-    /// Whether a top-level call writes its key record once, after the
-    /// operation. MySQL claims every key before the operation and completes
-    /// the record after it (see the crate's `backend::mysql`).
+    /// Whether a top-level call on a fresh key writes its key record once,
+    /// after the operation. MySQL claims every key before the operation and
+    /// PostgreSQL a fresh one with its lock, and both complete the record
+    /// after it (see the crate's `backend::mysql` and `backend::postgres`).
     const WRITES_KEY_RECORD_ONCE: bool = true;
 
     /// A new database of its own with nothing in it, for a program that sets

@@ -25,6 +25,7 @@ impl TestDb for Db {
     const BACKEND: &'static str = "postgres";
     const SETUP: &'static str =
         "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, item TEXT NOT NULL, quantity INTEGER NOT NULL)";
+    const WRITES_KEY_RECORD_ONCE: bool = false;
 
     fn empty() -> Db {
         let base_url = database_url();
