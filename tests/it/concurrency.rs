@@ -204,6 +204,43 @@ mod sqlite_busy_timeout {
         assert_eq!(busy_timeout(&mut conn), 10_000, "and after a purge");
     }
 
+    /// On a connection whose busy timeout is diesel's default, 0, the write
+    /// lock is polled for as it is: the only settings a call sends are the
+    /// policy's wait once it holds the lock and the caller's 0 put back.
+    #[test]
+    fn a_busy_timeout_of_zero_is_not_set_again_before_the_lock() {
+        let db = Db::new();
+        let mut conn = db.conn();
+        diesel::connection::SimpleConnection::batch_execute(&mut conn, "PRAGMA busy_timeout = 0").expect("no timeout");
+        let sets = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = Arc::clone(&sets);
+        conn.set_instrumentation(move |event: diesel::connection::InstrumentationEvent<'_>| {
+            if let diesel::connection::InstrumentationEvent::StartQuery { query, .. } = event {
+                let text = query.to_string();
+                let sql = text.split(" -- binds").next().unwrap_or_default();
+                if sql.contains("busy_timeout =") {
+                    seen.lock().expect("statements").push(sql.to_owned());
+                }
+            }
+        });
+        let wait = Config::default().in_flight(InFlight::Wait(Duration::milliseconds(2500)));
+        let inside = wait
+            .run(&mut conn, "shop", "a", &1, |tx| Ok::<_, Error>(busy_timeout(tx)))
+            .expect("call");
+        assert_eq!(inside.into_inner(), 2500);
+        assert_eq!(
+            std::mem::take(&mut *sets.lock().expect("statements")),
+            ["PRAGMA busy_timeout = 2500", "PRAGMA busy_timeout = 0"]
+        );
+        let reject = Config::default().in_flight(InFlight::Reject);
+        let inside = reject
+            .run(&mut conn, "shop", "b", &1, |tx| Ok::<_, Error>(busy_timeout(tx)))
+            .expect("call");
+        assert_eq!(inside.into_inner(), 0);
+        assert_eq!(*sets.lock().expect("statements"), ["PRAGMA busy_timeout = 0"]);
+        assert_eq!(busy_timeout(&mut conn), 0);
+    }
+
     #[test]
     fn replay_reads_without_the_write_lock() {
         let db = Db::new();

@@ -9,8 +9,10 @@
 //! IMMEDIATE` is retried in short polls with the busy timeout off, then the
 //! policy is the busy timeout for the rest of the transaction (a commit
 //! outside WAL mode waits for readers), and the caller's own busy timeout is
-//! put back at the end. The PRAGMAs are prepared statements that diesel
-//! caches, so the setting costs microseconds, not a parse per call.
+//! put back at the end. A connection already at 0 (diesel's default) is
+//! not set to 0 again, and the reject policy's 0 is not set twice. The
+//! PRAGMAs are prepared statements that diesel caches, so each costs
+//! microseconds, not a parse per call.
 
 mod outbox;
 mod phases;
@@ -67,17 +69,17 @@ fn set_busy_timeout(conn: &mut SqliteConnection, millis: i64) -> QueryResult<()>
     Ok(())
 }
 
-/// Runs `f` and then puts the connection's busy timeout back to what it was
-/// before, whatever `f` did with it.
+/// Runs `f` with the connection's busy timeout as it was before the call
+/// (`previous`), and then puts that back, whatever `f` did with it.
 fn keeping_busy_timeout<T, E>(
     conn: &mut SqliteConnection,
-    f: impl FnOnce(&mut SqliteConnection) -> Result<T, E>,
+    f: impl FnOnce(&mut SqliteConnection, i32) -> Result<T, E>,
 ) -> Result<T, E>
 where
     E: From<DieselError>,
 {
     let previous = busy_timeout(conn)?;
-    let result = f(conn);
+    let result = f(conn, previous);
     let restored = set_busy_timeout(conn, previous.into());
     let value = result?;
     restored?;
@@ -95,10 +97,14 @@ const WRITE_LOCK_MAX_POLL: Duration = Duration::from_millis(2);
 /// Opens a `BEGIN IMMEDIATE` transaction, retrying at short intervals while
 /// another connection holds the write lock, for as long as `in_flight`
 /// allows. Once it holds the lock, the policy's busy timeout bounds the
-/// rest of the transaction's waits.
-fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryResult<()> {
+/// rest of the transaction's waits. `current` is the connection's busy
+/// timeout when it is called: at 0 (diesel's default) it is left as it is,
+/// since the first attempt then already fails at once.
+fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight, current: i32) -> QueryResult<()> {
     let deadline = Instant::now() + Duration::from_millis(u64::try_from(in_flight.wait_millis()).unwrap_or(0));
-    set_busy_timeout(conn, 0)?;
+    if current != 0 {
+        set_busy_timeout(conn, 0)?;
+    }
     let mut poll = WRITE_LOCK_FIRST_POLL;
     loop {
         match AnsiTransactionManager::begin_transaction_sql(conn, "BEGIN IMMEDIATE") {
@@ -107,6 +113,8 @@ fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryRes
                 poll = (poll * 2).min(WRITE_LOCK_MAX_POLL);
             }
             Err(error) => return Err(error),
+            // Still 0 under the reject policy: nothing to set.
+            Ok(()) if in_flight.wait_millis() == 0 => return Ok(()),
             Ok(()) => return set_busy_timeout(conn, in_flight.wait_millis()),
         }
     }
@@ -141,14 +149,16 @@ impl KeyStore for SqliteConnection {
         E: From<DieselError>,
     {
         let top_level = transaction_depth(self)? == 0;
-        keeping_busy_timeout(self, |conn| {
+        keeping_busy_timeout(self, |conn, previous| {
             if top_level {
                 // A deferred BEGIN would take the write lock only at the
                 // first write, and two racing writers would then fail with
                 // "database is locked" instead of waiting for each other.
-                transaction_with(conn, |conn| begin_immediate(conn, in_flight), f)
+                transaction_with(conn, |conn| begin_immediate(conn, in_flight, previous), f)
             } else {
-                set_busy_timeout(conn, in_flight.wait_millis())?;
+                if i64::from(previous) != in_flight.wait_millis() {
+                    set_busy_timeout(conn, in_flight.wait_millis())?;
+                }
                 conn.transaction(f)
             }
         })
