@@ -89,74 +89,34 @@ fn parse<S: Copy>(all: &[S], as_str: fn(S) -> &'static str, column: &str, text: 
         .ok_or_else(|| format!("{column} holds {text:?}, which is not one of its states").into())
 }
 
-impl<DB: Backend> ToSql<Text, DB> for RecordStatus
-where
-    str: ToSql<Text, DB>,
-{
-    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, DB>) -> serialize::Result {
-        self.as_str().to_sql(out)
-    }
+/// Stores the state type `$status` as the text of its `as_str`, and reads it
+/// back as one of its `ALL` states, on every backend that stores text;
+/// `$column` names the column in a decode error.
+macro_rules! stored_as_text {
+    ($status:ty, $column:literal) => {
+        impl<DB: Backend> ToSql<Text, DB> for $status
+        where
+            str: ToSql<Text, DB>,
+        {
+            fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, DB>) -> serialize::Result {
+                self.as_str().to_sql(out)
+            }
+        }
+
+        impl<DB: Backend> FromSql<Text, DB> for $status
+        where
+            String: FromSql<Text, DB>,
+        {
+            fn from_sql(bytes: DB::RawValue<'_>) -> deserialize::Result<Self> {
+                parse(&Self::ALL, Self::as_str, $column, &String::from_sql(bytes)?)
+            }
+        }
+    };
 }
 
-impl<DB: Backend> FromSql<Text, DB> for RecordStatus
-where
-    String: FromSql<Text, DB>,
-{
-    fn from_sql(bytes: DB::RawValue<'_>) -> deserialize::Result<Self> {
-        parse(
-            &Self::ALL,
-            Self::as_str,
-            "idempotency_keys.status",
-            &String::from_sql(bytes)?,
-        )
-    }
-}
-
-impl<DB: Backend> ToSql<Text, DB> for MessageStatus
-where
-    str: ToSql<Text, DB>,
-{
-    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, DB>) -> serialize::Result {
-        self.as_str().to_sql(out)
-    }
-}
-
-impl<DB: Backend> FromSql<Text, DB> for MessageStatus
-where
-    String: FromSql<Text, DB>,
-{
-    fn from_sql(bytes: DB::RawValue<'_>) -> deserialize::Result<Self> {
-        parse(
-            &Self::ALL,
-            Self::as_str,
-            "idempotency_outbox.status",
-            &String::from_sql(bytes)?,
-        )
-    }
-}
-
-impl<DB: Backend> ToSql<Text, DB> for OperationStatus
-where
-    str: ToSql<Text, DB>,
-{
-    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, DB>) -> serialize::Result {
-        self.as_str().to_sql(out)
-    }
-}
-
-impl<DB: Backend> FromSql<Text, DB> for OperationStatus
-where
-    String: FromSql<Text, DB>,
-{
-    fn from_sql(bytes: DB::RawValue<'_>) -> deserialize::Result<Self> {
-        parse(
-            &Self::ALL,
-            Self::as_str,
-            "idempotency_phases.status",
-            &String::from_sql(bytes)?,
-        )
-    }
-}
+stored_as_text!(RecordStatus, "idempotency_keys.status");
+stored_as_text!(MessageStatus, "idempotency_outbox.status");
+stored_as_text!(OperationStatus, "idempotency_phases.status");
 
 #[cfg(test)]
 mod tests {
