@@ -703,3 +703,69 @@ fn a_first_call_sends_one_statement_more_than_its_transaction_with_one_insert() 
     assert!(replay.expect("replays").is_replayed());
     assert_eq!(take(&sent).len(), 1, "a replay is one read");
 }
+
+#[test]
+fn keys_and_scopes_with_quotes_and_backslashes_are_claimed_as_they_are() {
+    let db = Db::new();
+    for conforming in ["on", "off"] {
+        let mut conn = db.conn();
+        // Off, a plain literal would read backslashes as escapes; the claim's
+        // escape strings mean the same either way.
+        conn.batch_execute(&format!(
+            "SET escape_string_warning = off; SET standard_conforming_strings = {conforming}"
+        ))
+        .expect("set the session");
+        let scope = format!("t'e\\n;ant-{conforming}");
+        let key = r#"o'k\'';DROP_TABLE_orders;--$$\\"#;
+        let calls = AtomicUsize::new(0);
+        let call = |conn: &mut PgConnection| {
+            run_idempotent(conn, &scope, key, REQUEST, |tx| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Db::place_order(tx, "book", 1)
+            })
+        };
+        let sent = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&sent);
+        conn.set_instrumentation(move |event: diesel::connection::InstrumentationEvent<'_>| {
+            if let diesel::connection::InstrumentationEvent::StartQuery { .. } = event {
+                counter.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+        let first = call(&mut conn).expect("the first call");
+        assert!(!first.is_replayed());
+        // The replay read, the claim with the lock, the order, the
+        // completion, the commit: no claim refused and taken again.
+        assert_eq!(sent.load(Ordering::SeqCst), 5, "claimed with the lock");
+        assert_eq!(
+            call(&mut conn).expect("the retry"),
+            Outcome::Replayed(first.into_inner())
+        );
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "standard_conforming_strings = {conforming}"
+        );
+        let stored: Vec<(String, String)> =
+            diesel::sql_query("SELECT scope, idempotency_key FROM idempotency_keys WHERE scope = $1")
+                .bind::<diesel::sql_types::Text, _>(&scope)
+                .load::<StoredKey>(&mut conn)
+                .expect("read the records")
+                .into_iter()
+                .map(|row| (row.scope, row.idempotency_key))
+                .collect();
+        assert_eq!(stored, [(scope.clone(), key.to_owned())], "stored as given");
+    }
+    assert_eq!(
+        Db::order_count(&mut db.conn()),
+        2,
+        "the orders table is still there, one order per scope"
+    );
+}
+
+#[derive(QueryableByName)]
+struct StoredKey {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    scope: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    idempotency_key: String,
+}
