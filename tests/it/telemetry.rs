@@ -143,13 +143,8 @@ impl Capture {
 
     /// Runs `f` with this layer as the current thread's subscriber.
     fn run<T>(&self, f: impl FnOnce() -> T) -> T {
-        tracing::subscriber::with_default(tracing_subscriber::registry().with(self.clone()), || {
-            // A thread of another test may have met a callsite first while
-            // no subscriber of these tests was live, and cached that nobody
-            // wants its events; asked again now that this one is.
-            tracing::callsite::rebuild_interest_cache();
-            f()
-        })
+        crate::common::global_subscriber::install();
+        tracing::subscriber::with_default(tracing_subscriber::registry().with(self.clone()), f)
     }
 
     fn all(&self) -> Vec<Captured> {

@@ -654,13 +654,10 @@ pub mod turn_waits {
 
     const WAITING: &str = "waiting for a request with the same key in this process";
 
-    static WAITS: LazyLock<Mutex<HashMap<String, usize>>> = LazyLock::new(|| {
-        let subscriber = tracing_subscriber::registry().with(Counter);
-        tracing::subscriber::set_global_default(subscriber).expect("no other global subscriber in the tests");
-        Mutex::default()
-    });
+    static WAITS: LazyLock<Mutex<HashMap<String, usize>>> = LazyLock::new(Mutex::default);
 
-    struct Counter;
+    /// The layer of the global subscriber that counts the waits.
+    pub struct Counter;
 
     #[derive(Default)]
     struct Fields {
@@ -686,7 +683,9 @@ pub mod turn_waits {
 
     impl<S: Subscriber> Layer<S> for Counter {
         fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
-            if metadata.is_event() && metadata.target() == "idempotency" {
+            // Spans too: a layer's `never` would veto the global
+            // subscriber's interest in them (see `global_subscriber`).
+            if metadata.target() == "idempotency" {
                 Interest::always()
             } else {
                 Interest::never()
@@ -708,8 +707,7 @@ pub mod turn_waits {
 
     /// Starts counting; call before the requests are sent.
     pub fn count() {
-        LazyLock::force(&WAITS);
-        tracing::callsite::rebuild_interest_cache();
+        crate::common::global_subscriber::install();
     }
 
     /// Waits until `n` requests of `scope` have waited for their turn.

@@ -40,6 +40,7 @@ use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use idempotency::{RawConnection, StoreConnection};
 
 pub mod child;
+pub mod global_subscriber;
 #[cfg(feature = "axum")]
 pub mod http;
 #[cfg(feature = "mysql")]
