@@ -72,6 +72,52 @@ where
     Config::default().run(conn, scope, key, request, op)
 }
 
+/// Runs `op` at most once for `(scope, key)` on a diesel-async connection
+/// with [`Config::default()`]; see [`Config::run_async`].
+///
+/// # Errors
+///
+/// As [`Config::run`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::SqliteConnection;
+/// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+/// use diesel_async::AsyncConnection;
+/// use idempotency::{run_idempotent_async, Outcome};
+///
+/// type Conn = SyncConnectionWrapper<SqliteConnection>;
+/// let mut conn = Conn::establish(":memory:").await?;
+/// conn.spawn_blocking(|conn| idempotency::run_migrations(conn).map_err(diesel::result::Error::QueryBuilderError))
+///     .await?;
+/// for expected in [Outcome::Executed(1), Outcome::Replayed(1)] {
+///     let outcome = run_idempotent_async(&mut conn, "orders", "3f6c1f2e", &"one book", async |_: &mut Conn| {
+///         Ok::<_, std::convert::Infallible>(1)
+///     })
+///     .await?;
+///     assert_eq!(outcome, expected);
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "diesel-async")]
+pub async fn run_idempotent_async<C, Q, R, E, F>(
+    conn: &mut C,
+    scope: &str,
+    key: &str,
+    request: &Q,
+    op: F,
+) -> Result<Outcome<R>, Error<E>>
+where
+    C: backend::AsyncStoreConnection,
+    Q: Serialize + ?Sized,
+    R: Serialize + DeserializeOwned,
+    F: AsyncFnOnce(&mut C) -> Result<R, E>,
+{
+    Config::default().run_async(conn, scope, key, request, op).await
+}
+
 /// The policy for idempotent calls, built with consuming builder methods.
 ///
 /// | setting | default |
@@ -512,8 +558,120 @@ impl Config {
         // and the backend.
         let result = trace.span().in_scope(|| {
             let request_hash = self.admit::<C::Raw, Q, E>(scope, key, request, &trace)?;
-            call::recorded(self, conn, scope, key, &request_hash, &trace, op)
+            let op = async |tx: &mut C::Raw| op(tx);
+            backend::at_once(call::recorded(self, conn, scope, key, &request_hash, &trace, op))
         });
+        trace.finish(&result);
+        result
+    }
+
+    /// [`run`](Config::run) on a diesel-async connection (feature
+    /// `diesel-async`): `op` is an async closure, run on the same
+    /// connection inside the call's transaction, and the call's statements
+    /// are awaited, never blocking the thread. The contract is
+    /// [`run`](Config::run)'s on every point; what a dropped future does is
+    /// in the [async guide](crate::guide::asynchronous).
+    ///
+    /// # Errors
+    ///
+    /// As [`run`](Config::run).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use diesel::SqliteConnection;
+    /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+    /// use diesel_async::AsyncConnection;
+    /// use idempotency::{Config, Error, InFlight};
+    ///
+    /// type Conn = SyncConnectionWrapper<SqliteConnection>;
+    /// let mut conn = Conn::establish(":memory:").await?;
+    /// conn.spawn_blocking(|conn| idempotency::run_migrations(conn).map_err(diesel::result::Error::QueryBuilderError))
+    ///     .await?;
+    ///
+    /// let config = Config::default().in_flight(InFlight::Reject);
+    /// let charge = async |conn: &mut Conn, cents: u32| {
+    ///     config.run_async(conn, "payments", "charge-7f3a", &cents, async |_: &mut Conn| Ok::<_, std::convert::Infallible>(cents)).await
+    /// };
+    /// assert_eq!(charge(&mut conn, 500).await?.into_inner(), 500);
+    /// assert!(matches!(charge(&mut conn, 900).await, Err(Error::Mismatch)));
+    /// assert!(charge(&mut conn, 500).await?.is_replayed());
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "diesel-async")]
+    pub async fn run_async<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        op: F,
+    ) -> Result<Outcome<R>, Error<E>>
+    where
+        C: backend::AsyncStoreConnection,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: AsyncFnOnce(&mut C) -> Result<R, E>,
+    {
+        self.run_recorded_async(conn, scope, key, request, op)
+            .await
+            .map(|recorded| recorded.outcome)
+    }
+
+    /// [`run_recorded`](Config::run_recorded) on a diesel-async connection:
+    /// [`run_async`](Config::run_async), also telling when the key record
+    /// was created and when it expires.
+    ///
+    /// # Errors
+    ///
+    /// As [`run`](Config::run).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::Duration;
+    /// use diesel::SqliteConnection;
+    /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+    /// use diesel_async::AsyncConnection;
+    /// use idempotency::{testing::ManualClock, Config};
+    ///
+    /// type Conn = SyncConnectionWrapper<SqliteConnection>;
+    /// let mut conn = Conn::establish(":memory:").await?;
+    /// conn.spawn_blocking(|conn| idempotency::run_migrations(conn).map_err(diesel::result::Error::QueryBuilderError))
+    ///     .await?;
+    /// let clock = ManualClock::new();
+    /// let config = Config::default().clock(clock.source()).retention(Duration::hours(2));
+    /// let first = config.run_recorded_async(&mut conn, "shop", "order-1", &"book", async |_: &mut Conn| Ok::<_, std::convert::Infallible>(1)).await?;
+    /// assert_eq!(first.expires_at, clock.now() + Duration::hours(2));
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "diesel-async")]
+    pub async fn run_recorded_async<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        op: F,
+    ) -> Result<Recorded<R>, Error<E>>
+    where
+        C: backend::AsyncStoreConnection,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: AsyncFnOnce(&mut C) -> Result<R, E>,
+    {
+        use tracing::Instrument;
+
+        let trace = CallTrace::start(<C::Rules as KeyStore>::BACKEND);
+        let span = trace.span().clone();
+        let result = async {
+            let request_hash = self.admit::<C::Rules, Q, E>(scope, key, request, &trace)?;
+            call::recorded(self, conn, scope, key, &request_hash, &trace, op).await
+        }
+        .instrument(span)
+        .await;
         trace.finish(&result);
         result
     }

@@ -113,8 +113,12 @@ mod telemetry;
 #[cfg(feature = "sqlite")]
 pub mod testing;
 
+#[cfg(feature = "diesel-async")]
+pub use backend::AsyncStoreConnection;
 pub use backend::migrate::{MIGRATIONS, Migrations, run_migrations};
 pub use backend::{RawConnection, StoreConnection};
+#[cfg(feature = "diesel-async")]
+pub use config::run_idempotent_async;
 pub use config::{Config, KeyStatus, run_idempotent};
 pub use error::{Error, KeyError};
 pub use in_flight::InFlight;
@@ -192,6 +196,9 @@ pub mod guide {
     }
     pub mod performance {
         #![doc = include_str!("../docs/performance.md")]
+    }
+    pub mod asynchronous {
+        #![doc = include_str!("../docs/async.md")]
     }
 }
 

@@ -55,6 +55,7 @@ use raw_connection;
 
 #[cfg(feature = "postgres")]
 pub mod citus;
+mod driver;
 mod keys;
 pub(crate) mod migrate;
 #[cfg(feature = "mysql")]
@@ -70,11 +71,14 @@ pub(crate) mod row_with;
 mod sqlite;
 mod transaction;
 
+#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+pub(crate) use driver::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
+pub(crate) use driver::{Driver, at_once};
 pub(crate) use keys::{Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, Stored};
 pub(crate) use outbox::OutboxStore;
 pub(crate) use phases::PhaseStore;
 pub(crate) use purge::{purge_in_batches, sql_limit};
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(feature = "postgres")]
 pub(crate) use transaction::transaction_with;
 pub(crate) use transaction::{transaction_depth, unwind_to_depth};
 
@@ -154,6 +158,40 @@ impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
     C: StoreConnection + R2D2Connection + Send + 'static
 {
 }
+
+/// A diesel-async connection that idempotent calls can run on
+/// (feature `diesel-async`): `AsyncPgConnection` (with `postgres`). The
+/// operation of [`run_idempotent_async`](crate::run_idempotent_async)
+/// receives the same connection, inside the call's transaction. A pooled
+/// connection (bb8, deadpool) is passed as the connection it derefs to:
+/// `&mut *pooled`.
+///
+/// Sealed like [`StoreConnection`]; its private supertrait sends and
+/// awaits the statements of the protocol every call shares.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::SqliteConnection;
+/// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+/// use diesel_async::AsyncConnection;
+/// use idempotency::{run_idempotent_async, AsyncStoreConnection, Error, Outcome};
+///
+/// // Written once: SQLite in the tests, PostgreSQL in production.
+/// async fn place<C: AsyncStoreConnection>(conn: &mut C, key: &str) -> Result<Outcome<u32>, Error> {
+///     run_idempotent_async(conn, "shop", key, &"book", async |_: &mut C| Ok(1)).await
+/// }
+///
+/// let mut conn = SyncConnectionWrapper::<SqliteConnection>::establish(":memory:").await?;
+/// conn.spawn_blocking(|conn| idempotency::run_migrations(conn).map_err(diesel::result::Error::QueryBuilderError))
+///     .await?;
+/// assert_eq!(place(&mut conn, "order-1").await?, Outcome::Executed(1));
+/// assert_eq!(place(&mut conn, "order-1").await?, Outcome::Replayed(1));
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "diesel-async")]
+pub trait AsyncStoreConnection: Driver + Send + sealed::Sealed {}
 
 pub(crate) mod sealed {
     pub trait Sealed {}

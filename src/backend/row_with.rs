@@ -47,6 +47,17 @@ pub(crate) struct RowWith<'a, H, L> {
     parts: PhantomData<(H, L)>,
 }
 
+impl<'a, H, L> RowWith<'a, H, L> {
+    /// The lookup of `(scope, key)`.
+    pub(crate) fn new(scope: &'a str, key: &'a str) -> Self {
+        RowWith {
+            scope,
+            key,
+            parts: PhantomData,
+        }
+    }
+}
+
 impl<H: Head, L: Lookup> QueryId for RowWith<'_, H, L> {
     type QueryId = RowWith<'static, H, L>;
     const HAS_STATIC_QUERY_ID: bool = true;
@@ -87,12 +98,7 @@ where
     L: Lookup,
     for<'a> RowWith<'a, H, L>: LoadQuery<'a, C, Row>,
 {
-    RowWith::<H, L> {
-        scope,
-        key,
-        parts: PhantomData,
-    }
-    .get_result(conn)
+    RowWith::<H, L>::new(scope, key).get_result(conn)
 }
 
 /// The columns of a key record that a replay needs, with the backend's SQL
@@ -111,7 +117,7 @@ impl<Time: 'static> Lookup for KeyRecord<Time> {
     );
 }
 
-type KeyRecordRow = (
+pub(crate) type KeyRecordRow = (
     Option<String>,
     Option<RecordStatus>,
     Option<String>,
@@ -127,7 +133,12 @@ where
     for<'a> RowWith<'a, H, KeyRecord<Time>>: LoadQuery<'a, C, (T, KeyRecordRow)>,
 {
     let (head, row) = row_with::<H, KeyRecord<Time>, C, (T, KeyRecordRow)>(conn, scope, key)?;
-    let stored = match row {
+    Ok((head, stored_of(row)))
+}
+
+/// The key record of a [`KeyRecord`] lookup's columns, if it found one.
+pub(crate) fn stored_of(row: KeyRecordRow) -> Option<Stored> {
+    match row {
         (Some(request_hash), Some(status), response, Some(created_at), Some(expires_at)) => Some(Stored {
             request_hash,
             status,
@@ -136,12 +147,9 @@ where
             expires_at,
         }),
         _ => None,
-    };
-    Ok((head, stored))
+    }
 }
 
-/// The columns of an operation that an attempt reads, in the order of
-/// [`OperationRow`], with the backend's SQL type of times.
 pub(crate) struct OperationColumns<Time>(PhantomData<Time>);
 
 impl<Time: 'static> Lookup for OperationColumns<Time> {

@@ -25,7 +25,7 @@ pub(crate) fn unwind_to_depth<C: KeyStore>(conn: &mut C, depth: u32) -> QueryRes
 /// Runs `f` in a transaction opened by `begin` (which must open exactly one
 /// level), committing if `f` succeeds and rolling back otherwise, as
 /// diesel's own `transaction` does for its fixed `BEGIN`.
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(feature = "postgres")]
 pub(crate) fn transaction_with<C, T, E>(
     conn: &mut C,
     begin: impl FnOnce(&mut C) -> QueryResult<()>,

@@ -3,7 +3,10 @@
 //! result. The write path's transaction, [`key_transaction`], is every
 //! step's of a [phased operation](crate::phased) as well.
 
+use std::future::{Future, poll_fn};
 use std::panic::{self, AssertUnwindSafe};
+use std::pin::pin;
+use std::task::Poll;
 use std::time::Instant;
 
 use chrono::{Duration, SubsecRound};
@@ -12,7 +15,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Config;
-use crate::backend::{HeldKey, Hold, KeyStore, Read, Record, Stored, transaction_depth, unwind_to_depth};
+use crate::backend::{Driver, HeldKey, Hold, KeyStore, Read, Record, Stored, at_once};
 use crate::codec;
 use crate::error::Error;
 use crate::executing::Executing;
@@ -27,7 +30,10 @@ use crate::telemetry::CallTrace;
 /// backend can; by a claim at once where the read found that the database
 /// `claims_first`), then replays what another call stored meanwhile, or
 /// runs `op` and stores its result.
-pub(super) fn recorded<C, R, E, F>(
+///
+/// Written once for both kinds of connection: a synchronous one completes
+/// every statement as it is sent (see [`Driver`]), an async one awaits it.
+pub(super) async fn recorded<C, R, E, F>(
     config: &Config,
     conn: &mut C,
     scope: &str,
@@ -37,13 +43,13 @@ pub(super) fn recorded<C, R, E, F>(
     op: F,
 ) -> Result<Recorded<R>, Error<E>>
 where
-    C: KeyStore,
+    C: Driver,
     R: Serialize + DeserializeOwned,
-    F: FnOnce(&mut C) -> Result<R, E>,
+    F: AsyncFnOnce(&mut C) -> Result<R, E>,
 {
     // `fresh`: the read found no record, so the backend may claim the key
     // in the round trip that takes it.
-    let (now, claims_first, fresh) = match conn.read(scope, key) {
+    let (now, claims_first, fresh) = match conn.read(scope, key).await {
         Ok(Read {
             record,
             now,
@@ -53,7 +59,7 @@ where
             match record {
                 Some(stored) if stored.status == RecordStatus::Completed && stored.expires_at > now => {
                     if config.durable_replays {
-                        conn.await_replication()?;
+                        conn.await_replication().await?;
                     }
                     return replay(stored, request_hash);
                 }
@@ -63,7 +69,10 @@ where
         // A reader kept out by a writer (SQLite outside WAL mode) takes the
         // write path, which waits as the in-flight policy allows and reads
         // again once it holds the lock.
-        Err(error) if C::is_in_flight_timeout(&error) => (config.clock.now(conn)?, false, false),
+        Err(error) if C::Rules::is_in_flight_timeout(&error) => {
+            let now = conn.database_now().await?;
+            (config.clock.or_database(now), false, false)
+        }
         Err(error) => return Err(Error::Storage(error)),
     };
     // The record this call writes if it executes, claimed as of `now`: to
@@ -78,18 +87,18 @@ where
         response: None,
         created_at: now,
         completed_at: None,
-        expires_at: C::storable_time(now + config.retention),
+        expires_at: C::Rules::storable_time(now + config.retention),
     };
     let claim = fresh.then_some(&record);
-    key_transaction(conn, config, (scope, key), Some(trace), claim, |tx, guard, claimed| {
+    let work = async |tx: &mut C, guard: &mut Guard, claimed| {
         let hold = match claimed {
             true => Hold::Claimed { took_over: false },
-            false => tx.hold(&record, claims_first)?,
+            false => tx.hold(&record, claims_first).await?,
         };
         let hold = match hold {
             Hold::Recorded(stored) => {
                 if config.durable_replays {
-                    tx.await_replication()?;
+                    tx.await_replication().await?;
                 }
                 return replay(stored, request_hash);
             }
@@ -100,7 +109,7 @@ where
             }
             hold => hold,
         };
-        let value = guard.catching_panic(tx, op)?.map_err(Error::Operation)?;
+        let value = guard.catching_panic(tx, op).await?.map_err(Error::Operation)?;
         let response = stored_json(config, &value)?;
         let elapsed = Duration::from_std(guard.started.elapsed()).unwrap_or(Duration::zero());
         tx.store(
@@ -111,10 +120,12 @@ where
                 completed_at: Some(now + elapsed),
                 ..record
             },
-        )?;
+        )
+        .await?;
         guard.committing();
         Ok(Recorded::new(Outcome::Executed(value), now, record.expires_at))
-    })
+    };
+    within_key(conn, config, (scope, key), Some(trace), claim, work).await
 }
 
 /// The answer from a stored record: its response when the request matches.
@@ -138,25 +149,44 @@ fn replay<R: DeserializeOwned, E>(stored: Stored, request_hash: &str) -> Result<
 /// Where the backend can, it writes `claim` in the round trip that takes
 /// the key, and `work` learns so from its third argument (`claimed`).
 ///
-/// A call on this thread that already executes the same key on `conn` (an
-/// enclosing one) makes it [`Error::InProgress`] before anything is
-/// written. The wait for the key is recorded on `trace`. The application's
-/// code runs through the [`Guard`], so that a panic in it rolls the
-/// transaction back before it goes on, and the connection is left as it
-/// was. A failure is reported as [`call_error`] says; the commit's own
-/// failure as [`Error::OutcomeUnknown`] only where `work` marked the
-/// transaction [`committing`](Guard::committing) and it is this call's own,
-/// not a savepoint in a caller's.
+/// A call that already executes the same key on `conn` (an enclosing one)
+/// makes it [`Error::InProgress`] before anything is written. The wait for
+/// the key is recorded on `trace`. The application's code runs through the
+/// [`Guard`], so that a panic in it rolls the transaction back before it
+/// goes on, and the connection is left as it was. A failure is reported as
+/// [`call_error`] says; the commit's own failure as
+/// [`Error::OutcomeUnknown`] only where `work` marked the transaction
+/// [`committing`](Guard::committing) and it is this call's own, not a
+/// savepoint in a caller's.
+///
+/// The synchronous form, on a [`KeyStore`]; [`within_key`] is the one both
+/// kinds of connection share.
 pub(crate) fn key_transaction<C, T, E>(
     conn: &mut C,
     config: &Config,
-    (scope, key): (&str, &str),
+    scope_and_key: (&str, &str),
     trace: Option<&CallTrace>,
     claim: Option<&Record<'_>>,
     work: impl FnOnce(&mut C, &mut Guard, bool) -> Result<T, Error<E>>,
 ) -> Result<T, Error<E>>
 where
     C: KeyStore,
+{
+    let work = async |tx: &mut C, guard: &mut Guard, claimed| work(tx, guard, claimed);
+    at_once(within_key(conn, config, scope_and_key, trace, claim, work))
+}
+
+/// [`key_transaction`] on any [`Driver`], `work` awaited.
+pub(crate) async fn within_key<C, T, E>(
+    conn: &mut C,
+    config: &Config,
+    (scope, key): (&str, &str),
+    trace: Option<&CallTrace>,
+    claim: Option<&Record<'_>>,
+    work: impl AsyncFnOnce(&mut C, &mut Guard, bool) -> Result<T, Error<E>>,
+) -> Result<T, Error<E>>
+where
+    C: Driver,
 {
     // An enclosing call on this connection that executes the same key has
     // written nothing yet for a nested call to find; and what the work
@@ -171,7 +201,7 @@ where
     };
     // Whether this call's own transaction commits: a nested call's
     // savepoint commits nothing by itself.
-    let commits = transaction_depth(conn)? == 0;
+    let commits = conn.transaction_depth()? == 0;
     let held = HeldKey {
         scope,
         key,
@@ -179,21 +209,24 @@ where
         idle_timeout: config.idle_timeout,
         claim,
     };
-    let result = conn.key_transaction(held, |tx, claimed| {
-        if let Some(trace) = trace {
-            trace.waited(guard.started.elapsed());
-        }
-        work(tx, &mut guard, claimed)
-    });
+    let guarded = &mut guard;
+    let result = conn
+        .key_transaction(held, async move |tx, claimed| {
+            if let Some(trace) = trace {
+                trace.waited(guarded.started.elapsed());
+            }
+            work(tx, guarded, claimed).await
+        })
+        .await;
     if let Some(payload) = guard.panicked {
         panic::resume_unwind(payload);
     }
     if let (Some(trace), Err(Error::Storage(error))) = (trace, &result) {
-        if C::is_in_flight_timeout(error) {
+        if C::Rules::is_in_flight_timeout(error) {
             trace.waited(guard.started.elapsed());
         }
     }
-    result.map_err(|error| call_error::<C, E>(error, commits && guard.committing))
+    result.map_err(|error| call_error::<C::Rules, E>(error, commits && guard.committing))
 }
 
 /// A panic caught inside a transaction, to go on once it has rolled back.
@@ -215,14 +248,31 @@ impl Guard {
     /// as any error does; [`key_transaction`] resumes the panic once the
     /// transaction has ended, so the connection is left out of it. (A
     /// connection that cannot roll back is left marked broken, which makes
-    /// r2d2 discard it.)
-    pub(crate) fn catching_panic<C: KeyStore, T>(&mut self, tx: &mut C, f: impl FnOnce(&mut C) -> T) -> QueryResult<T> {
-        let depth = transaction_depth(tx)?;
-        panic::catch_unwind(AssertUnwindSafe(|| f(tx))).map_err(|payload| {
-            let _ = unwind_to_depth(tx, depth);
-            self.panicked = Some(payload);
-            diesel::result::Error::RollbackTransaction
-        })
+    /// its pool discard it.)
+    pub(crate) async fn catching_panic<C: Driver, T>(
+        &mut self,
+        tx: &mut C,
+        f: impl AsyncFnOnce(&mut C) -> T,
+    ) -> QueryResult<T> {
+        let depth = tx.transaction_depth()?;
+        match catch_unwind(f(tx)).await {
+            Ok(value) => Ok(value),
+            Err(payload) => {
+                let _ = tx.unwind_to_depth(depth).await;
+                self.panicked = Some(payload);
+                Err(diesel::result::Error::RollbackTransaction)
+            }
+        }
+    }
+
+    /// [`catching_panic`](Guard::catching_panic) for a plain closure on a
+    /// synchronous connection.
+    pub(crate) fn catching_panic_now<C: KeyStore, T>(
+        &mut self,
+        tx: &mut C,
+        f: impl FnOnce(&mut C) -> T,
+    ) -> QueryResult<T> {
+        at_once(self.catching_panic(tx, async |tx: &mut C| f(tx)))
     }
 
     /// Marks the transaction as written and about to commit: a failure from
@@ -230,6 +280,20 @@ impl Guard {
     pub(crate) fn committing(&mut self) {
         self.committing = true;
     }
+}
+
+/// The output of `future`, or the payload of a panic raised while it was
+/// polled.
+async fn catch_unwind<F: Future>(future: F) -> Result<F::Output, Panic> {
+    let mut future = pin!(future);
+    poll_fn(
+        |cx| match panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx))) {
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(payload) => Poll::Ready(Err(payload)),
+        },
+    )
+    .await
 }
 
 /// What the failure of a call's write transaction tells its caller, the

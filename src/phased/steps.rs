@@ -399,7 +399,7 @@ impl<C: PhaseStore> Steps<'_, C> {
             // transaction back, as an error does, and goes on from
             // `key_transaction`: `run` frees the lease on a connection that
             // is out of its transaction.
-            let value = guard.catching_panic(tx, |tx| work(tx, &mut points, now))??;
+            let value = guard.catching_panic_now(tx, |tx| work(tx, &mut points, now))??;
             guard.committing();
             Ok(value)
         })?;

@@ -21,6 +21,8 @@ mod http_orders;
 #[path = "../../examples/openapi_orders.rs"]
 mod openapi_orders;
 
+#[cfg(feature = "diesel-async")]
+mod asynchronous;
 mod batch;
 #[cfg(feature = "postgres")]
 mod clock_skew;

@@ -219,13 +219,6 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
     fn find(&mut self, scope: &str, key: &str) -> QueryResult<Option<Stored>>;
 }
 
-/// How a transaction whose read sees every commit before it holds its key:
-/// the record decides, nothing is written yet.
-#[cfg(feature = "sqlite")]
-pub(crate) fn hold_by_reading<C: KeyStore>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
-    Ok(hold_of(conn.find(record.scope, record.idempotency_key)?, record))
-}
-
 /// The key a call holds, and how long it waits for another holder.
 #[derive(Debug, Clone, Copy)]
 pub struct HeldKey<'a> {
@@ -271,14 +264,14 @@ pub(crate) fn hold_of(stored: Option<Stored>, record: &Record<'_>) -> Hold {
 /// How a transaction whose reads may miss a concurrent commit holds its key:
 /// by a claim that the primary key guards, before the operation runs.
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-pub(crate) fn hold_by_claiming<C: KeyStore>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
-    if let Some(hold) = conn.claim(record)?.hold() {
+pub(crate) async fn claiming<C: super::Driver>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
+    if let Some(hold) = conn.claim(record).await?.hold() {
         return Ok(hold);
     }
-    match conn.find(record.scope, record.idempotency_key)? {
+    match conn.find(record.scope, record.idempotency_key).await? {
         Some(stored) => Ok(Hold::Recorded(stored)),
         // Purged between the claim and this read, so free now.
-        None => Ok(conn.claim(record)?.hold().unwrap_or(Hold::ClaimedElsewhere)),
+        None => Ok(conn.claim(record).await?.hold().unwrap_or(Hold::ClaimedElsewhere)),
     }
 }
 

@@ -10,29 +10,39 @@
 /// `key_statements!(schema: find, claim, store);` inside the impl. (MySQL,
 /// whose calls always claim first, only ever completes a claimed record,
 /// with a statement it prepares once, and writes its own.)
+///
+/// `key_statements!(async schema: ...)` writes the same statements as the
+/// methods of an async [`Driver`](crate::backend::Driver), each awaited:
+/// the statements exist once for both kinds of connection.
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 macro_rules! key_statements {
-    ($schema:ident: $($method:ident),+ $(,)?) => {
-        $($crate::backend::keys::key_statements!(@$method $schema);)+
+    (async $schema:ident: $($method:ident),+ $(,)?) => {
+        $($crate::backend::keys::key_statements!(@$method $schema [async] [.await] [diesel_async::RunQueryDsl]);)+
     };
-    (@find $schema:ident) => {
-        fn find(&mut self, scope: &str, key: &str) -> diesel::QueryResult<Option<$crate::backend::Stored>> {
+    ($schema:ident: $($method:ident),+ $(,)?) => {
+        $($crate::backend::keys::key_statements!(@$method $schema [] [] [diesel::RunQueryDsl]);)+
+    };
+    (@find $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn find(&mut self, scope: &str, key: &str) -> diesel::QueryResult<Option<$crate::backend::Stored>> {
             use $schema::idempotency_keys as k;
-            use diesel::prelude::*;
+            use diesel::{OptionalExtension, QueryDsl};
+            use $($run)* as _;
             // A primary key lookup needs no LIMIT; a bound LIMIT would make
             // SQLite prepare the statement again on every call.
             k::table
                 .find((scope, key))
                 .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at))
                 .get_result(self)
+                $($await)*
                 .optional()
         }
     };
-    (@claim $schema:ident) => {
-        fn claim(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<$crate::backend::Claim> {
+    (@claim $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn claim(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<$crate::backend::Claim> {
             use $schema::idempotency_keys as k;
             use $crate::backend::Claim;
-            use diesel::prelude::*;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             // DO NOTHING, not DO UPDATE: the claim then knows whether it
             // replaced an expired record, and a fresh key costs PostgreSQL
             // measurably less. A record that is already there is taken over
@@ -40,14 +50,16 @@ macro_rules! key_statements {
             let inserted = diesel::insert_into(k::table)
                 .values(record)
                 .on_conflict_do_nothing()
-                .execute(self)?;
+                .execute(self)
+                $($await)*?;
             if inserted == 1 {
                 return Ok(Claim::Inserted);
             }
             let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
                 .filter(k::expires_at.le(record.created_at))
                 .set(record)
-                .execute(self)?;
+                .execute(self)
+                $($await)*?;
             Ok(if taken_over == 1 {
                 Claim::TookOver
             } else {
@@ -55,25 +67,28 @@ macro_rules! key_statements {
             })
         }
     };
-    (@store $schema:ident) => {
-        fn store(
+    (@store $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn store(
             &mut self,
             hold: $crate::backend::Hold,
             record: &$crate::backend::Record<'_>,
         ) -> diesel::QueryResult<()> {
             use $schema::idempotency_keys as k;
             use $crate::backend::{Hold, KeyRecordChanged};
-            use diesel::prelude::*;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             let completed = $crate::backend::keys::record_values!(k, record);
             let stored = match hold {
                 Hold::Free => diesel::insert_into(k::table)
                     .values((k::scope.eq(record.scope), k::idempotency_key.eq(record.idempotency_key), completed))
-                    .execute(self)?,
+                    .execute(self)
+                    $($await)*?,
                 Hold::Expired => {
                     let replaced = diesel::update(k::table.find((record.scope, record.idempotency_key)))
                         .filter(k::expires_at.le(record.created_at))
                         .set(completed)
-                        .execute(self)?;
+                        .execute(self)
+                        $($await)*?;
                     if replaced == 0 {
                         // Purged since it was read: a purge deletes expired
                         // records without taking the key's lock (only
@@ -81,7 +96,8 @@ macro_rules! key_statements {
                         // keeps every other call off the key.
                         diesel::insert_into(k::table)
                             .values((k::scope.eq(record.scope), k::idempotency_key.eq(record.idempotency_key), completed))
-                            .execute(self)?
+                            .execute(self)
+                            $($await)*?
                     } else {
                         replaced
                     }
@@ -92,7 +108,8 @@ macro_rules! key_statements {
                         k::response.eq(record.response),
                         k::completed_at.eq(record.completed_at),
                     ))
-                    .execute(self)?,
+                    .execute(self)
+                    $($await)*?,
                 // Nothing of this transaction's to write.
                 Hold::Recorded(_) | Hold::ClaimedElsewhere => 0,
             };

@@ -35,6 +35,8 @@
 //! meets one of the crate's only by a 1 in 2^64 chance, and two keys that
 //! meet merely wait for each other.
 
+#[cfg(feature = "diesel-async")]
+mod asynchronous;
 mod outbox;
 mod phases;
 
@@ -48,9 +50,9 @@ use diesel::sql_types::{BigInt, Bool, Text, Timestamp, Timestamptz};
 use diesel_migrations::MigrationHarness;
 
 use super::citus;
-use super::keys::{hold_by_claiming, hold_of};
+use super::keys::{claiming, hold_of};
 use super::row_with::{Head, record_with};
-use super::{HeldKey, Hold, KeyStore, Read, Record, transaction_depth, transaction_with};
+use super::{Driver, HeldKey, Hold, KeyStore, Read, Record, Stored, at_once, transaction_depth, transaction_with};
 use crate::error::is_connection_lost;
 use crate::in_flight::InFlight;
 use crate::schema;
@@ -294,6 +296,44 @@ impl Head for HoldBy {
     type SqlType = Text;
 }
 
+/// The write that makes a commit wait for the synchronous standbys. A
+/// commit waits for them only if its transaction wrote to the log before
+/// committing: a transaction id alone (`txid_current()`) writes nothing,
+/// and its commit does not wait. A transactional logical message is such a
+/// write, on any `wal_level` and without privileges, and the wait covers
+/// every commit this session could see, the replayed record's included.
+const DURABLE_REPLAY: &str = "SELECT pg_logical_emit_message(true, 'idempotency', 'durable replay')";
+
+/// The read after the key's lock, on either kind of connection: how the
+/// transaction holds its key ([`HoldBy`]) and the record.
+trait HoldByRead: Driver {
+    fn hold_by(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<(String, Option<Stored>)>>;
+}
+
+impl HoldByRead for PgConnection {
+    fn hold_by(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<(String, Option<Stored>)>> {
+        std::future::ready(record_with::<HoldBy, Timestamp, _, String>(self, scope, key))
+    }
+}
+
+/// How a transaction that holds its key's lock holds the key: by the
+/// record read after the lock at `READ COMMITTED`, which sees every commit
+/// before the lock was granted; by a guarded claim in a caller's
+/// transaction, at a stricter isolation level, or where the read before
+/// the transaction found that the database claims first (a statement fewer
+/// than reading first).
+async fn hold<C: HoldByRead>(conn: &mut C, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
+    if claims_first || conn.transaction_depth()? > 1 {
+        return claiming(conn, record).await;
+    }
+    let (hold_by, stored) = conn.hold_by(record.scope, record.idempotency_key).await?;
+    if matches!(hold_by.as_str(), "read committed" | "read uncommitted") {
+        Ok(hold_of(stored, record))
+    } else {
+        claiming(conn, record).await
+    }
+}
+
 impl KeyStore for PgConnection {
     const BACKEND: &'static str = "postgres";
     // A B-tree entry holds at most 2704 bytes, and the primary keys hold the
@@ -399,18 +439,7 @@ impl KeyStore for PgConnection {
     }
 
     fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
-        // The read before the transaction found the setting on: claim at
-        // once, a statement fewer than reading first.
-        if claims_first || transaction_depth(self)? > 1 {
-            return hold_by_claiming(self, record);
-        }
-        let (hold_by, stored) =
-            record_with::<HoldBy, Timestamp, _, String>(self, record.scope, record.idempotency_key)?;
-        if matches!(hold_by.as_str(), "read committed" | "read uncommitted") {
-            Ok(hold_of(stored, record))
-        } else {
-            hold_by_claiming(self, record)
-        }
+        at_once(hold(self, record, claims_first))
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {
@@ -456,13 +485,7 @@ impl KeyStore for PgConnection {
     }
 
     fn await_replication(&mut self) -> QueryResult<()> {
-        // A commit waits for the synchronous standbys only if its
-        // transaction wrote to the log before committing: a transaction id
-        // alone (`txid_current()`) writes nothing, and its commit does not
-        // wait. A transactional logical message is such a write, on any
-        // `wal_level` and without privileges, and the wait covers every
-        // commit this session could see, the replayed record's included.
-        let emit = "SELECT pg_logical_emit_message(true, 'idempotency', 'durable replay')";
+        let emit = DURABLE_REPLAY;
         if transaction_depth(self)? == 0 {
             self.batch_execute(&format!("BEGIN; {emit}; COMMIT"))
         } else {

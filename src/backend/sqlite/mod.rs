@@ -14,6 +14,8 @@
 //! PRAGMAs are prepared statements that diesel caches, so each costs
 //! microseconds, not a parse per call.
 
+#[cfg(feature = "diesel-async")]
+mod asynchronous;
 mod outbox;
 mod phases;
 
@@ -21,7 +23,7 @@ use std::ops::RangeInclusive;
 use std::time::{Duration, Instant};
 
 use chrono::{NaiveDateTime, Utc};
-use diesel::connection::AnsiTransactionManager;
+use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
@@ -29,8 +31,8 @@ use diesel::sql_types::{BigInt, Integer, Timestamp};
 use diesel::sqlite::{Sqlite, SqliteConnection};
 use diesel_migrations::MigrationHarness;
 
-use super::keys::{hold_by_claiming, hold_by_reading};
-use super::{Hold, KeyStore, Read, Record, transaction_depth, transaction_with};
+use super::keys::{claiming, hold_of};
+use super::{Driver, Hold, KeyStore, Read, Record, at_once, transaction_depth};
 use crate::in_flight::InFlight;
 use crate::schema;
 
@@ -69,18 +71,55 @@ fn set_busy_timeout(conn: &mut SqliteConnection, millis: i64) -> QueryResult<()>
     Ok(())
 }
 
-/// Runs `f` with the connection's busy timeout as it was before the call
-/// (`previous`), and then puts that back, whatever `f` did with it.
-fn keeping_busy_timeout<T, E>(
-    conn: &mut SqliteConnection,
-    f: impl FnOnce(&mut SqliteConnection, i32) -> Result<T, E>,
-) -> Result<T, E>
-where
-    E: From<DieselError>,
-{
+/// Opens a write transaction, or a savepoint in a caller's, that waits for
+/// the write lock as `in_flight` allows (see [`begin_immediate`]), with the
+/// policy as the busy timeout for the rest of it. Returns the connection's
+/// busy timeout from before, which [`close_write`] puts back; on a failure
+/// it is back already.
+fn open_write(conn: &mut SqliteConnection, in_flight: InFlight) -> QueryResult<i32> {
     let previous = busy_timeout(conn)?;
-    let result = f(conn, previous);
-    let restored = set_busy_timeout(conn, previous.into());
+    let opened = if transaction_depth(conn)? == 0 {
+        // A deferred BEGIN would take the write lock only at the first
+        // write, and two racing writers would then fail with "database is
+        // locked" instead of waiting for each other.
+        begin_immediate(conn, in_flight, previous)
+    } else if i64::from(previous) != in_flight.wait_millis() {
+        set_busy_timeout(conn, in_flight.wait_millis()).and_then(|()| AnsiTransactionManager::begin_transaction(conn))
+    } else {
+        AnsiTransactionManager::begin_transaction(conn)
+    };
+    match opened {
+        Ok(()) => Ok(previous),
+        Err(error) => {
+            let _ = set_busy_timeout(conn, previous.into());
+            Err(error)
+        }
+    }
+}
+
+/// Ends what [`open_write`] opened: commits if `succeeded`, rolls back
+/// otherwise, and puts the busy timeout `previous` back. Returns how the
+/// end went and how the busy timeout's return went, for [`settle`].
+fn close_write(conn: &mut SqliteConnection, previous: i32, succeeded: bool) -> (QueryResult<()>, QueryResult<()>) {
+    let ended = if succeeded {
+        AnsiTransactionManager::commit_transaction(conn)
+    } else {
+        match AnsiTransactionManager::rollback_transaction(conn) {
+            Err(DieselError::BrokenTransactionManager) => Ok(()),
+            other => other,
+        }
+    };
+    (ended, set_busy_timeout(conn, previous.into()))
+}
+
+/// What a write transaction's work returned, once [`close_write`] ended
+/// the transaction: a failed end first, as diesel's `transaction` reports
+/// it, then the work's own failure, then a busy timeout not put back.
+fn settle<T, E: From<DieselError>>(
+    result: Result<T, E>,
+    (ended, restored): (QueryResult<()>, QueryResult<()>),
+) -> Result<T, E> {
+    ended?;
     let value = result?;
     restored?;
     Ok(value)
@@ -120,6 +159,18 @@ fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight, current: i3
     }
 }
 
+/// How a write transaction holds its key, on either kind of connection: a
+/// transaction of its own holds the write lock, which holds every key, so
+/// the record read under it decides; a savepoint in a caller's transaction
+/// cannot know whether that holds the lock yet, and claims the key.
+async fn hold<C: Driver>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
+    if conn.transaction_depth()? == 1 {
+        Ok(hold_of(conn.find(record.scope, record.idempotency_key).await?, record))
+    } else {
+        claiming(conn, record).await
+    }
+}
+
 impl KeyStore for SqliteConnection {
     const BACKEND: &'static str = "sqlite";
     // Times are text compared as text, which orders them only while the
@@ -133,7 +184,7 @@ impl KeyStore for SqliteConnection {
 
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         Ok(Read {
-            record: self.find(scope, key)?,
+            record: KeyStore::find(self, scope, key)?,
             // SQLite's clock is the application host's: the database runs in-process.
             now: Utc::now().naive_utc(),
             claims_first: false,
@@ -148,29 +199,14 @@ impl KeyStore for SqliteConnection {
     where
         E: From<DieselError>,
     {
-        let top_level = transaction_depth(self)? == 0;
-        keeping_busy_timeout(self, |conn, previous| {
-            if top_level {
-                // A deferred BEGIN would take the write lock only at the
-                // first write, and two racing writers would then fail with
-                // "database is locked" instead of waiting for each other.
-                transaction_with(conn, |conn| begin_immediate(conn, in_flight, previous), f)
-            } else {
-                if i64::from(previous) != in_flight.wait_millis() {
-                    set_busy_timeout(conn, in_flight.wait_millis())?;
-                }
-                conn.transaction(f)
-            }
-        })
+        let previous = open_write(self, in_flight)?;
+        let result = f(self);
+        let closed = close_write(self, previous, result.is_ok());
+        settle(result, closed)
     }
 
     fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
-        // The write lock holds every key: a read sees the latest commit.
-        if transaction_depth(self)? == 1 {
-            hold_by_reading(self, record)
-        } else {
-            hold_by_claiming(self, record)
-        }
+        at_once(hold(self, record))
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {

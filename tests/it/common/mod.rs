@@ -39,6 +39,8 @@ use diesel::connection::{AnsiTransactionManager, Connection, SimpleConnection, T
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use idempotency::{RawConnection, StoreConnection};
 
+#[cfg(feature = "diesel-async")]
+pub mod asynchronous;
 pub mod child;
 pub mod global_subscriber;
 #[cfg(feature = "axum")]

@@ -1,0 +1,235 @@
+//! How a call's statements are sent and awaited: the one trait the call's
+//! protocol (`config::call`) is written against, so that the protocol's
+//! rules exist once for every kind of connection.
+//!
+//! Every synchronous diesel connection of the crate is a [`Driver`]: its
+//! futures are complete when they are made, and a synchronous call drives
+//! the protocol to its end in a single poll ([`at_once`]). The diesel-async
+//! connections (feature `diesel-async`) are the other drivers, each in its
+//! backend's folder: they await their statements, and what those with
+//! diesel-async's own transaction manager share is here as well
+//! (`AsyncTransaction`, `end_transaction`).
+
+use std::future::{Future, ready};
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+
+use chrono::NaiveDateTime;
+use diesel::QueryResult;
+
+use super::keys::{Claim, HeldKey, Hold, KeyStore, Read, Record, Stored};
+
+/// The statements of one call on one kind of connection, sent and awaited
+/// as that connection does. A supertrait of the crate's public connection
+/// traits, in a private module, like [`KeyStore`]; the synchronous
+/// connections implement it through their `KeyStore`.
+///
+/// Each method is the [`KeyStore`] method of the same name.
+pub trait Driver: Sized {
+    /// The synchronous connection to the same database: its limits and the
+    /// way it reads an error are the driver's as well.
+    type Rules: KeyStore;
+
+    /// [`KeyStore::read`].
+    fn read(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Read>>;
+
+    /// [`KeyStore::database_now`].
+    fn database_now(&mut self) -> impl Future<Output = QueryResult<NaiveDateTime>>;
+
+    /// How deep the connection's open transactions are nested; 0 outside
+    /// one.
+    fn transaction_depth(&mut self) -> QueryResult<u32>;
+
+    /// Rolls back the levels above `depth`, which an operation that
+    /// panicked left open.
+    fn unwind_to_depth(&mut self, depth: u32) -> impl Future<Output = QueryResult<()>>;
+
+    /// [`KeyStore::key_transaction`], with `work` awaited inside it.
+    fn key_transaction<T, E>(
+        &mut self,
+        held: HeldKey<'_>,
+        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
+    ) -> impl Future<Output = Result<T, E>>
+    where
+        E: From<diesel::result::Error>;
+
+    /// [`KeyStore::hold`].
+    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> impl Future<Output = QueryResult<Hold>>;
+
+    /// [`KeyStore::find`].
+    fn find(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>>;
+
+    /// [`KeyStore::claim`].
+    fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<Claim>>;
+
+    /// [`KeyStore::store`].
+    fn store(&mut self, hold: Hold, record: &Record<'_>) -> impl Future<Output = QueryResult<()>>;
+
+    /// [`KeyStore::await_replication`].
+    fn await_replication(&mut self) -> impl Future<Output = QueryResult<()>>;
+}
+
+impl<C: KeyStore> Driver for C {
+    type Rules = C;
+
+    fn read(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Read>> {
+        ready(KeyStore::read(self, scope, key))
+    }
+
+    fn database_now(&mut self) -> impl Future<Output = QueryResult<NaiveDateTime>> {
+        ready(KeyStore::database_now(self))
+    }
+
+    fn transaction_depth(&mut self) -> QueryResult<u32> {
+        super::transaction_depth(self)
+    }
+
+    fn unwind_to_depth(&mut self, depth: u32) -> impl Future<Output = QueryResult<()>> {
+        ready(super::unwind_to_depth(self, depth))
+    }
+
+    fn key_transaction<T, E>(
+        &mut self,
+        held: HeldKey<'_>,
+        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
+    ) -> impl Future<Output = Result<T, E>>
+    where
+        E: From<diesel::result::Error>,
+    {
+        ready(KeyStore::key_transaction(self, held, |tx, claimed| {
+            at_once(work(tx, claimed))
+        }))
+    }
+
+    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> impl Future<Output = QueryResult<Hold>> {
+        ready(KeyStore::hold(self, record, claims_first))
+    }
+
+    fn find(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>> {
+        ready(KeyStore::find(self, scope, key))
+    }
+
+    fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<Claim>> {
+        ready(KeyStore::claim(self, record))
+    }
+
+    fn store(&mut self, hold: Hold, record: &Record<'_>) -> impl Future<Output = QueryResult<()>> {
+        ready(KeyStore::store(self, hold, record))
+    }
+
+    fn await_replication(&mut self) -> impl Future<Output = QueryResult<()>> {
+        ready(KeyStore::await_replication(self))
+    }
+}
+
+/// The output of `future`, which a synchronous connection's statements
+/// complete before it is first polled: the protocol run on a synchronous
+/// driver, or an operation that is a plain closure.
+///
+/// # Panics
+///
+/// If `future` waits, which only a future of an asynchronous driver does:
+/// a call mixes the two kinds only by a bug of the crate.
+pub(crate) fn at_once<F: Future>(future: F) -> F::Output {
+    match pin!(future).poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(output) => output,
+        Poll::Pending => unreachable!("a synchronous connection's statements complete as they are sent"),
+    }
+}
+
+#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+pub(crate) use asynchronous::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
+
+/// The transactions of the diesel-async connections whose transaction
+/// manager is diesel-async's own (PostgreSQL's).
+#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+mod asynchronous {
+    use std::ops::{Deref, DerefMut};
+
+    use diesel::QueryResult;
+    use diesel_async::{AnsiTransactionManager, AsyncConnection, TransactionManager};
+
+    /// An async connection inside a transaction the crate opened, until
+    /// [`end_transaction`] ends it. Dropped before that (its call's future
+    /// was dropped at an `await`, by a timeout, say, or by a server whose
+    /// client hung up), it marks the connection's transactions broken:
+    /// diesel refuses to open or commit another on it, and a bb8 or
+    /// deadpool pool drops the connection instead of lending it again,
+    /// which closes it; the server then rolls the transaction back and
+    /// frees the key.
+    pub(crate) struct AsyncTransaction<'c, C: AsyncConnection> {
+        conn: &'c mut C,
+        open: bool,
+    }
+
+    impl<'c, C: AsyncConnection> AsyncTransaction<'c, C> {
+        /// `conn`, whose transaction (or savepoint) was just opened.
+        pub(crate) fn opened(conn: &'c mut C) -> Self {
+            AsyncTransaction { conn, open: true }
+        }
+    }
+
+    impl<C: AsyncConnection> Deref for AsyncTransaction<'_, C> {
+        type Target = C;
+        fn deref(&self) -> &C {
+            self.conn
+        }
+    }
+
+    impl<C: AsyncConnection> DerefMut for AsyncTransaction<'_, C> {
+        fn deref_mut(&mut self) -> &mut C {
+            self.conn
+        }
+    }
+
+    impl<C: AsyncConnection> Drop for AsyncTransaction<'_, C> {
+        fn drop(&mut self) {
+            if self.open {
+                C::TransactionManager::transaction_manager_status_mut(self.conn).set_in_error();
+            }
+        }
+    }
+
+    /// Commits the innermost level of `tx` if `result` is a success and
+    /// rolls it back otherwise, as diesel-async's own `transaction` does
+    /// for the `BEGIN` it sends itself.
+    pub(crate) async fn end_transaction<C, T, E>(mut tx: AsyncTransaction<'_, C>, result: Result<T, E>) -> Result<T, E>
+    where
+        C: AsyncConnection<TransactionManager = AnsiTransactionManager>,
+        E: From<diesel::result::Error>,
+    {
+        let ended: QueryResult<()> = match &result {
+            Ok(_) => AnsiTransactionManager::commit_transaction(&mut *tx).await,
+            Err(_) => match AnsiTransactionManager::rollback_transaction(&mut *tx).await {
+                Err(diesel::result::Error::BrokenTransactionManager) => Ok(()),
+                other => other,
+            },
+        };
+        // Ended, or failed in a way diesel-async recorded on the connection.
+        tx.open = false;
+        match ended {
+            Ok(()) => result,
+            Err(error) => Err(error.into()),
+        }
+    }
+
+    /// How deep `conn`'s open transactions are nested; 0 outside one.
+    pub(crate) fn async_transaction_depth<C>(conn: &mut C) -> QueryResult<u32>
+    where
+        C: AsyncConnection<TransactionManager = AnsiTransactionManager>,
+    {
+        let depth = AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth()?;
+        Ok(depth.map_or(0, |depth| depth.get()))
+    }
+
+    /// Rolls back the levels of `conn` above `depth`.
+    pub(crate) async fn async_unwind_to_depth<C>(conn: &mut C, depth: u32) -> QueryResult<()>
+    where
+        C: AsyncConnection<TransactionManager = AnsiTransactionManager>,
+    {
+        while async_transaction_depth(conn)? > depth {
+            AnsiTransactionManager::rollback_transaction(conn).await?;
+        }
+        Ok(())
+    }
+}

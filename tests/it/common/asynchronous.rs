@@ -1,0 +1,126 @@
+//! The async connections of the backends that have one in the tests: how a
+//! test opens one on its database and writes an order through it. The
+//! tables, the truth a test checks, are read through the backend's
+//! synchronous [`TestDb`] connection, as every other test reads them.
+
+use std::future::Future;
+
+use diesel::sqlite::SqliteConnection;
+use diesel::{ExpressionMethods, QueryResult};
+#[cfg(feature = "postgres")]
+use diesel_async::AsyncPgConnection;
+use diesel_async::pooled_connection::{AsyncDieselConnectionManager, PoolableConnection};
+use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+use diesel_async::{AsyncConnection, RunQueryDsl};
+use idempotency::AsyncStoreConnection;
+
+use super::{ServerDb, TestDb, orders};
+
+/// A backend whose database a test also reaches through diesel-async.
+pub trait AsyncDb: TestDb {
+    /// The backend's diesel-async connection.
+    type Async: AsyncStoreConnection + AsyncConnection + Send + 'static;
+
+    /// A new async connection to this test's database.
+    fn connect(&self) -> impl Future<Output = Self::Async> + Send;
+
+    /// Inserts an order of one `item` through `conn`.
+    fn insert_order(conn: &mut Self::Async, item: &str) -> impl Future<Output = QueryResult<()>> + Send;
+}
+
+/// A backend with a server that a test also reaches through diesel-async.
+pub trait AsyncServerDb: AsyncDb<Async: PoolableConnection> + ServerDb {
+    /// bb8's manager of the backend's async connections.
+    type Manager: bb8::ManageConnection<Connection = Self::Async>;
+
+    /// A bb8 pool of at most `size` async connections to this test's
+    /// database.
+    fn async_pool(&self, size: u32) -> impl Future<Output = bb8::Pool<Self::Manager>> + Send;
+
+    /// The server's id of `conn`'s session, as [`ServerDb`] names sessions.
+    fn session_of(conn: &mut Self::Async) -> impl Future<Output = i64> + Send;
+}
+
+impl AsyncDb for super::sqlite::Db {
+    type Async = SyncConnectionWrapper<SqliteConnection>;
+
+    async fn connect(&self) -> Self::Async {
+        SyncConnectionWrapper::<SqliteConnection>::establish(self.url())
+            .await
+            .expect("an async connection to the test's database")
+    }
+
+    async fn insert_order(conn: &mut Self::Async, item: &str) -> QueryResult<()> {
+        diesel::insert_into(orders::table)
+            .values((orders::item.eq(item), orders::quantity.eq(1)))
+            .execute(conn)
+            .await
+            .map(drop)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl AsyncDb for super::pg::Db {
+    type Async = AsyncPgConnection;
+
+    async fn connect(&self) -> AsyncPgConnection {
+        AsyncPgConnection::establish(self.url())
+            .await
+            .expect("an async connection to the test's schema")
+    }
+
+    async fn insert_order(conn: &mut AsyncPgConnection, item: &str) -> QueryResult<()> {
+        diesel::insert_into(orders::table)
+            .values((orders::item.eq(item), orders::quantity.eq(1)))
+            .execute(conn)
+            .await
+            .map(drop)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl AsyncServerDb for super::pg::Db {
+    type Manager = AsyncDieselConnectionManager<AsyncPgConnection>;
+
+    async fn async_pool(&self, size: u32) -> bb8::Pool<Self::Manager> {
+        bb8::Pool::builder()
+            .max_size(size)
+            .build(AsyncDieselConnectionManager::new(self.url()))
+            .await
+            .expect("a pool of async connections")
+    }
+
+    async fn session_of(conn: &mut AsyncPgConnection) -> i64 {
+        diesel::select(diesel::dsl::sql::<diesel::sql_types::Integer>("pg_backend_pid()"))
+            .get_result::<i32>(conn)
+            .await
+            .expect("the session's backend pid")
+            .into()
+    }
+}
+
+/// Emits a `#[tokio::test]` per backend with an async connection for each
+/// `async fn name<D: AsyncDb>()` named; with `server:` first, per backend
+/// with a server, for `async fn name<D: AsyncServerDb>()`.
+macro_rules! async_backend_tests {
+    (server: $($test:ident),+ $(,)?) => {
+        #[cfg(feature = "postgres")]
+        $crate::common::asynchronous::async_backend_tests!(@backend postgres, $crate::common::pg::Db, $($test),+);
+    };
+    ($($test:ident),+ $(,)?) => {
+        $crate::common::asynchronous::async_backend_tests!(@backend sqlite, $crate::common::sqlite::Db, $($test),+);
+        #[cfg(feature = "postgres")]
+        $crate::common::asynchronous::async_backend_tests!(@backend postgres, $crate::common::pg::Db, $($test),+);
+    };
+    (@backend $backend:ident, $db:ty, $($test:ident),+) => {
+        mod $backend {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test::<$db>().await
+                }
+            )+
+        }
+    };
+}
+pub(crate) use async_backend_tests;
