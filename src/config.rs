@@ -666,11 +666,16 @@ impl Config {
 
         let trace = CallTrace::start(<C::Rules as KeyStore>::BACKEND);
         let span = trace.span().clone();
-        let result = async {
-            let request_hash = self.admit::<C::Rules, Q, E>(scope, key, request, &trace)?;
-            call::recorded(self, conn, scope, key, &request_hash, &trace, op).await
-        }
-        .instrument(span)
+        // Boxed: the call's future nests a future for each layer of the
+        // protocol, and a caller's future that holds it whole would be
+        // deeper than rustc lays out by default.
+        let result = Box::pin(
+            async {
+                let request_hash = self.admit::<C::Rules, Q, E>(scope, key, request, &trace)?;
+                call::recorded(self, conn, scope, key, &request_hash, &trace, op).await
+            }
+            .instrument(span),
+        )
         .await;
         trace.finish(&result);
         result

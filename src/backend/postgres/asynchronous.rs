@@ -6,18 +6,16 @@
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
 use diesel::pg::PgConnection;
-use diesel::result::{DatabaseErrorKind, Error as DieselError};
+use diesel::result::Error as DieselError;
 use diesel::sql_types::Timestamp;
-use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 
-use super::{HoldBy, HoldByRead, NowAndClaimFirst, claim_sql, database_time, lock_key_sql, lock_wait_ended};
+use super::{HoldBy, HoldByRead, Levels, NowAndClaimFirst, database_time};
 use crate::backend::row_with::{KeyRecord, KeyRecordRow, RowWith, stored_of};
 use crate::backend::{
     AsyncStoreConnection, AsyncTransaction, Driver, HeldKey, Hold, Read, Record, Stored, async_transaction_depth,
     async_unwind_to_depth, end_transaction, sealed,
 };
-use crate::error::is_connection_lost;
-use crate::in_flight::InFlight;
 use crate::schema;
 
 impl sealed::Sealed for AsyncPgConnection {}
@@ -50,7 +48,6 @@ impl Driver for AsyncPgConnection {
         async_unwind_to_depth(self, depth).await
     }
 
-    /// `PgConnection::key_transaction`: the same round trips, each awaited.
     async fn key_transaction<T, E>(
         &mut self,
         held: HeldKey<'_>,
@@ -59,53 +56,7 @@ impl Driver for AsyncPgConnection {
     where
         E: From<DieselError>,
     {
-        let HeldKey {
-            scope,
-            key,
-            mut in_flight,
-            idle_timeout,
-            claim,
-        } = held;
-        if async_transaction_depth(self)? > 0 {
-            let lock = lock_key_sql(scope, key, in_flight, idle_timeout);
-            <AnsiTransactionManager as diesel_async::TransactionManager<_>>::begin_transaction(self).await?;
-            let mut tx = AsyncTransaction::opened(self);
-            let result = match tx.batch_execute(&lock).await.map_err(lock_wait_ended) {
-                Ok(()) => work(&mut tx, false).await,
-                Err(error) => Err(error.into()),
-            };
-            return end_transaction(tx, result).await;
-        }
-        if let Some(claim) = claim.and_then(claim_sql) {
-            let begin = format!("BEGIN; {}; {claim}", lock_key_sql(scope, key, in_flight, idle_timeout));
-            match AnsiTransactionManager::begin_transaction_sql(self, &begin).await {
-                Ok(()) => {
-                    let mut tx = AsyncTransaction::opened(self);
-                    let result = work(&mut tx, true).await;
-                    return end_transaction(tx, result).await;
-                }
-                Err(error) => {
-                    // As on `PgConnection`: BEGIN went through, a duplicate
-                    // is a holder's record, anything else is told apart by
-                    // the transaction below without waiting again.
-                    let _ = self.batch_execute("ROLLBACK").await;
-                    if is_connection_lost(&error) {
-                        return Err(error.into());
-                    }
-                    if !matches!(error, DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) {
-                        in_flight = InFlight::Reject;
-                    }
-                }
-            }
-        }
-        let begin = format!("BEGIN; {}", lock_key_sql(scope, key, in_flight, idle_timeout));
-        if let Err(error) = AnsiTransactionManager::begin_transaction_sql(self, &begin).await {
-            let _ = self.batch_execute("ROLLBACK").await;
-            return Err(lock_wait_ended(error).into());
-        }
-        let mut tx = AsyncTransaction::opened(self);
-        let result = work(&mut tx, false).await;
-        end_transaction(tx, result).await
+        super::key_transaction(self, held, work).await
     }
 
     async fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
@@ -122,6 +73,29 @@ impl Driver for AsyncPgConnection {
     }
 
     crate::backend::keys::key_statements!(async schema: find, claim, store);
+}
+
+impl Levels for AsyncPgConnection {
+    async fn begin_with(&mut self, sql: &str) -> QueryResult<()> {
+        AnsiTransactionManager::begin_transaction_sql(self, sql).await
+    }
+
+    async fn savepoint(&mut self) -> QueryResult<()> {
+        <AnsiTransactionManager as TransactionManager<Self>>::begin_transaction(self).await
+    }
+
+    async fn batch(&mut self, sql: &str) -> QueryResult<()> {
+        self.batch_execute(sql).await
+    }
+
+    async fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        let mut tx = AsyncTransaction::opened(self);
+        let result = work(&mut tx).await;
+        end_transaction(tx, result).await
+    }
 }
 
 impl HoldByRead for AsyncPgConnection {

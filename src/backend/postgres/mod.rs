@@ -41,7 +41,7 @@ mod outbox;
 mod phases;
 
 use chrono::{Datelike, Duration, NaiveDateTime};
-use diesel::connection::{AnsiTransactionManager, SimpleConnection};
+use diesel::connection::{AnsiTransactionManager, SimpleConnection, TransactionManager};
 use diesel::pg::{Pg, PgConnection};
 use diesel::prelude::*;
 use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
@@ -334,6 +334,119 @@ async fn hold<C: HoldByRead>(conn: &mut C, record: &Record<'_>, claims_first: bo
     }
 }
 
+/// How a key transaction opens and ends its level on either kind of
+/// connection, so that [`key_transaction`] is written once.
+trait Levels: HoldByRead {
+    /// Opens a transaction with `sql`, whose first statement is `BEGIN`.
+    fn begin_with(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>>;
+
+    /// Opens a savepoint in the caller's transaction.
+    fn savepoint(&mut self) -> impl Future<Output = QueryResult<()>>;
+
+    /// Sends `sql` as it is, as one simple query.
+    fn batch(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>>;
+
+    /// Runs `work` in the level just opened, then commits that level if
+    /// `work` succeeded and rolls it back otherwise.
+    fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> impl Future<Output = Result<T, E>>
+    where
+        E: From<DieselError>;
+}
+
+impl Levels for PgConnection {
+    fn begin_with(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>> {
+        std::future::ready(AnsiTransactionManager::begin_transaction_sql(self, sql))
+    }
+
+    fn savepoint(&mut self) -> impl Future<Output = QueryResult<()>> {
+        std::future::ready(<AnsiTransactionManager as TransactionManager<Self>>::begin_transaction(
+            self,
+        ))
+    }
+
+    fn batch(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>> {
+        std::future::ready(self.batch_execute(sql))
+    }
+
+    fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> impl Future<Output = Result<T, E>>
+    where
+        E: From<DieselError>,
+    {
+        std::future::ready(transaction_with(self, |_| Ok(()), |conn| at_once(work(conn))))
+    }
+}
+
+/// The transaction that holds a key on PostgreSQL, on either kind of
+/// connection: in a caller's transaction a savepoint that takes the key's
+/// lock; a key the replay read found free claimed in the round trip that
+/// takes its lock; otherwise the lock alone in the `BEGIN` round trip.
+async fn key_transaction<C, T, E>(
+    conn: &mut C,
+    held: HeldKey<'_>,
+    work: impl AsyncFnOnce(&mut C, bool) -> Result<T, E>,
+) -> Result<T, E>
+where
+    C: Levels,
+    E: From<DieselError>,
+{
+    let HeldKey {
+        scope,
+        key,
+        mut in_flight,
+        idle_timeout,
+        claim,
+    } = held;
+    if conn.transaction_depth()? > 0 {
+        // In a savepoint: a lock wait that runs out rolls back to it,
+        // settings included; otherwise the lock is held until the caller's
+        // transaction ends, as its record would be.
+        let lock = lock_key_sql(scope, key, in_flight, idle_timeout);
+        conn.savepoint().await?;
+        return conn
+            .within(async |tx: &mut C| {
+                tx.batch(&lock).await.map_err(lock_wait_ended)?;
+                work(tx, false).await
+            })
+            .await;
+    }
+    // A key the read found free is claimed in the round trip that takes its
+    // lock: the transaction then holds it without reading it again.
+    if let Some(claim) = claim.and_then(claim_sql) {
+        let begin = format!("BEGIN; {}; {claim}", lock_key_sql(scope, key, in_flight, idle_timeout));
+        match conn.begin_with(&begin).await {
+            Ok(()) => return conn.within(async |tx: &mut C| work(tx, true).await).await,
+            Err(error) => {
+                // BEGIN went through: see below.
+                let _ = conn.batch("ROLLBACK").await;
+                if is_connection_lost(&error) {
+                    return Err(error.into());
+                }
+                // A duplicate is a record committed since the read (by the
+                // holder this call waited for): the transaction below reads
+                // it. Any other failure is the end of the wait for the lock
+                // or a failure of the claim itself; the transaction below
+                // tells them apart, and waits no longer for a lock that is
+                // still held.
+                if !matches!(error, DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) {
+                    in_flight = InFlight::Reject;
+                }
+            }
+        }
+    }
+    // BEGIN, the policy's lock timeout, the lock and the caller's timeout
+    // back: one round trip.
+    let begin = format!("BEGIN; {}", lock_key_sql(scope, key, in_flight, idle_timeout));
+    if let Err(error) = conn.begin_with(&begin).await {
+        // BEGIN went through before the statement that failed: the server
+        // holds an aborted transaction that diesel does not know of. A
+        // broken connection fails this too and is discarded as broken
+        // anyway.
+        let _ = conn.batch("ROLLBACK").await;
+        return Err(lock_wait_ended(error).into());
+    }
+    conn.within(async |tx: &mut C| work(tx, false).await).await
+}
+
 impl KeyStore for PgConnection {
     const BACKEND: &'static str = "postgres";
     // A B-tree entry holds at most 2704 bytes, and the primary keys hold the
@@ -368,65 +481,9 @@ impl KeyStore for PgConnection {
     where
         E: From<DieselError>,
     {
-        let HeldKey {
-            scope,
-            key,
-            mut in_flight,
-            idle_timeout,
-            claim,
-        } = held;
-        if transaction_depth(self)? > 0 {
-            // In a savepoint: a lock wait that runs out rolls back to it,
-            // settings included; otherwise the lock is held until the
-            // caller's transaction ends, as its record would be.
-            let lock = lock_key_sql(scope, key, in_flight, idle_timeout);
-            return self.transaction(|conn| {
-                conn.batch_execute(&lock).map_err(lock_wait_ended)?;
-                f(conn, false)
-            });
-        }
-        // A key the read found free is claimed in the round trip that takes
-        // its lock: the transaction then holds it without reading it again.
-        if let Some(claim) = claim.and_then(claim_sql) {
-            let begin = format!("BEGIN; {}; {claim}", lock_key_sql(scope, key, in_flight, idle_timeout));
-            match AnsiTransactionManager::begin_transaction_sql(self, &begin) {
-                Ok(()) => return transaction_with(self, |_| Ok(()), |conn| f(conn, true)),
-                Err(error) => {
-                    // BEGIN went through: see below.
-                    let _ = self.batch_execute("ROLLBACK");
-                    if is_connection_lost(&error) {
-                        return Err(error.into());
-                    }
-                    // A duplicate is a record committed since the read (by
-                    // the holder this call waited for): the transaction
-                    // below reads it. Any other failure is the end of the
-                    // wait for the lock or a failure of the claim itself;
-                    // the transaction below tells them apart, and waits no
-                    // longer for a lock that is still held.
-                    if !matches!(error, DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) {
-                        in_flight = InFlight::Reject;
-                    }
-                }
-            }
-        }
-        // BEGIN, the policy's lock timeout, the lock and the caller's
-        // timeout back: one round trip.
-        let begin = format!("BEGIN; {}", lock_key_sql(scope, key, in_flight, idle_timeout));
-        transaction_with(
-            self,
-            |conn| {
-                AnsiTransactionManager::begin_transaction_sql(conn, &begin)
-                    .map_err(lock_wait_ended)
-                    .inspect_err(|_| {
-                        // BEGIN went through before the statement that
-                        // failed: the server holds an aborted transaction
-                        // that diesel does not know of. A broken connection
-                        // fails this too and is discarded as broken anyway.
-                        let _ = conn.batch_execute("ROLLBACK");
-                    })
-            },
-            |conn| f(conn, false),
-        )
+        at_once(key_transaction(self, held, async |tx: &mut Self, claimed| {
+            f(tx, claimed)
+        }))
     }
 
     fn write<T, E>(&mut self, _in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
