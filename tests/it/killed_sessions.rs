@@ -28,21 +28,21 @@ crate::common::server_backend_tests!(
     killed_sessions_leave_every_phased_step_told_what_committed,
 );
 
-const SCOPE: &str = "killed-sessions";
-const WORKERS: usize = 8;
+pub const SCOPE: &str = "killed-sessions";
+pub const WORKERS: usize = 8;
 /// The load runs at least this long, then until the faults have hit both
 /// the operations and the commits often enough, and never longer than
 /// [`MOST`].
-const LEAST: Duration = Duration::from_secs(2);
-const MOST: Duration = Duration::from_secs(12);
+pub const LEAST: Duration = Duration::from_secs(2);
+pub const MOST: Duration = Duration::from_secs(12);
 /// How many calls each kind of fault must have hit before the load stops
 /// early.
-const ENOUGH: usize = 25;
-const MOST_CALLS_PER_WORKER: usize = 4_000;
+pub const ENOUGH: usize = 25;
+pub const MOST_CALLS_PER_WORKER: usize = 4_000;
 
 /// What a call was told, as far as what committed is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-enum Told {
+pub enum Told {
     /// `Ok`: the call's effects committed.
     Committed,
     /// `OutcomeUnknown`: they may have committed.
@@ -51,7 +51,7 @@ enum Told {
     Nothing(&'static str),
 }
 
-fn told<R, E>(result: &Result<Outcome<R>, Error<E>>) -> Told {
+pub fn told<R, E>(result: &Result<Outcome<R>, Error<E>>) -> Told {
     match result {
         Ok(_) => Told::Committed,
         Err(Error::OutcomeUnknown(_)) => Told::Unknown,
@@ -69,17 +69,17 @@ fn told<R, E>(result: &Result<Outcome<R>, Error<E>>) -> Told {
 
 /// A small generator of pseudo-random numbers, seeded from the clock: the
 /// moments of the kills need no more.
-struct Jitter(u64);
+pub struct Jitter(u64);
 
 impl Jitter {
-    fn new() -> Jitter {
+    pub fn new() -> Jitter {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(1, |since| since.subsec_nanos());
         Jitter(u64::from(nanos) | 1)
     }
 
-    fn below(&mut self, bound: u64) -> u64 {
+    pub fn below(&mut self, bound: u64) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -154,7 +154,7 @@ fn under_kills<D: ServerDb>(
 }
 
 /// Counts the answers by what they told, for a failure message.
-fn tally(answers: &[(String, Told)]) -> BTreeMap<Told, usize> {
+pub fn tally(answers: &[(String, Told)]) -> BTreeMap<Told, usize> {
     let mut tally = BTreeMap::new();
     for (_, answer) in answers {
         *tally.entry(*answer).or_default() += 1;
@@ -164,7 +164,7 @@ fn tally(answers: &[(String, Told)]) -> BTreeMap<Told, usize> {
 
 /// The faults must have hit both operations (or statements before the
 /// commit) and commits, or the comparison proves nothing.
-fn assert_faults_hit(answers: &[(String, Told)], kills: usize) {
+pub fn assert_faults_hit(answers: &[(String, Told)], kills: usize) {
     let tally = tally(answers);
     let unknown = tally.get(&Told::Unknown).copied().unwrap_or(0);
     let nothing: usize = tally
@@ -183,7 +183,7 @@ fn assert_faults_hit(answers: &[(String, Told)], kills: usize) {
     eprintln!("{kills} kills: {tally:?}");
 }
 
-fn orders_placed<D: ServerDb>(conn: &mut D::Conn) -> Vec<String> {
+pub fn orders_placed<D: ServerDb>(conn: &mut D::Conn) -> Vec<String> {
     D::await_order_writers(conn);
     D::order_items(conn)
 }

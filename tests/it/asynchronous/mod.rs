@@ -6,6 +6,8 @@
 //! the database holds, read through a synchronous connection.
 
 mod cancellation;
+#[cfg(feature = "postgres")]
+mod killed_sessions;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
