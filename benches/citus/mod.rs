@@ -51,9 +51,11 @@ use diesel::sql_types::{Integer, Text};
 use idempotency::{Config, Outcome};
 use serde_json::{Value, json};
 
-use super::{CompletedKey, KEY_COLUMNS, Keys, REQUEST, SCALING_THREADS, StatementCounter};
-use super::{floor_keys, median, round3};
 use crate::common::Scratch;
+use crate::db::{CompletedKey, KEY_COLUMNS, REQUEST, floor_keys};
+use crate::instrument::StatementCounter;
+use crate::load::SCALING_THREADS;
+use crate::stats::{Keys, median, round3};
 
 diesel::table! {
     orders (account, id) {

@@ -1,0 +1,264 @@
+//! The report as people read it: markdown tables of the per-call figures
+//! and ratios, one line per multi-threaded scenario, and the run's column
+//! of the performance guide's table. It reads only the JSON that `--json`
+//! writes, so the printed figures and the file's are the same numbers.
+
+use serde_json::Value;
+
+use crate::load::{CONTENTION_OP, CONTENTION_THREADS};
+use crate::scenarios::SCENARIOS;
+
+pub fn print_report(report: &Value, quick: bool) {
+    let per_call = &report["per_call_us"];
+    let statements = &report["statements_per_call"];
+    println!();
+    println!(
+        "backend: {}{}   (medians of {} rounds of {} calls per scenario, the scenarios taking turns call by call)",
+        report["backend"].as_str().unwrap_or("?"),
+        if quick { ", quick" } else { "" },
+        report["rounds"],
+        report["calls_per_round"],
+    );
+    println!();
+    println!("| scenario     | µs per call | statements per call |");
+    println!("| ------------ | ----------: | ------------------: |");
+    for name in SCENARIOS {
+        println!(
+            "| {name:<12} | {:>11.1} | {:>19.1} |",
+            per_call[name].as_f64().unwrap_or(f64::NAN),
+            statements[name].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    println!();
+    println!("| ratio                | value |");
+    println!("| -------------------- | ----: |");
+    for (name, value) in report["ratios"].as_object().into_iter().flatten() {
+        println!("| {name:<20} | {:>5.3} |", value.as_f64().unwrap_or(f64::NAN));
+    }
+    let contention = &report["contention"];
+    println!();
+    println!(
+        "contention ({} threads, one key, {} ms operation, {} rounds): executions per round {}..{}, errors {}, p50 {:.1} ms, p99 {:.1} ms",
+        CONTENTION_THREADS,
+        CONTENTION_OP.as_millis(),
+        contention["rounds"],
+        contention["min_executions"],
+        contention["executions"],
+        contention["errors"],
+        contention["p50_ms"].as_f64().unwrap_or(f64::NAN),
+        contention["p99_ms"].as_f64().unwrap_or(f64::NAN),
+    );
+    print!("scaling (first, calls/s over a pool):");
+    for (threads, ops) in report["scaling"].as_object().into_iter().flatten() {
+        print!("  {threads} threads {:.0}", ops.as_f64().unwrap_or(f64::NAN));
+    }
+    println!("  (errors {})", report["scaling_errors"]);
+    let large = &report["large_table"];
+    println!(
+        "large table ({} records): {:.0} calls/s against {:.0} calls/s on an empty table",
+        large["records"],
+        large["large_ops_per_s"].as_f64().unwrap_or(f64::NAN),
+        large["empty_ops_per_s"].as_f64().unwrap_or(f64::NAN),
+    );
+    let purge = &report["purge"];
+    println!(
+        "purge ({} expired records, {} per batch): {:.0} rows/s; batches: longest {:.1} ms, p99 {:.1} ms, median {:.1} ms, first {:.1} ms",
+        purge["rows"],
+        purge["batch_size"],
+        purge["rows_per_s"].as_f64().unwrap_or(f64::NAN),
+        purge["max_batch_ms"].as_f64().unwrap_or(f64::NAN),
+        purge["p99_batch_ms"].as_f64().unwrap_or(f64::NAN),
+        purge["median_batch_ms"].as_f64().unwrap_or(f64::NAN),
+        purge["first_batch_ms"].as_f64().unwrap_or(f64::NAN),
+    );
+    let outbox = &report["outbox"];
+    println!(
+        "outbox: enqueue inside first +{:.1} µs (first with enqueue / first {:.3}); relay {:.0} messages/s ({} messages, batches of {})",
+        outbox["enqueue_us"].as_f64().unwrap_or(f64::NAN),
+        outbox["first_with_enqueue_over_first"].as_f64().unwrap_or(f64::NAN),
+        outbox["relay"]["messages_per_s"].as_f64().unwrap_or(f64::NAN),
+        outbox["relay"]["messages"],
+        outbox["relay"]["batch_size"],
+    );
+    let phased = &report["phased"];
+    println!(
+        "phased (phase, call to a provider that does nothing, finish: {} commits): {:.1} µs per operation, {:.1} µs per commit; per commit / first {:.3}, per commit / baseline {:.3}",
+        phased["commits"],
+        phased["per_operation_us"].as_f64().unwrap_or(f64::NAN),
+        phased["per_commit_us"].as_f64().unwrap_or(f64::NAN),
+        phased["per_commit_over_first"].as_f64().unwrap_or(f64::NAN),
+        phased["per_commit_over_baseline"].as_f64().unwrap_or(f64::NAN),
+    );
+    for latency in outbox["latency"].as_array().into_iter().flatten() {
+        println!(
+            "relay service latency, commit to handler ({} messages at {}/s, woken by {}, poll interval {} ms): p50 {:.1} ms, p99 {:.1} ms, longest {:.1} ms",
+            latency["messages"],
+            latency["rate_per_s"],
+            latency["woken_by"].as_str().unwrap_or("?"),
+            latency["poll_interval_ms"],
+            latency["p50_ms"].as_f64().unwrap_or(f64::NAN),
+            latency["p99_ms"].as_f64().unwrap_or(f64::NAN),
+            latency["max_ms"].as_f64().unwrap_or(f64::NAN),
+        );
+    }
+    print_guide_column(report);
+    if let Some(profile) = report["statement_profile"].as_array() {
+        println!();
+        println!(
+            "| scenario  | statement                                                        | per call | µs each |"
+        );
+        println!(
+            "| --------- | ---------------------------------------------------------------- | -------: | ------: |"
+        );
+        for row in profile {
+            println!(
+                "| {:<9} | {:<64} | {:>8.2} | {:>7.1} |",
+                row[0].as_str().unwrap_or("?"),
+                row[1].as_str().unwrap_or("?"),
+                row[2].as_f64().unwrap_or(f64::NAN),
+                row[3].as_f64().unwrap_or(f64::NAN)
+            );
+        }
+    }
+}
+
+/// The run as one column of the performance guide's table, rows and
+/// formats as the guide has them, so that a new run's figures go into the
+/// guide by pasting rather than by copying numbers one by one.
+fn print_guide_column(report: &Value) {
+    let number = |value: &Value| value.as_f64().unwrap_or(f64::NAN);
+    let per_call = |name: &str| format!("{:.1} µs", number(&report["per_call_us"][name]));
+    let ratio = |name: &str| format!("{:.3}", number(&report["ratios"][name]));
+    let statements = &report["statements_per_call"];
+    let contention = &report["contention"];
+    let executions = if contention["min_executions"] == contention["executions"] {
+        format!("{} execution per round", contention["executions"])
+    } else {
+        format!(
+            "{} to {} executions per round",
+            contention["min_executions"], contention["executions"]
+        )
+    };
+    let scaling = report["scaling"].as_object().into_iter().flatten();
+    let (threads, calls): (Vec<String>, Vec<String>) = scaling
+        .map(|(threads, calls)| (threads.clone(), format!("{:.0}", number(calls))))
+        .unzip();
+    let large = &report["large_table"];
+    let purge = &report["purge"];
+    let outbox = &report["outbox"];
+    let rows = [
+        (
+            "`baseline`: the domain transaction alone".to_owned(),
+            per_call("baseline"),
+        ),
+        (
+            "`floor`: plus one insert into a table like the key table".to_owned(),
+            per_call("floor"),
+        ),
+        ("`first`: `run_idempotent`, fresh key".to_owned(), per_call("first")),
+        (
+            "statements per `first` (per `floor`)".to_owned(),
+            format!("{} ({})", number(&statements["first"]), number(&statements["floor"])),
+        ),
+        (
+            "`two_phase`: claim, operation, store in three commits".to_owned(),
+            per_call("two_phase"),
+        ),
+        ("`replay`: a retry of a completed key".to_owned(), per_call("replay")),
+        ("`first / floor`".to_owned(), ratio("first_over_floor")),
+        ("`first / bare_floor`".to_owned(), ratio("first_over_bare_floor")),
+        ("`first / baseline`".to_owned(), ratio("first_over_baseline")),
+        ("`first / two_phase`".to_owned(), ratio("first_over_two_phase")),
+        ("`replay / baseline`".to_owned(), ratio("replay_over_baseline")),
+        (
+            format!(
+                "contention: {} threads, one key, {} ms operation, {} rounds",
+                contention["threads"],
+                CONTENTION_OP.as_millis(),
+                contention["rounds"]
+            ),
+            format!(
+                "{executions}, {} errors, p50 {:.1} ms, p99 {:.1} ms",
+                contention["errors"],
+                number(&contention["p50_ms"]),
+                number(&contention["p99_ms"])
+            ),
+        ),
+        (
+            format!("scaling of `first`, calls/s at {} threads", threads.join(" / ")),
+            calls.join(" / "),
+        ),
+        (
+            format!(
+                "`large_table`: `first` with {} records against none (calls/s)",
+                grouped(number(&large["records"]))
+            ),
+            format!(
+                "{:.3} ({:.0} against {:.0})",
+                number(&large["ratio"]),
+                number(&large["large_ops_per_s"]),
+                number(&large["empty_ops_per_s"])
+            ),
+        ),
+        (
+            format!(
+                "purge of {} expired records, {} per batch",
+                grouped(number(&purge["rows"])),
+                purge["batch_size"]
+            ),
+            format!(
+                "{} rows/s; batches: median {:.1} ms, p99 {:.1} ms, longest {:.1} ms",
+                grouped(number(&purge["rows_per_s"])),
+                number(&purge["median_batch_ms"]),
+                number(&purge["p99_batch_ms"]),
+                number(&purge["max_batch_ms"])
+            ),
+        ),
+        (
+            "outbox: `first` whose operation also enqueues one message".to_owned(),
+            format!(
+                "+{:.1} µs (× {:.3})",
+                number(&outbox["enqueue_us"]),
+                number(&outbox["first_with_enqueue_over_first"])
+            ),
+        ),
+        (
+            format!(
+                "outbox: one relay, no-op handler, batches of {}",
+                outbox["relay"]["batch_size"]
+            ),
+            format!("{} messages/s", grouped(number(&outbox["relay"]["messages_per_s"]))),
+        ),
+        (
+            format!(
+                "phased: phase, provider call, finish ({} commits), per commit / `first`",
+                report["phased"]["commits"]
+            ),
+            format!("{:.3}", number(&report["phased"]["per_commit_over_first"])),
+        ),
+    ];
+    println!();
+    println!("the performance guide's column for this run:");
+    println!();
+    println!("| | {} |", report["backend"].as_str().unwrap_or("?"));
+    println!("| --- | ---: |");
+    for (label, value) in rows {
+        println!("| {label} | {value} |");
+    }
+}
+
+/// `value` rounded to a whole number, its thousands set apart by commas.
+fn grouped(value: f64) -> String {
+    if !value.is_finite() {
+        return value.to_string();
+    }
+    let digits = format!("{:.0}", value.abs());
+    let mut out = String::new();
+    for (index, digit) in digits.chars().enumerate() {
+        if index > 0 && (digits.len() - index) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    if value < 0.0 { format!("-{out}") } else { out }
+}
