@@ -19,6 +19,9 @@ use crate::telemetry::CallTrace;
 use crate::{fingerprint, key};
 
 pub(crate) mod call;
+
+#[cfg(all(feature = "axum", feature = "diesel-async"))]
+pub(crate) use call::catch_unwind;
 mod status;
 
 pub use status::KeyStatus;

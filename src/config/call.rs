@@ -284,7 +284,7 @@ impl Guard {
 
 /// The output of `future`, or the payload of a panic raised while it was
 /// polled.
-async fn catch_unwind<F: Future>(future: F) -> Result<F::Output, Panic> {
+pub(crate) async fn catch_unwind<F: Future>(future: F) -> Result<F::Output, Panic> {
     let mut future = pin!(future);
     poll_fn(
         |cx| match panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx))) {

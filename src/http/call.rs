@@ -157,6 +157,113 @@ where
     .await
 }
 
+/// [`run`] on a pool of diesel-async connections (feature
+/// `diesel-async`): `op` is an async closure, run on the connection inside
+/// the transaction that also holds the key record, and nothing runs on the
+/// blocking pool. The key rules, the turns of duplicates, the endpoint the
+/// key is bound to, the answers and the failures are [`run`]'s.
+///
+/// One thing differs, by design: the call runs in the handler's own
+/// future, so a client that goes away before the call has committed drops
+/// it, and the transaction rolls back as a whole: the key stays free, and
+/// the client's retry executes. (The blocking call of [`run`] goes on and
+/// commits, and the retry replays.) Either way nothing is left by halves,
+/// and the connection of a dropped call never goes back to the pool inside
+/// its transaction; see [`AsyncConnectionPool`](super::AsyncConnectionPool)
+/// and the [async guide](crate::guide::asynchronous).
+///
+/// # Errors
+///
+/// As [`run`]; a panic in `op` rolls the transaction back and is a 500.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use std::borrow::Cow;
+/// use axum::extract::FromRequestParts;
+/// use axum::http::{request::Parts, Request, StatusCode};
+/// use axum::response::IntoResponse;
+/// use diesel::SqliteConnection;
+/// use diesel_async::pooled_connection::{bb8::Pool, AsyncDieselConnectionManager};
+/// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+/// use idempotency::http::{self, Caller, IdempotencyKey, StoredResponse};
+/// use idempotency::Config;
+///
+/// # struct Anyone;
+/// # impl<S: Sync> FromRequestParts<S> for Anyone {
+/// #     type Rejection = StatusCode;
+/// #     async fn from_request_parts(_: &mut Parts, _: &S) -> Result<Self, StatusCode> { Ok(Anyone) }
+/// # }
+/// # impl Caller for Anyone { fn scope(&self) -> Cow<'_, str> { Cow::Borrowed("public") } }
+/// type Conn = SyncConnectionWrapper<SqliteConnection>;
+/// let db = idempotency::testing::SqliteFile::new();
+/// let url = db.path().to_str().ok_or("utf-8 path")?;
+/// idempotency::run_migrations(&mut <SqliteConnection as diesel::Connection>::establish(url)?)?;
+/// let pool = Pool::<Conn>::builder().build(AsyncDieselConnectionManager::new(url)).await?;
+/// let config = Config::default();
+/// let (mut parts, ()) = Request::post("/charges").header("Idempotency-Key", "c-1").body(())?.into_parts();
+/// let Ok(key) = IdempotencyKey::<Anyone>::from_request_parts(&mut parts, &()).await else {
+///     return Err("the key was refused".into());
+/// };
+///
+/// let charge = async |cents: u32| {
+///     http::run_async(&pool, &config, &key, cents, async |_: &mut Conn, cents: &u32| {
+///         Ok::<_, StatusCode>(StoredResponse::new(StatusCode::CREATED, format!("charged {cents}")))
+///     })
+///     .await
+/// };
+/// assert_eq!(charge(500).await.into_response().status(), StatusCode::CREATED);
+/// let retry = charge(500).await.into_response();
+/// assert_eq!(retry.headers()["idempotent-replayed"], "true");
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "diesel-async")]
+pub async fn run_async<A, P, Q, R, E, F>(
+    pool: &P,
+    config: &Config,
+    key: &IdempotencyKey<A>,
+    request: Q,
+    op: F,
+) -> Result<Answer<R>, Failure<E>>
+where
+    P: super::AsyncConnectionPool,
+    Q: Serialize,
+    R: Serialize + DeserializeOwned,
+    F: AsyncFnOnce(&mut P::Connection, &Q) -> Result<R, E>,
+{
+    use crate::backend::Driver;
+
+    type Rules<P> = <<P as super::AsyncConnectionPool>::Connection as Driver>::Rules;
+    refuse_by_rules_of::<Rules<P>, A, E>(config, key)?;
+    let problems = key.problems();
+    let Ok(_turn) = gate::turn::<Rules<P>>(key.scope(), key.key(), config.in_flight).await else {
+        return Err(Failure::of(Error::InProgress, problems));
+    };
+    let mut conn = pool
+        .lend()
+        .await
+        .map_err(|cause| Failure::unavailable(problems, cause))?;
+    let bound = Bound::new(key.endpoint().cloned(), request);
+    let call = config.run_recorded_async(
+        &mut *conn,
+        key.scope(),
+        key.key(),
+        &bound,
+        async |tx: &mut P::Connection| op(tx, bound.request()).await,
+    );
+    match crate::config::catch_unwind(call).await {
+        Ok(Ok(recorded)) => Ok(Answer::new(
+            recorded.outcome,
+            recorded.expires_at,
+            key.expiry_header().clone(),
+        )),
+        Ok(Err(error)) => Err(Failure::of(error, problems)),
+        // Rolled back before the panic went on: nothing was committed.
+        Err(_) => Err(Failure::internal(problems, false, "the operation panicked".into())),
+    }
+}
+
 /// Runs a [phased operation](crate::phased) for the key from an async
 /// handler, as [`run`] does for a single call: checkout and every step on
 /// tokio's blocking pool, the failures as responses. `body` gets the
@@ -266,10 +373,15 @@ where
 /// retry (503 with `Retry-After`): it gets its answer at once, traced and
 /// counted as the call would have been.
 fn refuse_by_rule<C: StoreConnection, A, E>(config: &Config, key: &IdempotencyKey<A>) -> Result<(), Failure<E>> {
-    let Err(broken) = config.check_rules::<C::Raw, E>(key.scope(), key.key(), None) else {
+    refuse_by_rules_of::<C::Raw, A, E>(config, key)
+}
+
+/// [`refuse_by_rule`] by the rules of the backend of `C`.
+fn refuse_by_rules_of<C: KeyStore, A, E>(config: &Config, key: &IdempotencyKey<A>) -> Result<(), Failure<E>> {
+    let Err(broken) = config.check_rules::<C, E>(key.scope(), key.key(), None) else {
         return Ok(());
     };
     let refused: Result<Recorded<()>, Error<E>> = Err(broken);
-    CallTrace::start(<C::Raw as KeyStore>::BACKEND).finish(&refused);
+    CallTrace::start(C::BACKEND).finish(&refused);
     refused.map(drop).map_err(|error| Failure::of(error, key.problems()))
 }

@@ -148,6 +148,8 @@
 use axum::http::HeaderName;
 
 mod answer;
+#[cfg(feature = "diesel-async")]
+mod async_pool;
 mod call;
 mod endpoint;
 mod failure;
@@ -164,6 +166,10 @@ mod rejection;
 mod response;
 
 pub use answer::Answer;
+#[cfg(feature = "diesel-async")]
+pub use async_pool::AsyncConnectionPool;
+#[cfg(feature = "diesel-async")]
+pub use call::run_async;
 pub use call::{run, run_phased};
 pub use failure::Failure;
 pub use key::{Caller, IdempotencyKey};

@@ -6,6 +6,8 @@
 //! the database holds, read through a synchronous connection.
 
 mod cancellation;
+#[cfg(feature = "axum")]
+mod http;
 #[cfg(feature = "postgres")]
 mod killed_sessions;
 

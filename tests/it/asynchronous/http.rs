@@ -1,0 +1,261 @@
+//! `http::run_async` on bb8 and deadpool pools of diesel-async connections,
+//! served over real TCP: a first request executes, its retry replays, the
+//! same key with another body is a 422; and a client that hangs up while
+//! its operation runs leaves nothing behind, no connection in the pool
+//! inside a transaction, and its retry executes once.
+//!
+//! An axum handler's future must be `Send`, which the compiler proves only
+//! for a concrete connection: each backend and pool gets its module from
+//! one macro.
+
+use axum::http::StatusCode;
+use idempotency::Config;
+use tokio::io::AsyncWriteExt;
+
+/// The item whose operation waits for ever once it has inserted its order:
+/// a request its client gives up on.
+const HANGS: &str = "hangs";
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct NewOrder {
+    item: String,
+}
+
+fn config() -> Config {
+    Config::default().in_flight(idempotency::InFlight::Wait(chrono::Duration::seconds(5)))
+}
+
+/// Sends `POST /orders` with `key` and the order of `item` to `addr`;
+/// returns the status and whether the answer is a replay.
+async fn post(addr: std::net::SocketAddr, key: &str, item: &str) -> (StatusCode, bool) {
+    let response = crate::common::http::client()
+        .post(format!("http://{addr}/orders"))
+        .header("Idempotency-Key", key)
+        .json(&NewOrder { item: item.to_owned() })
+        .send()
+        .await
+        .expect("an answer");
+    let replayed = response.headers().get("idempotent-replayed").is_some();
+    (
+        StatusCode::from_u16(response.status().as_u16()).expect("a status"),
+        replayed,
+    )
+}
+
+/// Sends `POST /orders` for `item` with `key` over a socket of its own and
+/// closes the socket once `inside` says the operation runs: a client that
+/// hangs up.
+async fn hang_up(addr: std::net::SocketAddr, key: &str, item: &str, inside: &tokio::sync::Notify) {
+    let body = serde_json::to_string(&NewOrder { item: item.to_owned() }).expect("json");
+    let request = format!(
+        "POST /orders HTTP/1.1\r\nHost: {addr}\r\nIdempotency-Key: {key}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut socket = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    socket.write_all(request.as_bytes()).await.expect("send the request");
+    inside.notified().await;
+    drop(socket);
+}
+
+macro_rules! async_http_tests {
+    ($module:ident, $db:ty, $conn:ty, $pool:ty, $build:expr, $connections:expr) => {
+        mod $module {
+            use std::sync::Arc;
+
+            use axum::extract::State;
+            use axum::http::StatusCode;
+            use axum::response::{IntoResponse, Response};
+            use axum::routing::post;
+            use axum::{Json, Router};
+            use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+            use idempotency::Config;
+            use idempotency::http::{self, IdempotencyKey, StoredResponse};
+            use tokio::sync::Notify;
+
+            use super::{HANGS, NewOrder};
+            use crate::common::TestDb;
+            use crate::common::asynchronous::AsyncDb;
+            use crate::common::http::Anyone;
+            use crate::common::wait::PATIENCE;
+
+            struct App {
+                pool: $pool,
+                config: Config,
+                /// Told when the operation of [`HANGS`] has inserted its order.
+                inside: Notify,
+            }
+
+            async fn place(
+                State(app): State<Arc<App>>,
+                key: IdempotencyKey<Anyone>,
+                Json(order): Json<NewOrder>,
+            ) -> Response {
+                http::run_async(
+                    &app.pool,
+                    &app.config,
+                    &key,
+                    order,
+                    async |tx: &mut $conn, order: &NewOrder| {
+                        <$db as AsyncDb>::insert_order(tx, &order.item)
+                            .await
+                            .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+                        if order.item == HANGS {
+                            app.inside.notify_one();
+                            std::future::pending::<()>().await;
+                        }
+                        Ok::<_, StatusCode>(StoredResponse::new(StatusCode::CREATED, order.item.clone()))
+                    },
+                )
+                .await
+                .into_response()
+            }
+
+            /// The database, and the service on a pool of `size` connections to it.
+            async fn serve(size: u32) -> ($db, std::net::SocketAddr, Arc<App>) {
+                let db = <$db as TestDb>::new();
+                let manager = AsyncDieselConnectionManager::<$conn>::new(db.url());
+                let app = Arc::new(App {
+                    pool: $build(manager, size).await,
+                    config: super::config(),
+                    inside: Notify::new(),
+                });
+                let router = Router::new()
+                    .route("/orders", post(place))
+                    .with_state(app.clone());
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("a port");
+                let addr = listener.local_addr().expect("its address");
+                tokio::spawn(async move { axum::serve(listener, router).await.expect("serve") });
+                (db, addr, app)
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_request_executes_once_its_retry_replays_and_another_body_is_refused() {
+                let (db, addr, _app) = serve(2).await;
+                assert_eq!(
+                    super::post(addr, "k-1", "book").await,
+                    (StatusCode::CREATED, false)
+                );
+                assert_eq!(
+                    super::post(addr, "k-1", "book").await,
+                    (StatusCode::CREATED, true)
+                );
+                assert_eq!(
+                    super::post(addr, "k-1", "lamp").await.0,
+                    StatusCode::UNPROCESSABLE_ENTITY
+                );
+                let orders = tokio::task::block_in_place(|| <$db as TestDb>::order_items(&mut db.conn()));
+                assert_eq!(orders, ["book"]);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_client_that_hangs_up_leaves_nothing_and_its_retry_executes() {
+                // One connection: the retry gets the hung-up call's
+                // connection back only if the pool took it back whole.
+                let (db, addr, app) = serve(1).await;
+                tokio::time::timeout(PATIENCE, super::hang_up(addr, "k-1", HANGS, &app.inside))
+                    .await
+                    .expect("the operation ran");
+                // The server drops the handler; the connection it held,
+                // inside its transaction, leaves the pool instead of
+                // waiting in it for its next lending.
+                let pool_emptied = async {
+                    while $connections(&app.pool) != 0 {
+                        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                    }
+                };
+                tokio::time::timeout(PATIENCE, pool_emptied)
+                    .await
+                    .expect("the hung-up call's connection left the pool");
+                // The retry waits for the key as the in-flight policy
+                // allows, until the server has dropped the handler and the
+                // database has ended the transaction.
+                let retried = tokio::time::timeout(PATIENCE, super::post(addr, "k-1", "book-after-all"))
+                    .await
+                    .expect("an answer");
+                assert_eq!(
+                    retried,
+                    (StatusCode::CREATED, false),
+                    "nothing of the hung-up call stayed"
+                );
+                let mut lent = app.pool.get().await.expect("a connection");
+                assert!(
+                    !diesel_async::pooled_connection::PoolableConnection::is_broken(&mut *lent),
+                    "no connection comes back inside a transaction"
+                );
+                drop(lent);
+                let orders = tokio::task::block_in_place(|| <$db as TestDb>::order_items(&mut db.conn()));
+                assert_eq!(orders, ["book-after-all"]);
+            }
+        }
+    };
+}
+
+async fn bb8_pool<C>(
+    manager: diesel_async::pooled_connection::AsyncDieselConnectionManager<C>,
+    size: u32,
+) -> diesel_async::pooled_connection::bb8::Pool<C>
+where
+    C: diesel_async::pooled_connection::PoolableConnection + 'static,
+    diesel_async::pooled_connection::AsyncDieselConnectionManager<C>: bb8::ManageConnection<Connection = C>,
+{
+    bb8::Pool::builder()
+        .max_size(size)
+        .build(manager)
+        .await
+        .expect("a bb8 pool")
+}
+
+async fn deadpool_pool<C>(
+    manager: diesel_async::pooled_connection::AsyncDieselConnectionManager<C>,
+    size: u32,
+) -> diesel_async::pooled_connection::deadpool::Pool<C>
+where
+    C: diesel_async::pooled_connection::PoolableConnection + 'static,
+    diesel_async::pooled_connection::AsyncDieselConnectionManager<C>:
+        deadpool::managed::Manager<Type = C, Error = diesel_async::pooled_connection::PoolError>,
+{
+    diesel_async::pooled_connection::deadpool::Pool::builder(manager)
+        .max_size(usize::try_from(size).expect("a pool size"))
+        .build()
+        .expect("a deadpool pool")
+}
+
+type SqliteConn = diesel_async::sync_connection_wrapper::SyncConnectionWrapper<diesel::SqliteConnection>;
+
+async_http_tests!(
+    sqlite_bb8,
+    crate::common::sqlite::Db,
+    super::SqliteConn,
+    diesel_async::pooled_connection::bb8::Pool<super::SqliteConn>,
+    super::bb8_pool,
+    |pool: &diesel_async::pooled_connection::bb8::Pool<_>| pool.state().connections
+);
+async_http_tests!(
+    sqlite_deadpool,
+    crate::common::sqlite::Db,
+    super::SqliteConn,
+    diesel_async::pooled_connection::deadpool::Pool<super::SqliteConn>,
+    super::deadpool_pool,
+    |pool: &diesel_async::pooled_connection::deadpool::Pool<_>| pool.status().size
+);
+#[cfg(feature = "postgres")]
+async_http_tests!(
+    postgres_bb8,
+    crate::common::pg::Db,
+    diesel_async::AsyncPgConnection,
+    diesel_async::pooled_connection::bb8::Pool<diesel_async::AsyncPgConnection>,
+    super::bb8_pool,
+    |pool: &diesel_async::pooled_connection::bb8::Pool<_>| pool.state().connections
+);
+#[cfg(feature = "postgres")]
+async_http_tests!(
+    postgres_deadpool,
+    crate::common::pg::Db,
+    diesel_async::AsyncPgConnection,
+    diesel_async::pooled_connection::deadpool::Pool<diesel_async::AsyncPgConnection>,
+    super::deadpool_pool,
+    |pool: &diesel_async::pooled_connection::deadpool::Pool<_>| pool.status().size
+);
