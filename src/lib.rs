@@ -56,7 +56,8 @@
 //!   [`Relay::serve`](outbox::Relay::serve), the [`Purger`], the phased
 //!   [`Completer::serve`](phased::Completer::serve), each returning what it
 //!   did as [`Stopped`];
-//! - **features**: the combinator ([`run_idempotent`], [`Config::run`]),
+//! - **features**: the combinator ([`run_idempotent`], [`Config::run`];
+//!   on diesel-async connections `run_idempotent_async`, `Config::run_async`),
 //!   the [`outbox`], [`phased`] operations, [`batch`] jobs, the
 //!   [`Idempotent`] repository wrapper, purging
 //!   ([`Config::purge_expired`]);
@@ -82,7 +83,8 @@
 //! [running in production](guide::production),
 //! [high availability](guide::high_availability),
 //! [scaling out with Citus](guide::citus),
-//! [performance](guide::performance).
+//! [performance](guide::performance),
+//! [async: diesel-async](guide::asynchronous).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
@@ -151,6 +153,7 @@ compile_error!("enable at least one backend feature: `sqlite` (the default), `po
 /// | [`high_availability`](guide::high_availability) | failover, and what clients should do |
 /// | [`citus`](guide::citus) | scaling writes out: the tables distributed by tenant |
 /// | [`performance`](guide::performance) | what a call costs, measured |
+/// | [`asynchronous`](guide::asynchronous) | the same contract on diesel-async connections: when to use which, an axum handler on a bb8 pool, what a dropped future does |
 pub mod guide {
     pub mod contract {
         #![doc = include_str!("../docs/contract.md")]
