@@ -77,7 +77,7 @@ pub fn parse_args() -> Result<Args, String> {
     let mut json = None;
     let mut statements = false;
     let common = common::parse_args(
-        "usage: overhead --backend sqlite|postgres|mysql|citus [--quick] [--json FILE] [--statements]",
+        "usage: overhead --backend sqlite|postgres|mysql|citus|postgres-async [--quick] [--json FILE] [--statements]",
         |arg, rest| {
             match arg {
                 "--statements" => statements = true,

@@ -198,6 +198,12 @@ impl<C: Bench> Db<C> {
         db
     }
 
+    /// Where the bench database is.
+    #[cfg(all(feature = "diesel-async", feature = "postgres"))]
+    pub fn url(&self) -> &str {
+        self.scratch.url()
+    }
+
     pub fn conn(&self) -> C {
         let mut conn = C::establish(self.scratch.url()).expect("connect to the bench database");
         conn.configure().expect("configure the connection");

@@ -7,9 +7,11 @@
 //! cargo bench --features postgres --bench overhead -- --backend postgres [--quick] [--json FILE] [--statements]
 //! cargo bench --features mysql --bench overhead -- --backend mysql [--quick] [--json FILE] [--statements]
 //! cargo bench --features postgres --bench overhead -- --backend citus [--quick] [--json FILE]
+//! cargo bench --features postgres,diesel-async --bench overhead -- --backend postgres-async [--quick] [--json FILE]
 //! ```
 //!
-//! `--backend citus` measures a Citus cluster (`CITUS_DATABASE_URL`, its
+//! `--backend postgres-async` measures the diesel-async call next to the
+//! sync one on PostgreSQL: see `asynchronous.rs`. `--backend citus` measures a Citus cluster (`CITUS_DATABASE_URL`, its
 //! coordinator) next to plain PostgreSQL (`DATABASE_URL`) with scenarios of
 //! its own: see `benches/citus/mod.rs`.
 //!
@@ -38,6 +40,8 @@ mod citus;
 mod common;
 
 mod args;
+#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+mod asynchronous;
 mod db;
 mod instrument;
 mod load;
@@ -111,6 +115,16 @@ fn main() -> ExitCode {
             );
             return ExitCode::from(2);
         }
+        #[cfg(all(feature = "diesel-async", feature = "postgres"))]
+        "postgres-async" => (asynchronous::run(sizes), asynchronous::print_report),
+        #[cfg(not(all(feature = "diesel-async", feature = "postgres")))]
+        "postgres-async" => {
+            eprintln!(
+                "postgres-async needs the postgres and diesel-async features: run \
+                 cargo bench --features postgres,diesel-async --bench overhead -- --backend postgres-async"
+            );
+            return ExitCode::from(2);
+        }
         #[cfg(feature = "postgres")]
         "citus" if args.statements => {
             eprintln!("--statements is not measured on citus: its report counts statements per call");
@@ -127,7 +141,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
         other => {
-            eprintln!("unknown backend {other}: use sqlite, postgres, mysql or citus");
+            eprintln!("unknown backend {other}: use sqlite, postgres, mysql, citus or postgres-async");
             return ExitCode::from(2);
         }
     };
