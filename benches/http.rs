@@ -19,6 +19,13 @@
 //!   extractor, `http::run`, `StoredResponse`: what the whole layer costs.
 //! - `replay`: `http` with a key it already answered.
 //!
+//! On PostgreSQL with the feature `diesel-async`, two more, on a bb8 pool of
+//! `AsyncPgConnection`s beside the r2d2 pool:
+//!
+//! - `plain_async`: the plain handler on the async pool, the order inserted
+//!   in a diesel-async transaction, nothing on the blocking pool;
+//! - `http_async`: the same handler on `http::run_async`.
+//!
 //! Every request but the replays has a key of its own. In each round every
 //! scenario sends one batch, the scenarios' order rotating, so a
 //! disturbance on the machine lands on all of them alike; requests per
@@ -56,7 +63,12 @@ use http_orders::problems::Body;
 use idempotency::http::{Caller, IDEMPOTENT_REPLAYED};
 use idempotency::{Config, Outcome};
 
+#[cfg(not(all(feature = "postgres", feature = "diesel-async")))]
 const SCENARIOS: [&str; 4] = ["plain", "core", "http", "replay"];
+/// On PostgreSQL with diesel-async the async scenarios run beside the
+/// others; a run on another backend skips them.
+#[cfg(all(feature = "postgres", feature = "diesel-async"))]
+const SCENARIOS: [&str; 6] = ["plain", "core", "http", "replay", "plain_async", "http_async"];
 const CLIENTS: [usize; 2] = [1, 16];
 const BODY: &str = r#"{"item": "book", "quantity": 1}"#;
 
@@ -168,6 +180,110 @@ async fn core_order<C: Begin>(
     }
 }
 
+/// The async handlers, on a bb8 pool of diesel-async connections.
+#[cfg(all(feature = "postgres", feature = "diesel-async"))]
+mod asynchronous {
+    use std::sync::Arc;
+
+    use axum::extract::State;
+    use axum::http::StatusCode;
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::post;
+    use axum::{Json, Router};
+    use diesel::prelude::*;
+    use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+    use diesel_async::pooled_connection::bb8::Pool;
+    use diesel_async::{AsyncConnection, AsyncPgConnection};
+    use idempotency::Config;
+    use idempotency::http::{self, Caller, IdempotencyKey, StoredResponse};
+
+    use crate::created;
+    use crate::http_orders::account::Account;
+    use crate::http_orders::orders::{Order, orders};
+
+    /// The body the example's `POST /orders` takes.
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct NewOrder {
+        item: String,
+        quantity: i32,
+    }
+
+    struct App {
+        pool: Pool<AsyncPgConnection>,
+        config: Config,
+    }
+
+    async fn insert(conn: &mut AsyncPgConnection, account: &str, order: &NewOrder) -> QueryResult<Order> {
+        diesel_async::RunQueryDsl::get_result(
+            diesel::insert_into(orders::table)
+                .values((
+                    orders::account.eq(account),
+                    orders::item.eq(&order.item),
+                    orders::quantity.eq(order.quantity),
+                ))
+                .returning((orders::id, orders::item, orders::quantity)),
+            conn,
+        )
+        .await
+    }
+
+    async fn plain_order(State(app): State<Arc<App>>, account: Account, Json(order): Json<NewOrder>) -> Response {
+        let scope = account.scope().into_owned();
+        let Ok(mut conn) = app.pool.get().await else {
+            return StatusCode::SERVICE_UNAVAILABLE.into_response();
+        };
+        let placed = conn
+            .transaction::<_, diesel::result::Error, _>(async |tx| insert(tx, &scope, &order).await)
+            .await;
+        match placed {
+            Ok(order) => created(order, false),
+            Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+        }
+    }
+
+    async fn http_order(
+        State(app): State<Arc<App>>,
+        key: IdempotencyKey<Account>,
+        Json(order): Json<NewOrder>,
+    ) -> Response {
+        let scope = key.scope().to_owned();
+        http::run_async(
+            &app.pool,
+            &app.config,
+            &key,
+            order,
+            async |tx: &mut AsyncPgConnection, order: &NewOrder| {
+                let order = insert(tx, &scope, order)
+                    .await
+                    .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+                let location = axum::http::HeaderValue::try_from(format!("/orders/{}", order.id))
+                    .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+                Ok::<_, StatusCode>(
+                    StoredResponse::new(StatusCode::CREATED, order).with_header(axum::http::header::LOCATION, location),
+                )
+            },
+        )
+        .await
+        .into_response()
+    }
+
+    /// The async routes, on a pool of `size` connections to `url`.
+    pub async fn router(url: &str, size: u32) -> anyhow::Result<Router> {
+        let pool = Pool::builder()
+            .max_size(size)
+            .build(AsyncDieselConnectionManager::new(url))
+            .await?;
+        let app = Arc::new(App {
+            pool,
+            config: Config::default(),
+        });
+        Ok(Router::new()
+            .route("/async/plain/orders", post(plain_order))
+            .route("/async/orders", post(http_order))
+            .with_state(app))
+    }
+}
+
 /// The example's service at `/orders`, the plain and core handlers beside
 /// it on the same pool.
 fn router<C: Begin>(pool: Pool<ConnectionManager<C>>) -> anyhow::Result<Router> {
@@ -235,6 +351,8 @@ async fn batch(
         let path = match scenario {
             "plain" => "/plain/orders",
             "core" => "/core/orders",
+            "plain_async" => "/async/plain/orders",
+            "http_async" => "/async/orders",
             _ => "/orders",
         };
         let url = format!("{base}{path}");
@@ -276,10 +394,22 @@ fn run(args: &Args) -> anyhow::Result<()> {
     let router = match database::open(scratch.url(), database::CHECKOUT_TIMEOUT)? {
         Database::Sqlite(pool) => router(pool)?,
         #[cfg(feature = "postgres")]
-        Database::Postgres(pool) => router(pool)?,
+        Database::Postgres(pool) => {
+            let router = router(pool)?;
+            #[cfg(feature = "diesel-async")]
+            let router = {
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+                router.merge(runtime.block_on(asynchronous::router(scratch.url(), 16))?)
+            };
+            router
+        }
         #[cfg(feature = "mysql")]
         Database::Mysql(pool) => router(pool)?,
     };
+    // The async scenarios have routes on PostgreSQL only.
+    let scenarios: Vec<usize> = (0..SCENARIOS.len())
+        .filter(|&index| args.backend == "postgres" || !SCENARIOS[index].ends_with("_async"))
+        .collect();
     let (addr, _server) = serve(router)?;
     let base = format!("http://{addr}");
     let client_runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -301,8 +431,8 @@ fn run(args: &Args) -> anyhow::Result<()> {
             // The replayed keys are answered once before the rounds.
             batch(&pool, &base, "replay", 0, 1).await?;
             for round in 0..=sizes.rounds {
-                for turn in 0..SCENARIOS.len() {
-                    let index = (round + turn) % SCENARIOS.len();
+                for turn in 0..scenarios.len() {
+                    let index = scenarios[(round + turn) % scenarios.len()];
                     let (latencies, wall) = batch(&pool, &base, SCENARIOS[index], round, per_client).await?;
                     if round > 0 {
                         figures[index].rates.push(latencies.len() as f64 / wall.as_secs_f64());
@@ -312,7 +442,7 @@ fn run(args: &Args) -> anyhow::Result<()> {
             }
             Ok::<_, anyhow::Error>(())
         })?;
-        report(clients, &figures);
+        report(clients, &figures, &scenarios);
     }
     Ok(())
 }
@@ -321,11 +451,11 @@ fn micros(duration: Duration) -> String {
     format!("{:.0} µs", duration.as_secs_f64() * 1e6)
 }
 
-fn report(clients: usize, figures: &[Figures]) {
+fn report(clients: usize, figures: &[Figures], scenarios: &[usize]) {
     println!("\n{clients} client(s), keep-alive");
     println!("| scenario | requests/s | p50 | p99 |");
     println!("| --- | ---: | ---: | ---: |");
-    for (name, figures) in SCENARIOS.iter().zip(figures) {
+    for (name, figures) in scenarios.iter().map(|&index| (SCENARIOS[index], &figures[index])) {
         println!(
             "| {name} | {:.0} | {} | {} |",
             figures.rate(),
@@ -344,6 +474,17 @@ fn report(clients: usize, figures: &[Figures]) {
         p50(http) - p50(core),
         replay.rate() / plain.rate(),
     );
+    if scenarios.len() == SCENARIOS.len() && SCENARIOS.len() == 6 {
+        let (plain_async, http_async) = (&figures[SCENARIOS.len() - 2], &figures[SCENARIOS.len() - 1]);
+        println!(
+            "http_async / plain_async: throughput × {:.2}, p50 {:+.0} µs; http_async / http: throughput × {:.2}; \
+             plain_async / plain: throughput × {:.2}",
+            http_async.rate() / plain_async.rate(),
+            p50(http_async) - p50(plain_async),
+            http_async.rate() / http.rate(),
+            plain_async.rate() / plain.rate(),
+        );
+    }
 }
 
 fn main() -> ExitCode {
