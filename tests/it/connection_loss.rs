@@ -266,14 +266,18 @@ impl Proxy {
                 };
                 let chunk = &buffer[..read];
                 let cut_here = chunk.windows(needle.len()).any(|window| window == needle);
-                let pass_on = !cut_here || matches!(cut, Cut::AfterSending);
-                if pass_on && to_server.write_all(chunk).is_err() {
+                if cut_here {
+                    // The client hears nothing more, from before the server
+                    // can answer what is passed on: the server's answer
+                    // would otherwise race the cut back to the client.
+                    // The server reads the end of its session after it.
+                    from_client.shutdown(net::Shutdown::Both);
+                    if matches!(cut, Cut::AfterSending) {
+                        let _ = to_server.write_all(chunk);
+                    }
                     break;
                 }
-                if cut_here {
-                    // The client hears nothing more, and the server reads the
-                    // end of its session after what was passed on.
-                    from_client.shutdown(net::Shutdown::Both);
+                if to_server.write_all(chunk).is_err() {
                     break;
                 }
             }
