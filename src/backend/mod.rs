@@ -160,7 +160,9 @@ impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
 }
 
 /// A diesel-async connection that idempotent calls can run on
-/// (feature `diesel-async`): `AsyncPgConnection` (with `postgres`). The
+/// (feature `diesel-async`): `AsyncPgConnection` (with `postgres`),
+/// `AsyncMysqlConnection` (with `mysql`), or
+/// `SyncConnectionWrapper<SqliteConnection>` (with `sqlite`). The
 /// operation of [`run_idempotent_async`](crate::run_idempotent_async)
 /// receives the same connection, inside the call's transaction. A pooled
 /// connection (bb8, deadpool) is passed as the connection it derefs to:
