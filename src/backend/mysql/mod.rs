@@ -808,8 +808,48 @@ impl KeyStore for MysqlConnection {
 #[cfg(test)]
 mod tests {
     use chrono::Duration;
+    use diesel::mysql::MysqlConnection;
+    use diesel::result::{DatabaseErrorKind, Error as DieselError};
 
     use super::{MAX_WAIT_TIMEOUT, lock_key, wait_timeout_seconds};
+    use crate::backend::KeyStore;
+    use crate::error::is_connection_lost;
+
+    fn error(kind: DatabaseErrorKind, message: &str) -> DieselError {
+        DieselError::DatabaseError(kind, Box::new(message.to_owned()))
+    }
+
+    #[test]
+    fn the_async_clients_errors_read_as_the_sync_clients() {
+        // mysql_async, as diesel-async passes its errors on: a socket that
+        // closed under a COMMIT leaves the outcome unknown, and is a lost
+        // connection.
+        let lost = error(
+            DatabaseErrorKind::Unknown,
+            "Input/output error: Input/output error: connection closed",
+        );
+        assert!(is_connection_lost(&lost));
+        assert!(!MysqlConnection::commit_rolled_back(&lost));
+        let closed = error(
+            DatabaseErrorKind::Unknown,
+            "Driver error: `Connection to the server is closed.'",
+        );
+        assert!(is_connection_lost(&closed));
+        assert!(!MysqlConnection::commit_rolled_back(&closed));
+        // The server's own errors arrive by their message, with the kinds
+        // diesel-async derives from their numbers.
+        let waited = error(
+            DatabaseErrorKind::Unknown,
+            "Lock wait timeout exceeded; try restarting transaction",
+        );
+        assert!(MysqlConnection::is_in_flight_timeout(&waited));
+        assert!(!is_connection_lost(&waited));
+        let refused = error(
+            DatabaseErrorKind::UniqueViolation,
+            "Duplicate entry 'a' for key 'PRIMARY'",
+        );
+        assert!(MysqlConnection::commit_rolled_back(&refused));
+    }
 
     #[test]
     fn the_idle_bound_is_whole_seconds_rounded_up_within_what_the_server_takes() {
