@@ -15,7 +15,8 @@ use diesel::mysql::MysqlConnection;
 use diesel::result::Error as DieselError;
 use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, TransactionManager};
 
-use super::{Session, UtcNow, schema};
+use super::session::{Session, sends};
+use super::{UtcNow, schema};
 use crate::backend::{
     AsyncStoreConnection, AsyncTransaction, Driver, HeldKey, Hold, Read, Record, async_transaction_depth,
     async_unwind_to_depth, end_transaction, sealed,
@@ -76,7 +77,7 @@ impl Driver for AsyncMysqlConnection {
 }
 
 impl Session for AsyncMysqlConnection {
-    super::sends!([.await] [diesel_async::RunQueryDsl]);
+    sends!([.await] [diesel_async::RunQueryDsl]);
 
     async fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
     where
