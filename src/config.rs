@@ -20,8 +20,6 @@ use crate::{fingerprint, key};
 
 pub(crate) mod call;
 
-#[cfg(all(feature = "axum", feature = "diesel-async"))]
-pub(crate) use call::catch_unwind;
 mod status;
 
 pub use status::KeyStatus;

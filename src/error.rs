@@ -292,19 +292,25 @@ impl<E> Error<E> {
 /// also "... due to idle-session timeout" and others), arrives as `Unknown`
 /// when diesel reads it before libpq has seen the connection close, and a
 /// Citus coordinator passes a worker's on to its client as an error over a
-/// connection that stays up. They are matched without regard to case, as
-/// fragments the spellings share. No decision about what committed rests
-/// on this: a failed commit is read by each backend's
-/// `KeyStore::commit_rolled_back`.
+/// connection that stays up. diesel-async's MySQL client (mysql_async)
+/// passes on the server's own errors by their message, and its own in its
+/// words: a socket that failed or closed is an "Input/output error: ..."
+/// (a reset, a broken pipe, an end of file), a connection it already knows
+/// closed "Driver error: `Connection to the server is closed.'". They are
+/// matched without regard to case, as fragments the spellings share. No
+/// decision about what committed rests on this: a failed commit is read by
+/// each backend's `KeyStore::commit_rolled_back`.
 pub(crate) fn is_connection_lost(error: &diesel::result::Error) -> bool {
     use diesel::result::{DatabaseErrorKind, Error};
-    const LOST: [&str; 6] = [
+    const LOST: [&str; 8] = [
         "server has gone away",
         "lost connection to",
         "connection was killed",
         "server shutdown in progress",
         "disconnected by the server",
         "terminating connection due to",
+        "input/output error",
+        "connection to the server is closed",
     ];
     match error {
         Error::DatabaseError(DatabaseErrorKind::ClosedConnection | DatabaseErrorKind::UnableToSendCommand, _) => true,

@@ -8,9 +8,12 @@
 //! connections (feature `diesel-async`) are the other drivers, each in its
 //! backend's folder: they await their statements, and what those with
 //! diesel-async's own transaction manager share is here as well
-//! (`AsyncTransaction`, `end_transaction`).
+//! (`AsyncTransaction`, `end_transaction`). So is [`catch_unwind`], which
+//! catches a panic across `await`s for the code that must end what the
+//! panic left open whichever kind of connection it runs on.
 
-use std::future::{Future, ready};
+use std::future::{Future, poll_fn, ready};
+use std::panic::{self, AssertUnwindSafe};
 use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
@@ -57,9 +60,17 @@ pub trait Driver: Sized {
     fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> impl Future<Output = QueryResult<Hold>>;
 
     /// [`KeyStore::find`].
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "diesel-async")),
+        expect(dead_code, reason = "MySQL's sync calls read by statements of their own")
+    )]
     fn find(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>>;
 
     /// [`KeyStore::claim`].
+    #[cfg_attr(
+        not(any(feature = "sqlite", feature = "postgres", feature = "diesel-async")),
+        expect(dead_code, reason = "MySQL's sync calls claim by statements of their own")
+    )]
     fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<Claim>>;
 
     /// [`KeyStore::store`].
@@ -137,12 +148,31 @@ pub(crate) fn at_once<F: Future>(future: F) -> F::Output {
     }
 }
 
-#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+/// A panic caught while a future was polled, to go on with once what it
+/// interrupted is cleaned up.
+pub(crate) type Panic = Box<dyn std::any::Any + Send>;
+
+/// The output of `future`, or the payload of a panic raised while it was
+/// polled: on either kind of connection the same code then ends what the
+/// panic left open (a transaction, a key's lock) before the panic goes on.
+pub(crate) async fn catch_unwind<F: Future>(future: F) -> Result<F::Output, Panic> {
+    let mut future = pin!(future);
+    poll_fn(
+        |cx| match panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx))) {
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(payload) => Poll::Ready(Err(payload)),
+        },
+    )
+    .await
+}
+
+#[cfg(all(feature = "diesel-async", any(feature = "postgres", feature = "mysql")))]
 pub(crate) use asynchronous::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
 
 /// The transactions of the diesel-async connections whose transaction
-/// manager is diesel-async's own (PostgreSQL's).
-#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+/// manager is diesel-async's own (PostgreSQL's and MySQL's).
+#[cfg(all(feature = "diesel-async", any(feature = "postgres", feature = "mysql")))]
 mod asynchronous {
     use std::ops::{Deref, DerefMut};
 

@@ -71,9 +71,9 @@ pub(crate) mod row_with;
 mod sqlite;
 mod transaction;
 
-#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+#[cfg(all(feature = "diesel-async", any(feature = "postgres", feature = "mysql")))]
 pub(crate) use driver::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
-pub(crate) use driver::{Driver, at_once};
+pub(crate) use driver::{Driver, Panic, at_once, catch_unwind};
 pub(crate) use keys::{Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, Stored};
 pub(crate) use outbox::OutboxStore;
 pub(crate) use phases::PhaseStore;
@@ -160,7 +160,9 @@ impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
 }
 
 /// A diesel-async connection that idempotent calls can run on
-/// (feature `diesel-async`): `AsyncPgConnection` (with `postgres`). The
+/// (feature `diesel-async`): `AsyncPgConnection` (with `postgres`),
+/// `AsyncMysqlConnection` (with `mysql`), or
+/// `SyncConnectionWrapper<SqliteConnection>` (with `sqlite`). The
 /// operation of [`run_idempotent_async`](crate::run_idempotent_async)
 /// receives the same connection, inside the call's transaction. A pooled
 /// connection (bb8, deadpool) is passed as the connection it derefs to:

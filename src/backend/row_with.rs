@@ -126,6 +126,7 @@ pub(crate) type KeyRecordRow = (
 );
 
 /// The head and the key record, if any, of `(scope, key)`.
+#[cfg(feature = "postgres")]
 pub(crate) fn record_with<H, Time, C, T>(conn: &mut C, scope: &str, key: &str) -> QueryResult<(T, Option<Stored>)>
 where
     H: Head,

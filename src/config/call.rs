@@ -3,10 +3,7 @@
 //! result. The write path's transaction, [`key_transaction`], is every
 //! step's of a [phased operation](crate::phased) as well.
 
-use std::future::{Future, poll_fn};
-use std::panic::{self, AssertUnwindSafe};
-use std::pin::pin;
-use std::task::Poll;
+use std::panic;
 use std::time::Instant;
 
 use chrono::{Duration, SubsecRound};
@@ -15,7 +12,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Config;
-use crate::backend::{Driver, HeldKey, Hold, KeyStore, Read, Record, Stored, at_once};
+use crate::backend::{Driver, HeldKey, Hold, KeyStore, Panic, Read, Record, Stored, at_once, catch_unwind};
 use crate::codec;
 use crate::error::Error;
 use crate::executing::Executing;
@@ -229,9 +226,6 @@ where
     result.map_err(|error| call_error::<C::Rules, E>(error, commits && guard.committing))
 }
 
-/// A panic caught inside a transaction, to go on once it has rolled back.
-type Panic = Box<dyn std::any::Any + Send>;
-
 /// What the work of a [`key_transaction`] runs the application's code
 /// through, and marks the transaction with once it has written.
 pub(crate) struct Guard {
@@ -280,20 +274,6 @@ impl Guard {
     pub(crate) fn committing(&mut self) {
         self.committing = true;
     }
-}
-
-/// The output of `future`, or the payload of a panic raised while it was
-/// polled.
-pub(crate) async fn catch_unwind<F: Future>(future: F) -> Result<F::Output, Panic> {
-    let mut future = pin!(future);
-    poll_fn(
-        |cx| match panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx))) {
-            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
-            Ok(Poll::Pending) => Poll::Pending,
-            Err(payload) => Poll::Ready(Err(payload)),
-        },
-    )
-    .await
 }
 
 /// What the failure of a call's write transaction tells its caller, the

@@ -252,7 +252,7 @@ where
         &bound,
         async |tx: &mut P::Connection| op(tx, bound.request()).await,
     );
-    match crate::config::catch_unwind(call).await {
+    match crate::backend::catch_unwind(call).await {
         Ok(Ok(recorded)) => Ok(Answer::new(
             recorded.outcome,
             recorded.expires_at,

@@ -198,6 +198,12 @@ fn a_lost_connection_is_retryable_in_every_client_librarys_spelling() {
         "Connection was killed",
         "Server shutdown in progress",
         "The client was disconnected by the server because of inactivity.",
+        // mysql_async, diesel-async's client: a socket that failed or closed,
+        // and a connection it knows closed
+        "Input/output error: Input/output error: connection closed",
+        "Input/output error: Input/output error: Connection reset by peer (os error 104)",
+        "Input/output error: Input/output error: Broken pipe (os error 32)",
+        "Driver error: `Connection to the server is closed.'",
     ] {
         assert!(unknown_database_error(message).is_retryable(), "{message}");
     }

@@ -15,7 +15,7 @@ use crate::schema::idempotency_keys;
 
 mod statements;
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) use statements::key_statements;
 pub(crate) use statements::record_values;
 
@@ -118,8 +118,8 @@ fn within_years(at: NaiveDateTime, years: &RangeInclusive<i32>) -> NaiveDateTime
 /// module, so only the crate implements and calls it.
 ///
 /// SQLite and PostgreSQL share the DSL of `find`, `claim` and `store`
-/// (`key_statements!`); MySQL, whose calls always claim first, writes its
-/// own.
+/// (`key_statements!`); MySQL, whose calls always claim first, shares
+/// `find` and writes its own claim and store.
 pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Sized + Sealed {
     /// The backend's name, as events and metrics report it.
     const BACKEND: &'static str;

@@ -1,5 +1,5 @@
-//! The key statements whose DSL is the same on SQLite and PostgreSQL.
-//! diesel's query types are concrete per table and connection, so a
+//! The key statements whose DSL is the same on every backend that takes
+//! them. diesel's query types are concrete per table and connection, so a
 //! generic function would need a bound for every intermediate query type;
 //! the bodies are written once here, one arm per method of
 //! [`KeyStore`](super::KeyStore), and each backend's impl names the methods
@@ -8,13 +8,14 @@
 /// The methods `find`, `claim` and `store` of
 /// [`KeyStore`](super::KeyStore) for the tables of a schema module:
 /// `key_statements!(schema: find, claim, store);` inside the impl. (MySQL,
-/// whose calls always claim first, only ever completes a claimed record,
-/// with a statement it prepares once, and writes its own.)
+/// whose calls always claim first, takes `find` only: it only ever
+/// completes a claimed record, with a statement it prepares once, and
+/// claims with statements of its own.)
 ///
 /// `key_statements!(async schema: ...)` writes the same statements as the
 /// methods of an async [`Driver`](crate::backend::Driver), each awaited:
 /// the statements exist once for both kinds of connection.
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 macro_rules! key_statements {
     (async $schema:ident: $($method:ident),+ $(,)?) => {
         $($crate::backend::keys::key_statements!(@$method $schema [async] [.await] [diesel_async::RunQueryDsl]);)+
@@ -120,7 +121,7 @@ macro_rules! key_statements {
         }
     };
 }
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) use key_statements;
 
 /// The columns of a key record besides its key, in table `$k` (a backend's

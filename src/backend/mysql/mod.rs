@@ -37,16 +37,29 @@
 //! `INSERT IGNORE` (diesel's `on_conflict_do_nothing` here) is never used: it
 //! would turn a value that does not fit into a warning. A deadlock (error
 //! 1213) rolls back the whole transaction, a caller's included, and is
-//! reported as a storage error of kind `SerializationFailure`.
+//! reported as a storage error of kind `SerializationFailure` (of kind
+//! `Unknown` on diesel-async's connection, whose client passes on no
+//! error number for it).
+//!
+//! These rules are written once for `MysqlConnection` and diesel-async's
+//! `AsyncMysqlConnection` (feature `diesel-async`), generic over
+//! [`Session`], which is only how each sends a statement. On the async
+//! connection a call's future may be dropped at any `await`; one dropped
+//! while the session holds what the call took from it (from the lowered
+//! `wait_timeout` to the release of the named lock, the transaction in
+//! between) leaves the connection marked broken ([`TakenSession`]): a pool
+//! discards it, and the server frees the lock when the session closes.
 
+#[cfg(feature = "diesel-async")]
+mod asynchronous;
 mod outbox;
 mod phases;
+mod session;
 
 use std::ops::RangeInclusive;
-use std::panic::{self, AssertUnwindSafe};
+use std::panic;
 
 use chrono::NaiveDateTime;
-use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::dsl::Eq;
 use diesel::expression::{AppearsOnTable, Expression, SelectableExpression, ValidGrouping, is_aggregate};
 use diesel::mysql::{Mysql, MysqlConnection};
@@ -56,10 +69,9 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Datetime, Double, Nullable, Text};
 use diesel_migrations::MigrationHarness;
 
-use super::row_with::{Head, record_with};
-use super::{
-    Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, Stored, transaction_depth, unwind_to_depth,
-};
+use self::session::{Session, TakenSession};
+use super::row_with::Head;
+use super::{Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, at_once, catch_unwind, transaction_depth};
 use crate::in_flight::InFlight;
 use crate::row_status::RecordStatus;
 use crate::telemetry;
@@ -288,10 +300,10 @@ impl RunQueryDsl<MysqlConnection> for Complete<'_> {}
 
 /// Takes the named lock of `(scope, key)`, waiting as `in_flight` allows,
 /// and returns its name for the release.
-fn lock(conn: &mut MysqlConnection, scope: &str, key: &str, in_flight: InFlight) -> QueryResult<String> {
+async fn lock<C: Session>(conn: &mut C, scope: &str, key: &str, in_flight: InFlight) -> QueryResult<String> {
     let key = lock_key(scope, key);
     let seconds = in_flight.wait_millis() as f64 / 1000.0;
-    let (name, taken): (String, Option<i64>) = GetLock { key: &key, seconds }.get_result(conn)?;
+    let (name, taken) = conn.get_lock(GetLock { key: &key, seconds }).await?;
     match taken {
         Some(1) => Ok(name),
         Some(_) => Err(DieselError::DatabaseError(
@@ -324,49 +336,167 @@ fn written<'a>(record: &Record<'a>) -> Written<'a> {
 /// is taken (the insert waited for the holder's transaction, if one was
 /// open, and failed with a duplicate key, which leaves MySQL's transaction
 /// going).
-fn insert_claim(conn: &mut MysqlConnection, record: &Record<'_>) -> QueryResult<bool> {
-    let inserted = diesel::insert_into(k::table)
-        .values((
-            k::scope.eq(record.scope),
-            k::idempotency_key.eq(record.idempotency_key),
-            written(record),
-        ))
-        .execute(conn);
-    match inserted {
+async fn insert_claim<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<bool> {
+    match conn.insert(record).await {
         Ok(_) => Ok(true),
         Err(DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) => Ok(false),
         Err(error) => Err(error),
     }
 }
 
-/// The record of `(scope, key)`, read with `FOR UPDATE`. (MariaDB does not
-/// take diesel's `FOR SHARE`.)
-fn find_for_update(conn: &mut MysqlConnection, scope: &str, key: &str) -> QueryResult<Option<Stored>> {
-    k::table
-        .find((scope, key))
-        .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at))
-        .for_update()
-        .get_result(conn)
-        .optional()
+/// Marks the connection broken, so that its pool discards it instead of
+/// handing out a session that may still hold a key, or the bound of one.
+fn discard<C: Session>(conn: &mut C, error: &DieselError) {
+    tracing::warn!(target: telemetry::TARGET, %error, "could not release the key's named lock");
+    conn.mark_broken();
 }
 
-/// Runs `statement`, which gives the session back what a call took (its
-/// key's named lock, its `wait_timeout`); if it fails, the connection is
-/// discarded.
-fn restore_or_discard<Q>(conn: &mut MysqlConnection, statement: Q)
+/// The record of `(scope, key)` and the database's time, on either kind of
+/// connection.
+async fn read<C: Session>(conn: &mut C, scope: &str, key: &str) -> QueryResult<Read> {
+    if conn.transaction_depth()? > 0 {
+        // In a caller's transaction nothing touches the key table before
+        // the key's named lock is held: at SERIALIZABLE this read would
+        // lock the key's gap until the caller commits, and a call that
+        // holds the named lock would wait for that gap while this one
+        // waits for the named lock, a cycle InnoDB cannot see. The write
+        // path reads the record once it holds the lock.
+        return Ok(Read {
+            record: None,
+            now: conn.database_now().await?,
+            claims_first: true,
+        });
+    }
+    let (now, record) = conn.now_and_record(scope, key).await?;
+    // Every call claims first here (see `hold`).
+    Ok(Read {
+        record,
+        now,
+        claims_first: true,
+    })
+}
+
+/// The transaction that holds a key on MySQL, on either kind of
+/// connection: the idle bound lowered and the key's named lock taken
+/// before it opens (a savepoint in a caller's transaction), and both given
+/// back once it has ended, on every path.
+async fn key_transaction<C, T, E>(
+    conn: &mut C,
+    held: HeldKey<'_>,
+    work: impl AsyncFnOnce(&mut C, bool) -> Result<T, E>,
+) -> Result<T, E>
 where
-    Q: RunQueryDsl<MysqlConnection> + diesel::query_dsl::methods::ExecuteDsl<MysqlConnection>,
+    C: Session,
+    E: From<DieselError>,
 {
-    if let Err(error) = statement.execute(conn) {
-        discard(conn, &error);
+    let depth = conn.transaction_depth()?;
+    let mut session = TakenSession::taking(conn);
+    let name = match take_key(&mut *session, depth, held).await {
+        Ok(name) => name,
+        Err(error) => {
+            session.given_back();
+            return Err(error.into());
+        }
+    };
+    // The lock outlives any transaction: it must be released on every
+    // path, a panic included, and only once the transaction (or the
+    // savepoint) has ended.
+    let result = catch_unwind(async { session.within(async |tx: &mut C| work(tx, false).await).await }).await;
+    let unwound = match result {
+        Ok(_) => Ok(()),
+        Err(_) => session.unwind_to_depth(depth).await,
+    };
+    let given = match unwound {
+        Ok(()) if held.idle_timeout.is_some() => {
+            let release = IdleStatement {
+                depth,
+                bound: IdleBound::ReleaseAndRestore(&name),
+            };
+            session.idle(release).await
+        }
+        Ok(()) => session.release(ReleaseLock(&name)).await,
+        Err(error) => Err(error),
+    };
+    if let Err(error) = given {
+        discard(&mut *session, &error);
+    }
+    session.given_back();
+    match result {
+        Ok(result) => result,
+        Err(payload) => panic::resume_unwind(payload),
     }
 }
 
-/// Marks the connection broken, so that its pool discards it instead of
-/// handing out a session that may still hold a key, or the bound of one.
-fn discard(conn: &mut MysqlConnection, error: &DieselError) {
-    tracing::warn!(target: telemetry::TARGET, %error, "could not release the key's named lock");
-    AnsiTransactionManager::transaction_manager_status_mut(conn).set_in_error();
+/// Lowers the session's `wait_timeout` to the idle bound, if the call has
+/// one, and takes the key's named lock; returns the lock's name. A lock
+/// not taken puts the bound back.
+async fn take_key<C: Session>(conn: &mut C, depth: u32, held: HeldKey<'_>) -> QueryResult<String> {
+    let HeldKey {
+        scope,
+        key,
+        in_flight,
+        idle_timeout,
+        claim: _,
+    } = held;
+    let bound = |bound| IdleStatement { depth, bound };
+    // Lowered before the lock is taken and put back by the statement that
+    // releases it: a client that goes silent at any moment between the two
+    // loses its session, and the key with it, within the bound.
+    if let Some(idle) = idle_timeout {
+        conn.idle(bound(IdleBound::Set(wait_timeout_seconds(idle)))).await?;
+    }
+    let locked = lock(conn, scope, key, in_flight).await;
+    if locked.is_err() && idle_timeout.is_some() {
+        if let Err(error) = conn.idle(bound(IdleBound::Restore)).await {
+            discard(conn, &error);
+        }
+    }
+    locked
+}
+
+/// How a call's transaction holds its key, on either kind of connection:
+/// always by a claim first (see the module docs).
+async fn hold<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
+    if insert_claim(conn, record).await? {
+        return Ok(Hold::Claimed { took_over: false });
+    }
+    // A lost claim is far more often a replay than an expired record to
+    // take over, so the record is read first, with a lock: a locking read
+    // sees the latest commit whatever the transaction's snapshot.
+    match conn.find_for_update(record.scope, record.idempotency_key).await? {
+        Some(stored) if stored.expires_at > record.created_at => Ok(Hold::Recorded(stored)),
+        // Expired (and now locked by this transaction), or purged since the
+        // claim met it.
+        _ => Ok(claim(conn, record).await?.hold().unwrap_or(Hold::ClaimedElsewhere)),
+    }
+}
+
+/// Claims `record`'s key, on either kind of connection.
+async fn claim<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<Claim> {
+    if insert_claim(conn, record).await? {
+        return Ok(Claim::Inserted);
+    }
+    // An existing record is taken over by a second, guarded statement only
+    // if its retention has ended.
+    Ok(if conn.take_over(record).await? == 1 {
+        Claim::TookOver
+    } else {
+        Claim::Refused
+    })
+}
+
+/// Stores the completed `record`, on either kind of connection. Every call
+/// claims its key first (see [`hold`]), so a record is only ever completed
+/// here.
+async fn store<C: Session>(conn: &mut C, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
+    let stored = match hold {
+        Hold::Claimed { .. } => conn.complete(record).await?,
+        Hold::Free | Hold::Expired | Hold::Recorded(_) | Hold::ClaimedElsewhere => 0,
+    };
+    // The key is held by this transaction; anything else means something
+    // bypasses the lock, and committing would leave an executed operation
+    // without its result.
+    KeyRecordChanged::check(stored)
 }
 
 impl KeyStore for MysqlConnection {
@@ -382,26 +512,7 @@ impl KeyStore for MysqlConnection {
     }
 
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
-        if transaction_depth(self)? > 0 {
-            // In a caller's transaction nothing touches the key table before
-            // the key's named lock is held: at SERIALIZABLE this read would
-            // lock the key's gap until the caller commits, and a call that
-            // holds the named lock would wait for that gap while this one
-            // waits for the named lock, a cycle InnoDB cannot see. The write
-            // path reads the record once it holds the lock.
-            return Ok(Read {
-                record: None,
-                now: self.database_now()?,
-                claims_first: true,
-            });
-        }
-        let (now, record) = record_with::<DatabaseNow, Datetime, _, NaiveDateTime>(self, scope, key)?;
-        // Every call claims first here (see `hold`).
-        Ok(Read {
-            record,
-            now,
-            claims_first: true,
-        })
+        at_once(read(self, scope, key))
     }
 
     fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
@@ -416,47 +527,9 @@ impl KeyStore for MysqlConnection {
     where
         E: From<DieselError>,
     {
-        let HeldKey {
-            scope,
-            key,
-            in_flight,
-            idle_timeout,
-            claim: _,
-        } = held;
-        let depth = transaction_depth(self)?;
-        let bound = |bound| IdleStatement { depth, bound };
-        // Lowered before the lock is taken and put back by the statement
-        // that releases it: a client that goes silent at any moment between
-        // the two loses its session, and the key with it, within the bound.
-        if let Some(idle) = idle_timeout {
-            bound(IdleBound::Set(wait_timeout_seconds(idle))).execute(self)?;
-        }
-        let name = match lock(self, scope, key, in_flight) {
-            Ok(name) => name,
-            Err(error) => {
-                if idle_timeout.is_some() {
-                    restore_or_discard(self, bound(IdleBound::Restore));
-                }
-                return Err(error.into());
-            }
-        };
-        // The lock outlives any transaction: it must be released on every
-        // path, a panic included, and only once the transaction (or the
-        // savepoint) has ended.
-        let result = panic::catch_unwind(AssertUnwindSafe(|| self.transaction(|conn| f(conn, false))));
-        let unwound = match result {
-            Ok(_) => Ok(()),
-            Err(_) => unwind_to_depth(self, depth),
-        };
-        match unwound {
-            Ok(()) if idle_timeout.is_some() => restore_or_discard(self, bound(IdleBound::ReleaseAndRestore(&name))),
-            Ok(()) => restore_or_discard(self, ReleaseLock(&name)),
-            Err(error) => discard(self, &error),
-        }
-        match result {
-            Ok(result) => result,
-            Err(payload) => panic::resume_unwind(payload),
-        }
+        at_once(key_transaction(self, held, async |tx: &mut Self, claimed| {
+            f(tx, claimed)
+        }))
     }
 
     fn write<T, E>(&mut self, _in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
@@ -469,37 +542,11 @@ impl KeyStore for MysqlConnection {
     }
 
     fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
-        // Always the claim first: see the module docs.
-        let (scope, key) = (record.scope, record.idempotency_key);
-        if insert_claim(self, record)? {
-            return Ok(Hold::Claimed { took_over: false });
-        }
-        // A lost claim is far more often a replay than an expired record to
-        // take over, so the record is read first, with a lock: a locking
-        // read sees the latest commit whatever the transaction's snapshot.
-        match find_for_update(self, scope, key)? {
-            Some(stored) if stored.expires_at > record.created_at => Ok(Hold::Recorded(stored)),
-            // Expired (and now locked by this transaction), or purged since
-            // the claim met it.
-            _ => Ok(self.claim(record)?.hold().unwrap_or(Hold::ClaimedElsewhere)),
-        }
+        at_once(hold(self, record))
     }
 
     fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim> {
-        if insert_claim(self, record)? {
-            return Ok(Claim::Inserted);
-        }
-        // An existing record is taken over by a second, guarded statement
-        // only if its retention has ended.
-        let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
-            .filter(k::expires_at.le(record.created_at))
-            .set(written(record))
-            .execute(self)?;
-        Ok(if taken_over == 1 {
-            Claim::TookOver
-        } else {
-            Claim::Refused
-        })
+        at_once(claim(self, record))
     }
 
     fn await_replication(&mut self) -> QueryResult<()> {
@@ -553,32 +600,57 @@ impl KeyStore for MysqlConnection {
     }
 
     fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
-        // Every call claims its key first (see `hold`), so a record is only
-        // ever completed here.
-        let stored = match hold {
-            Hold::Claimed { .. } => Complete(record).execute(self)?,
-            Hold::Free | Hold::Expired | Hold::Recorded(_) | Hold::ClaimedElsewhere => 0,
-        };
-        // The key is held by this transaction; anything else means
-        // something bypasses the lock, and committing would leave an
-        // executed operation without its result.
-        KeyRecordChanged::check(stored)
+        at_once(store(self, hold, record))
     }
 
-    fn find(&mut self, scope: &str, key: &str) -> QueryResult<Option<Stored>> {
-        k::table
-            .find((scope, key))
-            .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at))
-            .get_result(self)
-            .optional()
-    }
+    super::keys::key_statements!(schema: find);
 }
 
 #[cfg(test)]
 mod tests {
     use chrono::Duration;
+    use diesel::mysql::MysqlConnection;
+    use diesel::result::{DatabaseErrorKind, Error as DieselError};
 
     use super::{MAX_WAIT_TIMEOUT, lock_key, wait_timeout_seconds};
+    use crate::backend::KeyStore;
+    use crate::error::is_connection_lost;
+
+    fn error(kind: DatabaseErrorKind, message: &str) -> DieselError {
+        DieselError::DatabaseError(kind, Box::new(message.to_owned()))
+    }
+
+    #[test]
+    fn the_async_clients_errors_read_as_the_sync_clients() {
+        // mysql_async, as diesel-async passes its errors on: a socket that
+        // closed under a COMMIT leaves the outcome unknown, and is a lost
+        // connection.
+        let lost = error(
+            DatabaseErrorKind::Unknown,
+            "Input/output error: Input/output error: connection closed",
+        );
+        assert!(is_connection_lost(&lost));
+        assert!(!MysqlConnection::commit_rolled_back(&lost));
+        let closed = error(
+            DatabaseErrorKind::Unknown,
+            "Driver error: `Connection to the server is closed.'",
+        );
+        assert!(is_connection_lost(&closed));
+        assert!(!MysqlConnection::commit_rolled_back(&closed));
+        // The server's own errors arrive by their message, with the kinds
+        // diesel-async derives from their numbers.
+        let waited = error(
+            DatabaseErrorKind::Unknown,
+            "Lock wait timeout exceeded; try restarting transaction",
+        );
+        assert!(MysqlConnection::is_in_flight_timeout(&waited));
+        assert!(!is_connection_lost(&waited));
+        let refused = error(
+            DatabaseErrorKind::UniqueViolation,
+            "Duplicate entry 'a' for key 'PRIMARY'",
+        );
+        assert!(MysqlConnection::commit_rolled_back(&refused));
+    }
 
     #[test]
     fn the_idle_bound_is_whole_seconds_rounded_up_within_what_the_server_takes() {

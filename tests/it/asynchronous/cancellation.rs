@@ -1,11 +1,17 @@
 //! A call's future dropped at any of its `await`s (a timeout, a server
 //! whose client hung up) changes nothing by halves: what the database holds
 //! afterwards is the whole call or nothing of it, the pool never lends the
-//! connection again inside a transaction or holding the key's lock, and a
-//! retry of the key is served within the in-flight wait. Proven by cutting
-//! one call after longer and longer times, from before its first statement
-//! to after its commit, and checking each cut against the database.
+//! connection again inside a transaction, holding the key's lock (MySQL's
+//! named lock outlives the transaction) or with the session's idle bound
+//! still lowered for the call (MySQL's `wait_timeout`), and a retry of the
+//! key is served within the in-flight wait. Proven by cutting one call at
+//! each of its waits in turn, from its first statement to its commit, and
+//! checking each cut against the database.
 
+use std::convert::Infallible;
+use std::future::{Future, poll_fn};
+use std::pin::pin;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use diesel_async::pooled_connection::PoolableConnection;
@@ -13,22 +19,46 @@ use idempotency::{Config, InFlight, KeyStatus, Outcome};
 
 use crate::common::TestDb;
 use crate::common::asynchronous::{AsyncServerDb, async_backend_tests};
-use crate::common::wait::wait_for;
+use crate::common::wait::{PATIENCE, wait_for};
 
-async_backend_tests!(server: a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served);
+async_backend_tests!(
+    server: a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served,
+    an_async_call_dropped_while_it_waits_for_its_key_leaves_its_connection_to_be_discarded,
+);
 
-/// How much longer each cut lets the call run than the one before.
-const STEP: Duration = Duration::from_micros(150);
+/// The output of `future` if it is ready before it has waited `waits`
+/// times; otherwise `None`, and the future dropped at its wait after
+/// those, as a timeout or a server whose client hung up drops it. A
+/// future can be dropped only while it waits, so the cuts after 0, 1, 2,
+/// ... waits are every moment a call can be cut at, whatever the timer's
+/// resolution.
+async fn cut_after<F: Future>(waits: usize, future: F) -> Option<F::Output> {
+    let mut future = pin!(future);
+    let mut left = waits;
+    poll_fn(|cx| match future.as_mut().poll(cx) {
+        Poll::Ready(output) => Poll::Ready(Some(output)),
+        Poll::Pending if left == 0 => Poll::Ready(None),
+        Poll::Pending => {
+            left -= 1;
+            Poll::Pending
+        }
+    })
+    .await
+}
 
 async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<D: AsyncServerDb>() {
     let db = D::new();
     let pool = db.async_pool(1).await;
     let config = Config::default().in_flight(InFlight::Wait(chrono::Duration::seconds(5)));
     let mut admin = db.conn();
+    let own_bound = {
+        let mut conn = pool.get().await.expect("a connection from the pool");
+        D::idle_bound(&mut conn).await
+    };
     let (mut dropped_inside, mut dropped_outside) = (0, 0);
-    let mut cut = Duration::ZERO;
+    let mut waits = 0;
     for attempt in 0.. {
-        assert!(attempt < 2_000, "a call never finished within {cut:?}");
+        assert!(waits < 2_000, "a call never finished within {waits} waits");
         let key = format!("order-{attempt}");
         let mut conn = pool.get().await.expect("a connection from the pool");
         let session = D::session_of(&mut conn).await;
@@ -36,24 +66,34 @@ async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<
             D::insert_order(tx, &key).await?;
             Ok::<_, diesel::result::Error>(1)
         });
-        let started = Instant::now();
-        let finished = tokio::time::timeout(cut, call).await;
-        let ran_for = started.elapsed();
+        let finished = cut_after(waits, call).await;
         let broken = conn.is_broken();
         match (&finished, broken) {
-            (Ok(outcome), _) => assert_eq!(outcome.as_ref().expect("the whole call"), &Outcome::Executed(1)),
-            (Err(_), true) => dropped_inside += 1,
-            (Err(_), false) => dropped_outside += 1,
+            (Some(outcome), _) => assert_eq!(outcome.as_ref().expect("the whole call"), &Outcome::Executed(1)),
+            (None, true) => dropped_inside += 1,
+            (None, false) => dropped_outside += 1,
         }
-        // Back to the pool, which drops a connection left in a transaction.
+        // Back to the pool, which drops a connection left in a transaction
+        // (or, on MySQL, holding the key's named lock or its idle bound).
         drop(conn);
         if broken {
             tokio::task::block_in_place(|| {
                 wait_for("the dropped connection's session to end", || {
                     !D::session_exists(&mut admin, session)
-                })
+                });
+                // PostgreSQL lists a session that ends no more a moment
+                // before it lets go of its locks.
+                wait_for("the ended session's locks to be free", || {
+                    db.key_lock_holder(&mut admin, "shop", &key).is_none()
+                });
             });
         }
+
+        assert_eq!(
+            db.key_lock_holder(&mut admin, "shop", &key),
+            None,
+            "cut at wait {waits}: no session holds the key's lock"
+        );
 
         let mut conn = pool.get().await.expect("a connection from the pool");
         assert!(!conn.is_broken(), "the pool lends no connection inside a transaction");
@@ -62,13 +102,18 @@ async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<
             D::session_is_idle(&mut admin, lent),
             "the lent session is in no transaction"
         );
+        assert_eq!(
+            D::idle_bound(&mut conn).await,
+            own_bound,
+            "cut at wait {waits}: the lent session has its own idle bound"
+        );
         let orders = orders_of::<D>(&mut admin, &key);
         let status = config
             .status::<_, i32>(&mut admin, "shop", &key)
             .expect("the key's status");
         match (orders, &status) {
             (0, KeyStatus::NoRecord) | (1, KeyStatus::Completed { response: 1, .. }) => {}
-            other => panic!("cut after {ran_for:?}: orders and record {other:?} are not one whole call"),
+            other => panic!("cut at wait {waits}: orders and record {other:?} are not one whole call"),
         }
         let retried = config
             .run_async(&mut *conn, "shop", &key, &key, async |tx: &mut D::Async| {
@@ -82,24 +127,112 @@ async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<
         } else {
             Outcome::Replayed(1)
         };
-        assert_eq!(retried, expected, "cut after {ran_for:?}");
+        assert_eq!(retried, expected, "cut at wait {waits}");
         assert_eq!(
             orders_of::<D>(&mut admin, &key),
             1,
             "one order for the key after its retry"
         );
-        if finished.is_ok() {
+        if finished.is_some() {
             break;
         }
-        cut += STEP;
+        // Only the read comes before the call takes its key, and a server
+        // that answers it before the call first waits leaves no cut there:
+        // the first cut is made again until one falls there.
+        if waits > 0 || dropped_outside > 0 || attempt >= 50 {
+            waits += 1;
+        }
     }
     assert!(
         dropped_inside > 0 && dropped_outside > 0,
-        "the cuts fell inside the transaction ({dropped_inside}) and outside it ({dropped_outside})"
+        "the cuts fell where they leave the connection to be discarded ({dropped_inside}) and where they leave it \
+         as it was ({dropped_outside})"
     );
 }
 
 /// The orders placed for `key`, whose item is the key itself.
 fn orders_of<D: TestDb>(conn: &mut D::Conn, key: &str) -> usize {
     D::orders(conn).iter().filter(|(_, item)| item == key).count()
+}
+
+/// The one moment the cuts above may miss, made certain: a call dropped
+/// while the server shows it waiting for the lock of a key another call
+/// holds. On MySQL the session then holds the call's lowered idle bound and
+/// may get the named lock once the holder lets go, with no transaction
+/// open: only the connection marked broken keeps the pool from lending it.
+async fn an_async_call_dropped_while_it_waits_for_its_key_leaves_its_connection_to_be_discarded<D: AsyncServerDb>() {
+    let db = D::new();
+    let pool = db.async_pool(1).await;
+    let config = Config::default().in_flight(InFlight::Wait(chrono::Duration::seconds(30)));
+    let mut admin = db.conn();
+    let own_bound = {
+        let mut conn = pool.get().await.expect("a connection from the pool");
+        D::idle_bound(&mut conn).await
+    };
+    let (inside_tx, inside) = tokio::sync::oneshot::channel();
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    let mut holding = db.connect().await;
+    let holder = config.run_async(&mut holding, "shop", "order-1", &"book", async |tx: &mut D::Async| {
+        D::insert_order(tx, "book").await?;
+        inside_tx.send(()).expect("the test waits");
+        released.await.expect("the test releases the holder");
+        Ok::<_, diesel::result::Error>(1)
+    });
+    let waiter = async {
+        inside.await.expect("the holder runs its operation");
+        let mut conn = pool.get().await.expect("a connection from the pool");
+        let session = D::session_of(&mut conn).await;
+        {
+            let call = config.run_async(&mut *conn, "shop", "order-1", &"book", async |_: &mut D::Async| {
+                Ok::<_, Infallible>(2)
+            });
+            let mut call = std::pin::pin!(call);
+            let deadline = Instant::now() + PATIENCE;
+            loop {
+                tokio::select! {
+                    biased;
+                    outcome = &mut call => panic!("the call ended while another held its key: {outcome:?}"),
+                    () = tokio::time::sleep(Duration::from_millis(5)) => {}
+                }
+                if tokio::task::block_in_place(|| D::session_waits_for_a_key(&mut admin, session)) {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "the call never waited for the key");
+            }
+        }
+        assert!(
+            conn.is_broken(),
+            "a call dropped in its wait for the key leaves its connection to be discarded"
+        );
+        drop(conn);
+        release.send(()).expect("the holder waits");
+        session
+    };
+    let (held, dropped) = tokio::join!(holder, waiter);
+    assert_eq!(held.expect("the holder"), Outcome::Executed(1));
+    tokio::task::block_in_place(|| {
+        D::wait_until_gone(&mut admin, dropped);
+        wait_for("the ended session's locks to be free", || {
+            db.key_lock_holder(&mut admin, "shop", "order-1").is_none()
+        });
+    });
+
+    let mut conn = pool.get().await.expect("a connection from the pool");
+    assert_ne!(
+        D::session_of(&mut conn).await,
+        dropped,
+        "the pool dropped the connection"
+    );
+    assert_eq!(
+        D::idle_bound(&mut conn).await,
+        own_bound,
+        "the lent session has its own idle bound"
+    );
+    let retried = config
+        .run_async(&mut *conn, "shop", "order-1", &"book", async |_: &mut D::Async| {
+            Ok::<_, Infallible>(2)
+        })
+        .await;
+    assert_eq!(retried.expect("the retry is served"), Outcome::Replayed(1));
+    assert_eq!(orders_of::<D>(&mut admin, "book"), 1, "the holder's order, once");
 }

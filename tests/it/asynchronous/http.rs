@@ -259,3 +259,21 @@ async_http_tests!(
     super::deadpool_pool,
     |pool: &diesel_async::pooled_connection::deadpool::Pool<_>| pool.status().size
 );
+#[cfg(feature = "mysql")]
+async_http_tests!(
+    mysql_bb8,
+    crate::common::mysql::Db,
+    diesel_async::AsyncMysqlConnection,
+    diesel_async::pooled_connection::bb8::Pool<diesel_async::AsyncMysqlConnection>,
+    super::bb8_pool,
+    |pool: &diesel_async::pooled_connection::bb8::Pool<_>| pool.state().connections
+);
+#[cfg(feature = "mysql")]
+async_http_tests!(
+    mysql_deadpool,
+    crate::common::mysql::Db,
+    diesel_async::AsyncMysqlConnection,
+    diesel_async::pooled_connection::deadpool::Pool<diesel_async::AsyncMysqlConnection>,
+    super::deadpool_pool,
+    |pool: &diesel_async::pooled_connection::deadpool::Pool<_>| pool.status().size
+);

@@ -8,7 +8,7 @@
 mod cancellation;
 #[cfg(feature = "axum")]
 mod http;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod killed_sessions;
 
 use std::convert::Infallible;
@@ -252,6 +252,12 @@ spawned_call!(
     an_async_call_on_postgres_runs_on_a_spawned_task,
     crate::common::pg::Db,
     diesel_async::AsyncPgConnection
+);
+#[cfg(feature = "mysql")]
+spawned_call!(
+    an_async_call_on_mysql_runs_on_a_spawned_task,
+    crate::common::mysql::Db,
+    diesel_async::AsyncMysqlConnection
 );
 
 /// The output of `future`, or the panic raised while it was polled.

@@ -7,6 +7,8 @@ use std::future::Future;
 
 use diesel::sqlite::SqliteConnection;
 use diesel::{ExpressionMethods, QueryResult};
+#[cfg(feature = "mysql")]
+use diesel_async::AsyncMysqlConnection;
 #[cfg(feature = "postgres")]
 use diesel_async::AsyncPgConnection;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, PoolableConnection};
@@ -39,6 +41,12 @@ pub trait AsyncServerDb: AsyncDb<Async: PoolableConnection> + ServerDb {
 
     /// The server's id of `conn`'s session, as [`ServerDb`] names sessions.
     fn session_of(conn: &mut Self::Async) -> impl Future<Output = i64> + Send;
+
+    /// The bound the session of `conn` puts on how long the server waits
+    /// for its client, as the server shows it outside a transaction
+    /// (PostgreSQL: `idle_in_transaction_session_timeout`; MySQL:
+    /// `wait_timeout`, which a call lowers for as long as it holds its key).
+    fn idle_bound(conn: &mut Self::Async) -> impl Future<Output = String> + Send;
 }
 
 impl AsyncDb for super::sqlite::Db {
@@ -97,6 +105,65 @@ impl AsyncServerDb for super::pg::Db {
             .expect("the session's backend pid")
             .into()
     }
+
+    async fn idle_bound(conn: &mut AsyncPgConnection) -> String {
+        diesel::select(diesel::dsl::sql::<diesel::sql_types::Text>(
+            "current_setting('idle_in_transaction_session_timeout')",
+        ))
+        .get_result(conn)
+        .await
+        .expect("the session's idle_in_transaction_session_timeout")
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl AsyncDb for super::mysql::Db {
+    type Async = AsyncMysqlConnection;
+
+    async fn connect(&self) -> AsyncMysqlConnection {
+        AsyncMysqlConnection::establish(self.url())
+            .await
+            .expect("an async connection to the test's database")
+    }
+
+    async fn insert_order(conn: &mut AsyncMysqlConnection, item: &str) -> QueryResult<()> {
+        diesel::insert_into(orders::table)
+            .values((orders::item.eq(item), orders::quantity.eq(1)))
+            .execute(conn)
+            .await
+            .map(drop)
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl AsyncServerDb for super::mysql::Db {
+    type Manager = AsyncDieselConnectionManager<AsyncMysqlConnection>;
+
+    async fn async_pool(&self, size: u32) -> bb8::Pool<Self::Manager> {
+        bb8::Pool::builder()
+            .max_size(size)
+            .build(AsyncDieselConnectionManager::new(self.url()))
+            .await
+            .expect("a pool of async connections")
+    }
+
+    async fn session_of(conn: &mut AsyncMysqlConnection) -> i64 {
+        let id: u64 = diesel::select(
+            diesel::dsl::sql::<diesel::sql_types::Unsigned<diesel::sql_types::BigInt>>("CONNECTION_ID()"),
+        )
+        .get_result(conn)
+        .await
+        .expect("the session's connection id");
+        i64::try_from(id).expect("a connection id within i64")
+    }
+
+    async fn idle_bound(conn: &mut AsyncMysqlConnection) -> String {
+        diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>("@@SESSION.wait_timeout"))
+            .get_result::<i64>(conn)
+            .await
+            .expect("the session's wait_timeout")
+            .to_string()
+    }
 }
 
 /// Emits a `#[tokio::test]` per backend with an async connection for each
@@ -106,11 +173,15 @@ macro_rules! async_backend_tests {
     (server: $($test:ident),+ $(,)?) => {
         #[cfg(feature = "postgres")]
         $crate::common::asynchronous::async_backend_tests!(@backend postgres, $crate::common::pg::Db, $($test),+);
+        #[cfg(feature = "mysql")]
+        $crate::common::asynchronous::async_backend_tests!(@backend mysql, $crate::common::mysql::Db, $($test),+);
     };
     ($($test:ident),+ $(,)?) => {
         $crate::common::asynchronous::async_backend_tests!(@backend sqlite, $crate::common::sqlite::Db, $($test),+);
         #[cfg(feature = "postgres")]
         $crate::common::asynchronous::async_backend_tests!(@backend postgres, $crate::common::pg::Db, $($test),+);
+        #[cfg(feature = "mysql")]
+        $crate::common::asynchronous::async_backend_tests!(@backend mysql, $crate::common::mysql::Db, $($test),+);
     };
     (@backend $backend:ident, $db:ty, $($test:ident),+) => {
         mod $backend {

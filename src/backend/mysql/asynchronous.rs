@@ -1,0 +1,95 @@
+//! MySQL and MariaDB on diesel-async's `AsyncMysqlConnection`: the
+//! statements of `MysqlConnection`'s [`KeyStore`](crate::backend::KeyStore),
+//! the same SQL, the same named lock and the same idle bound, sent and
+//! awaited. The rules that decide which to send, and how a failure is read,
+//! are `MysqlConnection`'s, in `mod.rs`; only the sending is here.
+//!
+//! diesel-async's MySQL client reports what the server refused with the
+//! kinds diesel knows (a duplicate key is a `UniqueViolation`), and
+//! everything else, a lost connection among it, as `Unknown` with its own
+//! text, which [`is_connection_lost`](crate::error) reads.
+
+use chrono::NaiveDateTime;
+use diesel::QueryResult;
+use diesel::mysql::MysqlConnection;
+use diesel::result::Error as DieselError;
+use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, TransactionManager};
+
+use super::session::{Session, sends};
+use super::{UtcNow, schema};
+use crate::backend::{
+    AsyncStoreConnection, AsyncTransaction, Driver, HeldKey, Hold, Read, Record, async_transaction_depth,
+    async_unwind_to_depth, end_transaction, sealed,
+};
+
+impl sealed::Sealed for AsyncMysqlConnection {}
+
+impl AsyncStoreConnection for AsyncMysqlConnection {}
+
+impl Driver for AsyncMysqlConnection {
+    type Rules = MysqlConnection;
+
+    async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
+        super::read(self, scope, key).await
+    }
+
+    async fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
+        diesel::select(UtcNow).get_result(self).await
+    }
+
+    fn transaction_depth(&mut self) -> QueryResult<u32> {
+        async_transaction_depth(self)
+    }
+
+    async fn unwind_to_depth(&mut self, depth: u32) -> QueryResult<()> {
+        async_unwind_to_depth(self, depth).await
+    }
+
+    async fn key_transaction<T, E>(
+        &mut self,
+        held: HeldKey<'_>,
+        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        super::key_transaction(self, held, work).await
+    }
+
+    async fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
+        super::hold(self, record).await
+    }
+
+    async fn claim(&mut self, record: &Record<'_>) -> QueryResult<crate::backend::Claim> {
+        super::claim(self, record).await
+    }
+
+    async fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
+        super::store(self, hold, record).await
+    }
+
+    async fn await_replication(&mut self) -> QueryResult<()> {
+        // As on `MysqlConnection`: no durable replays on MySQL.
+        Ok(())
+    }
+
+    crate::backend::keys::key_statements!(async schema: find);
+}
+
+impl Session for AsyncMysqlConnection {
+    sends!([.await] [diesel_async::RunQueryDsl]);
+
+    async fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        <AnsiTransactionManager as TransactionManager<Self>>::begin_transaction(self).await?;
+        let mut tx = AsyncTransaction::opened(self);
+        let result = work(&mut tx).await;
+        end_transaction(tx, result).await
+    }
+
+    fn mark_broken(&mut self) {
+        <AnsiTransactionManager as TransactionManager<Self>>::transaction_manager_status_mut(self).set_in_error();
+    }
+}
