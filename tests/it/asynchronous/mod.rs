@@ -6,6 +6,7 @@
 //! the database holds, read through a synchronous connection.
 
 mod cancellation;
+mod careless;
 #[cfg(feature = "axum")]
 mod http;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
