@@ -16,20 +16,34 @@ use tokio::io::AsyncWriteExt;
 /// a request its client gives up on.
 const HANGS: &str = "hangs";
 
+/// The item whose operation panics once it has inserted its order.
+const PANICS: &str = "panics";
+
+/// The longest key the service's policy accepts: shorter than the
+/// extractor's limit, so that the policy refuses keys the header allows.
+const MAX_KEY_LEN: usize = 32;
+
 #[derive(serde::Serialize, serde::Deserialize)]
 struct NewOrder {
     item: String,
 }
 
 fn config() -> Config {
-    Config::default().in_flight(idempotency::InFlight::Wait(chrono::Duration::seconds(5)))
+    Config::default()
+        .in_flight(idempotency::InFlight::Wait(chrono::Duration::seconds(5)))
+        .max_key_len(MAX_KEY_LEN)
 }
 
 /// Sends `POST /orders` with `key` and the order of `item` to `addr`;
 /// returns the status and whether the answer is a replay.
 async fn post(addr: std::net::SocketAddr, key: &str, item: &str) -> (StatusCode, bool) {
+    post_to(addr, "/orders", key, item).await
+}
+
+/// [`post`] to `path`.
+async fn post_to(addr: std::net::SocketAddr, path: &str, key: &str, item: &str) -> (StatusCode, bool) {
     let response = crate::common::http::client()
-        .post(format!("http://{addr}/orders"))
+        .post(format!("http://{addr}{path}"))
         .header("Idempotency-Key", key)
         .json(&NewOrder { item: item.to_owned() })
         .send()
@@ -73,7 +87,7 @@ macro_rules! async_http_tests {
             use idempotency::http::{self, IdempotencyKey, StoredResponse};
             use tokio::sync::Notify;
 
-            use super::{HANGS, NewOrder};
+            use super::{HANGS, MAX_KEY_LEN, NewOrder, PANICS};
             use crate::common::TestDb;
             use crate::common::asynchronous::AsyncDb;
             use crate::common::http::Anyone;
@@ -104,6 +118,9 @@ macro_rules! async_http_tests {
                             app.inside.notify_one();
                             std::future::pending::<()>().await;
                         }
+                        if order.item == PANICS {
+                            panic!("the operation panics after its insert");
+                        }
                         Ok::<_, StatusCode>(StoredResponse::new(StatusCode::CREATED, order.item.clone()))
                     },
                 )
@@ -122,6 +139,7 @@ macro_rules! async_http_tests {
                 });
                 let router = Router::new()
                     .route("/orders", post(place))
+                    .route("/returns", post(place))
                     .with_state(app.clone());
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
                     .await
@@ -148,6 +166,62 @@ macro_rules! async_http_tests {
                 );
                 let orders = tokio::task::block_in_place(|| <$db as TestDb>::order_items(&mut db.conn()));
                 assert_eq!(orders, ["book"]);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn the_same_key_at_another_endpoint_is_a_422_and_runs_nothing() {
+                let (db, addr, _app) = serve(2).await;
+                assert_eq!(
+                    super::post(addr, "k-1", "book").await,
+                    (StatusCode::CREATED, false)
+                );
+                assert_eq!(
+                    super::post_to(addr, "/returns", "k-1", "book").await.0,
+                    StatusCode::UNPROCESSABLE_ENTITY
+                );
+                let orders = tokio::task::block_in_place(|| <$db as TestDb>::order_items(&mut db.conn()));
+                assert_eq!(orders, ["book"]);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_panicking_operation_is_a_500_and_leaves_nothing() {
+                let (db, addr, _app) = serve(1).await;
+                assert_eq!(
+                    super::post(addr, "k-1", PANICS).await.0,
+                    StatusCode::INTERNAL_SERVER_ERROR
+                );
+                let (orders, keys) = tokio::task::block_in_place(|| {
+                    let mut conn = db.conn();
+                    (
+                        <$db as TestDb>::order_count(&mut conn),
+                        <$db as TestDb>::key_count(&mut conn),
+                    )
+                });
+                assert_eq!((orders, keys), (0, 0), "rolled back");
+                // The pool's one connection came back out of the transaction.
+                assert_eq!(
+                    super::post(addr, "k-1", "book").await,
+                    (StatusCode::CREATED, false)
+                );
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_key_the_policy_refuses_is_a_400_while_every_connection_is_busy() {
+                let (db, addr, app) = serve(1).await;
+                let held = app.pool.get().await.expect("the pool's one connection");
+                let long = "k".repeat(MAX_KEY_LEN + 1);
+                // Well within any pool's wait for a connection: a refusal
+                // that waited for one would come too late.
+                let refused = tokio::time::timeout(
+                    std::time::Duration::from_secs(2),
+                    super::post(addr, &long, "book"),
+                )
+                .await
+                .expect("answered without a connection");
+                assert_eq!(refused.0, StatusCode::BAD_REQUEST);
+                drop(held);
+                let orders = tokio::task::block_in_place(|| <$db as TestDb>::order_count(&mut db.conn()));
+                assert_eq!(orders, 0);
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
