@@ -85,13 +85,10 @@ where
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use diesel::SqliteConnection;
 /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
-/// use diesel_async::AsyncConnection;
 /// use idempotency::{run_idempotent_async, Outcome};
 ///
 /// type Conn = SyncConnectionWrapper<SqliteConnection>;
-/// let mut conn = Conn::establish(":memory:").await?;
-/// conn.spawn_blocking(|conn| idempotency::run_migrations(conn).map_err(diesel::result::Error::QueryBuilderError))
-///     .await?;
+/// let mut conn = idempotency::testing::sqlite_memory_async();
 /// for expected in [Outcome::Executed(1), Outcome::Replayed(1)] {
 ///     let outcome = run_idempotent_async(&mut conn, "orders", "3f6c1f2e", &"one book", async |_: &mut Conn| {
 ///         Ok::<_, std::convert::Infallible>(1)
@@ -582,13 +579,10 @@ impl Config {
     /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     /// use diesel::SqliteConnection;
     /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
-    /// use diesel_async::AsyncConnection;
-    /// use idempotency::{Config, Error, InFlight};
+        /// use idempotency::{Config, Error, InFlight};
     ///
     /// type Conn = SyncConnectionWrapper<SqliteConnection>;
-    /// let mut conn = Conn::establish(":memory:").await?;
-    /// conn.spawn_blocking(|conn| idempotency::run_migrations(conn).map_err(diesel::result::Error::QueryBuilderError))
-    ///     .await?;
+    /// let mut conn = idempotency::testing::sqlite_memory_async();
     ///
     /// let config = Config::default().in_flight(InFlight::Reject);
     /// let charge = async |conn: &mut Conn, cents: u32| {
@@ -634,13 +628,10 @@ impl Config {
     /// use chrono::Duration;
     /// use diesel::SqliteConnection;
     /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
-    /// use diesel_async::AsyncConnection;
-    /// use idempotency::{testing::ManualClock, Config};
+        /// use idempotency::{testing::ManualClock, Config};
     ///
     /// type Conn = SyncConnectionWrapper<SqliteConnection>;
-    /// let mut conn = Conn::establish(":memory:").await?;
-    /// conn.spawn_blocking(|conn| idempotency::run_migrations(conn).map_err(diesel::result::Error::QueryBuilderError))
-    ///     .await?;
+    /// let mut conn = idempotency::testing::sqlite_memory_async();
     /// let clock = ManualClock::new();
     /// let config = Config::default().clock(clock.source()).retention(Duration::hours(2));
     /// let first = config.run_recorded_async(&mut conn, "shop", "order-1", &"book", async |_: &mut Conn| Ok::<_, std::convert::Infallible>(1)).await?;

@@ -55,6 +55,32 @@ pub fn sqlite_memory() -> SqliteConnection {
     conn
 }
 
+/// [`sqlite_memory`] behind diesel-async's `SyncConnectionWrapper`
+/// (feature `diesel-async`): an in-memory SQLite database with this
+/// crate's tables, for domain tests of code that runs
+/// [`run_idempotent_async`](crate::run_idempotent_async). Its statements
+/// run on tokio's blocking pool, on the runtime it is made in.
+///
+/// # Panics
+///
+/// As [`sqlite_memory`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use idempotency::{run_idempotent_async, testing, Outcome};
+///
+/// let mut conn = testing::sqlite_memory_async();
+/// let outcome = run_idempotent_async(&mut conn, "tests", "k1", &1, async |_: &mut _| Ok::<_, std::convert::Infallible>(2)).await?;
+/// assert_eq!(outcome, Outcome::Executed(2));
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "diesel-async")]
+pub fn sqlite_memory_async() -> diesel_async::sync_connection_wrapper::SyncConnectionWrapper<SqliteConnection> {
+    diesel_async::sync_connection_wrapper::SyncConnectionWrapper::new(sqlite_memory())
+}
+
 /// A new in-memory SQLite database with this crate's migrations and then
 /// yours applied, for tests of a domain that has its own tables.
 ///

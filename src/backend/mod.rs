@@ -174,9 +174,6 @@ impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-/// use diesel::SqliteConnection;
-/// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
-/// use diesel_async::AsyncConnection;
 /// use idempotency::{run_idempotent_async, AsyncStoreConnection, Error, Outcome};
 ///
 /// // Written once: SQLite in the tests, PostgreSQL in production.
@@ -184,9 +181,7 @@ impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
 ///     run_idempotent_async(conn, "shop", key, &"book", async |_: &mut C| Ok(1)).await
 /// }
 ///
-/// let mut conn = SyncConnectionWrapper::<SqliteConnection>::establish(":memory:").await?;
-/// conn.spawn_blocking(|conn| idempotency::run_migrations(conn).map_err(diesel::result::Error::QueryBuilderError))
-///     .await?;
+/// let mut conn = idempotency::testing::sqlite_memory_async();
 /// assert_eq!(place(&mut conn, "order-1").await?, Outcome::Executed(1));
 /// assert_eq!(place(&mut conn, "order-1").await?, Outcome::Replayed(1));
 /// # Ok(())
