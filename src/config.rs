@@ -579,7 +579,7 @@ impl Config {
     /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     /// use diesel::SqliteConnection;
     /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
-        /// use idempotency::{Config, Error, InFlight};
+    /// use idempotency::{Config, Error, InFlight};
     ///
     /// type Conn = SyncConnectionWrapper<SqliteConnection>;
     /// let mut conn = idempotency::testing::sqlite_memory_async();
@@ -628,7 +628,7 @@ impl Config {
     /// use chrono::Duration;
     /// use diesel::SqliteConnection;
     /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
-        /// use idempotency::{testing::ManualClock, Config};
+    /// use idempotency::{testing::ManualClock, Config};
     ///
     /// type Conn = SyncConnectionWrapper<SqliteConnection>;
     /// let mut conn = idempotency::testing::sqlite_memory_async();

@@ -154,7 +154,7 @@ fn under_kills<D: ServerDb>(
 }
 
 /// Counts the answers by what they told, for a failure message.
-pub fn tally(answers: &[(String, Told)]) -> BTreeMap<Told, usize> {
+fn tally(answers: &[(String, Told)]) -> BTreeMap<Told, usize> {
     let mut tally = BTreeMap::new();
     for (_, answer) in answers {
         *tally.entry(*answer).or_default() += 1;
@@ -188,26 +188,18 @@ pub fn orders_placed<D: ServerDb>(conn: &mut D::Conn) -> Vec<String> {
     D::order_items(conn)
 }
 
-fn killed_sessions_leave_every_call_told_what_committed<D: ServerDb>() {
-    let db = D::new();
-    let config = Config::default().in_flight(InFlight::Wait(chrono::Duration::seconds(5)));
-    let (answers, kills) = under_kills(&db, |conn, worker, n| {
-        let key = format!("w{worker}-{n}");
-        let result = config.run(conn, SCOPE, &key, &key, |tx| D::place_order(tx, &key, 1));
-        (key, told(&result))
-    });
-    assert_faults_hit(&answers, kills);
-
-    let mut conn = db.conn();
-    let orders = orders_placed::<D>(&mut conn);
-    let records: HashSet<String> = D::keys_in_scope(&mut conn, SCOPE).into_iter().collect();
+/// Compares every call's answer with what `conn`'s database holds: each
+/// order placed once and with its key record, no call told the opposite of
+/// what committed. Returns the keys whose calls committed.
+pub fn assert_told_what_committed<D: ServerDb>(conn: &mut D::Conn, answers: &[(String, Told)]) -> HashSet<String> {
+    let orders = orders_placed::<D>(conn);
+    let records: HashSet<String> = D::keys_in_scope(conn, SCOPE).into_iter().collect();
     let placed: HashSet<String> = orders.iter().cloned().collect();
     assert_eq!(placed.len(), orders.len(), "an order was placed twice");
     assert_eq!(
         placed, records,
         "every order has its key record, and every record its order"
     );
-
     let lies: Vec<_> = answers
         .iter()
         .filter(|(key, answer)| match answer {
@@ -221,9 +213,24 @@ fn killed_sessions_leave_every_call_told_what_committed<D: ServerDb>() {
         "{} of {} calls were told the opposite of what committed (answers: {:?}); first: {:?}",
         lies.len(),
         answers.len(),
-        tally(&answers),
+        tally(answers),
         &lies[..lies.len().min(5)]
     );
+    records
+}
+
+fn killed_sessions_leave_every_call_told_what_committed<D: ServerDb>() {
+    let db = D::new();
+    let config = Config::default().in_flight(InFlight::Wait(chrono::Duration::seconds(5)));
+    let (answers, kills) = under_kills(&db, |conn, worker, n| {
+        let key = format!("w{worker}-{n}");
+        let result = config.run(conn, SCOPE, &key, &key, |tx| D::place_order(tx, &key, 1));
+        (key, told(&result))
+    });
+    assert_faults_hit(&answers, kills);
+
+    let mut conn = db.conn();
+    let records = assert_told_what_committed::<D>(&mut conn, &answers);
 
     // Every call that failed retries with its key: it replays if and only
     // if it committed, and executes otherwise.

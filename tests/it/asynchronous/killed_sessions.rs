@@ -17,8 +17,8 @@ use idempotency::{Config, InFlight};
 
 use crate::common::asynchronous::{AsyncServerDb, async_backend_tests};
 use crate::killed_sessions::{
-    ENOUGH, Jitter, LEAST, MOST, MOST_CALLS_PER_WORKER, SCOPE, Told, WORKERS, assert_faults_hit, orders_placed, tally,
-    told,
+    ENOUGH, Jitter, LEAST, MOST, MOST_CALLS_PER_WORKER, SCOPE, Told, WORKERS, assert_faults_hit,
+    assert_told_what_committed, orders_placed, told,
 };
 
 async_backend_tests!(server: killed_sessions_leave_every_async_call_told_what_committed);
@@ -98,30 +98,7 @@ async fn killed_sessions_leave_every_async_call_told_what_committed<D: AsyncServ
     assert_faults_hit(&answers, kills.into_inner());
 
     let mut check = db.conn();
-    let orders = orders_placed::<D>(&mut check);
-    let records: HashSet<String> = D::keys_in_scope(&mut check, SCOPE).into_iter().collect();
-    let placed: HashSet<String> = orders.iter().cloned().collect();
-    assert_eq!(placed.len(), orders.len(), "an order was placed twice");
-    assert_eq!(
-        placed, records,
-        "every order has its key record, and every record its order"
-    );
-    let lies: Vec<_> = answers
-        .iter()
-        .filter(|(key, answer)| match answer {
-            Told::Committed => !records.contains(key),
-            Told::Unknown => false,
-            Told::Nothing(_) => records.contains(key),
-        })
-        .collect();
-    assert!(
-        lies.is_empty(),
-        "{} of {} calls were told the opposite of what committed (answers: {:?}); first: {:?}",
-        lies.len(),
-        answers.len(),
-        tally(&answers),
-        &lies[..lies.len().min(5)]
-    );
+    let records = assert_told_what_committed::<D>(&mut check, &answers);
 
     let mut conn = db.connect().await;
     for (key, answer) in answers.iter().filter(|(_, answer)| *answer != Told::Committed) {
