@@ -169,7 +169,7 @@ impl<Time: 'static> Lookup for OperationColumns<Time> {
     );
 }
 
-type OperationColumnsRow = (
+pub(crate) type OperationColumnsRow = (
     Option<String>,
     Option<String>,
     Option<String>,
@@ -194,7 +194,13 @@ where
 {
     let (now, columns) =
         row_with::<H, OperationColumns<Time>, C, (NaiveDateTime, OperationColumnsRow)>(conn, scope, key)?;
-    let row = match columns {
+    Ok((operation_of(columns), now))
+}
+
+/// The operation of an [`OperationColumns`] lookup's columns, if it found
+/// one.
+pub(crate) fn operation_of(columns: OperationColumnsRow) -> Option<OperationRow> {
+    match columns {
         (
             Some(operation),
             Some(request_hash),
@@ -215,6 +221,5 @@ where
             expires_at,
         }),
         _ => None,
-    };
-    Ok((row, now))
+    }
 }

@@ -1,6 +1,6 @@
 //! One call from its read to its commit: the answer from a stored record,
 //! or the write path that holds the key, runs the operation and stores its
-//! result. The write path's transaction, [`key_transaction`], is every
+//! result. The write path's transaction, [`within_key`], is every
 //! step's of a [phased operation](crate::phased) as well.
 
 use std::panic;
@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Config;
-use crate::backend::{Driver, HeldKey, Hold, KeyStore, Panic, Read, Record, Stored, at_once, catch_unwind};
+use crate::backend::{Driver, HeldKey, Hold, KeyStore, Panic, Read, Record, Stored, catch_unwind};
 use crate::codec;
 use crate::error::Error;
 use crate::executing::Executing;
@@ -155,25 +155,6 @@ fn replay<R: DeserializeOwned, E>(stored: Stored, request_hash: &str) -> Result<
 /// [`Error::OutcomeUnknown`] only where `work` marked the transaction
 /// [`committing`](Guard::committing) and it is this call's own, not a
 /// savepoint in a caller's.
-///
-/// The synchronous form, on a [`KeyStore`]; [`within_key`] is the one both
-/// kinds of connection share.
-pub(crate) fn key_transaction<C, T, E>(
-    conn: &mut C,
-    config: &Config,
-    scope_and_key: (&str, &str),
-    trace: Option<&CallTrace>,
-    claim: Option<&Record<'_>>,
-    work: impl FnOnce(&mut C, &mut Guard, bool) -> Result<T, Error<E>>,
-) -> Result<T, Error<E>>
-where
-    C: KeyStore,
-{
-    let work = async |tx: &mut C, guard: &mut Guard, claimed| work(tx, guard, claimed);
-    at_once(within_key(conn, config, scope_and_key, trace, claim, work))
-}
-
-/// [`key_transaction`] on any [`Driver`], `work` awaited.
 pub(crate) async fn within_key<C, T, E>(
     conn: &mut C,
     config: &Config,
@@ -226,7 +207,7 @@ where
     result.map_err(|error| call_error::<C::Rules, E>(error, commits && guard.committing))
 }
 
-/// What the work of a [`key_transaction`] runs the application's code
+/// What the work of a [`within_key`] runs the application's code
 /// through, and marks the transaction with once it has written.
 pub(crate) struct Guard {
     /// When the call began to wait for its key.
@@ -239,7 +220,7 @@ impl Guard {
     /// Runs `f`, the application's code, inside the key transaction. A panic
     /// in it rolls back the levels `f` opened and left open, is kept, and
     /// comes back as an error, which rolls the transaction's own level back
-    /// as any error does; [`key_transaction`] resumes the panic once the
+    /// as any error does; [`within_key`] resumes the panic once the
     /// transaction has ended, so the connection is left out of it. (A
     /// connection that cannot roll back is left marked broken, which makes
     /// its pool discard it.)
@@ -257,16 +238,6 @@ impl Guard {
                 Err(diesel::result::Error::RollbackTransaction)
             }
         }
-    }
-
-    /// [`catching_panic`](Guard::catching_panic) for a plain closure on a
-    /// synchronous connection.
-    pub(crate) fn catching_panic_now<C: KeyStore, T>(
-        &mut self,
-        tx: &mut C,
-        f: impl FnOnce(&mut C) -> T,
-    ) -> QueryResult<T> {
-        at_once(self.catching_panic(tx, async |tx: &mut C| f(tx)))
     }
 
     /// Marks the transaction as written and about to commit: a failure from

@@ -232,36 +232,21 @@ where
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut P::Connection, &Q) -> Result<R, E>,
 {
-    use crate::backend::Driver;
-
-    type Rules<P> = <<P as super::AsyncConnectionPool>::Connection as Driver>::Rules;
-    refuse_by_rules_of::<Rules<P>, A, E>(config, key)?;
-    let problems = key.problems();
-    let Ok(_turn) = gate::turn::<Rules<P>>(key.scope(), key.key(), config.in_flight).await else {
-        return Err(Failure::of(Error::InProgress, problems));
-    };
-    let mut conn = pool
-        .lend()
-        .await
-        .map_err(|cause| Failure::unavailable(problems, cause))?;
-    let bound = Bound::new(key.endpoint().cloned(), request);
-    let call = config.run_recorded_async(
-        &mut *conn,
-        key.scope(),
-        key.key(),
-        &bound,
-        async |tx: &mut P::Connection| op(tx, bound.request()).await,
-    );
-    match crate::backend::catch_unwind(call).await {
-        Ok(Ok(recorded)) => Ok(Answer::new(
-            recorded.outcome,
-            recorded.expires_at,
-            key.expiry_header().clone(),
-        )),
-        Ok(Err(error)) => Err(Failure::of(error, problems)),
-        // Rolled back before the panic went on: nothing was committed.
-        Err(_) => Err(Failure::internal(problems, false, "the operation panicked".into())),
-    }
+    lent_call(
+        pool,
+        config,
+        key,
+        request,
+        async |conn: &mut P::Connection, bound: &Bound<Q>| {
+            let recorded = config
+                .run_recorded_async(conn, key.scope(), key.key(), bound, async |tx: &mut P::Connection| {
+                    op(tx, bound.request()).await
+                })
+                .await?;
+            Ok((recorded.outcome, recorded.expires_at))
+        },
+    )
+    .await
 }
 
 /// Runs a [phased operation](crate::phased) for the key from an async
@@ -297,6 +282,99 @@ where
         owned.run_expiring(conn, scope, key, bound, |steps| body(steps, bound.request()))
     })
     .await
+}
+
+/// [`run_phased`] on a pool of diesel-async connections (feature
+/// `diesel-async`): `body` is an async closure that gets the
+/// [`AsyncSteps`](crate::phased::AsyncSteps) and the request, every step is
+/// awaited in the handler's own future, and the foreign call awaits its
+/// provider; nothing runs on the blocking pool. The key rules, the turns of
+/// duplicates, the endpoint the key is bound to, the answers and the
+/// failures are [`run_phased`]'s.
+///
+/// A client that goes away drops the attempt where it stands: a step that
+/// had not committed rolls back as a whole (its connection never goes back
+/// to the pool inside its transaction), the committed recovery points stay,
+/// and the attempt's lease stays held until it runs out
+/// ([`Phased::lease`]), as a crashed worker's would. A retry within the
+/// lease is a 409 with `Retry-After`; after it, the retry resumes from the
+/// last recovery point, and a call that was cut off is made again with its
+/// provider key. See the [async guide](crate::guide::asynchronous).
+///
+/// # Errors
+///
+/// As [`run_phased`]; a panic in `body` frees the lease and is a 500.
+#[cfg(feature = "diesel-async")]
+pub async fn run_phased_async<A, P, Q, R, E, F>(
+    pool: &P,
+    phased: &Phased,
+    key: &IdempotencyKey<A>,
+    request: Q,
+    body: F,
+) -> Result<Answer<R>, Failure<E>>
+where
+    P: super::AsyncConnectionPool,
+    Q: Serialize,
+    R: Serialize + DeserializeOwned,
+    F: AsyncFnOnce(&mut crate::phased::AsyncSteps<'_, P::Connection>, &Q) -> Result<Finished<R>, Error<E>>,
+{
+    use crate::phased::AsyncSteps;
+
+    lent_call(
+        pool,
+        &phased.config,
+        key,
+        request,
+        async |conn: &mut P::Connection, bound: &Bound<Q>| {
+            phased
+                .run_expiring_async(
+                    conn,
+                    key.scope(),
+                    key.key(),
+                    bound,
+                    async |steps: &mut AsyncSteps<'_, P::Connection>| body(steps, bound.request()).await,
+                )
+                .await
+        },
+    )
+    .await
+}
+
+/// The path that [`run_async`] and [`run_phased_async`] share, in the
+/// handler's own future: the key rules of `config` and the key's turn in
+/// this process, then `call` with a connection lent by `pool` and the
+/// request bound to the key's endpoint; its outcome answered with the key's
+/// expiry header, its failures and a panic as responses.
+#[cfg(feature = "diesel-async")]
+async fn lent_call<A, P, Q, R, E>(
+    pool: &P,
+    config: &Config,
+    key: &IdempotencyKey<A>,
+    request: Q,
+    call: impl AsyncFnOnce(&mut P::Connection, &Bound<Q>) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>,
+) -> Result<Answer<R>, Failure<E>>
+where
+    P: super::AsyncConnectionPool,
+{
+    use crate::backend::Driver;
+
+    type Rules<P> = <<P as super::AsyncConnectionPool>::Connection as Driver>::Rules;
+    refuse_by_rules_of::<Rules<P>, A, E>(config, key)?;
+    let problems = key.problems();
+    let Ok(_turn) = gate::turn::<Rules<P>>(key.scope(), key.key(), config.in_flight).await else {
+        return Err(Failure::of(Error::InProgress, problems));
+    };
+    let mut conn = pool
+        .lend()
+        .await
+        .map_err(|cause| Failure::unavailable(problems, cause))?;
+    let bound = Bound::new(key.endpoint().cloned(), request);
+    match crate::backend::catch_unwind(call(&mut *conn, &bound)).await {
+        Ok(Ok((outcome, expires_at))) => Ok(Answer::new(outcome, expires_at, key.expiry_header().clone())),
+        Ok(Err(error)) => Err(Failure::of(error, problems)),
+        // Rolled back before the panic went on: nothing was committed.
+        Err(_) => Err(Failure::internal(problems, false, "the operation panicked".into())),
+    }
 }
 
 /// The path that [`run`] and [`run_phased`] share: `call` gets the

@@ -168,9 +168,9 @@ mod response;
 pub use answer::Answer;
 #[cfg(feature = "diesel-async")]
 pub use async_pool::AsyncConnectionPool;
-#[cfg(feature = "diesel-async")]
-pub use call::run_async;
 pub use call::{run, run_phased};
+#[cfg(feature = "diesel-async")]
+pub use call::{run_async, run_phased_async};
 pub use failure::Failure;
 pub use key::{Caller, IdempotencyKey};
 pub use key_header::KeyHeader;

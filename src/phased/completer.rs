@@ -9,7 +9,7 @@ use chrono::{DateTime, Duration, Utc};
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use serde::de::DeserializeOwned;
 
-use super::steps::without_unfinished_call;
+use super::attempt::without_unfinished_call;
 use crate::backend::phases::{ParkedRow, PickedRow};
 use crate::backend::{RawConnection, StoreConnection, transaction_depth, unwind_to_depth};
 use crate::clock::{Clock, assert_duration};

@@ -150,10 +150,16 @@
 //! answer depends on a foreign call (a charge): several commits, a stored
 //! request for the completer, and a provider that deduplicates.
 
+#[cfg(feature = "diesel-async")]
+mod async_steps;
+mod attempt;
 mod completer;
 mod operation;
 mod steps;
 
+#[cfg(feature = "diesel-async")]
+pub use async_steps::AsyncSteps;
+pub use attempt::Finished;
 pub use completer::{Completer, Completions, Parked};
 pub use operation::Phased;
-pub use steps::{Finished, Steps};
+pub use steps::Steps;

@@ -1,7 +1,7 @@
 //! A phased operation: its name and policy, and the start of an attempt,
 //! which replays a finished operation or takes its lease (fresh, or over
 //! from an attempt whose lease ran out) and hands the body to its
-//! [`Steps`].
+//! [`Steps`], or on a diesel-async connection its [`AsyncSteps`](super::AsyncSteps).
 
 use std::time::Instant;
 
@@ -9,9 +9,14 @@ use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::steps::{Finished, Held, Steps, write_failed};
-use crate::backend::phases::{Lease, PhaseStore};
-use crate::backend::{KeyStore, StoreConnection, transaction_depth};
+#[cfg(feature = "diesel-async")]
+use super::AsyncSteps;
+use super::attempt::{Attempt, Finished, Held, write_failed};
+use super::steps::Steps;
+#[cfg(feature = "diesel-async")]
+use crate::backend::AsyncStoreConnection;
+use crate::backend::phases::{Lease, PhaseDriver};
+use crate::backend::{KeyStore, StoreConnection, at_once};
 use crate::clock::{Reading, assert_duration};
 use crate::config::Config;
 use crate::error::Error;
@@ -187,54 +192,187 @@ impl Phased {
         // In the attempt's span, so that its events carry the operation, the
         // scope, the key and the backend.
         let result = trace.span().in_scope(|| {
-            let request_hash = self.config.admit::<C::Raw, Q, E>(scope, key, request, &trace)?;
-            let request_json = match self.store_requests {
-                true => Some(codec::to_readable_json(request).map_err(Error::Codec)?),
-                false => None,
-            };
-            if transaction_depth(conn)? > 0 {
-                return Err(Error::Storage(diesel::result::Error::AlreadyInTransaction));
+            let admitted = self.admit::<C::Raw, Q, E>(scope, key, request, &trace)?;
+            match at_once(self.start(conn, scope, key, &admitted))? {
+                Begin::Replay(outcome, expires_at) => Ok((outcome, expires_at.and_utc())),
+                Begin::Attempt(attempt) => Steps::attempt(*attempt, body),
             }
-            // The lease token of this attempt, whether it claims the operation
-            // or takes it over.
-            let token = id::new();
-            let (held, clock) = match self.start(conn, scope, key, &request_hash, &token)? {
-                Begin::Replay(outcome, expires_at) => return Ok((outcome, expires_at.and_utc())),
-                Begin::Attempt(held, clock) => (held, clock),
-            };
-            let lease = Lease {
-                scope,
-                key,
-                token: &token,
-            };
-            Steps::new(self, conn, lease, &request_hash, request_json.as_deref(), held, clock).attempt(body)
         });
         trace.finish_phased(result.as_ref().map(|(outcome, _)| outcome));
         result
     }
 
-    /// Reads the operation and decides: replay it, or attempt it (fresh, or
-    /// taken over from an attempt whose lease ran out), waiting for a live
-    /// lease as the in-flight policy allows.
-    fn start<C: PhaseStore, R: DeserializeOwned, E>(
+    /// [`run`](Phased::run) on a diesel-async connection (feature
+    /// `diesel-async`): `body` is an async closure that gets the
+    /// [`AsyncSteps`], whose steps take async closures and are awaited, so
+    /// that a foreign call awaits its provider instead of blocking a
+    /// thread. The contract is [`run`](Phased::run)'s on every point, by
+    /// the same code; what a dropped future does is in the
+    /// [async guide](crate::guide::asynchronous).
+    ///
+    /// # Errors
+    ///
+    /// As [`run`](Phased::run).
+    ///
+    /// # Panics
+    ///
+    /// As [`run`](Phased::run).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use diesel::SqliteConnection;
+    /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+    /// use diesel_async::SimpleAsyncConnection;
+    /// use idempotency::phased::{AsyncSteps, Phased};
+    ///
+    /// type Conn = SyncConnectionWrapper<SqliteConnection>;
+    ///
+    /// /// A provider reached over the network, deduplicating on its key.
+    /// async fn charge(cents: u32, provider_key: &str) -> Result<String, std::io::Error> {
+    ///     Ok(format!("ch_{}_{cents}", &provider_key[..8]))
+    /// }
+    ///
+    /// let mut conn = idempotency::testing::sqlite_memory_async();
+    /// conn.batch_execute("CREATE TABLE rides (rider TEXT NOT NULL, charge TEXT)").await?;
+    /// let create_ride = Phased::new("create-ride");
+    /// let outcome = create_ride
+    ///     .run_async(&mut conn, "rider-ada", "ride-7c1e", &"ada", async |s: &mut AsyncSteps<'_, Conn>| {
+    ///         s.phase("ride_created", async |tx: &mut Conn| {
+    ///             tx.batch_execute("INSERT INTO rides (rider) VALUES ('ada')").await.map_err(std::io::Error::other)
+    ///         })
+    ///         .await?;
+    ///         let charge = s.call("charged", async |provider_key: &str| charge(20_00, provider_key).await).await?;
+    ///         s.finish(async |_: &mut Conn| Ok::<_, std::io::Error>(charge)).await
+    ///     })
+    ///     .await?;
+    /// assert!(outcome.into_inner().starts_with("ch_"));
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "diesel-async")]
+    pub async fn run_async<C, Q, R, E, F>(
         &self,
         conn: &mut C,
         scope: &str,
         key: &str,
-        request_hash: &str,
-        token: &str,
-    ) -> Result<Begin<R>, Error<E>> {
+        request: &Q,
+        body: F,
+    ) -> Result<Outcome<R>, Error<E>>
+    where
+        C: AsyncStoreConnection,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: AsyncFnOnce(&mut AsyncSteps<'_, C>) -> Result<Finished<R>, Error<E>>,
+    {
+        self.run_expiring_async(conn, scope, key, request, body)
+            .await
+            .map(|(outcome, _)| outcome)
+    }
+
+    /// [`run_async`](Phased::run_async), also telling when the operation's
+    /// retention ends.
+    #[cfg(feature = "diesel-async")]
+    pub(crate) async fn run_expiring_async<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        body: F,
+    ) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>
+    where
+        C: AsyncStoreConnection,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: AsyncFnOnce(&mut AsyncSteps<'_, C>) -> Result<Finished<R>, Error<E>>,
+    {
+        use tracing::Instrument;
+
+        let trace = CallTrace::phased(<C::Rules as KeyStore>::BACKEND, &self.name);
+        let span = trace.span().clone();
+        // Boxed, as `Config::run_recorded_async` is: a caller's future that
+        // held the attempt whole would be deeper than rustc lays out.
+        let result = Box::pin(
+            async {
+                let admitted = self.admit::<C::Rules, Q, E>(scope, key, request, &trace)?;
+                match self.start(conn, scope, key, &admitted).await? {
+                    Begin::Replay(outcome, expires_at) => Ok((outcome, expires_at.and_utc())),
+                    Begin::Attempt(attempt) => AsyncSteps::attempt(*attempt, body).await,
+                }
+            }
+            .instrument(span),
+        )
+        .await;
+        trace.finish_phased(result.as_ref().map(|(outcome, _)| outcome));
+        result
+    }
+
+    /// What every attempt does before it reads: the key rules, the
+    /// request's fingerprint, the request to store, and the token of the
+    /// lease it may take.
+    fn admit<C: KeyStore, Q: Serialize + ?Sized, E>(
+        &self,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        trace: &CallTrace,
+    ) -> Result<Admitted, Error<E>> {
+        let request_hash = self.config.admit::<C, Q, E>(scope, key, request, trace)?;
+        let request = match self.store_requests {
+            true => Some(codec::to_readable_json(request).map_err(Error::Codec)?),
+            false => None,
+        };
+        Ok(Admitted {
+            request_hash,
+            request,
+            token: id::new(),
+        })
+    }
+
+    /// Reads the operation and decides: replay it, or attempt it (fresh, or
+    /// taken over from an attempt whose lease ran out), waiting for a live
+    /// lease as the in-flight policy allows.
+    async fn start<'a, C: PhaseDriver, R: DeserializeOwned, E>(
+        &'a self,
+        conn: &'a mut C,
+        scope: &'a str,
+        key: &'a str,
+        admitted: &'a Admitted,
+    ) -> Result<Begin<'a, C, R>, Error<E>> {
+        if conn.transaction_depth()? > 0 {
+            return Err(Error::Storage(diesel::result::Error::AlreadyInTransaction));
+        }
+        let request_hash = admitted.request_hash.as_str();
+        // The lease of this attempt, whether it claims the operation or
+        // takes it over.
+        let lease = Lease {
+            scope,
+            key,
+            token: &admitted.token,
+        };
+        let attempt = |conn, held, clock| {
+            Begin::Attempt(Box::new(Attempt::new(
+                self,
+                conn,
+                lease,
+                request_hash,
+                admitted.request.as_deref(),
+                held,
+                clock,
+            )))
+        };
         let wait = std::time::Duration::from_millis(u64::try_from(self.config.in_flight.wait_millis()).unwrap_or(0));
         let deadline = Instant::now() + wait;
         loop {
-            let (row, database_now) = conn.read_operation(scope, key)?;
+            let (row, database_now) = conn.read_operation(scope, key).await?;
             let now = self.config.clock.or_database(database_now);
             let clock = Reading::new(&self.config.clock, now);
             let Some(row) = row else {
-                return Ok(Begin::Attempt(Held::Unclaimed { replace: false }, clock));
+                return Ok(attempt(conn, Held::Unclaimed { replace: false }, clock));
             };
             if row.status == OperationStatus::Completed && row.expires_at.is_some_and(|expires_at| expires_at <= now) {
-                return Ok(Begin::Attempt(Held::Unclaimed { replace: true }, clock));
+                return Ok(attempt(conn, Held::Unclaimed { replace: true }, clock));
             }
             // The key is bound to the operation as well as to the request:
             // another operation's response is not this one's, nor are its
@@ -249,7 +387,7 @@ impl Phased {
                     let response = row.response.unwrap_or_default();
                     let value = serde_json::from_str(&response).map_err(Error::Codec)?;
                     if self.config.durable_replays {
-                        conn.await_replication()?;
+                        conn.await_replication().await?;
                     }
                     let expires_at = row.expires_at.unwrap_or(now);
                     return Ok(Begin::Replay(Outcome::Replayed(value), expires_at));
@@ -258,34 +396,42 @@ impl Phased {
                 OperationStatus::Running => {}
             }
             if row.lease_until.is_none_or(|until| until <= now) {
-                let lease = Lease { scope, key, token };
                 // The recovery points are read again once the lease is this
                 // attempt's: since the read above, another attempt may have
                 // taken the operation over, committed steps and let go.
                 let taken = conn
-                    .write(self.config.in_flight, |tx| {
-                        if !tx.take_over(lease, now + self.lease, now)? {
+                    .write(self.config.in_flight, async |tx| {
+                        if !tx.take_over(lease, now + self.lease, now).await? {
                             return Ok(None);
                         }
-                        tx.read_operation(scope, key).map(|(row, _)| row)
+                        tx.read_operation(scope, key).await.map(|(row, _)| row)
                     })
+                    .await
                     .map_err(write_failed::<C, E>)?;
                 if let Some(row) = taken {
                     tracing::info!(target: telemetry::TARGET, "resuming from the last recovery point");
                     let held = Held::resumed(row).map_err(Error::Codec)?;
-                    return Ok(Begin::Attempt(held, clock));
+                    return Ok(attempt(conn, held, clock));
                 }
             } else if Instant::now() >= deadline {
                 return Err(Error::InProgress);
             } else {
-                std::thread::sleep(LEASE_POLL.min(deadline.saturating_duration_since(Instant::now())));
+                conn.pause(LEASE_POLL.min(deadline.saturating_duration_since(Instant::now())))
+                    .await;
             }
         }
     }
 }
 
+/// What an attempt knows before it reads the operation.
+struct Admitted {
+    request_hash: String,
+    request: Option<String>,
+    token: String,
+}
+
 /// What [`Phased::start`] decided.
-enum Begin<R> {
+enum Begin<'a, C, R> {
     Replay(Outcome<R>, NaiveDateTime),
-    Attempt(Held, Reading),
+    Attempt(Box<Attempt<'a, C>>),
 }

@@ -13,14 +13,18 @@ use chrono::NaiveDateTime;
 use diesel::QueryResult;
 use diesel::mysql::MysqlConnection;
 use diesel::result::Error as DieselError;
+use diesel::sql_types::Datetime;
 use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, TransactionManager};
 
 use super::session::{Session, sends};
-use super::{UtcNow, schema};
+use super::{DatabaseNow, UtcNow, schema};
+use crate::backend::phases::{OperationRow, PhaseDriver, phase_statements};
+use crate::backend::row_with::{OperationColumns, OperationColumnsRow, RowWith, operation_of};
 use crate::backend::{
     AsyncStoreConnection, AsyncTransaction, Driver, HeldKey, Hold, Read, Record, async_transaction_depth,
     async_unwind_to_depth, end_transaction, sealed,
 };
+use crate::in_flight::InFlight;
 
 impl sealed::Sealed for AsyncMysqlConnection {}
 
@@ -92,4 +96,31 @@ impl Session for AsyncMysqlConnection {
     fn mark_broken(&mut self) {
         <AnsiTransactionManager as TransactionManager<Self>>::transaction_manager_status_mut(self).set_in_error();
     }
+}
+
+impl PhaseDriver for AsyncMysqlConnection {
+    async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
+        let (now, columns) = RowWith::<DatabaseNow, OperationColumns<Datetime>>::new(scope, key)
+            .get_result::<(NaiveDateTime, OperationColumnsRow)>(self)
+            .await?;
+        Ok((operation_of(columns), now))
+    }
+
+    async fn write<T, E>(
+        &mut self,
+        _in_flight: InFlight,
+        work: impl AsyncFnOnce(&mut Self) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        // As on `MysqlConnection`: each statement is a transaction of its own.
+        work(self).await
+    }
+
+    async fn pause(&mut self, duration: std::time::Duration) {
+        tokio::time::sleep(duration).await;
+    }
+
+    phase_statements!(async schema: insert_operation_strictly, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
 }

@@ -21,8 +21,10 @@ use crate::backend::KeyStore;
 use crate::row_status::OperationStatus;
 use crate::schema::idempotency_phases;
 
+mod driver;
 mod statements;
 
+pub(crate) use driver::PhaseDriver;
 pub(crate) use statements::{operation_values, phase_statements, update_held};
 
 /// An operation as its first commit writes it.

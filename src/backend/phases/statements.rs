@@ -10,12 +10,18 @@
 /// `insert_operation_strictly` (a duplicate key fails the insert, for
 /// MySQL). `phase_statements!(schema: take_over, ...);` inside the impl,
 /// naming each method it takes.
+///
+/// `phase_statements!(async schema: ...)` writes the same statements as the
+/// methods of an async [`PhaseDriver`](super::PhaseDriver), each awaited.
 macro_rules! phase_statements {
-    ($schema:ident: $($method:ident),+ $(,)?) => {
-        $($crate::backend::phases::phase_statements!(@$method $schema);)+
+    (async $schema:ident: $($method:ident),+ $(,)?) => {
+        $($crate::backend::phases::phase_statements!(@$method $schema [async] [.await] [diesel_async::RunQueryDsl]);)+
     };
-    (@pick_abandoned $schema:ident) => {
-        fn pick_abandoned(
+    ($schema:ident: $($method:ident),+ $(,)?) => {
+        $($crate::backend::phases::phase_statements!(@$method $schema [] [] [diesel::RunQueryDsl]);)+
+    };
+    (@pick_abandoned $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn pick_abandoned(
             &mut self,
             operations: &[&str],
             now: chrono::NaiveDateTime,
@@ -26,7 +32,8 @@ macro_rules! phase_statements {
             use $crate::backend::phases::PickedRow;
             use $crate::row_status::OperationStatus;
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
+            use diesel::{BoolExpressionMethods, ExpressionMethods, NullableExpressionMethods, QueryDsl};
+            use $($run)* as _;
             let abandoned = || {
                 p::table
                     .filter(p::status.eq(OperationStatus::Running))
@@ -41,20 +48,20 @@ macro_rules! phase_statements {
                 .order(p::updated_at)
                 .limit($crate::backend::sql_limit(limit))
                 .select((p::scope, p::idempotency_key, p::operation, p::request.assume_not_null()))
-                .load(self)?;
+                .load(self)$($await)*?;
             let mut picked = Vec::with_capacity(candidates.len());
             for row in candidates {
                 // Still abandoned when the update runs: not picked meanwhile.
                 let still = abandoned().filter(p::scope.eq(&row.scope)).filter(p::idempotency_key.eq(&row.idempotency_key));
-                if diesel::update(still).set(p::completer_until.eq(until)).execute(self)? == 1 {
+                if diesel::update(still).set(p::completer_until.eq(until)).execute(self)$($await)*? == 1 {
                     picked.push(row);
                 }
             }
             Ok(picked)
         }
     };
-    (@delete_expired_operation $schema:ident) => {
-        fn delete_expired_operation(
+    (@delete_expired_operation $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn delete_expired_operation(
             &mut self,
             scope: &str,
             key: &str,
@@ -62,18 +69,19 @@ macro_rules! phase_statements {
         ) -> diesel::QueryResult<usize> {
             use $crate::row_status::OperationStatus;
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             diesel::delete(
                 p::table
                     .find((scope, key))
                     .filter(p::status.eq(OperationStatus::Completed))
                     .filter(p::expires_at.le(now)),
             )
-            .execute(self)
+            .execute(self)$($await)*
         }
     };
-    (@take_over $schema:ident) => {
-        fn take_over(
+    (@take_over $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn take_over(
             &mut self,
             lease: $crate::backend::phases::Lease<'_>,
             until: chrono::NaiveDateTime,
@@ -81,7 +89,8 @@ macro_rules! phase_statements {
         ) -> diesel::QueryResult<bool> {
             use $crate::row_status::OperationStatus;
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
+            use diesel::{BoolExpressionMethods, ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             let free = p::table
                 .find((lease.scope, lease.key))
                 .filter(p::status.eq(OperationStatus::Running))
@@ -93,12 +102,12 @@ macro_rules! phase_statements {
                     p::attempts.eq(p::attempts + 1),
                     p::updated_at.eq(now),
                 ))
-                .execute(self)?;
+                .execute(self)$($await)*?;
             Ok(updated == 1)
         }
     };
-    (@save_points $schema:ident) => {
-        fn save_points(
+    (@save_points $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn save_points(
             &mut self,
             lease: $crate::backend::phases::Lease<'_>,
             points: &str,
@@ -106,16 +115,17 @@ macro_rules! phase_statements {
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
-            $crate::backend::phases::update_held!(self, p, lease, (
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
+            $crate::backend::phases::update_held!(self [$($await)*], p, lease, (
                 p::points.eq(points),
                 p::lease_until.eq(until),
                 p::updated_at.eq(now),
             ))
         }
     };
-    (@complete_operation $schema:ident) => {
-        fn complete_operation(
+    (@complete_operation $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn complete_operation(
             &mut self,
             lease: $crate::backend::phases::Lease<'_>,
             points: &str,
@@ -125,8 +135,9 @@ macro_rules! phase_statements {
         ) -> diesel::QueryResult<bool> {
             use $crate::row_status::OperationStatus;
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
-            $crate::backend::phases::update_held!(self, p, lease, (
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
+            $crate::backend::phases::update_held!(self [$($await)*], p, lease, (
                 p::status.eq(OperationStatus::Completed),
                 p::points.eq(points),
                 p::response.eq(response),
@@ -137,16 +148,17 @@ macro_rules! phase_statements {
             ))
         }
     };
-    (@release_operation $schema:ident) => {
-        fn release_operation(
+    (@release_operation $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn release_operation(
             &mut self,
             lease: $crate::backend::phases::Lease<'_>,
             error: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
-            $crate::backend::phases::update_held!(self, p, lease, (
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
+            $crate::backend::phases::update_held!(self [$($await)*], p, lease, (
                 p::lease_token.eq(None::<String>),
                 p::lease_until.eq(now),
                 p::completer_until.eq(None::<chrono::NaiveDateTime>),
@@ -155,8 +167,8 @@ macro_rules! phase_statements {
             ))
         }
     };
-    (@park_operation $schema:ident) => {
-        fn park_operation(
+    (@park_operation $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn park_operation(
             &mut self,
             lease: $crate::backend::phases::Lease<'_>,
             reason: &str,
@@ -164,8 +176,9 @@ macro_rules! phase_statements {
         ) -> diesel::QueryResult<bool> {
             use $crate::row_status::OperationStatus;
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
-            $crate::backend::phases::update_held!(self, p, lease, (
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
+            $crate::backend::phases::update_held!(self [$($await)*], p, lease, (
                 p::status.eq(OperationStatus::Parked),
                 p::lease_token.eq(None::<String>),
                 p::lease_until.eq(None::<chrono::NaiveDateTime>),
@@ -174,8 +187,8 @@ macro_rules! phase_statements {
             ))
         }
     };
-    (@park_unheld $schema:ident) => {
-        fn park_unheld(
+    (@park_unheld $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn park_unheld(
             &mut self,
             scope: &str,
             key: &str,
@@ -184,7 +197,8 @@ macro_rules! phase_statements {
         ) -> diesel::QueryResult<bool> {
             use $crate::row_status::OperationStatus;
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
+            use diesel::{BoolExpressionMethods, ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             let unheld = p::table
                 .find((scope, key))
                 .filter(p::status.eq(OperationStatus::Running))
@@ -196,12 +210,12 @@ macro_rules! phase_statements {
                     p::last_error.eq(reason),
                     p::updated_at.eq(now),
                 ))
-                .execute(self)?;
+                .execute(self)$($await)*?;
             Ok(updated == 1)
         }
     };
-    (@park_exhausted $schema:ident) => {
-        fn park_exhausted(
+    (@park_exhausted $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn park_exhausted(
             &mut self,
             operations: &[&str],
             max_attempts: i32,
@@ -210,7 +224,8 @@ macro_rules! phase_statements {
         ) -> diesel::QueryResult<usize> {
             use $crate::row_status::OperationStatus;
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
+            use diesel::{BoolExpressionMethods, ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             let exhausted = p::table
                 .filter(p::status.eq(OperationStatus::Running))
                 .filter(p::operation.eq_any(operations))
@@ -225,14 +240,15 @@ macro_rules! phase_statements {
                     p::last_error.eq(format!("gave up after {max_attempts} attempts")),
                     p::updated_at.eq(now),
                 ))
-                .execute(self)
+                .execute(self)$($await)*
         }
     };
-    (@parked_operations $schema:ident) => {
-        fn parked_operations(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::backend::phases::ParkedRow>> {
+    (@parked_operations $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn parked_operations(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::backend::phases::ParkedRow>> {
             use $crate::row_status::OperationStatus;
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             p::table
                 .filter(p::status.eq(OperationStatus::Parked))
                 .order(p::updated_at)
@@ -246,11 +262,11 @@ macro_rules! phase_statements {
                     p::created_at,
                     p::updated_at,
                 ))
-                .load(self)
+                .load(self)$($await)*
         }
     };
-    (@requeue_operation $schema:ident) => {
-        fn requeue_operation(
+    (@requeue_operation $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn requeue_operation(
             &mut self,
             scope: &str,
             key: &str,
@@ -259,7 +275,8 @@ macro_rules! phase_statements {
         ) -> diesel::QueryResult<bool> {
             use $crate::row_status::OperationStatus;
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             let updated = diesel::update(p::table.find((scope, key)).filter(p::status.eq(OperationStatus::Parked)))
                 .set((
                     p::status.eq(OperationStatus::Running),
@@ -270,21 +287,22 @@ macro_rules! phase_statements {
                     p::completer_until.eq(None::<chrono::NaiveDateTime>),
                     p::updated_at.eq(now),
                 ))
-                .execute(self)?;
+                .execute(self)$($await)*?;
             Ok(updated == 1)
         }
     };
-    (@insert_operation $schema:ident) => {
-        fn insert_operation(
+    (@insert_operation $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn insert_operation(
             &mut self,
             operation: &$crate::backend::phases::NewOperation<'_>,
         ) -> diesel::QueryResult<bool> {
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
+            use diesel::{ExpressionMethods};
+            use $($run)* as _;
             let inserted = diesel::insert_into(p::table)
                 .values($crate::backend::phases::operation_values!(p, operation))
                 .on_conflict_do_nothing()
-                .execute(self)?;
+                .execute(self)$($await)*?;
             Ok(inserted == 1)
         }
     };
@@ -292,16 +310,17 @@ macro_rules! phase_statements {
     // IGNORE`, which would also store a value that does not fit cut short,
     // with a warning: a plain `INSERT`, whose duplicate-key error means the
     // key is taken. (MySQL goes on with the transaction after it.)
-    (@insert_operation_strictly $schema:ident) => {
-        fn insert_operation(
+    (@insert_operation_strictly $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn insert_operation(
             &mut self,
             operation: &$crate::backend::phases::NewOperation<'_>,
         ) -> diesel::QueryResult<bool> {
             use $schema::idempotency_phases as p;
-            use diesel::prelude::*;
+            use diesel::ExpressionMethods;
+            use $($run)* as _;
             use diesel::result::{DatabaseErrorKind, Error};
             let insert = diesel::insert_into(p::table).values($crate::backend::phases::operation_values!(p, operation));
-            match insert.execute(self) {
+            match insert.execute(self)$($await)* {
                 Ok(_) => Ok(true),
                 Err(Error::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) => Ok(false),
                 Err(error) => Err(error),
@@ -340,7 +359,7 @@ pub(crate) use operation_values;
 /// guard of every write an attempt makes, so that an attempt whose lease was
 /// taken over changes nothing.
 macro_rules! update_held {
-    ($conn:expr, $p:ident, $lease:expr, $changes:expr $(,)?) => {
+    ($conn:ident [$($await:tt)*], $p:ident, $lease:expr, $changes:expr $(,)?) => {
         diesel::update(
             $p::table
                 .find(($lease.scope, $lease.key))
@@ -348,7 +367,7 @@ macro_rules! update_held {
                 .filter($p::lease_token.eq($lease.token)),
         )
         .set($changes)
-        .execute($conn)
+        .execute($conn)$($await)*
         .map(|updated| updated == 1)
     };
 }

@@ -10,12 +10,16 @@ use diesel::result::Error as DieselError;
 use diesel::sql_types::Timestamp;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 
-use super::{HoldBy, HoldByRead, Levels, NowAndClaimFirst, database_time};
-use crate::backend::row_with::{KeyRecord, KeyRecordRow, RowWith, stored_of};
+use super::{DatabaseNow, HoldBy, HoldByRead, Levels, NowAndClaimFirst, database_time};
+use crate::backend::phases::{OperationRow, PhaseDriver, phase_statements};
+use crate::backend::row_with::{
+    KeyRecord, KeyRecordRow, OperationColumns, OperationColumnsRow, RowWith, operation_of, stored_of,
+};
 use crate::backend::{
     AsyncStoreConnection, AsyncTransaction, Driver, HeldKey, Hold, Read, Record, Stored, async_transaction_depth,
     async_unwind_to_depth, end_transaction, sealed,
 };
+use crate::in_flight::InFlight;
 use crate::schema;
 
 impl sealed::Sealed for AsyncPgConnection {}
@@ -105,4 +109,31 @@ impl HoldByRead for AsyncPgConnection {
             .await?;
         Ok((hold_by, stored_of(row)))
     }
+}
+
+impl PhaseDriver for AsyncPgConnection {
+    async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
+        let (now, columns) = RowWith::<DatabaseNow, OperationColumns<Timestamp>>::new(scope, key)
+            .get_result::<(NaiveDateTime, OperationColumnsRow)>(self)
+            .await?;
+        Ok((operation_of(columns), now))
+    }
+
+    async fn write<T, E>(
+        &mut self,
+        _in_flight: InFlight,
+        work: impl AsyncFnOnce(&mut Self) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        // As on `PgConnection`: each statement is a transaction of its own.
+        work(self).await
+    }
+
+    async fn pause(&mut self, duration: std::time::Duration) {
+        tokio::time::sleep(duration).await;
+    }
+
+    phase_statements!(async schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
 }

@@ -19,7 +19,9 @@ use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
 use diesel_async::{AsyncConnection, TransactionManager};
 
 use super::{close_write, hold, open_write, settle};
+use crate::backend::phases::{OperationRow, PhaseDriver, PhaseStore, phase_statements};
 use crate::backend::{AsyncStoreConnection, Driver, HeldKey, Hold, KeyStore, Read, Record, sealed, unwind_to_depth};
+use crate::in_flight::InFlight;
 use crate::schema;
 
 /// The connection the wrapper runs its statements on.
@@ -60,14 +62,7 @@ impl Driver for Wrapped {
     where
         E: From<DieselError>,
     {
-        let in_flight = held.in_flight;
-        let previous = self.spawn_blocking(move |conn| open_write(conn, in_flight)).await?;
-        let result = work(self, false).await;
-        let succeeded = result.is_ok();
-        let closed = self
-            .spawn_blocking(move |conn| Ok(close_write(conn, previous, succeeded)))
-            .await?;
-        settle(result, closed)
+        PhaseDriver::write(self, held.in_flight, async |tx| work(tx, false).await).await
     }
 
     async fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
@@ -79,4 +74,35 @@ impl Driver for Wrapped {
     }
 
     crate::backend::keys::key_statements!(async schema: find, claim, store);
+}
+
+impl PhaseDriver for Wrapped {
+    async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
+        let (scope, key) = (scope.to_owned(), key.to_owned());
+        self.spawn_blocking(move |conn| PhaseStore::read_operation(conn, &scope, &key))
+            .await
+    }
+
+    async fn write<T, E>(
+        &mut self,
+        in_flight: InFlight,
+        work: impl AsyncFnOnce(&mut Self) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        let previous = self.spawn_blocking(move |conn| open_write(conn, in_flight)).await?;
+        let result = work(self).await;
+        let succeeded = result.is_ok();
+        let closed = self
+            .spawn_blocking(move |conn| Ok(close_write(conn, previous, succeeded)))
+            .await?;
+        settle(result, closed)
+    }
+
+    async fn pause(&mut self, duration: std::time::Duration) {
+        tokio::time::sleep(duration).await;
+    }
+
+    phase_statements!(async schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
 }

@@ -32,7 +32,7 @@ async_backend_tests!(
 /// future can be dropped only while it waits, so the cuts after 0, 1, 2,
 /// ... waits are every moment a call can be cut at, whatever the timer's
 /// resolution.
-async fn cut_after<F: Future>(waits: usize, future: F) -> Option<F::Output> {
+pub(super) async fn cut_after<F: Future>(waits: usize, future: F) -> Option<F::Output> {
     let mut future = pin!(future);
     let mut left = waits;
     poll_fn(|cx| match future.as_mut().poll(cx) {

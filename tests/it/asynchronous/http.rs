@@ -2,7 +2,9 @@
 //! served over real TCP: a first request executes, its retry replays, the
 //! same key with another body is a 422; and a client that hangs up while
 //! its operation runs leaves nothing behind, no connection in the pool
-//! inside a transaction, and its retry executes once.
+//! inside a transaction, and its retry executes once. `http::run_phased_async`
+//! runs each step once and replays; a client that hangs up during its call
+//! leaves the lease held until it runs out, and the retry then resumes.
 //!
 //! An axum handler's future must be `Send`, which the compiler proves only
 //! for a concrete connection: each backend and pool gets its module from
@@ -60,9 +62,14 @@ async fn post_to(addr: std::net::SocketAddr, path: &str, key: &str, item: &str) 
 /// closes the socket once `inside` says the operation runs: a client that
 /// hangs up.
 async fn hang_up(addr: std::net::SocketAddr, key: &str, item: &str, inside: &tokio::sync::Notify) {
+    hang_up_at(addr, "/orders", key, item, inside).await;
+}
+
+/// [`hang_up`] at `path`.
+async fn hang_up_at(addr: std::net::SocketAddr, path: &str, key: &str, item: &str, inside: &tokio::sync::Notify) {
     let body = serde_json::to_string(&NewOrder { item: item.to_owned() }).expect("json");
     let request = format!(
-        "POST /orders HTTP/1.1\r\nHost: {addr}\r\nIdempotency-Key: {key}\r\nContent-Type: application/json\r\n\
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nIdempotency-Key: {key}\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\n\r\n{body}",
         body.len()
     );
@@ -75,7 +82,8 @@ async fn hang_up(addr: std::net::SocketAddr, key: &str, item: &str, inside: &tok
 macro_rules! async_http_tests {
     ($module:ident, $db:ty, $conn:ty, $pool:ty, $build:expr, $connections:expr) => {
         mod $module {
-            use std::sync::Arc;
+            use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+            use std::sync::{Arc, Mutex};
 
             use axum::extract::State;
             use axum::http::StatusCode;
@@ -83,8 +91,10 @@ macro_rules! async_http_tests {
             use axum::routing::post;
             use axum::{Json, Router};
             use diesel_async::pooled_connection::AsyncDieselConnectionManager;
-            use idempotency::Config;
             use idempotency::http::{self, IdempotencyKey, StoredResponse};
+            use idempotency::phased::{AsyncSteps, Phased};
+            use idempotency::testing::ManualClock;
+            use idempotency::{Config, InFlight};
             use tokio::sync::Notify;
 
             use super::{HANGS, MAX_KEY_LEN, NewOrder, PANICS};
@@ -98,6 +108,25 @@ macro_rules! async_http_tests {
                 config: Config,
                 /// Told when the operation of [`HANGS`] has inserted its order.
                 inside: Notify,
+                /// The ride operation, on `clock`.
+                rides: Phased,
+                clock: ManualClock,
+                /// The provider keys the ride operation's calls were made
+                /// with, one per request to the provider.
+                provider_keys: Mutex<Vec<String>>,
+                /// Whether the next call to the provider waits for ever.
+                provider_hangs: AtomicBool,
+                /// The ride handlers that ended, dropped ones included.
+                rides_ended: AtomicUsize,
+            }
+
+            /// Counts a handler's end when it is dropped, however it ends.
+            struct Ends<'a>(&'a AtomicUsize);
+
+            impl Drop for Ends<'_> {
+                fn drop(&mut self) {
+                    self.0.fetch_add(1, Ordering::SeqCst);
+                }
             }
 
             async fn place(
@@ -128,18 +157,68 @@ macro_rules! async_http_tests {
                 .into_response()
             }
 
+            /// A ride: the order is written in a phase, the provider is
+            /// called, and the ride is answered with the charge.
+            async fn ride(
+                State(app): State<Arc<App>>,
+                key: IdempotencyKey<Anyone>,
+                Json(order): Json<NewOrder>,
+            ) -> Response {
+                let _ends = Ends(&app.rides_ended);
+                http::run_phased_async(
+                    &app.pool,
+                    &app.rides,
+                    &key,
+                    order,
+                    async |s: &mut AsyncSteps<'_, $conn>, order: &NewOrder| {
+                        s.phase("ordered", async |tx: &mut $conn| {
+                            <$db as AsyncDb>::insert_order(tx, &order.item)
+                                .await
+                                .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)
+                        })
+                        .await?;
+                        let charge = s
+                            .call("charged", async |provider_key: &str| {
+                                app.provider_keys
+                                    .lock()
+                                    .expect("the keys")
+                                    .push(provider_key.to_owned());
+                                if app.provider_hangs.swap(false, Ordering::SeqCst) {
+                                    app.inside.notify_one();
+                                    std::future::pending::<()>().await;
+                                }
+                                Ok::<_, StatusCode>(format!("ch-{}", &provider_key[..8]))
+                            })
+                            .await?;
+                        s.finish(async |_: &mut $conn| Ok(StoredResponse::new(StatusCode::CREATED, charge)))
+                            .await
+                    },
+                )
+                .await
+                .into_response()
+            }
+
             /// The database, and the service on a pool of `size` connections to it.
             async fn serve(size: u32) -> ($db, std::net::SocketAddr, Arc<App>) {
                 let db = <$db as TestDb>::new();
                 let manager = AsyncDieselConnectionManager::<$conn>::new(db.url());
+                let clock = ManualClock::new();
                 let app = Arc::new(App {
                     pool: $build(manager, size).await,
                     config: super::config(),
                     inside: Notify::new(),
+                    rides: Phased::new("ride")
+                        .lease(chrono::Duration::seconds(30))
+                        .config(super::config().in_flight(InFlight::Reject).clock(clock.source())),
+                    clock,
+                    provider_keys: Mutex::new(Vec::new()),
+                    provider_hangs: AtomicBool::new(false),
+                    rides_ended: AtomicUsize::new(0),
                 });
                 let router = Router::new()
                     .route("/orders", post(place))
                     .route("/returns", post(place))
+                    .route("/rides", post(ride))
                     .with_state(app.clone());
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
                     .await
@@ -222,6 +301,61 @@ macro_rules! async_http_tests {
                 drop(held);
                 let orders = tokio::task::block_in_place(|| <$db as TestDb>::order_count(&mut db.conn()));
                 assert_eq!(orders, 0);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_phased_request_runs_each_step_once_and_its_retry_replays() {
+                let (db, addr, app) = serve(1).await;
+                let first = super::post_to(addr, "/rides", "r-1", "book").await;
+                let retry = super::post_to(addr, "/rides", "r-1", "book").await;
+                assert_eq!(
+                    (first, retry),
+                    ((StatusCode::CREATED, false), (StatusCode::CREATED, true))
+                );
+                assert_eq!(
+                    super::post_to(addr, "/rides", "r-1", "lamp").await.0,
+                    StatusCode::UNPROCESSABLE_ENTITY
+                );
+                assert_eq!(app.provider_keys.lock().expect("the keys").len(), 1, "one call");
+                let orders = tokio::task::block_in_place(|| <$db as TestDb>::order_items(&mut db.conn()));
+                assert_eq!(orders, ["book"]);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_client_that_hangs_up_during_a_call_is_resumed_by_its_retry_once_the_lease_ran_out() {
+                let (db, addr, app) = serve(1).await;
+                app.provider_hangs.store(true, Ordering::SeqCst);
+                tokio::time::timeout(
+                    PATIENCE,
+                    super::hang_up_at(addr, "/rides", "r-1", "book", &app.inside),
+                )
+                .await
+                .expect("the call to the provider was made");
+                let dropped = async {
+                    while app.rides_ended.load(Ordering::SeqCst) == 0 {
+                        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                    }
+                };
+                tokio::time::timeout(PATIENCE, dropped)
+                    .await
+                    .expect("the server dropped the hung-up handler");
+                // The dropped attempt holds the operation's lease: a retry
+                // within it is told to come back later.
+                assert_eq!(
+                    super::post_to(addr, "/rides", "r-1", "book").await.0,
+                    StatusCode::CONFLICT
+                );
+                app.clock.advance(chrono::Duration::seconds(31));
+                assert_eq!(
+                    super::post_to(addr, "/rides", "r-1", "book").await,
+                    (StatusCode::CREATED, false),
+                    "the retry resumes once the lease ran out"
+                );
+                let keys = app.provider_keys.lock().expect("the keys").clone();
+                assert_eq!(keys.len(), 2, "the cut call was made again");
+                assert_eq!(keys[0], keys[1], "with the same provider key");
+                let orders = tokio::task::block_in_place(|| <$db as TestDb>::order_items(&mut db.conn()));
+                assert_eq!(orders, ["book"], "the committed phase did not run again");
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

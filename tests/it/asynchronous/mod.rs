@@ -11,6 +11,7 @@ mod careless;
 mod http;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod killed_sessions;
+mod phased;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};

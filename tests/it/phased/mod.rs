@@ -24,7 +24,7 @@ use crate::common::TestDb;
 use crate::common::child::{Child, parent_database, report_and_wait_for_the_kill};
 use crate::common::wait::{self, Barrier, PATIENCE};
 
-const SCOPE: &str = "riders";
+pub(crate) const SCOPE: &str = "riders";
 const KEY: &str = "ride-7c1e";
 const OPERATION: &str = "create-ride";
 const RECEIPTS: &str = "ride-receipt";
@@ -37,7 +37,7 @@ mod mismatches;
 mod parking;
 mod provider;
 mod retention;
-mod rides;
+pub(crate) mod rides;
 
 use provider::*;
 use rides::*;
@@ -161,7 +161,7 @@ fn create_ride(clock: &ManualClock) -> Phased {
 /// The recovery points committed for `key`: step names, an unfinished call
 /// marked `(started)`; `None` without an operation, `completed` and `parked`
 /// for operations that ended.
-fn recovery_points<D: RideDb>(conn: &mut D::Conn, key: &str) -> Option<Vec<String>> {
+pub(crate) fn recovery_points<D: RideDb>(conn: &mut D::Conn, key: &str) -> Option<Vec<String>> {
     let (status, _, points) = D::operation(conn, key)?;
     if status != "running" {
         return Some(vec![status]);

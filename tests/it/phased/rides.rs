@@ -60,7 +60,7 @@ pub(super) const RIDE_TABLES: &str = "
     );";
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub(super) struct NewRide {
+pub(crate) struct NewRide {
     pub(super) rider: String,
     pub(super) cents: i64,
 }
@@ -129,10 +129,10 @@ pub(super) enum ProviderError {
 
 /// A charge as the provider stores it: (provider key, charge id, cents,
 /// requests with that key).
-pub(super) type ChargeRow = (String, String, i64, i32);
+pub(crate) type ChargeRow = (String, String, i64, i32);
 
 /// The queries of the ride tables, per backend.
-pub(super) trait RideDb: TestDb + 'static {
+pub(crate) trait RideDb: TestDb + 'static {
     /// The ride and provider tables, as the backend declares them.
     const TABLES: &'static str;
 
@@ -286,7 +286,7 @@ impl RideDb for crate::common::mysql::Db {
 }
 
 /// A new database with the ride and provider tables.
-pub(super) fn ride_db<D: RideDb>() -> D {
+pub(crate) fn ride_db<D: RideDb>() -> D {
     let db = D::new();
     db.conn().batch_execute(D::TABLES).expect("create the ride tables");
     db
