@@ -9,12 +9,13 @@
 //! holds, and the provider's charges against the provider's own book.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use chrono::Duration;
+use diesel_async::AsyncConnection;
 use diesel_async::pooled_connection::PoolableConnection;
-use idempotency::phased::{AsyncSteps, Finished, Phased};
+use idempotency::phased::{AsyncSteps, Completer, Finished, Phased};
 use idempotency::testing::ManualClock;
 use idempotency::{Config, Error, InFlight, Outcome};
 
@@ -30,6 +31,7 @@ async_backend_tests!(
     a_panicking_async_step_rolls_back_frees_the_lease_and_the_retry_finishes,
     an_async_phased_operation_with_another_request_is_a_mismatch_and_runs_nothing,
     an_operation_begun_with_async_steps_is_finished_by_the_sync_steps,
+    an_abandoned_async_operation_is_finished_by_a_completer_on_a_thread,
 );
 
 /// The backends with a server, whose sessions show what a cut left open.
@@ -312,6 +314,61 @@ async fn an_operation_begun_with_async_steps_is_finished_by_the_sync_steps<D: As
         Outcome::Executed("ch-0".to_owned())
     );
     assert_eq!(provider.requests.load(Ordering::SeqCst), 1);
+    assert_eq!(D::order_items(&mut sync), ["book"]);
+}
+
+/// The completer stays a thread over a synchronous connection beside an
+/// async application: the function it runs for an operation with async
+/// steps drives the attempt on the application's runtime, on an async
+/// connection of its own, and finishes what the client left.
+async fn an_abandoned_async_operation_is_finished_by_a_completer_on_a_thread<D: AsyncDb + RideDb>() {
+    let db = D::new();
+    let mut conn = db.connect().await;
+    let (provider, phases) = (Arc::new(Provider::default()), Arc::new(AtomicUsize::new(0)));
+    provider.refusals.store(1, Ordering::SeqCst);
+    let clock = ManualClock::new();
+    let phased = Phased::new("place-order")
+        .store_requests(true)
+        .config(Config::default().clock(clock.source()));
+    let failed = place::<D>(&phased, &mut conn, "order-1", "book", &provider, &phases).await;
+    assert!(
+        matches!(failed, Err(Error::Operation(ChargeError::Unavailable))),
+        "{failed:?}"
+    );
+
+    let runtime = tokio::runtime::Handle::current();
+    let url = db.url().to_owned();
+    let (resumed_provider, resumed_phases, resumed) = (Arc::clone(&provider), Arc::clone(&phases), phased.clone());
+    let completer = Completer::<D::Conn>::new().clock(clock.source()).operation(
+        "place-order",
+        move |_: &mut D::Conn, _scope: &str, key: &str, item: String| {
+            runtime.block_on(async {
+                let mut conn = D::Async::establish(&url).await.expect("an async connection");
+                place::<D>(&resumed, &mut conn, key, &item, &resumed_provider, &resumed_phases).await
+            })
+        },
+    );
+    clock.advance(Duration::minutes(5));
+    let mut sync = db.conn();
+    let (report, mut sync) = tokio::task::spawn_blocking(move || (completer.run_once(&mut sync), sync))
+        .await
+        .expect("the completer's thread");
+    let report = report.expect("a pass");
+    assert_eq!((report.picked, report.completed), (1, 1), "{report:?}");
+    assert_eq!(
+        recovery_points::<D>(&mut sync, "order-1"),
+        Some(vec!["completed".to_owned()])
+    );
+    assert_eq!(phases.load(Ordering::SeqCst), 1, "the phase ran once");
+    assert_eq!(
+        (provider.requests.load(Ordering::SeqCst), provider.charges()),
+        (2, 1),
+        "the call was made again with its provider key"
+    );
+    let replay = place::<D>(&phased, &mut conn, "order-1", "book", &provider, &phases)
+        .await
+        .expect("the client's retry");
+    assert!(replay.is_replayed(), "{replay:?}");
     assert_eq!(D::order_items(&mut sync), ["book"]);
 }
 
