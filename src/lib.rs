@@ -57,7 +57,8 @@
 //!   [`Completer::serve`](phased::Completer::serve), each returning what it
 //!   did as [`Stopped`];
 //! - **features**: the combinator ([`run_idempotent`], [`Config::run`];
-//!   on diesel-async connections `run_idempotent_async`, `Config::run_async`),
+//!   on diesel-async connections `run_idempotent_async`, `Config::run_async`,
+//!   `Phased::run_async`),
 //!   the [`outbox`], [`phased`] operations, [`batch`] jobs, the
 //!   [`Idempotent`] repository wrapper, purging
 //!   ([`Config::purge_expired`]);
@@ -153,7 +154,7 @@ compile_error!("enable at least one backend feature: `sqlite` (the default), `po
 /// | [`high_availability`](guide::high_availability) | failover, and what clients should do |
 /// | [`citus`](guide::citus) | scaling writes out: the tables distributed by tenant |
 /// | [`performance`](guide::performance) | what a call costs, measured |
-/// | [`asynchronous`](guide::asynchronous) | the same contract on diesel-async connections: when to use which, an axum handler on a bb8 pool, what a dropped future does |
+/// | [`asynchronous`](guide::asynchronous) | the same contract on diesel-async connections: when to use which, an axum handler on a bb8 pool, phased operations with async steps and their completer, what a dropped future does |
 pub mod guide {
     pub mod contract {
         #![doc = include_str!("../docs/contract.md")]

@@ -14,6 +14,7 @@
 //! | [`run`] | one async call: the key rules checked at once, then a connection from the pool (r2d2's, or deadpool-diesel's with the feature `deadpool`: [`ConnectionPool`]), [`Config::run`](crate::Config::run) on tokio's blocking pool, join; the failures as responses ([`Failure`]) |
 //! | [`lookup`] | what became of a key in the caller's scope: the stored response, or a 404, 409 or 410 problem |
 //! | [`run_phased`] | the same for a [phased operation](crate::phased) with a foreign call in the middle |
+//! | `run_async`, `run_phased_async` (feature `diesel-async`) | the same on a bb8 or deadpool pool of diesel-async connections ([`AsyncConnectionPool`]), the operation or the steps async closures, in the handler's own future |
 //! | [`StoredResponse<T>`](StoredResponse) | what an operation returns: status, kept headers, JSON body; stored, and replayed as it was |
 //! | [`Answer<R>`](Answer) | what `run` returns: the `Outcome<R>`, whose response is `R`'s plus `Idempotent-Replayed: true` on a replay, and `Idempotency-Expires`, when the key's guarantee ends |
 //! | [`openapi`] (feature `openapi`) | the utoipa pieces: header parameter, problem schema and responses, the replay marker |
