@@ -15,6 +15,11 @@
 //!   commit of its own;
 //! - [`Steps::finish`] stores the response in the last transaction.
 //!
+//! On diesel-async connections (feature `diesel-async`),
+//! `Phased::run_async` gives the body `AsyncSteps`, whose steps take async
+//! closures and are awaited, under the same contract: see the
+//! [async guide](crate::guide::asynchronous).
+//!
 //! A retry (or the [`Completer`]) runs the closure again from the top:
 //! every step that committed returns its stored output without running, and
 //! the operation goes on from the first step that did not. Once finished,

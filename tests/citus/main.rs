@@ -12,7 +12,8 @@
 //! The tests take turns: one of them counts the statements that reached each
 //! worker, which another test's traffic would disturb. They need
 //! `CITUS_DATABASE_URL` and fail without it; `.ci/citus` starts a cluster and
-//! `.ci/run` runs them.
+//! `.ci/run` runs them. With `diesel-async`, the async call and phased
+//! operations with async steps are tested through the coordinator as well.
 
 #![cfg(feature = "citus-tests")]
 
@@ -29,6 +30,8 @@ use diesel::sql_types::{BigInt, Integer, Text};
 use idempotency::{Config, Error, InFlight, Outcome, run_idempotent};
 use serde::Serialize;
 
+#[cfg(feature = "diesel-async")]
+mod asynchronous;
 mod services;
 mod setup;
 
