@@ -89,7 +89,11 @@ fn resume_catching_panic<C: RawConnection>(
 /// guarded by the operation still being abandoned.
 ///
 /// `C` is the diesel connection the registered functions take, such as
-/// `PgConnection`.
+/// `PgConnection`. The completer is a thread over such connections; the
+/// function registered for an operation with async steps drives
+/// `Phased::run_async` on the application's runtime, with an async
+/// connection of its own (the [async guide](crate::guide::asynchronous)
+/// shows one).
 pub struct Completer<C> {
     operations: BTreeMap<String, Resume<C>>,
     grace: Duration,
