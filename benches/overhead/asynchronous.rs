@@ -4,7 +4,9 @@
 //! insert of a key-shaped record), a first call and a replay, all six
 //! scenarios taking turns call by call as the single-connection scenarios
 //! do. The async scenarios are driven by a current-thread tokio runtime,
-//! one `block_on` per call, as a server's worker would poll them.
+//! one `block_on` per call, as a server's worker would poll them. Each
+//! connection counts its statements and its round trips (a statement
+//! pipelined behind another shares that one's round trip).
 
 use std::time::Instant;
 
@@ -15,6 +17,7 @@ use serde_json::{Value, json};
 
 use crate::args::Sizes;
 use crate::db::{CompletedKey, Db, REQUEST, SCOPE, floor_keys, new_order, orders};
+use crate::instrument::RoundTripCounter;
 use crate::stats::{Keys, median, round3};
 
 /// The scenarios, by the names their figures carry in the report.
@@ -126,11 +129,15 @@ pub fn run(sizes: Sizes) -> Value {
         .enable_all()
         .build()
         .expect("a runtime");
-    let r#async = runtime
+    let mut r#async = runtime
         .block_on(AsyncPgConnection::establish(db.url()))
         .expect("an async connection to the bench database");
+    let counter = RoundTripCounter::default();
+    let mut sync = db.conn();
+    sync.set_instrumentation(counter.instrumentation());
+    r#async.set_instrumentation(counter.instrumentation());
     let mut conns = Connections {
-        sync: db.conn(),
+        sync,
         r#async,
         runtime,
         config: Config::default(),
@@ -144,7 +151,9 @@ pub fn run(sizes: Sizes) -> Value {
             conns.call(name, &keys.next_key(), &done);
         }
     }
+    counter.take();
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); SCENARIOS.len()];
+    let mut counts = [(0u64, 0u64); SCENARIOS.len()];
     for _ in 0..sizes.rounds {
         let mut elapsed = [0.0f64; SCENARIOS.len()];
         for i in 0..sizes.calls {
@@ -154,6 +163,9 @@ pub fn run(sizes: Sizes) -> Value {
                 let start = Instant::now();
                 conns.call(SCENARIOS[index], &key, &done);
                 elapsed[index] += start.elapsed().as_secs_f64();
+                let (statements, round_trips) = counter.take();
+                counts[index].0 += statements;
+                counts[index].1 += round_trips;
             }
         }
         for (index, total) in elapsed.iter().enumerate() {
@@ -165,12 +177,22 @@ pub fn run(sizes: Sizes) -> Value {
         .enumerate()
         .map(|(index, name)| ((*name).to_owned(), json!(round3(median(&samples[index])))))
         .collect();
+    let calls = (sizes.rounds * sizes.calls) as f64;
+    let per_call_count = |count: fn(&(u64, u64)) -> u64| -> serde_json::Map<String, Value> {
+        SCENARIOS
+            .iter()
+            .zip(&counts)
+            .map(|(name, counted)| ((*name).to_owned(), json!(round3(count(counted) as f64 / calls))))
+            .collect()
+    };
     let of = |name: &str| per_call[name].as_f64().unwrap_or(f64::NAN);
     json!({
         "backend": "postgres-async",
         "rounds": sizes.rounds,
         "calls_per_round": sizes.calls,
         "per_call_us": per_call,
+        "statements_per_call": per_call_count(|counted| counted.0),
+        "round_trips_per_call": per_call_count(|counted| counted.1),
         "ratios": {
             "first_over_floor": round3(of("first") / of("floor")),
             "async_first_over_async_floor": round3(of("async_first") / of("async_floor")),
@@ -192,12 +214,14 @@ pub fn print_report(report: &Value, quick: bool) {
         report["calls_per_round"],
     );
     println!();
-    println!("| scenario     | µs per call |");
-    println!("| ------------ | ----------: |");
+    println!("| scenario     | µs per call | statements per call | round trips per call |");
+    println!("| ------------ | ----------: | ------------------: | -------------------: |");
     for name in SCENARIOS {
         println!(
-            "| {name:<12} | {:>11.1} |",
-            report["per_call_us"][name].as_f64().unwrap_or(f64::NAN)
+            "| {name:<12} | {:>11.1} | {:>19.2} | {:>20.2} |",
+            report["per_call_us"][name].as_f64().unwrap_or(f64::NAN),
+            report["statements_per_call"][name].as_f64().unwrap_or(f64::NAN),
+            report["round_trips_per_call"][name].as_f64().unwrap_or(f64::NAN),
         );
     }
     println!();

@@ -31,6 +31,49 @@ impl StatementCounter {
     }
 }
 
+/// Counts the statements a connection sends and the round trips they take:
+/// a statement sent while another one's answer is still awaited (a
+/// pipelined one, on diesel-async's PostgreSQL connection) shares that
+/// one's round trip.
+#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+#[derive(Clone, Default)]
+pub struct RoundTripCounter(Arc<RoundTrips>);
+
+#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+#[derive(Default)]
+struct RoundTrips {
+    statements: AtomicU64,
+    round_trips: AtomicU64,
+    in_flight: AtomicU64,
+}
+
+#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+impl RoundTripCounter {
+    pub fn instrumentation(&self) -> impl diesel::connection::Instrumentation {
+        let counts = Arc::clone(&self.0);
+        move |event: diesel::connection::InstrumentationEvent<'_>| match event {
+            diesel::connection::InstrumentationEvent::StartQuery { .. } => {
+                counts.statements.fetch_add(1, Ordering::Relaxed);
+                if counts.in_flight.fetch_add(1, Ordering::Relaxed) == 0 {
+                    counts.round_trips.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            diesel::connection::InstrumentationEvent::FinishQuery { .. } => {
+                counts.in_flight.fetch_sub(1, Ordering::Relaxed);
+            }
+            _ => {}
+        }
+    }
+
+    /// The statements and the round trips since the last `take`.
+    pub fn take(&self) -> (u64, u64) {
+        (
+            self.0.statements.swap(0, Ordering::Relaxed),
+            self.0.round_trips.swap(0, Ordering::Relaxed),
+        )
+    }
+}
+
 /// Records how long each purge batch (one `DELETE` statement, its own
 /// transaction) takes from start to commit.
 #[derive(Clone, Default)]

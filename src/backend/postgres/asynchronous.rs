@@ -2,6 +2,13 @@
 //! `PgConnection`'s [`KeyStore`], the same SQL and the same key lock, sent
 //! and awaited. What a statement means and how a failure is read is
 //! `PgConnection`'s, in `mod.rs`; only the sending is here.
+//!
+//! Each statement is awaited before the next is sent, though the
+//! connection could pipeline them: a statement diesel does not cache (the
+//! store's `UPDATE`) is sent after its prepare's answer, so a `COMMIT`
+//! polled beside it would overtake it, and `BEGIN` and `COMMIT` go through
+//! diesel-async's transaction manager, which holds the connection by
+//! `&mut`. The measurements are in the async guide ("What it costs").
 
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
