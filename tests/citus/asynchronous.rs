@@ -1,9 +1,9 @@
 //! The async call on Citus: diesel-async's `AsyncPgConnection` to the
-//! coordinator holds the contract, claims its key first as the database's
-//! `idempotency.claim_first` says (the claim is in the operation's
-//! transaction before the operation runs), writes on the tenant's worker
-//! alone with no two-phase commit, and runs the operation once among racing
-//! calls; a phased operation with async steps runs each step once.
+//! coordinator holds the contract, writes on the tenant's worker alone with
+//! no two-phase commit, claims a key found with a record before its
+//! operation runs as the database's `idempotency.claim_first` says, and
+//! runs the operation once among racing calls; a phased operation with
+//! async steps runs each step once.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -33,19 +33,18 @@ async fn place_order_async(tx: &mut AsyncPgConnection, account: &str, item: &str
         .await
 }
 
-/// The key records of `(account, key)` that `tx` sees.
-async fn claims_seen(tx: &mut AsyncPgConnection, account: &str, key: &str) -> QueryResult<i64> {
+/// The status of the key record of `(account, key)` as `tx` sees it.
+async fn status_seen(tx: &mut AsyncPgConnection, account: &str, key: &str) -> QueryResult<String> {
     use diesel_async::RunQueryDsl;
     idempotency_keys::table
-        .filter(idempotency_keys::scope.eq(account))
-        .filter(idempotency_keys::idempotency_key.eq(key))
-        .count()
+        .find((account, key))
+        .select(idempotency_keys::status)
         .get_result(tx)
         .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_async_call_claims_first_and_is_one_single_shard_transaction() {
+async fn an_async_call_is_one_single_shard_transaction() {
     let (db, mut check) = Db::with_session();
     let mut admin = db.coordinator();
     let mut workers = workers(&mut admin);
@@ -65,13 +64,8 @@ async fn an_async_call_claims_first_and_is_one_single_shard_transaction() {
             &PlaceOrder { item },
             async |tx: &mut AsyncPgConnection| {
                 calls.fetch_add(1, Ordering::SeqCst);
-                // Claimed first: the operation's transaction holds the key's
-                // record before the operation runs.
-                assert_eq!(
-                    claims_seen(tx, account, "order-1").await?,
-                    1,
-                    "the key is claimed first"
-                );
+                // A fresh key is claimed in the round trip that takes its lock.
+                assert_eq!(status_seen(tx, account, "order-1").await?, "processing");
                 place_order_async(tx, account, item).await
             },
         )
@@ -109,6 +103,53 @@ async fn an_async_call_claims_first_and_is_one_single_shard_transaction() {
     assert!(matches!(other, Err(Error::Mismatch)), "another request: {other:?}");
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the operation ran once");
     assert_eq!(orders_and_key_records(&mut check, account), (1, 1));
+}
+
+/// Where the database claims every key first (`citus::distribute` sets
+/// `idempotency.claim_first`), a key found with a record, here one whose
+/// retention ended, is claimed before the operation runs, as the sync call
+/// claims it: elsewhere the record would be read and replaced after the
+/// operation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_async_call_claims_a_key_found_with_a_record_before_its_operation_runs() {
+    let (db, mut check) = Db::with_session();
+    let mut conn = connect(&db).await;
+    let clock = idempotency::testing::ManualClock::new();
+    let config = Config::default()
+        .clock(clock.source())
+        .retention(chrono::Duration::hours(1));
+    let account = "acct-expired";
+    let first = config
+        .run_async(
+            &mut conn,
+            account,
+            "order-1",
+            &PlaceOrder { item: "book" },
+            async |tx: &mut AsyncPgConnection| place_order_async(tx, account, "book").await,
+        )
+        .await
+        .expect("the first call");
+    assert!(!first.is_replayed());
+    clock.advance(chrono::Duration::hours(2));
+    let again = config
+        .run_async(
+            &mut conn,
+            account,
+            "order-1",
+            &PlaceOrder { item: "lamp" },
+            async |tx: &mut AsyncPgConnection| {
+                assert_eq!(
+                    status_seen(tx, account, "order-1").await?,
+                    "processing",
+                    "the expired record was taken over by a claim before the operation"
+                );
+                place_order_async(tx, account, "lamp").await
+            },
+        )
+        .await
+        .expect("the key executes again after its retention");
+    assert!(!again.is_replayed());
+    assert_eq!(orders_and_key_records(&mut check, account), (2, 1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

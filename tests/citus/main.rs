@@ -61,6 +61,7 @@ diesel::table! {
     idempotency_keys (scope, idempotency_key) {
         scope -> Text,
         idempotency_key -> Text,
+        status -> Text,
     }
 }
 
