@@ -188,7 +188,7 @@ impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
 /// # }
 /// ```
 #[cfg(feature = "diesel-async")]
-pub trait AsyncStoreConnection: Driver + phases::PhaseDriver + Send + sealed::Sealed {}
+pub trait AsyncStoreConnection: Driver + phases::PhaseDriver + outbox::OutboxDriver + Send + sealed::Sealed {}
 
 pub(crate) mod sealed {
     pub trait Sealed {}

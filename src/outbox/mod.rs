@@ -105,7 +105,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::backend;
-use crate::backend::{KeyStore, StoreConnection};
+use crate::backend::{KeyStore, StoreConnection, at_once};
 use crate::clock::Clock;
 use crate::error::KeyError;
 use crate::in_flight::InFlight;
@@ -115,7 +115,7 @@ mod handler;
 mod relay;
 mod workers;
 
-use crate::backend::outbox::{NewMessage, OutboxStore, Settlement};
+use crate::backend::outbox::{NewMessage, OutboxDriver, OutboxStore, Settlement};
 pub use backlog::{DeadLetter, Stats};
 pub use relay::Relay;
 
@@ -178,7 +178,7 @@ where
     C: StoreConnection,
     P: Serialize + ?Sized,
 {
-    write(conn, topic, payload, None)
+    at_once(write(conn.raw(), topic, payload, None))
 }
 
 /// [`enqueue`]s a message that no relay delivers before `not_before`: a
@@ -217,18 +217,76 @@ where
     P: Serialize + ?Sized,
 {
     let not_before = <C::Raw as KeyStore>::storable_time(not_before.naive_utc());
-    write(conn, topic, payload, Some(not_before))
+    at_once(write(conn.raw(), topic, payload, Some(not_before)))
 }
 
-fn write<C, P>(conn: &mut C, topic: &str, payload: &P, not_before: Option<NaiveDateTime>) -> Result<String, Error>
+/// [`enqueue`] on a diesel-async connection (feature `diesel-async`),
+/// inside an async call's operation (or a phased step) or anywhere else:
+/// the message exists exactly when the transaction on `conn` commits, and
+/// carries the scope of the call whose operation enqueued it.
+///
+/// # Errors
+///
+/// As [`enqueue`].
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::SqliteConnection;
+/// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+/// use idempotency::{outbox, run_idempotent_async};
+///
+/// type Conn = SyncConnectionWrapper<SqliteConnection>;
+///
+/// let mut conn = idempotency::testing::sqlite_memory_async();
+/// let order = run_idempotent_async(&mut conn, "shop", "order-1", &"book", async |tx: &mut Conn| {
+///     outbox::enqueue_async(tx, "receipts", &"book").await?;
+///     Ok::<_, outbox::Error>(1)
+/// })
+/// .await?;
+/// assert_eq!(order.into_inner(), 1);
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "diesel-async")]
+pub async fn enqueue_async<C, P>(conn: &mut C, topic: &str, payload: &P) -> Result<String, Error>
 where
-    C: StoreConnection,
+    C: crate::AsyncStoreConnection,
+    P: Serialize + ?Sized,
+{
+    write(conn, topic, payload, None).await
+}
+
+/// [`enqueue_at`] on a diesel-async connection (feature `diesel-async`).
+///
+/// # Errors
+///
+/// As [`enqueue`].
+#[cfg(feature = "diesel-async")]
+pub async fn enqueue_at_async<C, P>(
+    conn: &mut C,
+    topic: &str,
+    payload: &P,
+    not_before: DateTime<Utc>,
+) -> Result<String, Error>
+where
+    C: crate::AsyncStoreConnection,
+    P: Serialize + ?Sized,
+{
+    let not_before = <C::Rules as KeyStore>::storable_time(not_before.naive_utc());
+    write(conn, topic, payload, Some(not_before)).await
+}
+
+/// Writes the message on either kind of connection: the rules of a topic
+/// and a payload, and the scope of the call executing on `conn`, once.
+async fn write<C, P>(conn: &mut C, topic: &str, payload: &P, not_before: Option<NaiveDateTime>) -> Result<String, Error>
+where
+    C: OutboxDriver,
     P: Serialize + ?Sized,
 {
     crate::key::validate_scope(topic, MAX_TOPIC_LEN).map_err(Error::InvalidTopic)?;
     let payload = crate::codec::to_readable_json(payload).map_err(Error::Codec)?;
     let id = crate::id::new();
-    let conn = conn.raw();
     let scope = crate::executing::scope_on(&*conn).unwrap_or_default();
     conn.insert_message(&NewMessage {
         id: &id,
@@ -236,7 +294,8 @@ where
         topic,
         payload: &payload,
         not_before,
-    })?;
+    })
+    .await?;
     Ok(id)
 }
 

@@ -18,6 +18,7 @@ use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, Tr
 
 use super::session::{Session, sends};
 use super::{DatabaseNow, UtcNow, schema};
+use crate::backend::outbox::{OutboxDriver, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseDriver, phase_statements};
 use crate::backend::row_with::{OperationColumns, OperationColumnsRow, RowWith, operation_of};
 use crate::backend::{
@@ -123,4 +124,8 @@ impl PhaseDriver for AsyncMysqlConnection {
     }
 
     phase_statements!(async schema: insert_operation_strictly, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+}
+
+impl OutboxDriver for AsyncMysqlConnection {
+    outbox_statements!(async schema, created_at = UtcNow; insert_message);
 }

@@ -7,11 +7,13 @@
 //! purge update or delete through a limited subquery, which diesel's DSL
 //! cannot express, so they are SQL with bound parameters.
 
+use std::future::Future;
+
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
 use diesel::prelude::*;
 
-use crate::backend::KeyStore;
+use crate::backend::{Driver, KeyStore};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 use crate::row_status::MessageStatus;
 use crate::schema::idempotency_outbox;
@@ -19,6 +21,22 @@ use crate::schema::idempotency_outbox;
 mod statements;
 
 pub(crate) use statements::outbox_statements;
+
+/// How a message is written inside a call's operation, sent and awaited as
+/// the connection does: every synchronous connection through its
+/// [`OutboxStore`], whose future is complete when made; the diesel-async
+/// connections in their backend's folder, with
+/// `outbox_statements!(async ...)`. So `enqueue` is written once for both.
+pub trait OutboxDriver: Driver {
+    /// [`OutboxStore::insert_message`].
+    fn insert_message(&mut self, message: &NewMessage<'_>) -> impl Future<Output = QueryResult<()>>;
+}
+
+impl<C: OutboxStore> OutboxDriver for C {
+    fn insert_message(&mut self, message: &NewMessage<'_>) -> impl Future<Output = QueryResult<()>> {
+        std::future::ready(OutboxStore::insert_message(self, message))
+    }
+}
 
 /// A message as `enqueue` writes it: pending, never attempted, due at once
 /// or at `not_before`.

@@ -7,15 +7,26 @@
 /// given the backend's expression for the database's time:
 /// `outbox_statements!(schema, created_at = now; insert_message, ...);`
 /// inside the impl, naming each method it takes.
+///
+/// `outbox_statements!(async schema, created_at = now; insert_message);`
+/// writes `insert_message` as the method of an async
+/// [`OutboxDriver`](super::OutboxDriver), awaited.
 macro_rules! outbox_statements {
+    (async $schema:ident, created_at = $now:expr; insert_message) => {
+        $crate::backend::outbox::outbox_statements!(@insert_message $schema, $now, [async] [.await] [diesel_async::RunQueryDsl]);
+    };
     ($schema:ident, created_at = $now:expr; $($method:ident),+ $(,)?) => {
         $($crate::backend::outbox::outbox_statements!(@$method $schema, $now);)+
     };
     (@insert_message $schema:ident, $now:expr) => {
-        fn insert_message(&mut self, message: &$crate::backend::outbox::NewMessage<'_>) -> diesel::QueryResult<()> {
+        $crate::backend::outbox::outbox_statements!(@insert_message $schema, $now, [] [] [diesel::RunQueryDsl]);
+    };
+    (@insert_message $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn insert_message(&mut self, message: &$crate::backend::outbox::NewMessage<'_>) -> diesel::QueryResult<()> {
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
-            use diesel::prelude::*;
+            use diesel::ExpressionMethods;
+            use $($run)* as _;
             diesel::insert_into(o::table)
                 .values((
                     o::id.eq(message.id),
@@ -27,7 +38,7 @@ macro_rules! outbox_statements {
                     o::available_at.eq(message.not_before),
                     o::created_at.eq($now),
                 ))
-                .execute(self)?;
+                .execute(self)$($await)*?;
             Ok(())
         }
     };

@@ -18,6 +18,7 @@ use diesel::sql_types::Timestamp;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 
 use super::{DatabaseNow, HoldBy, HoldByRead, Levels, NowAndClaimFirst, database_time};
+use crate::backend::outbox::{OutboxDriver, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseDriver, phase_statements};
 use crate::backend::row_with::{
     KeyRecord, KeyRecordRow, OperationColumns, OperationColumnsRow, RowWith, operation_of, stored_of,
@@ -143,4 +144,8 @@ impl PhaseDriver for AsyncPgConnection {
     }
 
     phase_statements!(async schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+}
+
+impl OutboxDriver for AsyncPgConnection {
+    outbox_statements!(async schema, created_at = database_time(); insert_message);
 }

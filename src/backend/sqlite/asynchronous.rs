@@ -19,6 +19,7 @@ use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
 use diesel_async::{AsyncConnection, TransactionManager};
 
 use super::{close_write, hold, open_write, settle};
+use crate::backend::outbox::{OutboxDriver, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseDriver, PhaseStore, phase_statements};
 use crate::backend::{AsyncStoreConnection, Driver, HeldKey, Hold, KeyStore, Read, Record, sealed, unwind_to_depth};
 use crate::in_flight::InFlight;
@@ -105,4 +106,8 @@ impl PhaseDriver for Wrapped {
     }
 
     phase_statements!(async schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+}
+
+impl OutboxDriver for Wrapped {
+    outbox_statements!(async schema, created_at = Utc::now().naive_utc(); insert_message);
 }

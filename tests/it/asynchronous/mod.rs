@@ -11,6 +11,7 @@ mod careless;
 mod http;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod killed_sessions;
+mod outbox;
 mod phased;
 
 use std::convert::Infallible;
