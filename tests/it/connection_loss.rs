@@ -354,7 +354,7 @@ fn accept_within(listener: &TcpListener, patience: Duration) -> std::io::Result<
 const COMMIT: &[u8] = b"COMMIT\0";
 /// The statement that stores a fresh key's result, after the operation: the
 /// claim that rides with the lock is completed.
-const KEY_STORE: &[u8] = b"UPDATE \"idempotency_keys\"";
+const KEY_STORE: &[u8] = b"UPDATE idempotency_keys SET status";
 
 /// One call through a proxy that cuts at `needle`; asserts that its
 /// operation ran once, and returns its result.

@@ -1,8 +1,8 @@
 //! What PostgreSQL does in its own way (what every server does alike is in
 //! `server`): the `lock_timeout` the claim borrows, keys as long as the
 //! index holds, takeovers and purges, callers' transactions at `REPEATABLE
-//! READ` and `SERIALIZABLE`, the claim-first setting, advisory locks, and
-//! durable replays.
+//! READ` and `SERIALIZABLE`, the claim-first setting, advisory locks,
+//! durable replays, and the completion statement prepared once per session.
 //!
 //! Threads are ordered by channels, barriers and the server's own view of
 //! who waits for a lock (`pg_locks`), never by sleeping for a guessed time.
@@ -768,4 +768,63 @@ struct StoredKey {
     scope: String,
     #[diesel(sql_type = diesel::sql_types::Text)]
     idempotency_key: String,
+}
+
+/// How many statements `conn`'s session keeps prepared that complete a
+/// claimed key record.
+fn completions_prepared(conn: &mut PgConnection) -> i64 {
+    diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
+        "(SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'UPDATE idempotency_keys SET status%')",
+    ))
+    .get_result(conn)
+    .expect("the session's prepared statements")
+}
+
+/// A first call completes its claimed record with a statement the session
+/// prepares once and keeps: diesel's own `UPDATE` would be prepared anew,
+/// a round trip of its own, on every call.
+#[test]
+fn the_completion_of_a_claimed_record_is_prepared_once_per_session() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    for n in 0..3 {
+        let outcome = run_idempotent(&mut conn, "shop", &format!("order-{n}"), &n, |_| {
+            Ok::<_, std::convert::Infallible>(n)
+        })
+        .expect("the call");
+        assert_eq!(outcome, Outcome::Executed(n));
+    }
+    assert_eq!(completions_prepared(&mut conn), 1);
+}
+
+/// [`the_completion_of_a_claimed_record_is_prepared_once_per_session`] on
+/// diesel-async's connection.
+#[cfg(feature = "diesel-async")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_async_completion_of_a_claimed_record_is_prepared_once_per_session() {
+    use crate::common::asynchronous::AsyncDb;
+
+    let db = Db::new();
+    let mut conn = db.connect().await;
+    for n in 0..3 {
+        let outcome = idempotency::run_idempotent_async(
+            &mut conn,
+            "shop",
+            &format!("order-{n}"),
+            &n,
+            async |_: &mut diesel_async::AsyncPgConnection| Ok::<_, std::convert::Infallible>(n),
+        )
+        .await
+        .expect("the call");
+        assert_eq!(outcome, Outcome::Executed(n));
+    }
+    let prepared = diesel_async::RunQueryDsl::get_result::<i64>(
+        diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
+            "(SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'UPDATE idempotency_keys SET status%')",
+        )),
+        &mut conn,
+    )
+    .await
+    .expect("the session's prepared statements");
+    assert_eq!(prepared, 1);
 }

@@ -13,9 +13,11 @@ use crate::in_flight::InFlight;
 use crate::row_status::RecordStatus;
 use crate::schema::idempotency_keys;
 
+mod complete;
 mod statements;
 
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub(crate) use complete::Complete;
 pub(crate) use statements::key_statements;
 pub(crate) use statements::record_values;
 

@@ -103,12 +103,7 @@ macro_rules! key_statements {
                         replaced
                     }
                 }
-                Hold::Claimed { .. } => diesel::update(k::table.find((record.scope, record.idempotency_key)))
-                    .set((
-                        k::status.eq(record.status),
-                        k::response.eq(record.response),
-                        k::completed_at.eq(record.completed_at),
-                    ))
+                Hold::Claimed { .. } => $crate::backend::keys::Complete::<diesel::sql_types::Timestamp>::new(record)
                     .execute(self)
                     $($await)*?,
                 // Nothing of this transaction's to write.

@@ -268,36 +268,6 @@ fn wait_timeout_seconds(idle: chrono::Duration) -> i64 {
     (millis.saturating_add(999) / 1000).clamp(1, MAX_WAIT_TIMEOUT)
 }
 
-/// `UPDATE idempotency_keys SET status, response, completed_at WHERE` the
-/// key: the claimed record completed. diesel prepares its own `UPDATE`
-/// statements anew on every call, which on MySQL is a round trip of its own;
-/// this one, a query type of its own, it prepares once per connection.
-struct Complete<'a>(&'a Record<'a>);
-
-impl QueryId for Complete<'_> {
-    type QueryId = Complete<'static>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl QueryFragment<Mysql> for Complete<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
-        let record = self.0;
-        out.push_sql("UPDATE idempotency_keys SET status = ");
-        out.push_bind_param::<Text, _>(&record.status)?;
-        out.push_sql(", response = ");
-        out.push_bind_param::<Nullable<Text>, _>(&record.response)?;
-        out.push_sql(", completed_at = ");
-        out.push_bind_param::<Nullable<Datetime>, _>(&record.completed_at)?;
-        out.push_sql(" WHERE scope = ");
-        out.push_bind_param::<Text, _>(record.scope)?;
-        out.push_sql(" AND idempotency_key = ");
-        out.push_bind_param::<Text, _>(record.idempotency_key)?;
-        Ok(())
-    }
-}
-
-impl RunQueryDsl<MysqlConnection> for Complete<'_> {}
-
 /// Takes the named lock of `(scope, key)`, waiting as `in_flight` allows,
 /// and returns its name for the release.
 async fn lock<C: Session>(conn: &mut C, scope: &str, key: &str, in_flight: InFlight) -> QueryResult<String> {

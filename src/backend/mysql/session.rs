@@ -50,7 +50,7 @@ pub(super) trait Session: Driver<Rules = MysqlConnection> {
     /// not take diesel's `FOR SHARE`.)
     fn find_for_update(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>>;
 
-    /// Runs [`Complete`](super::Complete) for `record`: the records
+    /// Runs [`Complete`](crate::backend::keys::Complete) for `record`: the records
     /// completed, 0 or 1.
     fn complete(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<usize>>;
 
@@ -144,7 +144,7 @@ macro_rules! sends {
 
         async fn complete(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<usize> {
             use $($run)* as _;
-            $crate::backend::mysql::Complete(record).execute(self)$($await)*
+            $crate::backend::keys::Complete::<diesel::sql_types::Datetime>::new(record).execute(self)$($await)*
         }
     };
 }

@@ -1,0 +1,66 @@
+//! The statement that completes a claimed key record, as a query type of
+//! its own: diesel prepares its own `UPDATE` statements anew on every call,
+//! which on PostgreSQL and MySQL is a round trip of its own (a prepare,
+//! then the execution); this one it prepares once per connection.
+
+use std::marker::PhantomData;
+
+use chrono::NaiveDateTime;
+use diesel::backend::Backend;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
+use diesel::serialize::ToSql;
+use diesel::sql_types::{HasSqlType, Nullable, SqlType, Text};
+use diesel::{QueryResult, RunQueryDsl};
+
+use super::Record;
+use crate::row_status::RecordStatus;
+
+/// `UPDATE idempotency_keys SET status, response, completed_at WHERE` the
+/// key of `record`, with `Time` the backend's SQL type of times.
+pub(crate) struct Complete<'a, Time> {
+    record: &'a Record<'a>,
+    time: PhantomData<Time>,
+}
+
+impl<'a, Time> Complete<'a, Time> {
+    /// The completion of the claimed record of `record`'s key with
+    /// `record`'s status, response and completion time.
+    pub(crate) fn new(record: &'a Record<'a>) -> Self {
+        Complete {
+            record,
+            time: PhantomData,
+        }
+    }
+}
+
+impl<Time: 'static> QueryId for Complete<'_, Time> {
+    type QueryId = Complete<'static, Time>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl<DB, Time> QueryFragment<DB> for Complete<'_, Time>
+where
+    DB: Backend + HasSqlType<Text> + HasSqlType<Time>,
+    Time: SqlType,
+    str: ToSql<Text, DB>,
+    RecordStatus: ToSql<Text, DB>,
+    for<'x> Option<&'x str>: ToSql<Nullable<Text>, DB>,
+    Option<NaiveDateTime>: ToSql<Nullable<Time>, DB>,
+{
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
+        let record = self.record;
+        out.push_sql("UPDATE idempotency_keys SET status = ");
+        out.push_bind_param::<Text, _>(&record.status)?;
+        out.push_sql(", response = ");
+        out.push_bind_param::<Nullable<Text>, _>(&record.response)?;
+        out.push_sql(", completed_at = ");
+        out.push_bind_param::<Nullable<Time>, _>(&record.completed_at)?;
+        out.push_sql(" WHERE scope = ");
+        out.push_bind_param::<Text, _>(record.scope)?;
+        out.push_sql(" AND idempotency_key = ");
+        out.push_bind_param::<Text, _>(record.idempotency_key)?;
+        Ok(())
+    }
+}
+
+impl<C, Time> RunQueryDsl<C> for Complete<'_, Time> {}
