@@ -68,9 +68,9 @@ pub(super) fn without_unfinished_call(points: &str) -> Result<String, serde_json
     serde_json::to_string(&points)
 }
 
-/// What [`Steps::finish`](super::Steps::finish) (or
-/// [`AsyncSteps::finish`](super::AsyncSteps::finish)) returns, and the only
-/// way for a phased operation's body to end with success.
+/// What [`Steps::finish`](super::Steps::finish) (or `AsyncSteps::finish`,
+/// feature `diesel-async`) returns, and the only way for a phased
+/// operation's body to end with success.
 #[derive(Debug)]
 pub struct Finished<R>(R);
 
