@@ -193,13 +193,8 @@ impl<E> Error<E> {
             Error::InProgress | Error::OutcomeUnknown(_) => true,
             Error::Storage(error) => {
                 is_connection_lost(error)
-                    || matches!(
-                        error,
-                        diesel::result::Error::DatabaseError(
-                            diesel::result::DatabaseErrorKind::SerializationFailure,
-                            _
-                        ) | diesel::result::Error::BrokenTransactionManager
-                    )
+                    || is_serialization_failure(error)
+                    || matches!(error, diesel::result::Error::BrokenTransactionManager)
             }
             _ => false,
         }
@@ -319,6 +314,24 @@ pub(crate) fn is_connection_lost(error: &diesel::result::Error) -> bool {
             LOST.iter().any(|lost| message.contains(lost))
         }
         Error::RollbackErrorOnCommit { commit_error, .. } => is_connection_lost(commit_error),
+        _ => false,
+    }
+}
+
+/// Whether `error` is a serialization failure or a deadlock, which rolled
+/// the transaction back: diesel's own kind, or, from diesel-async's MySQL
+/// client, which reports every server error but a few constraints as
+/// `Unknown` with the server's text alone, MySQL's fixed message of error
+/// 1213 (a server whose `lc_messages` is not English words it otherwise,
+/// and such a deadlock is then not told retryable).
+fn is_serialization_failure(error: &diesel::result::Error) -> bool {
+    use diesel::result::{DatabaseErrorKind, Error};
+    match error {
+        Error::DatabaseError(DatabaseErrorKind::SerializationFailure, _) => true,
+        Error::DatabaseError(DatabaseErrorKind::Unknown, info) => info
+            .message()
+            .to_ascii_lowercase()
+            .contains("deadlock found when trying to get lock"),
         _ => false,
     }
 }

@@ -184,6 +184,23 @@ fn unknown_database_error(message: &str) -> Error {
 }
 
 #[test]
+fn a_deadlock_is_retryable_as_every_client_library_reports_it() {
+    let deadlock = || {
+        Box::new(String::from(
+            "Deadlock found when trying to get lock; try restarting transaction",
+        ))
+    };
+    // diesel's MySQL connection and PostgreSQL: the kind.
+    let kind =
+        diesel::result::Error::DatabaseError(diesel::result::DatabaseErrorKind::SerializationFailure, deadlock());
+    assert!(Error::<()>::Storage(kind).is_retryable());
+    // diesel-async's MySQL client: the server's text alone.
+    assert!(
+        unknown_database_error("Deadlock found when trying to get lock; try restarting transaction").is_retryable()
+    );
+}
+
+#[test]
 fn a_lost_connection_is_retryable_in_every_client_librarys_spelling() {
     for message in [
         // libmysqlclient

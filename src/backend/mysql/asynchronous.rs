@@ -6,8 +6,8 @@
 //!
 //! diesel-async's MySQL client reports what the server refused with the
 //! kinds diesel knows (a duplicate key is a `UniqueViolation`), and
-//! everything else, a lost connection among it, as `Unknown` with its own
-//! text, which [`is_connection_lost`](crate::error) reads.
+//! everything else, a lost connection and a deadlock among it, as `Unknown`
+//! with its own text, which `crate::error` reads.
 
 use chrono::NaiveDateTime;
 use diesel::QueryResult;

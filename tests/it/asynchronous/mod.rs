@@ -7,6 +7,8 @@
 
 mod cancellation;
 mod careless;
+#[cfg(feature = "mysql")]
+mod deadlock;
 #[cfg(feature = "axum")]
 mod http;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
