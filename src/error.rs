@@ -80,7 +80,8 @@ pub enum Error<E = Infallible> {
     /// rolled back. HTTP 500.
     ///
     /// On PostgreSQL and MySQL this includes serialization failures and
-    /// deadlocks (`DatabaseErrorKind::SerializationFailure` and friends), and
+    /// deadlocks (`DatabaseErrorKind::SerializationFailure`, or a deadlock
+    /// a client reports as `Unknown` with the server's English text), and
     /// a connection lost before the commit (`ClosedConnection`,
     /// `UnableToSendCommand`, as during a failover): the transaction did not
     /// commit, the operation's effects are gone and retrying the whole call
@@ -319,19 +320,21 @@ pub(crate) fn is_connection_lost(error: &diesel::result::Error) -> bool {
 }
 
 /// Whether `error` is a serialization failure or a deadlock, which rolled
-/// the transaction back: diesel's own kind, or, from diesel-async's MySQL
-/// client, which reports every server error but a few constraints as
-/// `Unknown` with the server's text alone, MySQL's fixed message of error
-/// 1213 (a server whose `lc_messages` is not English words it otherwise,
-/// and such a deadlock is then not told retryable).
+/// the transaction back: diesel's own kind (PostgreSQL's 40001, MySQL's
+/// 1213 through libmysqlclient), or a deadlock the client reports as
+/// `Unknown` with the server's text alone: PostgreSQL's 40P01 on either
+/// client, MySQL's 1213 through diesel-async's client. The texts are the
+/// servers' English ones; a server set to report in another language
+/// (`lc_messages`) words them otherwise, and such a deadlock is then not
+/// told retryable.
 fn is_serialization_failure(error: &diesel::result::Error) -> bool {
     use diesel::result::{DatabaseErrorKind, Error};
     match error {
         Error::DatabaseError(DatabaseErrorKind::SerializationFailure, _) => true,
-        Error::DatabaseError(DatabaseErrorKind::Unknown, info) => info
-            .message()
-            .to_ascii_lowercase()
-            .contains("deadlock found when trying to get lock"),
+        Error::DatabaseError(DatabaseErrorKind::Unknown, info) => {
+            let message = info.message().to_ascii_lowercase();
+            message.contains("deadlock found when trying to get lock") || message.contains("deadlock detected")
+        }
         _ => false,
     }
 }

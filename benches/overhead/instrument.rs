@@ -34,7 +34,9 @@ impl StatementCounter {
 /// Counts the statements a connection sends and the round trips they take:
 /// a statement sent while another one's answer is still awaited (a
 /// pipelined one, on diesel-async's PostgreSQL connection) shares that
-/// one's round trip.
+/// one's round trip. diesel's instrumentation does not report the prepare
+/// of a statement it does not cache, a round trip of its own that is not
+/// counted.
 #[cfg(all(feature = "diesel-async", feature = "postgres"))]
 #[derive(Clone, Default)]
 pub struct RoundTripCounter(Arc<RoundTrips>);

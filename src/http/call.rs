@@ -372,7 +372,10 @@ where
     match crate::backend::catch_unwind(call(&mut *conn, &bound)).await {
         Ok(Ok((outcome, expires_at))) => Ok(Answer::new(outcome, expires_at, key.expiry_header().clone())),
         Ok(Err(error)) => Err(Failure::of(error, problems)),
-        // Rolled back before the panic went on: nothing was committed.
+        // The transaction the panic was in rolled back before the panic
+        // went on: a single call committed nothing; a phased operation
+        // keeps the recovery points it committed before, with its lease
+        // freed.
         Err(_) => Err(Failure::internal(problems, false, "the operation panicked".into())),
     }
 }

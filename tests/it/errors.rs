@@ -190,7 +190,8 @@ fn a_deadlock_is_retryable_as_every_client_library_reports_it() {
             "Deadlock found when trying to get lock; try restarting transaction",
         ))
     };
-    // diesel's MySQL connection and PostgreSQL: the kind.
+    // diesel's MySQL connection (and PostgreSQL's serialization failures):
+    // the kind.
     let kind =
         diesel::result::Error::DatabaseError(diesel::result::DatabaseErrorKind::SerializationFailure, deadlock());
     assert!(Error::<()>::Storage(kind).is_retryable());
@@ -198,6 +199,8 @@ fn a_deadlock_is_retryable_as_every_client_library_reports_it() {
     assert!(
         unknown_database_error("Deadlock found when trying to get lock; try restarting transaction").is_retryable()
     );
+    // PostgreSQL's deadlock (40P01) on either client: the server's text.
+    assert!(unknown_database_error("deadlock detected").is_retryable());
 }
 
 #[test]

@@ -770,14 +770,16 @@ struct StoredKey {
     idempotency_key: String,
 }
 
-/// How many statements `conn`'s session keeps prepared that complete a
-/// claimed key record.
+/// How many statements the session keeps prepared that complete a claimed
+/// key record.
+const COMPLETIONS_PREPARED: &str =
+    "(SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'UPDATE idempotency_keys SET status%')";
+
+/// [`COMPLETIONS_PREPARED`] of `conn`'s session.
 fn completions_prepared(conn: &mut PgConnection) -> i64 {
-    diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
-        "(SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'UPDATE idempotency_keys SET status%')",
-    ))
-    .get_result(conn)
-    .expect("the session's prepared statements")
+    diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>(COMPLETIONS_PREPARED))
+        .get_result(conn)
+        .expect("the session's prepared statements")
 }
 
 /// A first call completes its claimed record with a statement the session
@@ -819,9 +821,7 @@ async fn the_async_completion_of_a_claimed_record_is_prepared_once_per_session()
         assert_eq!(outcome, Outcome::Executed(n));
     }
     let prepared = diesel_async::RunQueryDsl::get_result::<i64>(
-        diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
-            "(SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE 'UPDATE idempotency_keys SET status%')",
-        )),
+        diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>(COMPLETIONS_PREPARED)),
         &mut conn,
     )
     .await

@@ -1,7 +1,8 @@
 //! The statement that completes a claimed key record, as a query type of
 //! its own: diesel prepares its own `UPDATE` statements anew on every call,
 //! which on PostgreSQL and MySQL is a round trip of its own (a prepare,
-//! then the execution); this one it prepares once per connection.
+//! then the execution); this one it prepares once per connection. SQLite's
+//! calls use it too, where a prepare costs no round trip.
 
 use std::marker::PhantomData;
 

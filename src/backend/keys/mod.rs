@@ -16,8 +16,8 @@ use crate::schema::idempotency_keys;
 mod complete;
 mod statements;
 
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) use complete::Complete;
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) use statements::key_statements;
 pub(crate) use statements::record_values;
 

@@ -4,11 +4,12 @@
 //! `PgConnection`'s, in `mod.rs`; only the sending is here.
 //!
 //! Each statement is awaited before the next is sent, though the
-//! connection could pipeline them: a statement diesel does not cache (the
-//! store's `UPDATE`) is sent after its prepare's answer, so a `COMMIT`
-//! polled beside it would overtake it, and `BEGIN` and `COMMIT` go through
+//! connection could pipeline them: `BEGIN` and `COMMIT` go through
 //! diesel-async's transaction manager, which holds the connection by
-//! `&mut`. The measurements are in the async guide ("What it costs").
+//! `&mut`, and a statement diesel does not cache (the takeover of an
+//! expired record) is sent only after its prepare's answer, so a statement
+//! polled beside it could overtake it. The measurements are in the async
+//! guide ("What it costs").
 
 use chrono::NaiveDateTime;
 use diesel::QueryResult;

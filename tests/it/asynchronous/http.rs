@@ -341,10 +341,17 @@ macro_rules! async_http_tests {
                     .expect("the server dropped the hung-up handler");
                 // The dropped attempt holds the operation's lease: a retry
                 // within it is told to come back later.
-                assert_eq!(
-                    super::post_to(addr, "/rides", "r-1", "book").await.0,
-                    StatusCode::CONFLICT
-                );
+                let held = crate::common::http::client()
+                    .post(format!("http://{addr}/rides"))
+                    .header("Idempotency-Key", "r-1")
+                    .json(&NewOrder {
+                        item: "book".to_owned(),
+                    })
+                    .send()
+                    .await
+                    .expect("an answer");
+                assert_eq!(held.status().as_u16(), StatusCode::CONFLICT.as_u16());
+                assert!(held.headers().contains_key("retry-after"), "{:?}", held.headers());
                 app.clock.advance(chrono::Duration::seconds(31));
                 assert_eq!(
                     super::post_to(addr, "/rides", "r-1", "book").await,

@@ -7,7 +7,6 @@
 
 mod cancellation;
 mod careless;
-#[cfg(feature = "mysql")]
 mod deadlock;
 #[cfg(feature = "axum")]
 mod http;

@@ -31,6 +31,7 @@ async_backend_tests!(
     a_panicking_async_step_rolls_back_frees_the_lease_and_the_retry_finishes,
     an_async_phased_operation_with_another_request_is_a_mismatch_and_runs_nothing,
     an_operation_begun_with_async_steps_is_finished_by_the_sync_steps,
+    an_operation_begun_with_sync_steps_is_finished_by_the_async_steps,
     an_abandoned_async_operation_is_finished_by_a_completer_on_a_thread,
 );
 
@@ -314,6 +315,41 @@ async fn an_operation_begun_with_async_steps_is_finished_by_the_sync_steps<D: As
         Outcome::Executed("ch-0".to_owned())
     );
     assert_eq!(provider.requests.load(Ordering::SeqCst), 1);
+    assert_eq!(D::order_items(&mut sync), ["book"]);
+}
+
+/// The other way round: an operation whose sync attempt stopped after its
+/// call is finished by the async steps, which neither run the phase nor make
+/// the call again, and answer with the call's stored result.
+async fn an_operation_begun_with_sync_steps_is_finished_by_the_async_steps<D: AsyncDb + RideDb>() {
+    let db = D::new();
+    let phased = Phased::new("place-order");
+    let mut sync = db.conn();
+    let stopped = tokio::task::block_in_place(|| {
+        phased.run(&mut sync, SCOPE, "order-1", &"book", |s| {
+            s.phase("ordered", |tx| {
+                D::place_order(tx, "book", 1).map(drop).map_err(ChargeError::from)
+            })?;
+            s.call("charged", |_| Ok::<_, ChargeError>(String::from("ch-sync")))?;
+            Err::<Finished<String>, _>(Error::Operation(ChargeError::Unavailable))
+        })
+    });
+    assert!(
+        matches!(stopped, Err(Error::Operation(ChargeError::Unavailable))),
+        "{stopped:?}"
+    );
+
+    let mut conn = db.connect().await;
+    let (provider, phases) = (Provider::default(), AtomicUsize::new(0));
+    let finished = place::<D>(&phased, &mut conn, "order-1", "book", &provider, &phases)
+        .await
+        .expect("the async steps finish it");
+    assert_eq!(finished, Outcome::Executed("ch-sync".to_owned()));
+    assert_eq!(
+        (phases.load(Ordering::SeqCst), provider.requests.load(Ordering::SeqCst)),
+        (0, 0),
+        "neither the phase nor the call ran again"
+    );
     assert_eq!(D::order_items(&mut sync), ["book"]);
 }
 
