@@ -3,9 +3,10 @@
 //! replayed, a failed call resumes from the last recovery point with the
 //! same provider key, a panicking step rolls back and frees the lease,
 //! another request is a mismatch, an operation begun with async steps is
-//! finished by the sync ones (one protocol, one record), and an attempt
+//! finished by the sync ones (one protocol, one record), an attempt
 //! dropped at any of its waits leaves whole steps and is resumed once its
-//! lease runs out. Each outcome is checked against what the database
+//! lease runs out, and one gone silent mid-step loses its key within the
+//! idle bound. Each outcome is checked against what the database
 //! holds, and the provider's charges against the provider's own book.
 
 use std::collections::HashMap;
@@ -39,7 +40,10 @@ async_backend_tests!(
 mod server {
     use super::*;
 
-    async_backend_tests!(server: an_async_attempt_cut_at_any_wait_keeps_whole_steps_and_is_resumed_after_its_lease);
+    async_backend_tests!(
+        server: an_async_attempt_cut_at_any_wait_keeps_whole_steps_and_is_resumed_after_its_lease,
+        an_async_attempt_gone_silent_mid_step_loses_its_key_within_the_idle_bound,
+    );
 }
 
 /// A payment provider reached over the network: it deduplicates charges
@@ -497,5 +501,53 @@ async fn an_async_attempt_cut_at_any_wait_keeps_whole_steps_and_is_resumed_after
     assert!(
         cut_inside > 0 && cut_between > 0,
         "the cuts fell inside a step's transaction ({cut_inside}) and between steps ({cut_between})"
+    );
+}
+
+/// An attempt whose step writes and then goes silent, its connection open,
+/// as a host cut off from the network leaves it: the server ends the
+/// session within the idle bound, which frees the key, and an attempt
+/// waiting for it executes the operation; nothing of the silent step stays.
+async fn an_async_attempt_gone_silent_mid_step_loses_its_key_within_the_idle_bound<D: AsyncServerDb + RideDb>() {
+    let db = D::new();
+    let (inside_tx, inside) = tokio::sync::oneshot::channel();
+    let silent_phased = Phased::new("place-order").config(Config::default().idle_timeout(Duration::seconds(1)));
+    let mut silent_conn = db.connect().await;
+    let silent = silent_phased.run_async(
+        &mut silent_conn,
+        SCOPE,
+        "order-1",
+        &"book",
+        async |s: &mut AsyncSteps<'_, D::Async>| {
+            s.phase("ordered", async |tx: &mut D::Async| {
+                D::insert_order(tx, "silent").await?;
+                inside_tx.send(()).expect("the test waits");
+                std::future::pending::<()>().await;
+                Ok::<_, ChargeError>(())
+            })
+            .await?;
+            s.finish(async |_: &mut D::Async| Ok::<_, ChargeError>(String::new()))
+                .await
+        },
+    );
+    let mut conn = db.connect().await;
+    let (provider, phases) = (Provider::default(), AtomicUsize::new(0));
+    let waiting = Phased::new("place-order").config(Config::default().in_flight(InFlight::Wait(Duration::seconds(20))));
+    let waiter = async {
+        inside.await.expect("the silent step holds the key");
+        place::<D>(&waiting, &mut conn, "order-1", "book", &provider, &phases).await
+    };
+    // The silent attempt is polled until the waiter is answered, and never
+    // ends: only the server can free its key.
+    let answered = tokio::select! {
+        _ = silent => panic!("the silent attempt never ends by itself"),
+        answered = waiter => answered,
+    };
+    assert!(!answered.expect("the waiter is served").is_replayed());
+    let mut check = db.conn();
+    assert_eq!(D::order_items(&mut check), ["book"], "nothing of the silent step stays");
+    assert_eq!(
+        recovery_points::<D>(&mut check, "order-1"),
+        Some(vec!["completed".to_owned()])
     );
 }
