@@ -1,9 +1,9 @@
 //! The request fingerprint: independent of map order, sensitive to content.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use idempotency::{Error, run_idempotent};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::common::TestDb;
 
@@ -29,6 +29,7 @@ crate::common::backend_tests!(
     a_struct_and_a_map_with_the_same_json_match,
     any_changed_value_is_a_mismatch,
     numbers_the_fingerprint_cannot_tell_apart_are_refused_and_nothing_is_written,
+    a_request_with_hash_sets_read_twice_from_the_same_body_is_replayed,
 );
 
 /// The stored fingerprint is the SHA-256 of the canonical form written
@@ -139,4 +140,31 @@ fn numbers_the_fingerprint_cannot_tell_apart_are_refused_and_nothing_is_written<
     let plain: serde_json::Value = serde_json::from_str(r#"{"amount": 1.5, "fee": 0.1}"#).expect("json");
     let placed = run_idempotent(&mut conn, "shop", "k-plain", &plain, |tx| D::place_order(tx, "book", 1));
     assert!(!placed.expect("a float a request may hold").is_replayed());
+}
+
+/// A request type with hash sets, at the top and nested, deserialized
+/// from the same body for each call: every call sees the sets in another
+/// order, and every retry is still the same request.
+fn a_request_with_hash_sets_read_twice_from_the_same_body_is_replayed<D: TestDb>() {
+    #[derive(Deserialize, Serialize)]
+    struct Tagged {
+        tags: HashSet<String>,
+        groups: Vec<HashSet<String>>,
+        by_owner: HashMap<String, HashSet<u32>>,
+        optional: Option<HashSet<String>>,
+    }
+    let db = D::new();
+    let mut conn = db.conn();
+    let tags: Vec<String> = (0..16).map(|i| format!("\"tag-{i}\"")).collect();
+    let tags = format!("[{}]", tags.join(","));
+    let body = format!(
+        r#"{{"tags": {tags}, "groups": [{tags}, ["x"]], "by_owner": {{"ann": [1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]}}, "optional": {tags}}}"#
+    );
+    for attempt in 0..10 {
+        let request: Tagged = serde_json::from_str(&body).expect("json");
+        let outcome = run_idempotent(&mut conn, "shop", "k-sets", &request, |tx| D::place_order(tx, "book", 1))
+            .unwrap_or_else(|error| panic!("attempt {attempt}: {error:?}"));
+        assert_eq!(outcome.is_replayed(), attempt > 0, "attempt {attempt}");
+    }
+    assert_eq!(D::order_count(&mut conn), 1);
 }
