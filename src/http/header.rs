@@ -17,6 +17,9 @@ pub(crate) enum HeaderError {
     NotAnSfString,
     /// A byte outside visible ASCII in a value that is not quoted.
     NotAToken,
+    /// A comma in a value that is not quoted: two fields a proxy joined
+    /// into one (`abc,def`), whose keys cannot be told apart.
+    Joined,
     /// A value that is not quoted, where the syntax is strict.
     NotQuoted,
 }
@@ -29,6 +32,9 @@ impl fmt::Display for HeaderError {
                 f.write_str("the Idempotency-Key header is not a valid structured field string")
             }
             HeaderError::NotAToken => f.write_str("the Idempotency-Key header holds bytes other than visible ascii"),
+            HeaderError::Joined => f.write_str(
+                "the Idempotency-Key header holds a comma outside quotes, as two fields joined into one would",
+            ),
             HeaderError::NotQuoted => {
                 f.write_str("the Idempotency-Key header must be a structured field string: the key in double quotes")
             }
@@ -64,7 +70,9 @@ pub(crate) fn read_key(
 }
 
 /// The key in one field value: an sf-string, unescaped, or else, with the
-/// lenient syntax, the value as it is when it is all visible ASCII.
+/// lenient syntax, the value as it is when it is all visible ASCII and
+/// holds no comma (a comma joins two fields of one name into one value,
+/// RFC 9110 §5.3, so `abc,def` may be two keys).
 /// Surrounding spaces and tabs are not part of the value (RFC 9110 §5.5).
 pub(crate) fn parse_key(value: &[u8], syntax: Syntax) -> Result<String, HeaderError> {
     let value = value.trim_ascii();
@@ -81,7 +89,9 @@ pub(crate) fn parse_key(value: &[u8], syntax: Syntax) -> Result<String, HeaderEr
     if syntax == Syntax::Strict {
         return Err(HeaderError::NotQuoted);
     }
-    if value.iter().all(u8::is_ascii_graphic) {
+    if value.contains(&b',') {
+        Err(HeaderError::Joined)
+    } else if value.iter().all(u8::is_ascii_graphic) {
         // Visible ASCII is valid UTF-8.
         Ok(String::from_utf8_lossy(value).into_owned())
     } else {
@@ -345,6 +355,23 @@ mod tests {
             r#""abc"def"#,
         ] {
             assert_eq!(key(value), Err(HeaderError::NotAnSfString), "{value}");
+        }
+    }
+
+    #[test]
+    fn two_fields_joined_into_one_are_refused_in_both_syntaxes() {
+        assert_eq!(key("abc,def"), Err(HeaderError::Joined));
+        assert_eq!(key("abc, def"), Err(HeaderError::Joined));
+        assert_eq!(key(",abc"), Err(HeaderError::Joined));
+        assert_eq!(strict("abc,def"), Err(HeaderError::NotQuoted));
+        assert_eq!(key(r#""abc","def""#), Err(HeaderError::NotAnSfString));
+        assert_eq!(strict(r#""abc","def""#), Err(HeaderError::NotAnSfString));
+        // Inside quotes a comma is part of the key.
+        assert_eq!(key(r#""abc,def""#).as_deref(), Ok("abc,def"));
+        let mut headers = HeaderMap::new();
+        headers.append(IDEMPOTENCY_KEY, HeaderValue::from_static("abc,def"));
+        for syntax in [Syntax::Lenient, Syntax::Strict] {
+            assert!(read_key(&headers, &[IDEMPOTENCY_KEY], syntax).is_err(), "{syntax:?}");
         }
     }
 

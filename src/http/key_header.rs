@@ -15,7 +15,7 @@ use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 /// | setting | default |
 /// | --- | --- |
 /// | names | `Idempotency-Key` only, the draft's; [`also_accept`](KeyHeader::also_accept) adds another, such as `X-Idempotency-Key` |
-/// | syntax | lenient: an RFC 9651 sf-string (`"8e03978e"`), or a bare value of visible ASCII (`8e03978e`) taken as it is, as Stripe's clients send it |
+/// | syntax | lenient: an RFC 9651 sf-string (`"8e03978e"`), or a bare value of visible ASCII without a comma (`8e03978e`) taken as it is, as Stripe's clients send it |
 /// | [`strict`](KeyHeader::strict) | an sf-string only, as the IETF draft (§2.1) requires; a bare value is a 400 |
 /// | [`expiry_header`](KeyHeader::expiry_header) | `Idempotency-Expires`: the response header of every [`Answer`](super::Answer) |
 ///
@@ -23,7 +23,10 @@ use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 /// two (`Idempotency-Key: a` and `X-Idempotency-Key: a`), has two keys: it
 /// is refused with a 400 ([`ProblemKind::InvalidKey`](super::ProblemKind::InvalidKey)),
 /// even when the values agree, since which one the client meant cannot be
-/// told.
+/// told. So has a bare value with a comma (`abc,def`, `abc, def`): a proxy
+/// joins two fields of one name into one value with a comma (RFC 9110
+/// §5.3), so it is refused in both syntaxes; a comma inside an sf-string
+/// (`"abc,def"`) is part of the key.
 ///
 /// In both syntaxes, parameters after the string (`"8e03978e";d=@1700000000`) may
 /// hold any bare item of RFC 9651 and are checked, then ignored: the draft
