@@ -92,8 +92,10 @@ const CARD_SEPARATORS: &[u8] = b" -.";
 /// letters nor digits, or the ends of `value`), either as one run of
 /// digits or in the groups cards are written in (fours with a last group
 /// of one to four, or 4-6-5 and 4-6-4), a single space, `-` or `.` between
-/// two groups. A value of digits and separators alone is one number
-/// however it is grouped.
+/// two groups, wherever such a run of groups stands in a longer chain of
+/// them (`order-7-4111-1111-1111-1111`, `ref.2223.0031.2200.3222.0`). A
+/// value of digits and separators alone is one number however it is
+/// grouped.
 ///
 /// Digits glued to letters are not looked at: a hex string (a UUID, a
 /// [`derive`]d key) holds runs of 13 or more digits often enough (about one
@@ -137,14 +139,23 @@ fn holds_card_number(value: &str) -> bool {
         };
         let is_card =
             |digits: &[u32]| (13..=19).contains(&digits.len()) && (2..=6).contains(&digits[0]) && luhn_valid(digits);
-        if groups
-            .iter()
-            .any(|group| apart(group.start, group.end) && is_card(&digits(std::slice::from_ref(group))))
-        {
-            return true;
+        // Every run of consecutive groups, so that a card in its layout is
+        // found inside a longer chain (`order-7-4111-1111-1111-1111`): one
+        // group is a card as one run of digits, several in a card's layout,
+        // which spans at most five groups (fours and a last of three make 19
+        // digits). A run inside the chain stands apart, a separator on
+        // either side.
+        for first in 0..groups.len() {
+            for len in 1..=5.min(groups.len() - first) {
+                let run = &groups[first..first + len];
+                let (run_start, run_end) = (run[0].start, run[len - 1].end);
+                if apart(run_start, run_end) && (len == 1 || card_layout(run)) && is_card(&digits(run)) {
+                    return true;
+                }
+            }
         }
         let whole = start == 0 && at == bytes.len();
-        if groups.len() > 1 && apart(start, at) && (whole || card_layout(&groups)) && is_card(&digits(&groups)) {
+        if groups.len() > 1 && whole && is_card(&digits(&groups)) {
             return true;
         }
     }
@@ -220,6 +231,31 @@ mod tests {
     }
 
     #[test]
+    fn cards_in_their_layouts_inside_longer_chains_of_groups_are_found() {
+        for value in [
+            "order-7-4111-1111-1111-1111",
+            "ref.2223.0031.2200.3222.0",
+            // Amex's 4-6-5 at the start of a chain, Diners' 4-6-4 inside one.
+            "4111-111141-11121-1112-4105\"abc",
+            "50-2110-2150-215010-2150-",
+            "7 4111 1111 1111 1111 7",
+            "2026.4111.1111.1111.1111",
+            "x-1-2-3-4111-1111-1111-1111-4-5",
+        ] {
+            assert!(holds_card_number(value), "{value}");
+        }
+        for value in [
+            // Glued to a letter, a chain is not looked into.
+            "order7-4111-1111-1111-1111x",
+            // A group of five breaks the layout.
+            "order-7-41111-1111-1111-111",
+            "v1.2.3-2026.12.01-0004",
+        ] {
+            assert!(!holds_card_number(value), "{value}");
+        }
+    }
+
+    #[test]
     fn card_numbers_standing_apart_within_a_value_are_found() {
         for value in [
             "pay-4111111111111111",
@@ -242,17 +278,7 @@ mod tests {
         }
     }
 
-    /// Random bytes, without a dependency: SplitMix64.
-    fn random_words(seed: u64) -> impl Iterator<Item = u64> {
-        let mut state = seed;
-        std::iter::repeat_with(move || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        })
-    }
+    use crate::property::{cases, random_below, random_words};
 
     fn uuid_v4(high: u64, low: u64) -> String {
         let high = (high & !0xf000) | 0x4000;
@@ -268,18 +294,93 @@ mod tests {
         )
     }
 
+    /// A random card number of `len` digits, beginning with 2 to 6, that
+    /// passes the Luhn check.
+    fn card(len: usize, next: &mut impl FnMut(usize) -> usize) -> Vec<u32> {
+        let mut digits: Vec<u32> = (0..len).map(|_| u32::try_from(next(10)).unwrap_or_default()).collect();
+        digits[0] = 2 + u32::try_from(next(5)).unwrap_or_default();
+        digits[len - 1] = 0;
+        let sum: u32 = digits
+            .iter()
+            .rev()
+            .enumerate()
+            .map(|(i, &d)| if i % 2 == 1 { (d * 2) % 10 + d * 2 / 10 } else { d })
+            .sum();
+        digits[len - 1] = (10 - sum % 10) % 10;
+        assert!(luhn_valid(&digits));
+        digits
+    }
+
+    /// Random digit groups, each of one to six digits.
+    fn groups(count: usize, next: &mut impl FnMut(usize) -> usize) -> Vec<String> {
+        (0..count)
+            .map(|_| (0..1 + next(6)).map(|_| char::from(b'0' + u8::try_from(next(10)).unwrap_or(0))).collect())
+            .collect()
+    }
+
+    /// Cards of every length in every layout they are written in, each
+    /// inside a chain of random digit groups, behind a prefix and before a
+    /// suffix that stand apart from it: refused, wherever they stand.
     #[test]
-    fn uuids_and_derived_keys_are_never_taken_for_card_numbers() {
+    fn generated_cards_in_their_layouts_anywhere_in_a_chain_are_refused() {
+        let mut next = random_below(0xca4d_0001);
+        for _ in 0..cases(20_000) {
+            let layout: Vec<usize> = match next(4) {
+                0 => vec![4, 6, 5],
+                1 => vec![4, 6, 4],
+                2 => vec![13 + next(7)],
+                _ => {
+                    let mut layout = vec![4; 3 + next(2)];
+                    layout.push(1 + next(4));
+                    layout
+                }
+            };
+            let len: usize = layout.iter().sum();
+            if !(13..=19).contains(&len) {
+                continue;
+            }
+            let digits = card(len, &mut next);
+            let mut card_groups = Vec::new();
+            let mut rest = digits.as_slice();
+            for group in &layout {
+                let (head, tail) = rest.split_at(*group);
+                card_groups.push(head.iter().map(|d| char::from_digit(*d, 10).unwrap_or('0')).collect::<String>());
+                rest = tail;
+            }
+            let separator = [" ", "-", "."][next(3)];
+            let mut chain = groups(next(4), &mut next);
+            chain.extend(card_groups);
+            chain.extend(groups(next(4), &mut next));
+            let prefix = ["", "order-", "ref.", "x/", "pay:"][next(5)];
+            let suffix = ["", "-", "\"abc", "_retry", "/x", "-"][next(6)];
+            let value = format!("{prefix}{}{suffix}", chain.join(separator));
+            assert!(holds_card_number(&value), "{value}");
+        }
+    }
+
+    /// UUIDs with and without hyphens, hex SHA-256 digests and derived
+    /// keys are never refused (`IDEMPOTENCY_PROPERTY_CASES=1000000` for a
+    /// million of each); how many of them hold a run of 13 digits or more,
+    /// which they never hold standing apart, is printed.
+    #[test]
+    fn uuids_hex_digests_and_derived_keys_are_never_taken_for_card_numbers() {
+        let samples = cases(20_000);
         let mut words = random_words(0x1d3e_5c07);
-        for _ in 0..200_000 {
+        let long_run = |value: &str| value.split(|c: char| !c.is_ascii_digit()).any(|run| run.len() >= 13);
+        let mut runs = [0_usize; 4];
+        for item in 0..samples {
             let uuid = uuid_v4(words.next().unwrap_or_default(), words.next().unwrap_or_default());
-            assert!(!holds_card_number(&uuid), "{uuid}");
-            assert!(!holds_card_number(&uuid.replace('-', "")), "{uuid}");
+            let digest = hex(&Sha256::digest(item.to_be_bytes()));
+            let derived = derive(&["job", &item.to_string()]);
+            for (value, runs) in [&uuid, &uuid.replace('-', ""), &digest, &derived].into_iter().zip(&mut runs) {
+                assert!(!holds_card_number(value), "{value}");
+                *runs += usize::from(long_run(value));
+            }
         }
-        for item in 0..100_000 {
-            let key = derive(&["job", &item.to_string()]);
-            assert!(!holds_card_number(&key), "{key}");
-        }
+        println!(
+            "of {samples} each, holding a run of 13 digits or more: UUIDs {}, UUIDs without hyphens {}, SHA-256 digests {}, derived keys {}",
+            runs[0], runs[1], runs[2], runs[3]
+        );
     }
 
     #[test]

@@ -107,6 +107,8 @@ pub mod key;
 pub mod outbox;
 mod outcome;
 pub mod phased;
+#[cfg(test)]
+mod property;
 mod purging;
 mod repository;
 mod row_status;

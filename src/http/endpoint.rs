@@ -181,6 +181,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::{canonical, decoded_alike, query};
+    use crate::property::{cases, random_below};
 
     fn some(pairs: &[(&str, &str)]) -> Vec<(String, Option<String>)> {
         pairs
@@ -265,15 +266,6 @@ mod tests {
         pairs
     }
 
-    /// How many cases a property runs: `IDEMPOTENCY_PROPERTY_CASES`, or a
-    /// count that runs in about a second.
-    fn cases() -> usize {
-        std::env::var("IDEMPOTENCY_PROPERTY_CASES")
-            .ok()
-            .and_then(|cases| cases.parse().ok())
-            .unwrap_or(10_000)
-    }
-
     /// The pieces queries are made of here: every character that matters to
     /// a query's parsing, and escapes of unreserved (`%41`, `%61`), reserved
     /// (`%20`, `%2B` in both cases) and non-UTF-8 (`%B0`) bytes; with `%`,
@@ -286,7 +278,7 @@ mod tests {
     #[test]
     fn queries_bound_alike_are_read_alike_by_every_decoding() {
         let mut length = 4;
-        while PIECES.len().pow(length) < cases() {
+        while PIECES.len().pow(length) < cases(10_000) {
             length += 1;
         }
         let mut seen: HashMap<Vec<(String, Option<String>)>, String> = HashMap::new();
@@ -309,18 +301,6 @@ mod tests {
         }
         // Spellings meet: `a=1&2=1` and `2=1&a=1`, `%61` and `a`.
         assert!(seen.len() < PIECES.len().pow(length), "some queries were bound alike");
-    }
-
-    /// Random words, without a dependency: SplitMix64.
-    fn random(seed: u64) -> impl FnMut(usize) -> usize {
-        let mut state = seed;
-        move |below| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            usize::try_from((z ^ (z >> 31)) % u64::try_from(below).expect("small")).expect("small")
-        }
     }
 
     /// The positions of the characters of `text` that are not part of an
@@ -349,8 +329,8 @@ mod tests {
     /// alike as the first test checks.
     #[test]
     fn respelled_and_reordered_queries_are_bound_alike() {
-        let mut next = random(0x5eed_0001);
-        for _ in 0..cases() {
+        let mut next = random_below(0x5eed_0001);
+        for _ in 0..cases(10_000) {
             let original: String = (0..next(12)).map(|_| PIECES[next(PIECES.len())]).collect();
             let mut parameters: Vec<String> = original.split('&').map(str::to_owned).collect();
             for _ in 0..next(4) {

@@ -24,6 +24,8 @@ mod openapi_orders;
 #[cfg(feature = "diesel-async")]
 mod asynchronous;
 mod batch;
+#[cfg(feature = "axum")]
+mod binding;
 #[cfg(feature = "postgres")]
 mod clock_skew;
 mod concurrency;

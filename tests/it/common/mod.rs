@@ -49,6 +49,7 @@ pub mod http;
 pub mod mysql;
 pub mod outbox;
 pub mod own;
+pub mod property;
 #[cfg(feature = "postgres")]
 pub mod pg;
 #[cfg(feature = "postgres")]

@@ -180,22 +180,7 @@ pub fn assert_one_executed_and_all_saw_it(outcomes: Vec<CallResult>) -> i64 {
     )
 }
 
-/// splitmix64: deterministic, so a failing run can be repeated.
-pub struct Prng(pub u64);
-
-impl Prng {
-    pub fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
+pub use super::property::Prng;
 
 /// Whether a call failed with a serialization failure: PostgreSQL's, or a
 /// deadlock that MySQL rolled back the caller's transaction for.
