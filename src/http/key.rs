@@ -91,13 +91,18 @@ pub trait Caller {
 /// them with the request value, so the same key and body sent to another
 /// endpoint is a mismatch (422), never the first endpoint's replay. Path
 /// parameters are compared as axum's `Path` decodes them (a parameter that
-/// is not UTF-8 once decoded is refused here as `Path` refuses it). The
-/// query is compared as RFC 3986 normalizes it, and no further: `%65` is
-/// `e`, but `+`, `%20` and `%2B` are three spellings, since parsers
-/// disagree on what `+` means. Its parameters are sorted by name, the
-/// values of a repeated name kept in their order: `?a=1&b=2` and `?b=2&a=1`
-/// are one request, `?tag=x&tag=y` and `?tag=y&tag=x` are two, and so are
-/// `?flag` and `?flag=`. An empty query is no query. An application whose keys are meant to span
+/// is not UTF-8 once decoded is refused here as `Path` refuses it). Two
+/// queries are one request only if every decoding an application applies
+/// (a form's, with `+` a space; plain percent-decoding) reads them alike:
+/// the query is compared as RFC 3986 normalizes it, and no further. `%65`
+/// is `e`, but `+`, `%20` and `%2B` are three spellings, since parsers
+/// disagree on what `+` means; `/` and `%2F` are two; and a `%` that begins
+/// no escape is a `%`, never part of one (`%%32%30` is not `%20`). Its
+/// parameters are sorted by name, stably: the values of a name keep their
+/// order, and so do those of names that some decoding reads as one.
+/// `?a=1&b=2` and `?b=2&a=1` are one request; `?tag=x&tag=y` and
+/// `?tag=y&tag=x` are two, as are `?a%20b=1&a+b=2` and `?a+b=2&a%20b=1`,
+/// and `?flag` and `?flag=`. An empty query is no query. An application whose keys are meant to span
 /// endpoints says so with [`across_endpoints`](IdempotencyKey::across_endpoints).
 ///
 /// ```

@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use axum::extract::{RawQuery, State};
+use axum::extract::{Path, RawQuery, State};
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
 use axum::{Json, Router};
@@ -54,12 +54,19 @@ async fn tag(State(app): State<App>, key: IdempotencyKey<Anyone>, Json(tagged): 
     .await
 }
 
-/// Reads the query as a form, as axum's `Query` does (through
-/// `form_urlencoded`), and answers with it.
-async fn item(State(app): State<App>, key: IdempotencyKey<Anyone>, RawQuery(query): RawQuery) -> Response {
-    let read: Vec<(String, String)> = form_urlencoded::parse(query.unwrap_or_default().as_bytes())
+/// Reads the path parameter as axum's `Path` decodes it and the query as
+/// a form, as axum's `Query` does (through `form_urlencoded`), and answers
+/// with them.
+async fn item(
+    State(app): State<App>,
+    Path(id): Path<String>,
+    key: IdempotencyKey<Anyone>,
+    RawQuery(query): RawQuery,
+) -> Response {
+    let pairs: Vec<(String, String)> = form_urlencoded::parse(query.unwrap_or_default().as_bytes())
         .into_owned()
         .collect();
+    let read = (id, pairs);
     http::run(&app.pool, &app.config, &key, (), move |conn, ()| {
         call(conn, serde_json::json!(read))
     })
@@ -199,9 +206,26 @@ async fn queries_the_application_reads_apart_never_replay_each_other() {
 /// reserved and non-UTF-8 bytes.
 const PIECES: &[&str] = &["a", "1", "2", "%", "+", "=", "&", "%20", "%2B", "%2b", "%41", "%B0", "%61"];
 
-/// Random pairs of a query and a respelling or a change of it, sent with
-/// one key: where the second is replayed, the application reads both alike,
-/// as a form and as percent-decoded text.
+/// What path segments are made of here: characters and their escapes,
+/// `+`, and an escaped `/`, which axum's `Path` decodes.
+const PATH_PIECES: &[&str] = &["a", "A", "%41", "%61", "1", "+", "%2B", "%20", "%2F"];
+
+/// A random path segment.
+fn segment(prng: &mut Prng) -> String {
+    (0..1 + prng.below(3))
+        .map(|_| PATH_PIECES[prng.below(PATH_PIECES.len())])
+        .collect()
+}
+
+/// A path segment as axum's `Path` decodes it.
+fn path_decoded(segment: &str) -> Vec<u8> {
+    percent_decoded(segment).remove(0).0
+}
+
+/// Random pairs of a path parameter and a query, and a respelling or a
+/// change of them, sent with one key: where the second is replayed, the
+/// application reads both alike, the path parameter as axum decodes it and
+/// the query as a form and as percent-decoded text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampled_queries_replay_each_other_only_when_read_alike() {
     let db = idempotency::testing::SqliteFile::new();
@@ -223,12 +247,15 @@ async fn sampled_queries_replay_each_other_only_when_read_alike() {
             }
         }
         let (query, changed) = (query.concat(), changed.concat());
+        let path = segment(&mut prng);
+        let other_path = if prng.below(2) == 0 { path.clone() } else { segment(&mut prng) };
         let key = format!("sample-{case}");
-        let first = send(&app, &format!("/items/z?{query}"), &key, "").await;
-        assert_eq!(first.0, StatusCode::CREATED, "{query}: {}", first.2);
-        let second = send(&app, &format!("/items/z?{changed}"), &key, "").await;
+        let first = send(&app, &format!("/items/{path}?{query}"), &key, "").await;
+        assert_eq!(first.0, StatusCode::CREATED, "{path}?{query}: {}", first.2);
+        let second = send(&app, &format!("/items/{other_path}?{changed}"), &key, "").await;
         if second.1 {
             replays += 1;
+            assert_eq!(path_decoded(&path), path_decoded(&other_path), "{path} replayed for {other_path}");
             assert_eq!(form(&query), form(&changed), "{query} replayed for {changed}");
             assert_eq!(percent_decoded(&query), percent_decoded(&changed), "{query} replayed for {changed}");
         } else {

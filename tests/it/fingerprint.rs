@@ -168,3 +168,97 @@ fn a_request_with_hash_sets_read_twice_from_the_same_body_is_replayed<D: TestDb>
     }
     assert_eq!(D::order_count(&mut conn), 1);
 }
+
+/// Random JSON trees through `Config::run`, on in-memory SQLite.
+#[cfg(feature = "sqlite")]
+mod trees {
+    use super::*;
+    use crate::common::property::{Prng, cases};
+
+    /// A random JSON tree of at most `depth` levels: every kind of value, keys
+    /// that differ in one character.
+    fn tree(prng: &mut Prng, depth: usize) -> serde_json::Value {
+        use serde_json::Value;
+        match prng.below(if depth == 0 { 5 } else { 7 }) {
+            0 => Value::Null,
+            1 => Value::Bool(prng.below(2) == 0),
+            2 => Value::from(prng.next() as i64 >> prng.below(64)),
+            3 => Value::from((prng.below(2_000_000) as f64 - 1_000_000.0) / 64.0),
+            4 => Value::from(["", "a", "b", "ab", "é", "\u{0}"][prng.below(6)]),
+            5 => Value::Array((0..prng.below(4)).map(|_| tree(prng, depth - 1)).collect()),
+            _ => Value::Object(
+                (0..prng.below(4))
+                    .map(|i| (format!("k{}{i}", ["", "a", "é"][prng.below(3)]), tree(prng, depth - 1)))
+                    .collect(),
+            ),
+        }
+    }
+
+    /// `value` with every object's keys inserted in another order (which the
+    /// tests' serde_json, with `preserve_order`, keeps).
+    fn shuffled(value: &serde_json::Value, prng: &mut Prng) -> serde_json::Value {
+        use serde_json::Value;
+        match value {
+            Value::Array(items) => Value::Array(items.iter().map(|item| shuffled(item, prng)).collect()),
+            Value::Object(map) => {
+                let mut entries: Vec<_> = map.iter().collect();
+                for i in (1..entries.len()).rev() {
+                    entries.swap(i, prng.below(i + 1));
+                }
+                Value::Object(entries.into_iter().map(|(k, v)| (k.clone(), shuffled(v, prng))).collect())
+            }
+            leaf => leaf.clone(),
+        }
+    }
+
+    /// `value` with one leaf (or an empty array or object) changed.
+    fn changed(value: &serde_json::Value, prng: &mut Prng) -> serde_json::Value {
+        use serde_json::Value;
+        match value {
+            Value::Array(items) if !items.is_empty() => {
+                let at = prng.below(items.len());
+                let mut items = items.clone();
+                items[at] = changed(&items[at], prng);
+                Value::Array(items)
+            }
+            Value::Object(map) if !map.is_empty() => {
+                let at = prng.below(map.len());
+                let mut map = map.clone();
+                let key = map.keys().nth(at).expect("in range").clone();
+                let replaced = changed(&map[&key], prng);
+                map.insert(key, replaced);
+                Value::Object(map)
+            }
+            Value::Array(_) => Value::Array(vec![Value::Null]),
+            Value::Object(_) => serde_json::json!({"k": null}),
+            Value::Null => Value::from(0),
+            Value::Bool(b) => Value::Bool(!b),
+            Value::Number(n) if n.is_f64() => Value::from(n.as_f64().expect("a float") + 1.0),
+            Value::Number(n) => match n.as_i64() {
+                Some(i) => Value::from(i.wrapping_add(1)),
+                None => Value::from(0),
+            },
+            Value::String(s) => Value::from(format!("{s}x")),
+        }
+    }
+
+    /// Random JSON trees through `Config::run`: the same tree with its keys in
+    /// another order is replayed, one with a leaf changed is a mismatch.
+    #[test]
+    fn random_trees_replay_with_keys_reordered_and_mismatch_with_a_leaf_changed() {
+        let mut conn = idempotency::testing::sqlite_memory();
+        let mut prng = Prng(0xf1e1_d001);
+        for case in 0..cases(500) {
+            let request = tree(&mut prng, 4);
+            let key = format!("tree-{case}");
+            let run = |conn: &mut diesel::SqliteConnection, request: &serde_json::Value| {
+                run_idempotent(conn, "trees", &key, request, |_| Ok::<_, std::convert::Infallible>(case))
+            };
+            assert!(!run(&mut conn, &request).expect("first").is_replayed(), "{request}");
+            let reordered = shuffled(&request, &mut prng);
+            assert!(run(&mut conn, &reordered).expect("reordered").is_replayed(), "{request} as {reordered}");
+            let other = changed(&request, &mut prng);
+            assert!(matches!(run(&mut conn, &other), Err(Error::Mismatch)), "{request} then {other}");
+        }
+    }
+}
