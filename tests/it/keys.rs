@@ -126,6 +126,11 @@ fn card_number_like_keys_are_refused<D: TestDb>() {
         "a.4111 1111 1111 1111",
         "x_6011111111111117_y",
         "4111111111111111-4111",
+        // In their layouts inside longer chains of digit groups.
+        "order-7-4111-1111-1111-1111",
+        "ref.2223.0031.2200.3222.0",
+        "4111-111141-11121-1112-4105\"abc",
+        "50-2110-2150-215010-2150-",
     ] {
         assert_eq!(refused_key::<D>(key), KeyError::LooksLikeCardNumber, "{key:?}");
     }
@@ -174,6 +179,7 @@ fn card_numbers_in_scopes_are_refused<D: TestDb>() {
         "4111111111111111",
         "tenant-4111-1111-1111-1111",
         "4111111111111111:alice",
+        "tenant-7-4111-1111-1111-1111",
     ] {
         assert_eq!(refused_scope::<D>(scope), KeyError::LooksLikeCardNumber, "{scope:?}");
     }
