@@ -264,3 +264,21 @@ async fn sampled_queries_replay_each_other_only_when_read_alike() {
     }
     assert!(replays > 0, "some changes were respellings");
 }
+
+/// Two fields a proxy joined into one with a bare comma: two keys, which
+/// neither syntax takes for one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_header_of_two_joined_fields_is_400_in_both_syntaxes() {
+    let db = idempotency::testing::SqliteFile::new();
+    let lenient = app(&db);
+    let strict = lenient.clone().layer(axum::Extension(http::KeyHeader::default().strict()));
+    for app in [&lenient, &strict] {
+        for joined in ["abc,def", "abc, def"] {
+            let (status, _, problem) = send(app, "/items/z", joined, "").await;
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{joined}: {problem}");
+        }
+    }
+    assert_eq!(calls(&db), 0);
+    let (status, _, _) = send(&lenient, "/items/z", r#""abc,def""#, "").await;
+    assert_eq!(status, StatusCode::CREATED, "a comma inside an sf-string is part of the key");
+}
