@@ -34,7 +34,10 @@ use crate::{Config, Error, InFlight, Outcome, StoreConnection};
 /// body sent to another endpoint is a 422, never that endpoint's replay of
 /// the first one's response. A key made
 /// [`across_endpoints`](IdempotencyKey::across_endpoints) is bound to
-/// `request` alone.
+/// `request` alone. `request` is bound as it serializes, hash sets in it
+/// with their elements sorted, so the same body sent again is replayed; it
+/// must be a function of the body
+/// ([what a request type must be](crate::guide::contract#what-a-request-type-must-be)).
 ///
 /// How it behaves, and why:
 ///
