@@ -179,7 +179,8 @@ impl<S: Serializer> Serializer for Sorting<S> {
             .map(|element| Ok((canonical(&element).map_err(S::Error::custom)?, element)))
             .collect::<Result<Vec<_>, S::Error>>()?;
         elements.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-        self.0.collect_seq(elements.into_iter().map(|(_, element)| Sorted(element)))
+        self.0
+            .collect_seq(elements.into_iter().map(|(_, element)| Sorted(element)))
     }
 
     fn is_human_readable(&self) -> bool {
@@ -447,10 +448,17 @@ mod tests {
             assert_eq!(first, second);
         }
         let (first, _) = twice::<HashSet<String>>(&set);
-        assert_eq!(first, twice::<BTreeSet<String>>(&set).0, "a set reads as its sorted elements");
+        assert_eq!(
+            first,
+            twice::<BTreeSet<String>>(&set).0,
+            "a set reads as its sorted elements"
+        );
         assert_eq!(first, twice::<hashbrown::HashSet<String>>(&set).0);
         // An array keeps its order, which may mean something.
-        assert_ne!(of(&vec![1, 2]).expect("fingerprint"), of(&vec![2, 1]).expect("fingerprint"));
+        assert_ne!(
+            of(&vec![1, 2]).expect("fingerprint"),
+            of(&vec![2, 1]).expect("fingerprint")
+        );
         assert_ne!(
             twice::<Vec<HashSet<u32>>>("[[1], [2]]").0,
             twice::<Vec<HashSet<u32>>>("[[2], [1]]").0
@@ -475,7 +483,12 @@ mod tests {
         let std_set: HashSet<u8> = HashSet::new();
         let brown: hashbrown::HashSet<u8> = hashbrown::HashSet::new();
         let iter: hash_set::Iter<'_, u8> = std_set.iter();
-        for set in [name_of(&&std_set), name_of(&&brown), name_of(&iter), name_of(&brown.iter())] {
+        for set in [
+            name_of(&&std_set),
+            name_of(&&brown),
+            name_of(&iter),
+            name_of(&brown.iter()),
+        ] {
             assert!(is_unordered_set(set), "{set}");
         }
         let vec: Vec<HashSet<u8>> = Vec::new();

@@ -314,7 +314,11 @@ mod tests {
     /// Random digit groups, each of one to six digits.
     fn groups(count: usize, next: &mut impl FnMut(usize) -> usize) -> Vec<String> {
         (0..count)
-            .map(|_| (0..1 + next(6)).map(|_| char::from(b'0' + u8::try_from(next(10)).unwrap_or(0))).collect())
+            .map(|_| {
+                (0..1 + next(6))
+                    .map(|_| char::from(b'0' + u8::try_from(next(10)).unwrap_or(0)))
+                    .collect()
+            })
             .collect()
     }
 
@@ -344,7 +348,11 @@ mod tests {
             let mut rest = digits.as_slice();
             for group in &layout {
                 let (head, tail) = rest.split_at(*group);
-                card_groups.push(head.iter().map(|d| char::from_digit(*d, 10).unwrap_or('0')).collect::<String>());
+                card_groups.push(
+                    head.iter()
+                        .map(|d| char::from_digit(*d, 10).unwrap_or('0'))
+                        .collect::<String>(),
+                );
                 rest = tail;
             }
             let separator = [" ", "-", "."][next(3)];
@@ -371,9 +379,9 @@ mod tests {
             let digits: Vec<u32> = value.chars().map(|c| c.to_digit(10).unwrap_or(u32::MAX)).collect();
             (0..digits.len()).any(|start| {
                 (13..=19).any(|len| {
-                    digits.get(start..start + len).is_some_and(|run| {
-                        run.iter().all(|d| *d < 10) && (2..=6).contains(&run[0]) && luhn_valid(run)
-                    })
+                    digits
+                        .get(start..start + len)
+                        .is_some_and(|run| run.iter().all(|d| *d < 10) && (2..=6).contains(&run[0]) && luhn_valid(run))
                 })
             })
         };
@@ -382,7 +390,10 @@ mod tests {
             let uuid = uuid_v4(words.next().unwrap_or_default(), words.next().unwrap_or_default());
             let digest = hex(&Sha256::digest(item.to_be_bytes()));
             let derived = derive(&["job", &item.to_string()]);
-            for (value, glued) in [&uuid, &uuid.replace('-', ""), &digest, &derived].into_iter().zip(&mut glued) {
+            for (value, glued) in [&uuid, &uuid.replace('-', ""), &digest, &derived]
+                .into_iter()
+                .zip(&mut glued)
+            {
                 assert!(!holds_card_number(value), "{value}");
                 *glued += usize::from(glued_card(value));
             }

@@ -120,7 +120,7 @@ fn canonical(component: &str) -> String {
     let mut rest = component;
     while let Some(at) = rest.find('%') {
         out.push_str(&rest[..at]);
-        match escaped(rest[at..].as_bytes()) {
+        match escaped(&rest.as_bytes()[at..]) {
             Some(byte) if is_unreserved(byte) => out.push(char::from(byte)),
             Some(byte) => out.push_str(&format!("%{byte:02X}")),
             None => {
@@ -174,7 +174,6 @@ fn decoded_alike(name: &str) -> String {
     }
     String::from_utf8_lossy(&bytes).into_owned()
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -241,7 +240,10 @@ mod tests {
             let mut at = 0;
             while at < bytes.len() {
                 let hex = bytes.get(at + 1..at + 3).and_then(|hex| std::str::from_utf8(hex).ok());
-                match hex.filter(|_| bytes[at] == b'%').and_then(|hex| u8::from_str_radix(hex, 16).ok()) {
+                match hex
+                    .filter(|_| bytes[at] == b'%')
+                    .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+                {
                     Some(byte) if !hex.is_some_and(|hex| hex.starts_with(['+', '-'])) => {
                         out.push(byte);
                         at += 3;
@@ -270,7 +272,9 @@ mod tests {
     /// a query's parsing, and escapes of unreserved (`%41`, `%61`), reserved
     /// (`%20`, `%2B` in both cases) and non-UTF-8 (`%B0`) bytes; with `%`,
     /// `2` and `1` beside each other they form more (`%%32%30`, `%21`).
-    const PIECES: &[&str] = &["a", "1", "2", "%", "+", "=", "&", "%20", "%2B", "%2b", "%41", "%B0", "%61"];
+    const PIECES: &[&str] = &[
+        "a", "1", "2", "%", "+", "=", "&", "%20", "%2B", "%2b", "%41", "%B0", "%61",
+    ];
 
     /// Every query of up to 4 [`PIECES`] (more, until there are at least
     /// [`cases`] of them): two that are bound alike are read alike, as a
@@ -311,7 +315,9 @@ mod tests {
         std::iter::from_fn(move || {
             while at < bytes.len() {
                 let escape = bytes[at] == b'%'
-                    && bytes.get(at + 1..at + 3).is_some_and(|hex| hex.iter().all(u8::is_ascii_hexdigit));
+                    && bytes
+                        .get(at + 1..at + 3)
+                        .is_some_and(|hex| hex.iter().all(u8::is_ascii_hexdigit));
                 if !escape {
                     at += 1;
                     return Some(at - 1);
@@ -352,7 +358,11 @@ mod tests {
                         if let Some(i) = found {
                             let at = i + 1..i + 3;
                             let flipped = parameter[at.clone()].chars().map(|c| {
-                                if c.is_ascii_uppercase() { c.to_ascii_lowercase() } else { c.to_ascii_uppercase() }
+                                if c.is_ascii_uppercase() {
+                                    c.to_ascii_lowercase()
+                                } else {
+                                    c.to_ascii_uppercase()
+                                }
                             });
                             parameter.replace_range(at, &flipped.collect::<String>());
                         }
@@ -360,7 +370,9 @@ mod tests {
                     // Two neighbours whose names no decoding reads alike.
                     2 if at + 1 < parameters.len() => {
                         let name = |parameter: &str| {
-                            decoded_alike(&canonical(parameter.split_once('=').map_or(parameter, |(name, _)| name)))
+                            decoded_alike(&canonical(
+                                parameter.split_once('=').map_or(parameter, |(name, _)| name),
+                            ))
                         };
                         if !parameters[at].is_empty()
                             && !parameters[at + 1].is_empty()

@@ -539,7 +539,9 @@ mod tests {
                 b'"' => string(input).map(|(_, rest)| rest),
                 b':' => {
                     let body = &input[1..];
-                    let end = body.iter().position(|c| !(c.is_ascii_alphanumeric() || b"+/=".contains(c)))?;
+                    let end = body
+                        .iter()
+                        .position(|c| !(c.is_ascii_alphanumeric() || b"+/=".contains(c)))?;
                     (body[end] == b':').then(|| &body[end + 1..])
                 }
                 b'?' => match input {
@@ -553,7 +555,10 @@ mod tests {
                 b'%' => display_string(input),
                 c if c.is_ascii_alphabetic() || *c == b'*' => {
                     let tchar = |c: &u8| c.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~:/".contains(c);
-                    let end = input[1..].iter().position(|c| !tchar(c)).map_or(input.len(), |at| at + 1);
+                    let end = input[1..]
+                        .iter()
+                        .position(|c| !tchar(c))
+                        .map_or(input.len(), |at| at + 1);
                     Some(&input[end..])
                 }
                 _ => None,
@@ -568,9 +573,9 @@ mod tests {
             match after.strip_prefix(b".") {
                 Some(fraction) => {
                     let digits = fraction.iter().take_while(|c| c.is_ascii_digit()).count();
-                    (whole >= 1 && whole <= 12 && (1..=3).contains(&digits)).then(|| (&fraction[digits..], true))
+                    ((1..=12).contains(&whole) && (1..=3).contains(&digits)).then(|| (&fraction[digits..], true))
                 }
-                None => (whole >= 1 && whole <= 15).then_some((after, false)),
+                None => (1..=15).contains(&whole).then_some((after, false)),
             }
         }
 
@@ -628,13 +633,37 @@ mod tests {
     #[test]
     fn both_syntaxes_read_a_field_as_rfc_9651_and_the_lenient_rule_say() {
         const PIECES: &[&[u8]] = &[
-            b"\"", b"\\", b"a", b"Z", b"1", b"12.5", b";", b"=", b",", b" ", b"\t", b":", b"?", b"@", b"%", b"*",
-            b"-", b"/", b"%\"", b"%c3%bc", b";k=", b"\x7f", b"\xc3\xa9", b"\"ab\"",
+            b"\"",
+            b"\\",
+            b"a",
+            b"Z",
+            b"1",
+            b"12.5",
+            b";",
+            b"=",
+            b",",
+            b" ",
+            b"\t",
+            b":",
+            b"?",
+            b"@",
+            b"%",
+            b"*",
+            b"-",
+            b"/",
+            b"%\"",
+            b"%c3%bc",
+            b";k=",
+            b"\x7f",
+            b"\xc3\xa9",
+            b"\"ab\"",
         ];
         let mut next = crate::property::random_below(0x4ead_e001);
         let mut strings = 0;
         for _ in 0..crate::property::cases(20_000) {
-            let value: Vec<u8> = (0..next(10)).flat_map(|_| PIECES[next(PIECES.len())].iter().copied()).collect();
+            let value: Vec<u8> = (0..next(10))
+                .flat_map(|_| PIECES[next(PIECES.len())].iter().copied())
+                .collect();
             let expected = match rfc9651::item(&value) {
                 Some(Some(key)) => {
                     strings += 1;

@@ -146,7 +146,9 @@ fn percent_decoded(query: &str) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
         let mut out = Vec::new();
         let mut at = 0;
         while at < bytes.len() {
-            let escape = bytes.get(at + 1..at + 3).filter(|hex| bytes[at] == b'%' && hex.iter().all(u8::is_ascii_hexdigit));
+            let escape = bytes
+                .get(at + 1..at + 3)
+                .filter(|hex| bytes[at] == b'%' && hex.iter().all(u8::is_ascii_hexdigit));
             match escape.and_then(|hex| u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()) {
                 Some(byte) => {
                     out.push(byte);
@@ -190,7 +192,11 @@ async fn queries_the_application_reads_apart_never_replay_each_other() {
         let key = format!("query-{n}");
         let read = send(&app, &format!("/items/z?{first}"), &key, "").await;
         assert_eq!((read.0, read.1), (StatusCode::CREATED, false), "{first}: {}", read.2);
-        assert_ne!(form(first), form(second), "the application reads {first} and {second} apart");
+        assert_ne!(
+            form(first),
+            form(second),
+            "the application reads {first} and {second} apart"
+        );
         let again = send(&app, &format!("/items/z?{second}"), &key, "").await;
         assert_eq!(again.0, StatusCode::UNPROCESSABLE_ENTITY, "{second}: {}", again.2);
     }
@@ -204,7 +210,9 @@ async fn queries_the_application_reads_apart_never_replay_each_other() {
 /// The pieces the sampled queries are made of: every character that
 /// matters to a query's parsing, and escapes that decode to unreserved,
 /// reserved and non-UTF-8 bytes.
-const PIECES: &[&str] = &["a", "1", "2", "%", "+", "=", "&", "%20", "%2B", "%2b", "%41", "%B0", "%61"];
+const PIECES: &[&str] = &[
+    "a", "1", "2", "%", "+", "=", "&", "%20", "%2B", "%2b", "%41", "%B0", "%61",
+];
 
 /// What path segments are made of here: characters and their escapes,
 /// `+`, and an escaped `/`, which axum's `Path` decodes.
@@ -233,7 +241,9 @@ async fn sampled_queries_replay_each_other_only_when_read_alike() {
     let mut prng = Prng(0x0b1d_0001);
     let mut replays = 0;
     for case in 0..cases(150) {
-        let query: Vec<&str> = (0..1 + prng.below(8)).map(|_| PIECES[prng.below(PIECES.len())]).collect();
+        let query: Vec<&str> = (0..1 + prng.below(8))
+            .map(|_| PIECES[prng.below(PIECES.len())])
+            .collect();
         let mut changed = query.clone();
         for _ in 0..1 + prng.below(2) {
             let at = prng.below(changed.len());
@@ -248,18 +258,35 @@ async fn sampled_queries_replay_each_other_only_when_read_alike() {
         }
         let (query, changed) = (query.concat(), changed.concat());
         let path = segment(&mut prng);
-        let other_path = if prng.below(2) == 0 { path.clone() } else { segment(&mut prng) };
+        let other_path = if prng.below(2) == 0 {
+            path.clone()
+        } else {
+            segment(&mut prng)
+        };
         let key = format!("sample-{case}");
         let first = send(&app, &format!("/items/{path}?{query}"), &key, "").await;
         assert_eq!(first.0, StatusCode::CREATED, "{path}?{query}: {}", first.2);
         let second = send(&app, &format!("/items/{other_path}?{changed}"), &key, "").await;
         if second.1 {
             replays += 1;
-            assert_eq!(path_decoded(&path), path_decoded(&other_path), "{path} replayed for {other_path}");
+            assert_eq!(
+                path_decoded(&path),
+                path_decoded(&other_path),
+                "{path} replayed for {other_path}"
+            );
             assert_eq!(form(&query), form(&changed), "{query} replayed for {changed}");
-            assert_eq!(percent_decoded(&query), percent_decoded(&changed), "{query} replayed for {changed}");
+            assert_eq!(
+                percent_decoded(&query),
+                percent_decoded(&changed),
+                "{query} replayed for {changed}"
+            );
         } else {
-            assert_eq!(second.0, StatusCode::UNPROCESSABLE_ENTITY, "{query}, then {changed}: {}", second.2);
+            assert_eq!(
+                second.0,
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "{query}, then {changed}: {}",
+                second.2
+            );
         }
     }
     assert!(replays > 0, "some changes were respellings");
@@ -271,7 +298,9 @@ async fn sampled_queries_replay_each_other_only_when_read_alike() {
 async fn a_key_header_of_two_joined_fields_is_400_in_both_syntaxes() {
     let db = idempotency::testing::SqliteFile::new();
     let lenient = app(&db);
-    let strict = lenient.clone().layer(axum::Extension(http::KeyHeader::default().strict()));
+    let strict = lenient
+        .clone()
+        .layer(axum::Extension(http::KeyHeader::default().strict()));
     for app in [&lenient, &strict] {
         for joined in ["abc,def", "abc, def"] {
             let (status, _, problem) = send(app, "/items/z", joined, "").await;
@@ -280,5 +309,9 @@ async fn a_key_header_of_two_joined_fields_is_400_in_both_syntaxes() {
     }
     assert_eq!(calls(&db), 0);
     let (status, _, _) = send(&lenient, "/items/z", r#""abc,def""#, "").await;
-    assert_eq!(status, StatusCode::CREATED, "a comma inside an sf-string is part of the key");
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "a comma inside an sf-string is part of the key"
+    );
 }

@@ -162,8 +162,10 @@ fn a_request_with_hash_sets_read_twice_from_the_same_body_is_replayed<D: TestDb>
     );
     for attempt in 0..10 {
         let request: Tagged = serde_json::from_str(&body).expect("json");
-        let outcome = run_idempotent(&mut conn, "shop", "k-sets", &request, |tx| D::place_order(tx, "book", 1))
-            .unwrap_or_else(|error| panic!("attempt {attempt}: {error:?}"));
+        let outcome = run_idempotent(&mut conn, "shop", "k-sets", &request, |tx| {
+            D::place_order(tx, "book", 1)
+        })
+        .unwrap_or_else(|error| panic!("attempt {attempt}: {error:?}"));
         assert_eq!(outcome.is_replayed(), attempt > 0, "attempt {attempt}");
     }
     assert_eq!(D::order_count(&mut conn), 1);
@@ -205,7 +207,12 @@ mod trees {
                 for i in (1..entries.len()).rev() {
                     entries.swap(i, prng.below(i + 1));
                 }
-                Value::Object(entries.into_iter().map(|(k, v)| (k.clone(), shuffled(v, prng))).collect())
+                Value::Object(
+                    entries
+                        .into_iter()
+                        .map(|(k, v)| (k.clone(), shuffled(v, prng)))
+                        .collect(),
+                )
             }
             leaf => leaf.clone(),
         }
@@ -252,13 +259,21 @@ mod trees {
             let request = tree(&mut prng, 4);
             let key = format!("tree-{case}");
             let run = |conn: &mut diesel::SqliteConnection, request: &serde_json::Value| {
-                run_idempotent(conn, "trees", &key, request, |_| Ok::<_, std::convert::Infallible>(case))
+                run_idempotent(conn, "trees", &key, request, |_| {
+                    Ok::<_, std::convert::Infallible>(case)
+                })
             };
             assert!(!run(&mut conn, &request).expect("first").is_replayed(), "{request}");
             let reordered = shuffled(&request, &mut prng);
-            assert!(run(&mut conn, &reordered).expect("reordered").is_replayed(), "{request} as {reordered}");
+            assert!(
+                run(&mut conn, &reordered).expect("reordered").is_replayed(),
+                "{request} as {reordered}"
+            );
             let other = changed(&request, &mut prng);
-            assert!(matches!(run(&mut conn, &other), Err(Error::Mismatch)), "{request} then {other}");
+            assert!(
+                matches!(run(&mut conn, &other), Err(Error::Mismatch)),
+                "{request} then {other}"
+            );
         }
     }
 }

@@ -49,11 +49,11 @@ pub mod http;
 pub mod mysql;
 pub mod outbox;
 pub mod own;
-pub mod property;
 #[cfg(feature = "postgres")]
 pub mod pg;
 #[cfg(feature = "postgres")]
 pub mod pg_cluster;
+pub mod property;
 pub mod race;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod server;
