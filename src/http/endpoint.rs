@@ -239,12 +239,12 @@ mod tests {
             let mut out = Vec::new();
             let mut at = 0;
             while at < bytes.len() {
-                let hex = bytes.get(at + 1..at + 3).and_then(|hex| std::str::from_utf8(hex).ok());
-                match hex
-                    .filter(|_| bytes[at] == b'%')
-                    .and_then(|hex| u8::from_str_radix(hex, 16).ok())
-                {
-                    Some(byte) if !hex.is_some_and(|hex| hex.starts_with(['+', '-'])) => {
+                // `from_str_radix` alone would take `+1` for a number.
+                let hex = bytes
+                    .get(at + 1..at + 3)
+                    .filter(|hex| bytes[at] == b'%' && hex.iter().all(u8::is_ascii_hexdigit));
+                match hex.and_then(|hex| u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()) {
+                    Some(byte) => {
                         out.push(byte);
                         at += 3;
                     }
