@@ -81,7 +81,7 @@ where
 /// As [`Config::run`].
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")]
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use diesel::SqliteConnection;
 /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
@@ -575,7 +575,7 @@ impl Config {
     /// As [`run`](Config::run).
     ///
     /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
+    /// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     /// use diesel::SqliteConnection;
     /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
@@ -623,7 +623,7 @@ impl Config {
     /// As [`run`](Config::run).
     ///
     /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
+    /// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     /// use chrono::Duration;
     /// use diesel::SqliteConnection;

@@ -124,6 +124,8 @@ pub use backend::{RawConnection, StoreConnection};
 pub use config::run_idempotent_async;
 pub use config::{Config, KeyStatus, run_idempotent};
 pub use error::{Error, KeyError};
+#[cfg(all(feature = "sqlite", feature = "diesel-async"))]
+pub use error::UnsupportedRuntime;
 pub use in_flight::InFlight;
 pub use outcome::{Outcome, Recorded};
 pub use purging::{Purged, Purger};

@@ -177,7 +177,7 @@ where
 /// As [`run`]; a panic in `op` rolls the transaction back and is a 500.
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")]
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use std::borrow::Cow;
 /// use axum::extract::FromRequestParts;
