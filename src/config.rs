@@ -278,9 +278,12 @@ impl Config {
     ///
     /// A result beyond it is refused before the commit with
     /// [`Error::ResponseTooLarge`]: the operation's writes roll back and the
-    /// key stays free. The bound holds for every stored value: a call's
-    /// result, and a [phased operation](crate::phased)'s step outputs and
-    /// final response. The result of a write, what a replay answers, says
+    /// key stays free. The bound holds for every stored value the
+    /// application chooses: a call's result, and a
+    /// [phased operation](crate::phased)'s phase outputs and final
+    /// response. A phased operation's foreign call is the exception: its
+    /// result is recorded whatever its size, since the call was made and
+    /// refusing its result would make it again. The result of a write, what a replay answers, says
     /// what was done (an id, a status, a link to the resource): a few KiB.
     /// 64 KiB leaves room many times over while it keeps every key record a
     /// small row and every replay a small read; a list or a document belongs

@@ -27,10 +27,15 @@ async_backend_tests!(
     an_async_call_dropped_while_it_waits_for_its_key_leaves_its_connection_to_be_discarded,
 );
 
-async_backend_tests!(
-    a_connection_whose_call_was_dropped_inside_its_transaction_refuses_every_later_call,
-    a_pool_never_lends_again_a_connection_whose_call_was_dropped_inside_its_transaction,
-);
+/// Every backend, SQLite's wrapper among them.
+mod every_backend {
+    use super::*;
+
+    async_backend_tests!(
+        a_connection_whose_call_was_dropped_inside_its_transaction_refuses_every_later_call,
+        a_pool_never_lends_again_a_connection_whose_call_was_dropped_inside_its_transaction,
+    );
+}
 
 /// The output of `future` if it is ready before it has waited `waits`
 /// times; otherwise `None`, and the future dropped at its wait after
