@@ -432,7 +432,7 @@ where
     };
     let called = pool
         .clone()
-        .with_connection(Box::new(move |conn| {
+        .with_connection(scope.clone(), Box::new(move |conn| {
             // The turn ends with the call, also when the handler is gone.
             let _turn = turn;
             call(conn, &scope, &idempotency_key)
