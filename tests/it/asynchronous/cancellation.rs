@@ -371,3 +371,39 @@ fn an_async_sqlite_call_on_a_current_thread_runtime_is_refused_instead_of_panick
     holder.batch_execute("ROLLBACK").expect("let go of the write lock");
     assert_eq!(crate::common::sqlite::Db::key_count(&mut holder), 0, "nothing was written");
 }
+
+/// The wrapper waits, as the call's future is dropped, for a statement of
+/// the operation still running on the blocking pool; only then does the
+/// call look at the connection it leaves, and mark it broken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_call_dropped_while_its_operation_s_statement_runs_leaves_its_connection_refusing_calls() {
+    use crate::common::sqlite::Db;
+    use diesel_async::RunQueryDsl;
+
+    let db = Db::new();
+    let config = Config::default();
+    let mut conn = db.connect().await;
+    let (inside_tx, inside) = tokio::sync::oneshot::channel();
+    let call = config.run_async(&mut conn, "shop", "order-1", &"book", async |tx: &mut <Db as AsyncDb>::Async| {
+        Db::insert_order(tx, "order-1").await?;
+        inside_tx.send(()).expect("the test waits");
+        // Long enough to be running when the call is dropped.
+        diesel::sql_query("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 2000000) SELECT count(*) FROM c")
+            .execute(tx)
+            .await?;
+        Ok::<_, DieselError>(1)
+    });
+    tokio::select! {
+        biased;
+        inside = inside => inside.expect("the operation runs"),
+        outcome = call => panic!("the call ended before it was dropped: {outcome:?}"),
+    }
+    let refused = place::<Db>(&config, &mut conn, "order-2").await;
+    assert!(
+        matches!(refused, Err(Error::Storage(DieselError::BrokenTransactionManager))),
+        "{refused:?}"
+    );
+    drop(conn);
+    let mut check = db.conn();
+    assert_eq!((Db::order_count(&mut check), Db::key_count(&mut check)), (0, 0));
+}
