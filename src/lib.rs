@@ -123,9 +123,9 @@ pub use backend::{RawConnection, StoreConnection};
 #[cfg(feature = "diesel-async")]
 pub use config::run_idempotent_async;
 pub use config::{Config, KeyStatus, run_idempotent};
-pub use error::{Error, KeyError};
 #[cfg(all(feature = "sqlite", feature = "diesel-async"))]
 pub use error::UnsupportedRuntime;
+pub use error::{Error, KeyError};
 pub use in_flight::InFlight;
 pub use outcome::{Outcome, Recorded};
 pub use purging::{Purged, Purger};

@@ -432,11 +432,14 @@ where
     };
     let called = pool
         .clone()
-        .with_connection(scope.clone(), Box::new(move |conn| {
-            // The turn ends with the call, also when the handler is gone.
-            let _turn = turn;
-            call(conn, &scope, &idempotency_key)
-        }))
+        .with_connection(
+            scope.clone(),
+            Box::new(move |conn| {
+                // The turn ends with the call, also when the handler is gone.
+                let _turn = turn;
+                call(conn, &scope, &idempotency_key)
+            }),
+        )
         .await;
     match called {
         Ok(Ok(answer)) => Ok(answer),

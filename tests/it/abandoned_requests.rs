@@ -40,7 +40,9 @@ impl<S: Sync> FromRequestParts<S> for Named {
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
         let scope = parts.headers.get("x-scope").and_then(|value| value.to_str().ok());
-        scope.map(|scope| Named(scope.to_owned())).ok_or(StatusCode::UNAUTHORIZED)
+        scope
+            .map(|scope| Named(scope.to_owned()))
+            .ok_or(StatusCode::UNAUTHORIZED)
     }
 }
 
@@ -80,9 +82,7 @@ impl Drop for DroppedEarly<'_> {
     }
 }
 
-async fn requests_abandoned_while_they_wait_for_a_connection_never_take_one_and_a_fresh_client_is_served<
-    D: TestDb,
->() {
+async fn requests_abandoned_while_they_wait_for_a_connection_never_take_one_and_a_fresh_client_is_served<D: TestDb>() {
     const ABANDONED: usize = 8;
     turn_waits::count();
     let db = tokio::task::spawn_blocking(D::new).await.expect("a migrated database");
@@ -133,7 +133,11 @@ async fn requests_abandoned_while_they_wait_for_a_connection_never_take_one_and_
     drop(held);
     let answered = fresh.await.expect("the fresh client");
     assert_eq!(answered.status, 201, "the fresh client is served: {answered:?}");
-    assert_eq!(seen.ran.load(Ordering::SeqCst), 1, "only the fresh request ran its operation");
+    assert_eq!(
+        seen.ran.load(Ordering::SeqCst),
+        1,
+        "only the fresh request ran its operation"
+    );
     assert_eq!(
         checkouts.load(Ordering::SeqCst),
         2,
@@ -165,6 +169,9 @@ async fn wait_for_count(what: &str, count: &AtomicUsize, n: usize) {
         }
     };
     if tokio::time::timeout(PATIENCE, reached).await.is_err() {
-        panic!("waited {PATIENCE:?} for {what}: {} of {n}", count.load(Ordering::SeqCst));
+        panic!(
+            "waited {PATIENCE:?} for {what}: {} of {n}",
+            count.load(Ordering::SeqCst)
+        );
     }
 }

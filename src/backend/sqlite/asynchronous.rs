@@ -55,7 +55,9 @@ fn blocking_allowed() -> QueryResult<()> {
 
 /// The transaction status of the connection the wrapper holds.
 fn status(conn: &mut Wrapped) -> &mut diesel::connection::TransactionManagerStatus {
-    <<Wrapped as AsyncConnection>::TransactionManager as TransactionManager<Wrapped>>::transaction_manager_status_mut(conn)
+    <<Wrapped as AsyncConnection>::TransactionManager as TransactionManager<Wrapped>>::transaction_manager_status_mut(
+        conn,
+    )
 }
 
 /// A connection on which a write transaction is being opened, used or
@@ -151,7 +153,10 @@ impl PhaseDriver for Wrapped {
         // Armed before the transaction opens: a future dropped while the
         // `BEGIN` waits for the write lock may leave it open as well.
         let writing = Writing { conn: self, depth };
-        let previous = writing.conn.spawn_blocking(move |conn| open_write(conn, in_flight)).await?;
+        let previous = writing
+            .conn
+            .spawn_blocking(move |conn| open_write(conn, in_flight))
+            .await?;
         let result = work(writing.conn).await;
         let succeeded = result.is_ok();
         let closed = writing

@@ -267,7 +267,11 @@ async fn drop_inside_the_transaction<D: AsyncDb>(config: &Config, conn: &mut D::
 }
 
 /// Places an order for `key` on `conn` under `key`.
-async fn place<D: AsyncDb>(config: &Config, conn: &mut D::Async, key: &str) -> Result<Outcome<i32>, Error<DieselError>> {
+async fn place<D: AsyncDb>(
+    config: &Config,
+    conn: &mut D::Async,
+    key: &str,
+) -> Result<Outcome<i32>, Error<DieselError>> {
     config
         .run_async(conn, "shop", key, &key, async |tx: &mut D::Async| {
             D::insert_order(tx, key).await?;
@@ -297,14 +301,20 @@ async fn a_connection_whose_call_was_dropped_inside_its_transaction_refuses_ever
     drop(conn);
     assert_eq!(seen(), (0, 0), "nothing was committed");
     assert_eq!(
-        config.status::<_, i32>(&mut check, "shop", "order-1").expect("the key's status"),
+        config
+            .status::<_, i32>(&mut check, "shop", "order-1")
+            .expect("the key's status"),
         KeyStatus::NoRecord
     );
 
     let mut conn = db.connect().await;
     let retried = place::<D>(&config, &mut conn, "order-1").await;
     assert_eq!(retried.expect("the retry on another connection"), Outcome::Executed(1));
-    assert_eq!(orders_of::<D>(&mut check, "order-1"), 1, "one order for the key, the retry's");
+    assert_eq!(
+        orders_of::<D>(&mut check, "order-1"),
+        1,
+        "one order for the key, the retry's"
+    );
 }
 
 async fn a_pool_never_lends_again_a_connection_whose_call_was_dropped_inside_its_transaction<D>()
@@ -330,7 +340,11 @@ where
     assert!(!conn.is_broken(), "the pool lends no connection inside a transaction");
     let retried = place::<D>(&config, &mut conn, "order-1").await;
     assert_eq!(retried.expect("the retry on the lent connection"), Outcome::Executed(1));
-    assert_eq!(orders_of::<D>(&mut check, "order-1"), 1, "one order for the key, the retry's");
+    assert_eq!(
+        orders_of::<D>(&mut check, "order-1"),
+        1,
+        "one order for the key, the retry's"
+    );
 }
 
 /// On a current-thread runtime, where diesel-async's SQLite wrapper would
@@ -354,7 +368,9 @@ fn an_async_sqlite_call_on_a_current_thread_runtime_is_refused_instead_of_panick
         let mut conn = db.connect().await;
         let called = tokio::time::timeout(
             Duration::from_millis(200),
-            config.run_async(&mut conn, "shop", "order-1", &"book", async |_: &mut _| Ok::<_, Infallible>(1)),
+            config.run_async(&mut conn, "shop", "order-1", &"book", async |_: &mut _| {
+                Ok::<_, Infallible>(1)
+            }),
         )
         .await;
         let enqueued = idempotency::outbox::enqueue_async(&mut conn, "receipts", &"book").await;
@@ -363,13 +379,20 @@ fn an_async_sqlite_call_on_a_current_thread_runtime_is_refused_instead_of_panick
     let Ok(Err(Error::Storage(DieselError::QueryBuilderError(why)))) = called else {
         panic!("the call is refused at once: {called:?}");
     };
-    assert!(why.is::<idempotency::UnsupportedRuntime>(), "refused for its runtime: {why}");
+    assert!(
+        why.is::<idempotency::UnsupportedRuntime>(),
+        "refused for its runtime: {why}"
+    );
     assert!(
         matches!(&refused_outside, Err(idempotency::outbox::Error::Storage(DieselError::QueryBuilderError(why))) if why.is::<idempotency::UnsupportedRuntime>()),
         "a message enqueued outside a call is refused too: {refused_outside:?}"
     );
     holder.batch_execute("ROLLBACK").expect("let go of the write lock");
-    assert_eq!(crate::common::sqlite::Db::key_count(&mut holder), 0, "nothing was written");
+    assert_eq!(
+        crate::common::sqlite::Db::key_count(&mut holder),
+        0,
+        "nothing was written"
+    );
 }
 
 /// The wrapper waits, as the call's future is dropped, for a statement of

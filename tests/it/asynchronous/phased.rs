@@ -564,20 +564,26 @@ async fn an_async_call_result_beyond_the_response_bound_is_recorded_and_the_call
         let calls = AtomicUsize::new(0);
         let fetch = async |conn: &mut D::Async, whole: bool| {
             phased
-                .run_async(conn, SCOPE, &key, &"report", async |s: &mut AsyncSteps<'_, D::Async>| {
-                    let provider = async |_: &str| {
-                        calls.fetch_add(1, Ordering::SeqCst);
-                        tokio::task::yield_now().await;
-                        Ok::<_, std::convert::Infallible>("x".repeat(100))
-                    };
-                    let document = if at_most_once {
-                        s.call_at_most_once("fetched", provider).await?
-                    } else {
-                        s.call("fetched", provider).await?
-                    };
-                    s.finish(async |_: &mut D::Async| Ok(if whole { document } else { document.len().to_string() }))
-                        .await
-                })
+                .run_async(
+                    conn,
+                    SCOPE,
+                    &key,
+                    &"report",
+                    async |s: &mut AsyncSteps<'_, D::Async>| {
+                        let provider = async |_: &str| {
+                            calls.fetch_add(1, Ordering::SeqCst);
+                            tokio::task::yield_now().await;
+                            Ok::<_, std::convert::Infallible>("x".repeat(100))
+                        };
+                        let document = if at_most_once {
+                            s.call_at_most_once("fetched", provider).await?
+                        } else {
+                            s.call("fetched", provider).await?
+                        };
+                        s.finish(async |_: &mut D::Async| Ok(if whole { document } else { document.len().to_string() }))
+                            .await
+                    },
+                )
                 .await
         };
         let refused = fetch(&mut conn, true).await;
@@ -586,9 +592,16 @@ async fn an_async_call_result_beyond_the_response_bound_is_recorded_and_the_call
             "the response is bounded: {refused:?}"
         );
         let fetched = fetch(&mut conn, false).await;
-        assert_eq!(fetched.expect("the retry finishes"), Outcome::Executed(String::from("100")));
+        assert_eq!(
+            fetched.expect("the retry finishes"),
+            Outcome::Executed(String::from("100"))
+        );
         let replayed = fetch(&mut conn, false).await;
         assert_eq!(replayed.expect("a replay"), Outcome::Replayed(String::from("100")));
-        assert_eq!(calls.load(Ordering::SeqCst), 1, "the call was made once (at most once: {at_most_once})");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "the call was made once (at most once: {at_most_once})"
+        );
     }
 }

@@ -38,9 +38,16 @@ fn a_call_result_beyond_the_response_bound_is_recorded_and_the_call_is_never_mad
             "the response is bounded: {refused:?}"
         );
         let fetched = fetch(&mut conn, false);
-        assert_eq!(fetched.expect("the retry finishes"), Outcome::Executed(String::from("100")));
+        assert_eq!(
+            fetched.expect("the retry finishes"),
+            Outcome::Executed(String::from("100"))
+        );
         let replayed = fetch(&mut conn, false);
         assert_eq!(replayed.expect("a replay"), Outcome::Replayed(String::from("100")));
-        assert_eq!(calls.load(Ordering::SeqCst), 1, "the call was made once (at most once: {at_most_once})");
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "the call was made once (at most once: {at_most_once})"
+        );
     }
 }
