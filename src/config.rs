@@ -81,7 +81,7 @@ where
 /// As [`Config::run`].
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")]
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use diesel::SqliteConnection;
 /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
@@ -278,9 +278,12 @@ impl Config {
     ///
     /// A result beyond it is refused before the commit with
     /// [`Error::ResponseTooLarge`]: the operation's writes roll back and the
-    /// key stays free. The bound holds for every stored value: a call's
-    /// result, and a [phased operation](crate::phased)'s step outputs and
-    /// final response. The result of a write, what a replay answers, says
+    /// key stays free. The bound holds for every stored value the
+    /// application chooses: a call's result, and a
+    /// [phased operation](crate::phased)'s phase outputs and final
+    /// response. A phased operation's foreign call is the exception: its
+    /// result is recorded whatever its size, since the call was made and
+    /// refusing its result would make it again. The result of a write, what a replay answers, says
     /// what was done (an id, a status, a link to the resource): a few KiB.
     /// 64 KiB leaves room many times over while it keeps every key record a
     /// small row and every replay a small read; a list or a document belongs
@@ -575,7 +578,7 @@ impl Config {
     /// As [`run`](Config::run).
     ///
     /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
+    /// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     /// use diesel::SqliteConnection;
     /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
@@ -623,7 +626,7 @@ impl Config {
     /// As [`run`](Config::run).
     ///
     /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
+    /// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     /// use chrono::Duration;
     /// use diesel::SqliteConnection;

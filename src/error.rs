@@ -450,3 +450,55 @@ impl fmt::Display for KeyError {
 }
 
 impl std::error::Error for KeyError {}
+
+/// A call on SQLite through diesel-async's `SyncConnectionWrapper` was made
+/// on a tokio runtime where a blocking section is not allowed: a
+/// current-thread runtime (`#[tokio::main(flavor = "current_thread")]`,
+/// `#[tokio::test]`'s default). The wrapper runs each statement on tokio's
+/// blocking pool and, when a future is dropped while a statement runs,
+/// waits for it with `tokio::task::block_in_place`, which panics there. So
+/// the crate refuses such a runtime before it sends a statement: the call
+/// fails with [`Error::Storage`] holding
+/// `diesel::result::Error::QueryBuilderError` with this error inside,
+/// nothing written. Run SQLite's async calls on the multi-threaded runtime
+/// (one worker is enough) or use the synchronous `SqliteConnection`.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::result::Error as DieselError;
+/// use idempotency::{run_idempotent_async, Error, UnsupportedRuntime};
+///
+/// let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+/// let refused = runtime.block_on(async {
+///     let mut conn = idempotency::testing::sqlite_memory_async();
+///     run_idempotent_async(&mut conn, "shop", "order-1", &"book", async |_: &mut _| Ok::<_, std::convert::Infallible>(1)).await
+/// });
+/// let Err(Error::Storage(DieselError::QueryBuilderError(why))) = refused else { panic!("refused") };
+/// assert!(why.is::<UnsupportedRuntime>());
+///
+/// let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+/// let placed = runtime.block_on(async {
+///     let mut conn = idempotency::testing::sqlite_memory_async();
+///     run_idempotent_async(&mut conn, "shop", "order-1", &"book", async |_: &mut _| Ok::<_, std::convert::Infallible>(1)).await
+/// });
+/// assert_eq!(placed?.into_inner(), 1);
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(all(feature = "sqlite", feature = "diesel-async"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct UnsupportedRuntime;
+
+#[cfg(all(feature = "sqlite", feature = "diesel-async"))]
+impl fmt::Display for UnsupportedRuntime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(
+            "SQLite through SyncConnectionWrapper needs tokio's multi-threaded runtime: \
+             a call dropped on a current-thread runtime would panic",
+        )
+    }
+}
+
+#[cfg(all(feature = "sqlite", feature = "diesel-async"))]
+impl std::error::Error for UnsupportedRuntime {}

@@ -125,6 +125,8 @@ pub use backend::{RawConnection, StoreConnection};
 #[cfg(feature = "diesel-async")]
 pub use config::run_idempotent_async;
 pub use config::{Config, KeyStatus, run_idempotent};
+#[cfg(all(feature = "sqlite", feature = "diesel-async"))]
+pub use error::UnsupportedRuntime;
 pub use error::{Error, KeyError};
 pub use in_flight::InFlight;
 pub use outcome::{Outcome, Recorded};

@@ -66,7 +66,7 @@ pub fn sqlite_memory() -> SqliteConnection {
 /// As [`sqlite_memory`].
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")]
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use idempotency::{run_idempotent_async, testing, Outcome};
 ///

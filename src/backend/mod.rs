@@ -172,7 +172,7 @@ impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
 /// awaits the statements of the protocol every call shares.
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")]
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use idempotency::{run_idempotent_async, AsyncStoreConnection, Error, Outcome};
 ///

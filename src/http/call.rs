@@ -180,7 +180,7 @@ where
 /// As [`run`]; a panic in `op` rolls the transaction back and is a 500.
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")]
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use std::borrow::Cow;
 /// use axum::extract::FromRequestParts;
@@ -435,11 +435,14 @@ where
     };
     let called = pool
         .clone()
-        .with_connection(Box::new(move |conn| {
-            // The turn ends with the call, also when the handler is gone.
-            let _turn = turn;
-            call(conn, &scope, &idempotency_key)
-        }))
+        .with_connection(
+            scope.clone(),
+            Box::new(move |conn| {
+                // The turn ends with the call, also when the handler is gone.
+                let _turn = turn;
+                call(conn, &scope, &idempotency_key)
+            }),
+        )
         .await;
     match called {
         Ok(Ok(answer)) => Ok(answer),

@@ -1,10 +1,20 @@
 //! The pools `http::run` checks connections out of: r2d2's, and with the
 //! feature `deadpool` deadpool-diesel's, as axum's own diesel example uses.
 
-use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
+use std::convert::Infallible;
+use std::time::{Duration, Instant};
+
+use diesel::r2d2::{ConnectionManager, Pool, PooledConnection, R2D2Connection};
+use tokio::sync::oneshot::{self, error::TryRecvError};
 
 use self::sealed::{Call, Checkout, Unavailable};
 use crate::StoreConnection;
+use crate::telemetry::TARGET;
+
+/// How long an r2d2 checkout waits at a time before it looks whether the
+/// request's client is still there: how long an abandoned request may
+/// still wait for a connection.
+const CHECKOUT_SLICE: Duration = Duration::from_millis(100);
 
 /// A pool of diesel connections that [`run`](super::run) and
 /// [`run_phased`](super::run_phased) take a connection from:
@@ -17,6 +27,15 @@ use crate::StoreConnection;
 /// with `Retry-After`: r2d2's `connection_timeout` (30 s unless set),
 /// deadpool's `wait` timeout, and for a deadpool pool without one, which
 /// would wait for ever, 5 s.
+///
+/// A request whose client hangs up while it waits for a connection gives
+/// up its wait: it runs nothing, and a connection that came as the client
+/// went goes back to the pool unused, so abandoned requests build no
+/// backlog in front of the clients still there. deadpool waits on the handler's own future, which the server
+/// drops; r2d2 waits on a blocking thread, which looks whether the client
+/// is still there every 100 ms and gives up then. (An r2d2 event handler
+/// sees a timeout event for each of these waits that ran out.) Once a connection is checked out, the call
+/// runs to its end whatever the client does.
 pub trait ConnectionPool: Clone + Send + Sync + 'static + Checkout<Self::Connection> {
     /// The diesel connection the pool hands out.
     type Connection: StoreConnection<Raw = Self::Connection> + Send + 'static;
@@ -47,12 +66,15 @@ pub(super) mod sealed {
 
     /// Checking out a connection `C` for one call.
     pub trait Checkout<C> {
-        /// Runs `call` with a connection of the pool on a thread where it
-        /// may block; the blocking work goes on when the returned future is
-        /// dropped. (The pool is a handle; a clone is what the future
-        /// keeps.)
+        /// Runs `call` for a request of `scope` with a connection of the
+        /// pool on a thread where it may block. Dropped before the
+        /// connection is checked out, the returned future takes the wait
+        /// for one with it: `call` is dropped unmade. Dropped after, the
+        /// blocking work goes on. (The pool is a handle; a clone is what
+        /// the future keeps.)
         fn with_connection<T: Send + 'static>(
             self,
+            scope: String,
             call: Call<C, T>,
         ) -> impl Future<Output = Result<T, Unavailable>> + Send;
     }
@@ -69,15 +91,53 @@ impl<C> Checkout<C> for Pool<ConnectionManager<C>>
 where
     C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
 {
-    async fn with_connection<T: Send + 'static>(self, call: Call<C, T>) -> Result<T, Unavailable> {
+    async fn with_connection<T: Send + 'static>(self, scope: String, call: Call<C, T>) -> Result<T, Unavailable> {
         // r2d2 waits for a connection by blocking, so the checkout joins the
-        // call on the blocking thread.
+        // call on the blocking thread; `waiting` goes with this future, and
+        // tells the thread that no one waits for the answer any more.
+        let (waiting, client) = oneshot::channel::<Infallible>();
         let task = tokio::task::spawn_blocking(move || {
-            let mut conn = self.get().map_err(|error| Unavailable::Checkout(Box::new(error)))?;
+            let mut conn = checkout(&self, client, &scope)?;
             Ok(call(&mut conn))
         });
-        task.await
-            .unwrap_or_else(|error| Err(Unavailable::Aborted(Box::new(error))))
+        let joined = task.await;
+        drop(waiting);
+        joined.unwrap_or_else(|error| Err(Unavailable::Aborted(Box::new(error))))
+    }
+}
+
+/// A connection of `pool` within its connection timeout, waited for in
+/// slices of [`CHECKOUT_SLICE`], while `client` shows that the request's
+/// client is there; none once it is gone, not even one that came as it
+/// went.
+fn checkout<C>(
+    pool: &Pool<ConnectionManager<C>>,
+    mut client: oneshot::Receiver<Infallible>,
+    scope: &str,
+) -> Result<PooledConnection<ConnectionManager<C>>, Unavailable>
+where
+    C: R2D2Connection + Send + 'static,
+{
+    let deadline = Instant::now() + pool.connection_timeout();
+    let mut gone = || {
+        let gone = matches!(client.try_recv(), Err(TryRecvError::Closed));
+        if gone {
+            tracing::debug!(target: TARGET, scope, "the client is gone before its request got a connection: it runs nothing");
+        }
+        gone
+    };
+    loop {
+        if gone() {
+            return Err(Unavailable::Checkout("the client is gone".into()));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match pool.get_timeout(left.min(CHECKOUT_SLICE)) {
+            // Gone while the connection came: back to the pool unused.
+            Ok(_) if gone() => return Err(Unavailable::Checkout("the client is gone".into())),
+            Ok(conn) => return Ok(conn),
+            Err(error) if left <= CHECKOUT_SLICE => return Err(Unavailable::Checkout(Box::new(error))),
+            Err(_) => {}
+        }
     }
 }
 
@@ -107,7 +167,7 @@ mod deadpool_diesel_pool {
         C: StoreConnection<Raw = C> + diesel::Connection<TransactionManager = AnsiTransactionManager> + Send + 'static,
         Manager<C>: deadpool::managed::Manager<Type = deadpool_diesel::Connection<C>, Error = deadpool_diesel::Error>,
     {
-        async fn with_connection<T: Send + 'static>(self, call: Call<C, T>) -> Result<T, Unavailable> {
+        async fn with_connection<T: Send + 'static>(self, _scope: String, call: Call<C, T>) -> Result<T, Unavailable> {
             // deadpool waits for ever without a wait timeout; a web request
             // must be told to retry instead.
             let checkout = match self.timeouts().wait {

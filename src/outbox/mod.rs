@@ -230,7 +230,7 @@ where
 /// As [`enqueue`].
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")]
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use diesel::SqliteConnection;
 /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;

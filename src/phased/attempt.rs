@@ -22,7 +22,7 @@ use crate::config::call::{call_error, stored_json, within_key};
 use crate::error::Error;
 use crate::outcome::Outcome;
 use crate::row_status::OperationStatus;
-use crate::{id, key, telemetry};
+use crate::{codec, id, key, telemetry};
 
 /// How this attempt holds the operation.
 pub(super) enum Held {
@@ -229,7 +229,27 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
         }
         let provider_key = self.provider_key(name).ok_or_else(fenced)?;
         let value = f(&provider_key).await.map_err(Error::Operation)?;
-        let output = stored_json(&self.phased.config, &value)?;
+        // The call was made: its result is recorded whatever its size, since
+        // refusing it would make the call again on the next attempt (or park
+        // an at-most-once call). A result that cannot be stored at all parks
+        // the operation, which then never makes the call again by itself.
+        let output = match codec::to_replayable_json(&value) {
+            Ok(output) => output,
+            Err(_) => {
+                return Err(self
+                    .park(&format!("the result of call {name} cannot be stored as json"))
+                    .await);
+            }
+        };
+        if output.len() > self.phased.config.max_response_len {
+            tracing::warn!(
+                target: telemetry::TARGET,
+                call = name,
+                len = output.len(),
+                max = self.phased.config.max_response_len,
+                "a call's result beyond max_response_len is recorded: the call was made"
+            );
+        }
         let position = self.position;
         self.commit(async |_, points| {
             points[position].output = Some(output);

@@ -219,7 +219,7 @@ impl Phased {
     /// As [`run`](Phased::run).
     ///
     /// ```
-    /// # #[tokio::main(flavor = "current_thread")]
+    /// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     /// use diesel::SqliteConnection;
     /// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;

@@ -21,6 +21,8 @@ mod http_orders;
 #[path = "../../examples/openapi_orders.rs"]
 mod openapi_orders;
 
+#[cfg(feature = "axum")]
+mod abandoned_requests;
 #[cfg(feature = "diesel-async")]
 mod asynchronous;
 mod batch;

@@ -5,11 +5,19 @@
 //! sleeps on the blocking thread, never on a tokio worker); the operation
 //! runs between them on the wrapper, in that transaction.
 //!
+//! A future dropped while a statement runs makes the wrapper wait for the
+//! statement with `block_in_place`, which panics on a current-thread
+//! runtime: every call refuses such a runtime before its first statement
+//! ([`UnsupportedRuntime`]).
+//!
 //! A future dropped inside the transaction leaves it open on the wrapped
-//! connection, and with it the database's write lock: the wrapper then
-//! counts as broken, and a pool drops it, which closes the connection and
-//! rolls the transaction back. A connection used without a pool must be
-//! dropped too.
+//! connection, and with it the database's write lock. [`Writing`] then
+//! marks the connection's transactions broken, as diesel-async's own
+//! transaction manager is marked on the other backends: every later call on
+//! it fails with `BrokenTransactionManager` instead of running in a
+//! transaction that never commits, and a pool drops it, which closes the
+//! connection and rolls the transaction back. A connection used without a
+//! pool must be dropped too.
 
 use chrono::{NaiveDateTime, Utc};
 use diesel::QueryResult;
@@ -17,11 +25,13 @@ use diesel::result::Error as DieselError;
 use diesel::sqlite::SqliteConnection;
 use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
 use diesel_async::{AsyncConnection, TransactionManager};
+use tokio::runtime::{Handle, RuntimeFlavor};
 
 use super::{close_write, hold, open_write, settle};
-use crate::backend::outbox::{OutboxDriver, outbox_statements};
+use crate::backend::outbox::{NewMessage, OutboxDriver, OutboxStore};
 use crate::backend::phases::{OperationRow, PhaseDriver, PhaseStore, phase_statements};
 use crate::backend::{AsyncStoreConnection, Driver, HeldKey, Hold, KeyStore, Read, Record, sealed, unwind_to_depth};
+use crate::error::UnsupportedRuntime;
 use crate::in_flight::InFlight;
 use crate::schema;
 
@@ -30,12 +40,57 @@ type Wrapped = SyncConnectionWrapper<SqliteConnection>;
 
 impl sealed::Sealed for Wrapped {}
 
+/// Refuses a runtime where a blocking section panics, before a call sends
+/// its first statement: the wrapper would block in place there if the
+/// call were dropped while a statement runs. Outside any runtime blocking
+/// is allowed, and the wrapper runs its statements on a runtime of its own.
+fn blocking_allowed() -> QueryResult<()> {
+    match Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == RuntimeFlavor::CurrentThread => {
+            Err(DieselError::QueryBuilderError(Box::new(UnsupportedRuntime)))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The transaction status of the connection the wrapper holds.
+fn status(conn: &mut Wrapped) -> &mut diesel::connection::TransactionManagerStatus {
+    <<Wrapped as AsyncConnection>::TransactionManager as TransactionManager<Wrapped>>::transaction_manager_status_mut(
+        conn,
+    )
+}
+
+/// A connection on which a write transaction is being opened, used or
+/// ended, `depth` levels deep before it. Dropped with more levels open
+/// than that (its call's future was dropped at an `await`), it marks the
+/// connection's transactions broken, so that nothing runs in the open
+/// transaction any more. The future of a statement still running is
+/// dropped first, and the wrapper waits for the statement then, so the
+/// wrapped connection is free when this looks at it.
+struct Writing<'c> {
+    conn: &'c mut Wrapped,
+    depth: u32,
+}
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        let status = status(self.conn);
+        if matches!(status.transaction_depth(), Ok(Some(depth)) if depth.get() > self.depth) {
+            status.set_in_error();
+        }
+    }
+}
+
 impl AsyncStoreConnection for Wrapped {}
 
 impl Driver for Wrapped {
     type Rules = SqliteConnection;
 
     async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
+        blocking_allowed()?;
+        // A connection whose transaction a dropped call left open answers
+        // nothing, not even from what that transaction wrote.
+        self.transaction_depth()?;
         let (scope, key) = (scope.to_owned(), key.to_owned());
         self.spawn_blocking(move |conn| KeyStore::read(conn, &scope, &key))
             .await
@@ -46,8 +101,7 @@ impl Driver for Wrapped {
     }
 
     fn transaction_depth(&mut self) -> QueryResult<u32> {
-        let status = <<Wrapped as AsyncConnection>::TransactionManager as TransactionManager<Wrapped>>::transaction_manager_status_mut(self);
-        let depth = status.transaction_depth()?;
+        let depth = status(self).transaction_depth()?;
         Ok(depth.map_or(0, |depth| depth.get()))
     }
 
@@ -79,6 +133,8 @@ impl Driver for Wrapped {
 
 impl PhaseDriver for Wrapped {
     async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
+        blocking_allowed()?;
+        self.transaction_depth()?;
         let (scope, key) = (scope.to_owned(), key.to_owned());
         self.spawn_blocking(move |conn| PhaseStore::read_operation(conn, &scope, &key))
             .await
@@ -92,10 +148,19 @@ impl PhaseDriver for Wrapped {
     where
         E: From<DieselError>,
     {
-        let previous = self.spawn_blocking(move |conn| open_write(conn, in_flight)).await?;
-        let result = work(self).await;
+        blocking_allowed()?;
+        let depth = self.transaction_depth()?;
+        // Armed before the transaction opens: a future dropped while the
+        // `BEGIN` waits for the write lock may leave it open as well.
+        let writing = Writing { conn: self, depth };
+        let previous = writing
+            .conn
+            .spawn_blocking(move |conn| open_write(conn, in_flight))
+            .await?;
+        let result = work(writing.conn).await;
         let succeeded = result.is_ok();
-        let closed = self
+        let closed = writing
+            .conn
             .spawn_blocking(move |conn| Ok(close_write(conn, previous, succeeded)))
             .await?;
         settle(result, closed)
@@ -109,5 +174,28 @@ impl PhaseDriver for Wrapped {
 }
 
 impl OutboxDriver for Wrapped {
-    outbox_statements!(async schema, created_at = Utc::now().naive_utc(); insert_message);
+    async fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()> {
+        // Also outside a call, so the runtime is checked here as well.
+        blocking_allowed()?;
+        let (id, scope, topic, payload, not_before) = (
+            message.id.to_owned(),
+            message.scope.to_owned(),
+            message.topic.to_owned(),
+            message.payload.to_owned(),
+            message.not_before,
+        );
+        self.spawn_blocking(move |conn| {
+            OutboxStore::insert_message(
+                conn,
+                &NewMessage {
+                    id: &id,
+                    scope: &scope,
+                    topic: &topic,
+                    payload: &payload,
+                    not_before,
+                },
+            )
+        })
+        .await
+    }
 }

@@ -14,17 +14,28 @@ use std::pin::pin;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use diesel_async::pooled_connection::PoolableConnection;
-use idempotency::{Config, InFlight, KeyStatus, Outcome};
+use diesel::result::Error as DieselError;
+use diesel_async::pooled_connection::{AsyncDieselConnectionManager, PoolableConnection};
+use idempotency::{Config, Error, InFlight, KeyStatus, Outcome};
 
 use crate::common::TestDb;
-use crate::common::asynchronous::{AsyncServerDb, async_backend_tests};
+use crate::common::asynchronous::{AsyncDb, AsyncServerDb, async_backend_tests};
 use crate::common::wait::{PATIENCE, wait_for};
 
 async_backend_tests!(
     server: a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served,
     an_async_call_dropped_while_it_waits_for_its_key_leaves_its_connection_to_be_discarded,
 );
+
+/// Every backend, SQLite's wrapper among them.
+mod every_backend {
+    use super::*;
+
+    async_backend_tests!(
+        a_connection_whose_call_was_dropped_inside_its_transaction_refuses_every_later_call,
+        a_pool_never_lends_again_a_connection_whose_call_was_dropped_inside_its_transaction,
+    );
+}
 
 /// The output of `future` if it is ready before it has waited `waits`
 /// times; otherwise `None`, and the future dropped at its wait after
@@ -235,4 +246,187 @@ async fn an_async_call_dropped_while_it_waits_for_its_key_leaves_its_connection_
         .await;
     assert_eq!(retried.expect("the retry is served"), Outcome::Replayed(1));
     assert_eq!(orders_of::<D>(&mut admin, "book"), 1, "the holder's order, once");
+}
+
+/// Runs a call for `key` on `conn` whose operation places an order and
+/// then waits for ever, and drops the call once the operation is waiting:
+/// the call's transaction is open, with the order in it, when its future
+/// goes, as under a timeout or a server whose client hung up.
+async fn drop_inside_the_transaction<D: AsyncDb>(config: &Config, conn: &mut D::Async, key: &str) {
+    let (inside_tx, inside) = tokio::sync::oneshot::channel();
+    let call = config.run_async(conn, "shop", key, &key, async |tx: &mut D::Async| {
+        D::insert_order(tx, key).await?;
+        inside_tx.send(()).expect("the test waits");
+        std::future::pending::<()>().await;
+        Ok::<_, DieselError>(1)
+    });
+    tokio::select! {
+        outcome = call => panic!("the call ended while its operation waited: {outcome:?}"),
+        inside = inside => inside.expect("the operation runs"),
+    }
+}
+
+/// Places an order for `key` on `conn` under `key`.
+async fn place<D: AsyncDb>(
+    config: &Config,
+    conn: &mut D::Async,
+    key: &str,
+) -> Result<Outcome<i32>, Error<DieselError>> {
+    config
+        .run_async(conn, "shop", key, &key, async |tx: &mut D::Async| {
+            D::insert_order(tx, key).await?;
+            Ok(1)
+        })
+        .await
+}
+
+async fn a_connection_whose_call_was_dropped_inside_its_transaction_refuses_every_later_call<D: AsyncDb>() {
+    let db = D::new();
+    let config = Config::default();
+    let mut check = db.conn();
+    let mut conn = db.connect().await;
+    drop_inside_the_transaction::<D>(&config, &mut conn, "order-1").await;
+
+    // Neither another key nor the same one again: each would run in the
+    // transaction left open, which nothing ever commits.
+    for key in ["order-2", "order-1", "order-1"] {
+        let refused = place::<D>(&config, &mut conn, key).await;
+        assert!(
+            matches!(refused, Err(Error::Storage(DieselError::BrokenTransactionManager))),
+            "a call for {key} on the connection is refused: {refused:?}"
+        );
+    }
+    let seen = || (D::order_count(&mut db.conn()), D::key_count(&mut db.conn()));
+    assert_eq!(seen(), (0, 0), "another connection sees no order and no record");
+    drop(conn);
+    assert_eq!(seen(), (0, 0), "nothing was committed");
+    assert_eq!(
+        config
+            .status::<_, i32>(&mut check, "shop", "order-1")
+            .expect("the key's status"),
+        KeyStatus::NoRecord
+    );
+
+    let mut conn = db.connect().await;
+    let retried = place::<D>(&config, &mut conn, "order-1").await;
+    assert_eq!(retried.expect("the retry on another connection"), Outcome::Executed(1));
+    assert_eq!(
+        orders_of::<D>(&mut check, "order-1"),
+        1,
+        "one order for the key, the retry's"
+    );
+}
+
+async fn a_pool_never_lends_again_a_connection_whose_call_was_dropped_inside_its_transaction<D>()
+where
+    D: AsyncDb<Async: PoolableConnection>,
+    AsyncDieselConnectionManager<D::Async>: bb8::ManageConnection<Connection = D::Async>,
+{
+    let db = D::new();
+    let config = Config::default();
+    let pool = bb8::Pool::builder()
+        .max_size(1)
+        .build(AsyncDieselConnectionManager::<D::Async>::new(db.url()))
+        .await
+        .expect("a pool of one async connection");
+    let mut check = db.conn();
+    {
+        let mut conn = pool.get().await.expect("a connection from the pool");
+        drop_inside_the_transaction::<D>(&config, &mut conn, "order-1").await;
+        assert!(conn.is_broken(), "the pool is told to drop the connection");
+    }
+
+    let mut conn = pool.get().await.expect("a connection from the pool");
+    assert!(!conn.is_broken(), "the pool lends no connection inside a transaction");
+    let retried = place::<D>(&config, &mut conn, "order-1").await;
+    assert_eq!(retried.expect("the retry on the lent connection"), Outcome::Executed(1));
+    assert_eq!(
+        orders_of::<D>(&mut check, "order-1"),
+        1,
+        "one order for the key, the retry's"
+    );
+}
+
+/// On a current-thread runtime, where diesel-async's SQLite wrapper would
+/// panic waiting for a statement whose future was dropped, every call on it
+/// is refused before its first statement, with a typed error. The call is
+/// dropped by a timeout while another connection holds the write lock, so
+/// that a call let through would be waiting for the lock in a statement.
+#[test]
+fn an_async_sqlite_call_on_a_current_thread_runtime_is_refused_instead_of_panicking() {
+    use diesel::connection::SimpleConnection;
+
+    let db = crate::common::sqlite::Db::new();
+    let mut holder = db.conn();
+    holder.batch_execute("BEGIN IMMEDIATE").expect("hold the write lock");
+    let config = Config::default().in_flight(InFlight::Wait(chrono::Duration::seconds(30)));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a current-thread runtime");
+    let (called, refused_outside) = runtime.block_on(async {
+        let mut conn = db.connect().await;
+        let called = tokio::time::timeout(
+            Duration::from_millis(200),
+            config.run_async(&mut conn, "shop", "order-1", &"book", async |_: &mut _| {
+                Ok::<_, Infallible>(1)
+            }),
+        )
+        .await;
+        let enqueued = idempotency::outbox::enqueue_async(&mut conn, "receipts", &"book").await;
+        (called, enqueued)
+    });
+    let Ok(Err(Error::Storage(DieselError::QueryBuilderError(why)))) = called else {
+        panic!("the call is refused at once: {called:?}");
+    };
+    assert!(
+        why.is::<idempotency::UnsupportedRuntime>(),
+        "refused for its runtime: {why}"
+    );
+    assert!(
+        matches!(&refused_outside, Err(idempotency::outbox::Error::Storage(DieselError::QueryBuilderError(why))) if why.is::<idempotency::UnsupportedRuntime>()),
+        "a message enqueued outside a call is refused too: {refused_outside:?}"
+    );
+    holder.batch_execute("ROLLBACK").expect("let go of the write lock");
+    assert_eq!(
+        crate::common::sqlite::Db::key_count(&mut holder),
+        0,
+        "nothing was written"
+    );
+}
+
+/// The wrapper waits, as the call's future is dropped, for a statement of
+/// the operation still running on the blocking pool; only then does the
+/// call look at the connection it leaves, and mark it broken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_call_dropped_while_its_operation_s_statement_runs_leaves_its_connection_refusing_calls() {
+    use crate::common::sqlite::Db;
+    use diesel_async::RunQueryDsl;
+
+    let db = Db::new();
+    let config = Config::default();
+    let mut conn = db.connect().await;
+    let (inside_tx, inside) = tokio::sync::oneshot::channel();
+    let call = config.run_async(&mut conn, "shop", "order-1", &"book", async |tx: &mut <Db as AsyncDb>::Async| {
+        Db::insert_order(tx, "order-1").await?;
+        inside_tx.send(()).expect("the test waits");
+        // Long enough to be running when the call is dropped.
+        diesel::sql_query("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 2000000) SELECT count(*) FROM c")
+            .execute(tx)
+            .await?;
+        Ok::<_, DieselError>(1)
+    });
+    tokio::select! {
+        biased;
+        inside = inside => inside.expect("the operation runs"),
+        outcome = call => panic!("the call ended before it was dropped: {outcome:?}"),
+    }
+    let refused = place::<Db>(&config, &mut conn, "order-2").await;
+    assert!(
+        matches!(refused, Err(Error::Storage(DieselError::BrokenTransactionManager))),
+        "{refused:?}"
+    );
+    drop(conn);
+    let mut check = db.conn();
+    assert_eq!((Db::order_count(&mut check), Db::key_count(&mut check)), (0, 0));
 }

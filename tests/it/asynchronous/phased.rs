@@ -34,6 +34,7 @@ async_backend_tests!(
     an_operation_begun_with_async_steps_is_finished_by_the_sync_steps,
     an_operation_begun_with_sync_steps_is_finished_by_the_async_steps,
     an_abandoned_async_operation_is_finished_by_a_completer_on_a_thread,
+    an_async_call_result_beyond_the_response_bound_is_recorded_and_the_call_is_never_made_again,
 );
 
 /// The backends with a server, whose sessions show what a cut left open.
@@ -550,4 +551,57 @@ async fn an_async_attempt_gone_silent_mid_step_loses_its_key_within_the_idle_bou
         recovery_points::<D>(&mut check, "order-1"),
         Some(vec!["completed".to_owned()])
     );
+}
+
+/// As with the sync steps (`phased::call_results`): the call was made, so
+/// its result is recorded whatever the response bound says.
+async fn an_async_call_result_beyond_the_response_bound_is_recorded_and_the_call_is_never_made_again<D: AsyncDb>() {
+    let db = D::new();
+    let mut conn = db.connect().await;
+    let phased = Phased::new("fetch-document").config(Config::default().max_response_len(64));
+    for at_most_once in [false, true] {
+        let key = format!("document-{at_most_once}");
+        let calls = AtomicUsize::new(0);
+        let fetch = async |conn: &mut D::Async, whole: bool| {
+            phased
+                .run_async(
+                    conn,
+                    SCOPE,
+                    &key,
+                    &"report",
+                    async |s: &mut AsyncSteps<'_, D::Async>| {
+                        let provider = async |_: &str| {
+                            calls.fetch_add(1, Ordering::SeqCst);
+                            tokio::task::yield_now().await;
+                            Ok::<_, std::convert::Infallible>("x".repeat(100))
+                        };
+                        let document = if at_most_once {
+                            s.call_at_most_once("fetched", provider).await?
+                        } else {
+                            s.call("fetched", provider).await?
+                        };
+                        s.finish(async |_: &mut D::Async| Ok(if whole { document } else { document.len().to_string() }))
+                            .await
+                    },
+                )
+                .await
+        };
+        let refused = fetch(&mut conn, true).await;
+        assert!(
+            matches!(refused, Err(Error::ResponseTooLarge { len: 102, max: 64 })),
+            "the response is bounded: {refused:?}"
+        );
+        let fetched = fetch(&mut conn, false).await;
+        assert_eq!(
+            fetched.expect("the retry finishes"),
+            Outcome::Executed(String::from("100"))
+        );
+        let replayed = fetch(&mut conn, false).await;
+        assert_eq!(replayed.expect("a replay"), Outcome::Replayed(String::from("100")));
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            1,
+            "the call was made once (at most once: {at_most_once})"
+        );
+    }
 }

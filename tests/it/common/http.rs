@@ -637,7 +637,8 @@ impl Drop for ExampleProcess {
 /// The requests that waited for a request with the same key in this
 /// process before checking out a connection, by scope, as the crate
 /// reports them (its debug event): what tells a test that duplicates are
-/// queued. Counted by a layer of this test binary's global subscriber, so
+/// queued; and the requests whose client hung up before they checked out
+/// a connection, which then never do. Counted by a layer of this test binary's global subscriber, so
 /// events from the server's worker threads are seen; a test's own
 /// thread-local subscriber is not disturbed.
 pub mod turn_waits {
@@ -655,6 +656,12 @@ pub mod turn_waits {
     const WAITING: &str = "waiting for a request with the same key in this process";
 
     static WAITS: LazyLock<Mutex<HashMap<String, usize>>> = LazyLock::new(Mutex::default);
+
+    /// The crate's debug event for a request whose client hung up before it
+    /// got a connection, which then runs nothing.
+    const GONE: &str = "the client is gone before its request got a connection: it runs nothing";
+
+    static GONES: LazyLock<Mutex<HashMap<String, usize>>> = LazyLock::new(Mutex::default);
 
     /// The layer of the global subscriber that counts the waits.
     pub struct Counter;
@@ -695,13 +702,16 @@ pub mod turn_waits {
         fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
             let mut fields = Fields::default();
             event.record(&mut fields);
-            if fields.message == WAITING {
-                *WAITS
-                    .lock()
-                    .expect("no panic while counting")
-                    .entry(fields.scope)
-                    .or_default() += 1;
-            }
+            let counts = match fields.message.as_str() {
+                WAITING => &WAITS,
+                GONE => &GONES,
+                _ => return,
+            };
+            *counts
+                .lock()
+                .expect("no panic while counting")
+                .entry(fields.scope)
+                .or_default() += 1;
         }
     }
 
@@ -712,8 +722,18 @@ pub mod turn_waits {
 
     /// Waits until `n` requests of `scope` have waited for their turn.
     pub async fn wait_for(scope: &str, n: usize) {
+        wait_for_count(&WAITS, scope, n, "waited for their turn").await;
+    }
+
+    /// Waits until `n` requests of `scope` whose client hung up have given
+    /// up their wait for a connection.
+    pub async fn wait_for_gone(scope: &str, n: usize) {
+        wait_for_count(&GONES, scope, n, "gave up their wait for a connection").await;
+    }
+
+    async fn wait_for_count(counts: &Mutex<HashMap<String, usize>>, scope: &str, n: usize, what: &str) {
         let waited = || {
-            WAITS
+            counts
                 .lock()
                 .expect("no panic while counting")
                 .get(scope)
@@ -726,10 +746,7 @@ pub mod turn_waits {
             }
         };
         if tokio::time::timeout(PATIENCE, counted).await.is_err() {
-            panic!(
-                "{} of {n} requests of {scope} waited for their turn within {PATIENCE:?}",
-                waited()
-            );
+            panic!("{} of {n} requests of {scope} {what} within {PATIENCE:?}", waited());
         }
     }
 }

@@ -29,6 +29,7 @@ const KEY: &str = "ride-7c1e";
 const OPERATION: &str = "create-ride";
 const RECEIPTS: &str = "ride-receipt";
 
+mod call_results;
 mod completer;
 mod concurrency;
 mod failures;
