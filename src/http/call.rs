@@ -150,8 +150,10 @@ where
     F: FnOnce(&mut P::Connection, &Q) -> Result<R, E> + Send + 'static,
 {
     let owned = config.clone();
+    let caller_hash = key.caller_hash();
     bound_call(pool, config, key, request, move |conn, scope, key, bound| {
-        let recorded = owned.run_recorded(conn, scope, key, bound, |tx| op(tx, bound.request()))?;
+        let recorded =
+            owned.run_recorded_by(conn, scope, key, bound, Some(&caller_hash), |tx| op(tx, bound.request()))?;
         Ok((recorded.outcome, recorded.expires_at))
     })
     .await
@@ -238,10 +240,16 @@ where
         key,
         request,
         async |conn: &mut P::Connection, bound: &Bound<Q>| {
+            let caller_hash = key.caller_hash();
             let recorded = config
-                .run_recorded_async(conn, key.scope(), key.key(), bound, async |tx: &mut P::Connection| {
-                    op(tx, bound.request()).await
-                })
+                .run_recorded_by_async(
+                    conn,
+                    key.scope(),
+                    key.key(),
+                    bound,
+                    Some(&caller_hash),
+                    async |tx: &mut P::Connection| op(tx, bound.request()).await,
+                )
                 .await?;
             Ok((recorded.outcome, recorded.expires_at))
         },
@@ -278,8 +286,11 @@ where
     F: FnOnce(&mut Steps<'_, P::Connection>, &Q) -> Result<Finished<R>, Error<E>> + Send + 'static,
 {
     let owned = phased.clone();
+    let caller_hash = key.caller_hash();
     bound_call(pool, &phased.config, key, request, move |conn, scope, key, bound| {
-        owned.run_expiring(conn, scope, key, bound, |steps| body(steps, bound.request()))
+        owned.run_expiring(conn, scope, key, bound, Some(&caller_hash), |steps| {
+            body(steps, bound.request())
+        })
     })
     .await
 }
@@ -326,12 +337,14 @@ where
         key,
         request,
         async |conn: &mut P::Connection, bound: &Bound<Q>| {
+            let caller_hash = key.caller_hash();
             phased
                 .run_expiring_async(
                     conn,
                     key.scope(),
                     key.key(),
                     bound,
+                    Some(&caller_hash),
                     async |steps: &mut AsyncSteps<'_, P::Connection>| body(steps, bound.request()).await,
                 )
                 .await
@@ -368,7 +381,7 @@ where
         .lend()
         .await
         .map_err(|cause| Failure::unavailable(problems, cause))?;
-    let bound = Bound::new(key.endpoint().cloned(), request);
+    let bound = Bound::new(key.endpoint().cloned(), key.principal_beside_scope(), request);
     match crate::backend::catch_unwind(call(&mut *conn, &bound)).await {
         Ok(Ok((outcome, expires_at))) => Ok(Answer::new(outcome, expires_at, key.expiry_header().clone())),
         Ok(Err(error)) => Err(Failure::of(error, problems)),
@@ -400,7 +413,7 @@ where
         + Send
         + 'static,
 {
-    let bound = Bound::new(key.endpoint().cloned(), request);
+    let bound = Bound::new(key.endpoint().cloned(), key.principal_beside_scope(), request);
     let (outcome, expires_at) = blocking(pool, config, config.in_flight, key, move |conn, scope, key| {
         call(conn, scope, key, &bound)
     })

@@ -42,6 +42,8 @@ mod http;
 #[cfg(feature = "axum")]
 mod http_client;
 mod keys;
+#[cfg(feature = "axum")]
+mod lookup;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod killed_sessions;
 #[cfg(feature = "metrics")]
