@@ -22,8 +22,8 @@ pub(crate) mod call;
 
 mod status;
 
-use status::Reader;
 pub use status::KeyStatus;
+use status::Reader;
 
 /// Runs `op` at most once for `(scope, key)` with [`Config::default()`]; see
 /// [`Config::run`].
@@ -578,7 +578,16 @@ impl Config {
         let result = trace.span().in_scope(|| {
             let request_hash = self.admit::<C::Raw, Q, E>(scope, key, request, &trace)?;
             let op = async |tx: &mut C::Raw| op(tx);
-            backend::at_once(call::recorded(self, conn, scope, key, &request_hash, caller_hash, &trace, op))
+            backend::at_once(call::recorded(
+                self,
+                conn,
+                scope,
+                key,
+                &request_hash,
+                caller_hash,
+                &trace,
+                op,
+            ))
         });
         trace.finish(&result);
         result

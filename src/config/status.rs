@@ -68,7 +68,10 @@ pub(crate) enum Reader<'a> {
     },
     /// A caller over HTTP: the record's caller hash must be one of these.
     /// Records of single calls and of phased operations alike.
-    #[cfg_attr(not(feature = "axum"), expect(dead_code, reason = "only the HTTP layer looks up by caller"))]
+    #[cfg_attr(
+        not(feature = "axum"),
+        expect(dead_code, reason = "only the HTTP layer looks up by caller")
+    )]
     Callers(&'a [String]),
 }
 
@@ -129,7 +132,9 @@ pub(super) fn look_up<C: PhaseStore, R: DeserializeOwned>(
     // The time of the first read, which each read brings along.
     let mut now = None;
     if reader.reads_records() {
-        let Read { record, now: read_at, .. } = match conn.read(scope, key) {
+        let Read {
+            record, now: read_at, ..
+        } = match conn.read(scope, key) {
             Ok(read) => read,
             // A reader kept out by a writer (SQLite outside WAL mode).
             Err(error) if C::is_in_flight_timeout(&error) => return Ok(KeyStatus::InProgress),
@@ -171,7 +176,10 @@ pub(super) fn look_up<C: PhaseStore, R: DeserializeOwned>(
             false => None,
         };
         let operation = match reader.reads_operations() {
-            true => tx.read_operation(scope, key)?.0.filter(|row| reader.answers_operation(row)),
+            true => tx
+                .read_operation(scope, key)?
+                .0
+                .filter(|row| reader.answers_operation(row)),
             false => None,
         };
         Ok::<_, Error>((record, operation))

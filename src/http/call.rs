@@ -28,13 +28,17 @@ use crate::{Config, Error, InFlight, Outcome, StoreConnection};
 /// [`StoredResponse`](super::StoredResponse); an `Err` rolls everything
 /// back and leaves the key free.
 ///
-/// The key is bound to the caller's scope, to `request` and to the endpoint
+/// The key is bound to the caller's scope, to `request`, to the endpoint
 /// the [`IdempotencyKey`] was sent to (method, matched route, path
-/// parameters, query): the fingerprint covers them all, so the same key and
-/// body sent to another endpoint is a 422, never that endpoint's replay of
-/// the first one's response. A key made
+/// parameters, query) and to the caller's
+/// [`principal`](super::Caller::principal) where it is not the scope: the
+/// fingerprint covers them all, so the same key and body sent to another
+/// endpoint, or by another user of a tenant's scope, is a 422, never a
+/// replay of the first one's response. A key made
 /// [`across_endpoints`](IdempotencyKey::across_endpoints) is bound to
-/// `request` alone.
+/// `request` (and the principal) alone. The record is stored with its
+/// principal and endpoint, so that [`lookup`](super::lookup) answers it to
+/// that principal at that endpoint alone.
 ///
 /// How it behaves, and why:
 ///
@@ -152,8 +156,9 @@ where
     let owned = config.clone();
     let caller_hash = key.caller_hash();
     bound_call(pool, config, key, request, move |conn, scope, key, bound| {
-        let recorded =
-            owned.run_recorded_by(conn, scope, key, bound, Some(&caller_hash), |tx| op(tx, bound.request()))?;
+        let recorded = owned.run_recorded_by(conn, scope, key, bound, Some(&caller_hash), |tx| {
+            op(tx, bound.request())
+        })?;
         Ok((recorded.outcome, recorded.expires_at))
     })
     .await

@@ -227,8 +227,11 @@ impl<A> IdempotencyKey<A> {
     /// value sent to another endpoint then replays the first endpoint's
     /// response, so the request value must name whatever tells the
     /// operations apart. A key bound this way fingerprints the request
-    /// value alone, as keys did before endpoints were bound, and its
-    /// records are not interchangeable with those of a bound key.
+    /// value alone (with the [principal](Caller::principal) where it is not
+    /// the scope), as keys did before endpoints were bound, and its records
+    /// are not interchangeable with those of a bound key. Its records are
+    /// answered to its principal by a [lookup](super::lookup) at any
+    /// endpoint.
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {

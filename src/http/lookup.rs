@@ -136,16 +136,14 @@ where
     T: Serialize + DeserializeOwned + Send + 'static,
 {
     let looked = look_up(pool, config, key, calls).await;
-    looked
-        .map(Answer::not_to_be_stored)
-        .map_err(|failure| match failure {
-            Failure::Refused(problem) => Failure::Refused(problem.not_to_be_stored()),
-            Failure::Failed { problem, cause } => Failure::Failed {
-                problem: problem.not_to_be_stored(),
-                cause,
-            },
-            Failure::Operation(never) => match never {},
-        })
+    looked.map(Answer::not_to_be_stored).map_err(|failure| match failure {
+        Failure::Refused(problem) => Failure::Refused(problem.not_to_be_stored()),
+        Failure::Failed { problem, cause } => Failure::Failed {
+            problem: problem.not_to_be_stored(),
+            cause,
+        },
+        Failure::Operation(never) => match never {},
+    })
 }
 
 /// [`lookup`], its answers as they are before `Cache-Control` is set.

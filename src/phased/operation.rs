@@ -411,16 +411,8 @@ impl Phased {
             key,
             token: &admitted.token,
         };
-        let attempt = |conn, held, clock| {
-            Begin::Attempt(Box::new(Attempt::new(
-                self,
-                conn,
-                lease,
-                admitted,
-                held,
-                clock,
-            )))
-        };
+        let attempt =
+            |conn, held, clock| Begin::Attempt(Box::new(Attempt::new(self, conn, lease, admitted, held, clock)));
         let wait = std::time::Duration::from_millis(u64::try_from(self.config.in_flight.wait_millis()).unwrap_or(0));
         let deadline = Instant::now() + wait;
         loop {

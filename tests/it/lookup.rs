@@ -96,7 +96,10 @@ type Looked = Result<Answer<StoredResponse<Value>>, Failure<Infallible>>;
 async fn stored<D: TestDb>(app: &App<D>, key: &IdempotencyKey<User>, reference: &'static str) -> Response {
     let outcome: Result<Answer<StoredResponse<Value>>, Failure<Problem>> =
         http::run(&app.pool, &app.config, key, (), move |_, ()| {
-            Ok(StoredResponse::new(StatusCode::CREATED, json!({ "reference": reference })))
+            Ok(StoredResponse::new(
+                StatusCode::CREATED,
+                json!({ "reference": reference }),
+            ))
         })
         .await;
     outcome.into_response()
@@ -139,7 +142,13 @@ async fn refund_status<D: TestDb>(State(app): State<App<D>>, key: IdempotencyKey
 }
 
 async fn account_refund_status<D: TestDb>(State(app): State<App<D>>, key: IdempotencyKey<User>) -> Looked {
-    http::lookup(&app.pool, &app.config, &key, &[(Method::POST, "/accounts/{account}/refunds")]).await
+    http::lookup(
+        &app.pool,
+        &app.config,
+        &key,
+        &[(Method::POST, "/accounts/{account}/refunds")],
+    )
+    .await
 }
 
 async fn ride_status<D: TestDb>(State(app): State<App<D>>, key: IdempotencyKey<User>) -> Looked {
@@ -193,7 +202,10 @@ async fn send(app: &Router, method: Method, path: &str, token: &str, key: &str, 
     let response = app.clone().oneshot(request).await.expect("infallible");
     let status = response.status();
     let headers = response.headers().clone();
-    let body = to_bytes(response.into_body(), usize::MAX).await.expect("a body").to_vec();
+    let body = to_bytes(response.into_body(), usize::MAX)
+        .await
+        .expect("a body")
+        .to_vec();
     Seen { status, headers, body }
 }
 
@@ -205,7 +217,9 @@ async fn post_to(app: &Router, path: &str, token: &str, key: &str) -> Seen {
 async fn look_up(app: &Router, path: &str, token: &str, key: &str) -> Seen {
     let seen = send(app, Method::GET, path, token, key, "").await;
     assert_eq!(
-        seen.headers.get("cache-control").map(|value| value.to_str().expect("ascii")),
+        seen.headers
+            .get("cache-control")
+            .map(|value| value.to_str().expect("ascii")),
         Some("no-store"),
         "{path} answered {} without no-store",
         seen.status
@@ -226,7 +240,12 @@ async fn unknown(app: &Router, path: &str, token: &str) -> Seen {
 }
 
 fn assert_replayed(seen: &Seen, body: Value) {
-    assert_eq!(seen.status, StatusCode::CREATED, "{:?}", String::from_utf8_lossy(&seen.body));
+    assert_eq!(
+        seen.status,
+        StatusCode::CREATED,
+        "{:?}",
+        String::from_utf8_lossy(&seen.body)
+    );
     assert_eq!(seen.json(), body);
     assert_eq!(seen.headers["idempotent-replayed"], "true");
 }
@@ -250,7 +269,10 @@ async fn another_user_of_the_tenant_is_refused_the_call_and_told_the_key_is_unkn
 async fn a_lookup_does_not_answer_the_record_of_another_endpoint<D: TestDb>() {
     let db = D::new();
     let app = app(&db);
-    assert_eq!(post_to(&app, "/payouts", "acme:user-1", "k-1").await.status, StatusCode::CREATED);
+    assert_eq!(
+        post_to(&app, "/payouts", "acme:user-1", "k-1").await.status,
+        StatusCode::CREATED
+    );
     let elsewhere = look_up(&app, "/refunds/status", "acme:user-1", "k-1").await;
     assert_eq!(elsewhere, unknown(&app, "/refunds/status", "acme:user-1").await);
 }
@@ -274,7 +296,10 @@ async fn a_lookup_compares_its_own_path_parameters<D: TestDb>() {
 async fn a_key_across_endpoints_is_answered_to_its_principal_at_any_lookup<D: TestDb>() {
     let db = D::new();
     let app = app(&db);
-    assert_eq!(post_to(&app, "/transfers", "acme:user-1", "k-3").await.status, StatusCode::CREATED);
+    assert_eq!(
+        post_to(&app, "/transfers", "acme:user-1", "k-3").await.status,
+        StatusCode::CREATED
+    );
     let own = look_up(&app, "/refunds/status", "acme:user-1", "k-3").await;
     assert_replayed(&own, json!({ "reference": "tr_1" }));
     let foreign = look_up(&app, "/refunds/status", "acme:user-2", "k-3").await;
@@ -287,7 +312,10 @@ async fn a_record_written_outside_http_is_an_unknown_key_over_http<D: TestDb>() 
     let config = Config::default();
     tokio::task::block_in_place(|| {
         config.run(&mut db.conn(), "acme", "k-4", &(), |_| {
-            Ok::<_, Infallible>(StoredResponse::new(StatusCode::CREATED, json!({ "reference": "re_core" })))
+            Ok::<_, Infallible>(StoredResponse::new(
+                StatusCode::CREATED,
+                json!({ "reference": "re_core" }),
+            ))
         })
     })
     .expect("a call outside HTTP");
@@ -304,7 +332,10 @@ async fn a_phased_operation_is_in_progress_while_it_runs_then_its_response<D: Te
         ride_gate: gate.clone(),
     });
     let unknown_ride = unknown(&app, "/rides/status", "acme:user-1").await;
-    assert_eq!(look_up(&app, "/rides/status", "acme:user-1", "ride-1").await, unknown_ride);
+    assert_eq!(
+        look_up(&app, "/rides/status", "acme:user-1", "ride-1").await,
+        unknown_ride
+    );
 
     let held = tokio::spawn({
         let app = app.clone();
@@ -317,7 +348,12 @@ async fn a_phased_operation_is_in_progress_while_it_runs_then_its_response<D: Te
     tokio::task::block_in_place(|| gate.wait());
     let first = held.await.expect("the ride");
 
-    assert_eq!(running.status, StatusCode::CONFLICT, "{:?}", String::from_utf8_lossy(&running.body));
+    assert_eq!(
+        running.status,
+        StatusCode::CONFLICT,
+        "{:?}",
+        String::from_utf8_lossy(&running.body)
+    );
     assert_eq!(
         running.json()["type"],
         format!("{}idempotency-key-in-progress", Problems::DEFAULT_BASE)
@@ -328,7 +364,10 @@ async fn a_phased_operation_is_in_progress_while_it_runs_then_its_response<D: Te
     assert_eq!(first.status, StatusCode::CREATED);
     let finished = look_up(&app, "/rides/status", "acme:user-1", "ride-1").await;
     assert_replayed(&finished, first.json());
-    assert_eq!(finished.headers["idempotency-expires"], first.headers["idempotency-expires"]);
+    assert_eq!(
+        finished.headers["idempotency-expires"],
+        first.headers["idempotency-expires"]
+    );
     let foreign = look_up(&app, "/rides/status", "acme:user-2", "ride-1").await;
     assert_eq!(foreign, unknown(&app, "/rides/status", "acme:user-2").await);
 }
@@ -341,7 +380,11 @@ async fn a_parked_phased_operation_says_so<D: TestDb>() {
     let failed = send(&app, Method::POST, "/rides", "acme:user-1", "ride-2", "fail").await;
     assert_eq!(failed.status, StatusCode::BAD_GATEWAY);
     let stopped = look_up(&app, "/rides/status", "acme:user-1", "ride-2").await;
-    assert_eq!(stopped.status, StatusCode::CONFLICT, "started, not finished: in progress");
+    assert_eq!(
+        stopped.status,
+        StatusCode::CONFLICT,
+        "started, not finished: in progress"
+    );
     let parked = send(&app, Method::POST, "/rides", "acme:user-1", "ride-2", "fail").await;
 
     let looked = look_up(&app, "/rides/status", "acme:user-1", "ride-2").await;
@@ -362,7 +405,10 @@ async fn every_lookup_answer_is_not_to_be_stored<D: TestDb>() {
     // `look_up` checks the header on each: the unknown key, the stored
     // response, a key the rules refuse.
     unknown(&app, "/refunds/status", "acme:user-1").await;
-    assert_eq!(post_to(&app, "/refunds", "acme:user-1", "k-5").await.status, StatusCode::CREATED);
+    assert_eq!(
+        post_to(&app, "/refunds", "acme:user-1", "k-5").await.status,
+        StatusCode::CREATED
+    );
     assert_eq!(
         look_up(&app, "/refunds/status", "acme:user-1", "k-5").await.status,
         StatusCode::CREATED

@@ -42,10 +42,10 @@ mod http;
 #[cfg(feature = "axum")]
 mod http_client;
 mod keys;
-#[cfg(feature = "axum")]
-mod lookup;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod killed_sessions;
+#[cfg(feature = "axum")]
+mod lookup;
 #[cfg(feature = "metrics")]
 mod metrics;
 mod migrations;

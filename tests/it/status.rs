@@ -28,7 +28,9 @@ crate::common::backend_tests!(
 fn an_unknown_key_has_no_record<D: TestDb>() {
     let db = D::new();
     let (_, config) = kept_an_hour();
-    let status = config.status::<_, i64>(&mut db.conn(), "shop", "k", &1).expect("status");
+    let status = config
+        .status::<_, i64>(&mut db.conn(), "shop", "k", &1)
+        .expect("status");
     assert_eq!(status, KeyStatus::NoRecord);
     assert_eq!(D::key_count(&mut db.conn()), 0, "a lookup writes nothing");
 }
@@ -81,7 +83,9 @@ fn a_key_held_by_a_call_in_progress_is_in_progress_then_completed<D: TestDb>() {
         release.send(()).expect("the call waits");
         let id = call.join().expect("no panic").expect("the call").into_inner();
         assert_eq!(during.expect("status"), KeyStatus::InProgress);
-        let after = config.status::<_, i64>(&mut db.conn(), "shop", "k", &1).expect("status");
+        let after = config
+            .status::<_, i64>(&mut db.conn(), "shop", "k", &1)
+            .expect("status");
         assert!(
             matches!(after, KeyStatus::Completed { response, .. } if response == id),
             "{after:?}"
@@ -196,7 +200,9 @@ fn a_phased_operation_is_seen_running_then_finished_by_its_own_request_only<D: T
     let refund = Phased::new("refund-ride").config(config.clone());
     assert_eq!(status(&mut conn, &refund, "r-2", "ada"), KeyStatus::NoRecord);
     assert_eq!(
-        config.status::<_, String>(&mut conn, "riders", "r-2", "ada").expect("status"),
+        config
+            .status::<_, String>(&mut conn, "riders", "r-2", "ada")
+            .expect("status"),
         KeyStatus::NoRecord,
         "a single call's lookup is not a phased operation's"
     );
