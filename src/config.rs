@@ -583,8 +583,7 @@ impl Config {
                 conn,
                 scope,
                 key,
-                &request_hash,
-                caller_hash,
+                (&request_hash, caller_hash),
                 &trace,
                 op,
             ))
@@ -715,7 +714,7 @@ impl Config {
         let result = Box::pin(
             async {
                 let request_hash = self.admit::<C::Rules, Q, E>(scope, key, request, &trace)?;
-                call::recorded(self, conn, scope, key, &request_hash, caller_hash, &trace, op).await
+                call::recorded(self, conn, scope, key, (&request_hash, caller_hash), &trace, op).await
             }
             .instrument(span),
         )

@@ -22,7 +22,8 @@ use crate::telemetry::CallTrace;
 
 /// The call of [`Config::run_recorded`] once `scope` and `key` passed the
 /// key rules and the request is fingerprinted (`request_hash`), the record
-/// it writes answered to the lookups of `caller_hash` alone: a replay
+/// it writes answered to the lookups of `caller_hash` alone (where the call
+/// came over HTTP): a replay
 /// from one read, or the write path, which holds the key (a key the read
 /// found no record for claimed in the round trip that takes it, where the
 /// backend can; by a claim at once where the read found that the database
@@ -36,8 +37,7 @@ pub(super) async fn recorded<C, R, E, F>(
     conn: &mut C,
     scope: &str,
     key: &str,
-    request_hash: &str,
-    caller_hash: Option<&str>,
+    (request_hash, caller_hash): (&str, Option<&str>),
     trace: &CallTrace,
     op: F,
 ) -> Result<Recorded<R>, Error<E>>

@@ -73,7 +73,12 @@ impl Endpoint {
     /// The hash that binds a record of a call at this endpoint to the
     /// lookups of `principal` (see [`caller_hash`]).
     pub(super) fn caller_hash(&self, principal: &str) -> String {
-        caller_hash(principal, Some((&self.method, &self.route, &self.path)))
+        let route = Route {
+            method: &self.method,
+            route: &self.route,
+            path: &self.path,
+        };
+        caller_hash(principal, Some(route))
     }
 }
 
@@ -88,21 +93,18 @@ struct Audience<'a> {
     endpoint: Option<Route<'a>>,
 }
 
-/// An endpoint without its query.
+/// An endpoint without its query: its method, matched route and path
+/// parameters, sorted by name.
 #[derive(Serialize)]
-struct Route<'a> {
-    method: &'a str,
-    route: &'a str,
-    path: &'a [(String, String)],
+pub(super) struct Route<'a> {
+    pub(super) method: &'a str,
+    pub(super) route: &'a str,
+    pub(super) path: &'a [(String, String)],
 }
 
-/// The caller hash of `principal` at `endpoint` (method, route, path
-/// parameters sorted by name), or across endpoints.
-pub(super) fn caller_hash(principal: &str, endpoint: Option<(&str, &str, &[(String, String)])>) -> String {
-    let audience = Audience {
-        principal,
-        endpoint: endpoint.map(|(method, route, path)| Route { method, route, path }),
-    };
+/// The caller hash of `principal` at `endpoint`, or across endpoints.
+pub(super) fn caller_hash(principal: &str, endpoint: Option<Route<'_>>) -> String {
+    let audience = Audience { principal, endpoint };
     fingerprint::of(&audience).expect("strings have a fingerprint")
 }
 

@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 use axum::http::Method;
 
 use super::call::blocking;
-use super::endpoint::caller_hash;
+use super::endpoint::{Route, caller_hash};
 use super::failure::PARKED;
 use super::{Answer, ConnectionPool, Failure, IdempotencyKey, ProblemKind, StoredResponse};
 use crate::{Config, InFlight, KeyStatus, Outcome};
@@ -165,7 +165,14 @@ where
     let path = key.sent_to().path();
     let callers: Vec<String> = calls
         .iter()
-        .map(|(method, route)| caller_hash(principal, Some((method.as_str(), route, path))))
+        .map(|(method, route)| {
+            let route = Route {
+                method: method.as_str(),
+                route,
+                path,
+            };
+            caller_hash(principal, Some(route))
+        })
         .chain([caller_hash(principal, None)])
         .collect();
     // A lookup waits for no call in progress (it answers 409), so it takes
