@@ -17,8 +17,9 @@ use crate::Outcome;
 /// ([`KeyHeader::expiry_header`](super::KeyHeader::expiry_header), by
 /// default `Idempotency-Expires`) whose value is the moment the key may
 /// execute again, as an HTTP-date (RFC 9110 §5.6.7, the IMF-fixdate form),
-/// the same on the first response and on every replay. It dereferences to
-/// the outcome, so `answer.is_replayed()` reads as before.
+/// the same on the first response and on every replay. A lookup's answer
+/// also carries `Cache-Control: no-store`: it is one caller's. It
+/// dereferences to the outcome, so `answer.is_replayed()` reads as before.
 ///
 /// ```
 /// use axum::http::HeaderName;
