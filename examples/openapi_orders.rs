@@ -13,7 +13,7 @@ use std::borrow::Cow;
 use std::convert::Infallible;
 
 use axum::extract::{FromRequestParts, State};
-use axum::http::{HeaderValue, StatusCode, header, request::Parts};
+use axum::http::{HeaderValue, Method, StatusCode, header, request::Parts};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use diesel::prelude::*;
@@ -124,7 +124,7 @@ async fn order_status(
     State(app): State<App>,
     key: IdempotencyKey<Account>,
 ) -> Result<Answer<StoredResponse<Order>>, Failure<Infallible>> {
-    http::lookup(&app.pool, &app.config, &key).await
+    http::lookup(&app.pool, &app.config, &key, &[(Method::POST, "/orders")]).await
 }
 
 #[derive(OpenApi)]

@@ -23,6 +23,7 @@ pub(crate) mod call;
 mod status;
 
 pub use status::KeyStatus;
+use status::Reader;
 
 /// Runs `op` at most once for `(scope, key)` with [`Config::default()`]; see
 /// [`Config::run`].
@@ -553,6 +554,26 @@ impl Config {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut C::Raw) -> Result<R, E>,
     {
+        self.run_recorded_by(conn, scope, key, request, None, op)
+    }
+
+    /// [`run_recorded`](Config::run_recorded), the record answered to the
+    /// lookups of `caller_hash` alone (the HTTP layer's lookup).
+    pub(crate) fn run_recorded_by<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        caller_hash: Option<&str>,
+        op: F,
+    ) -> Result<Recorded<R>, Error<E>>
+    where
+        C: StoreConnection,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: FnOnce(&mut C::Raw) -> Result<R, E>,
+    {
         let trace = CallTrace::start(C::Raw::BACKEND);
         let conn = conn.raw();
         // In the call's span, so that its events carry the scope, the key
@@ -560,7 +581,15 @@ impl Config {
         let result = trace.span().in_scope(|| {
             let request_hash = self.admit::<C::Raw, Q, E>(scope, key, request, &trace)?;
             let op = async |tx: &mut C::Raw| op(tx);
-            backend::at_once(call::recorded(self, conn, scope, key, &request_hash, &trace, op))
+            backend::at_once(call::recorded(
+                self,
+                conn,
+                scope,
+                key,
+                (&request_hash, caller_hash),
+                &trace,
+                op,
+            ))
         });
         trace.finish(&result);
         result
@@ -657,6 +686,27 @@ impl Config {
         R: Serialize + DeserializeOwned,
         F: AsyncFnOnce(&mut C) -> Result<R, E>,
     {
+        self.run_recorded_by_async(conn, scope, key, request, None, op).await
+    }
+
+    /// [`run_recorded_async`](Config::run_recorded_async), the record
+    /// answered to the lookups of `caller_hash` alone.
+    #[cfg(feature = "diesel-async")]
+    pub(crate) async fn run_recorded_by_async<C, Q, R, E, F>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &Q,
+        caller_hash: Option<&str>,
+        op: F,
+    ) -> Result<Recorded<R>, Error<E>>
+    where
+        C: backend::AsyncStoreConnection,
+        Q: Serialize + ?Sized,
+        R: Serialize + DeserializeOwned,
+        F: AsyncFnOnce(&mut C) -> Result<R, E>,
+    {
         use tracing::Instrument;
 
         let trace = CallTrace::start(<C::Rules as KeyStore>::BACKEND);
@@ -667,7 +717,7 @@ impl Config {
         let result = Box::pin(
             async {
                 let request_hash = self.admit::<C::Rules, Q, E>(scope, key, request, &trace)?;
-                call::recorded(self, conn, scope, key, &request_hash, &trace, op).await
+                call::recorded(self, conn, scope, key, (&request_hash, caller_hash), &trace, op).await
             }
             .instrument(span),
         )
@@ -676,12 +726,21 @@ impl Config {
         result
     }
 
-    /// What became of `key` in `scope`: no record, in progress, completed
-    /// with its stored result, or expired. It never runs an operation and
-    /// never writes; the request is not needed, so the fingerprint is not
-    /// compared. Lookups are by `(scope, key)` only: take the scope from
-    /// the authenticated caller, as for every call, so that one tenant
-    /// never learns of another's keys.
+    /// What became of the call for `request` under `key` in `scope`: no
+    /// record, in progress, completed with its stored result, or expired.
+    /// It never runs an operation and never writes.
+    ///
+    /// The lookup answers only what a replay would: the stored result is
+    /// [`Completed`](KeyStatus::Completed) only when `request` has the
+    /// fingerprint of the request that was carried out, and a record of
+    /// another request is [`NoRecord`](KeyStatus::NoRecord), exactly as a
+    /// key without a record, so that knowing a key is not enough to read
+    /// another caller's result. Lookups are by `(scope, key)`: take the
+    /// scope from the authenticated caller and check its permission first,
+    /// as for every call. An operation in phases is looked up with
+    /// [`Phased::status`](crate::phased::Phased::status), and a record
+    /// written by the HTTP layer (whose fingerprint binds its endpoint)
+    /// with [`http::lookup`](crate::guide::http#the-status-of-a-key).
     ///
     /// A completed, unexpired record is answered with one read. Otherwise
     /// the lookup tries to hold the key as a call would, without waiting
@@ -692,8 +751,9 @@ impl Config {
     /// # Errors
     ///
     /// [`Error::InvalidScope`] and [`Error::InvalidKey`] where the key
-    /// rules refuse them; [`Error::Storage`] when the database fails;
-    /// [`Error::Codec`] when the stored result does not decode into `R`.
+    /// rules refuse them; [`Error::Codec`] when `request` cannot be
+    /// fingerprinted or the stored result does not decode into `R`;
+    /// [`Error::Storage`] when the database fails.
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -704,31 +764,85 @@ impl Config {
     /// let mut conn = idempotency::testing::sqlite_memory();
     /// let clock = ManualClock::new();
     /// let config = Config::default().retention(Duration::hours(1)).clock(clock.source());
-    /// assert_eq!(config.status::<_, i32>(&mut conn, "shop", "order-1")?, KeyStatus::NoRecord);
+    /// assert_eq!(config.status::<_, i32>(&mut conn, "shop", "order-1", &"book")?, KeyStatus::NoRecord);
     ///
     /// let first = config.run_recorded(&mut conn, "shop", "order-1", &"book", |_| Ok::<_, std::convert::Infallible>(7))?;
-    /// let KeyStatus::Completed { response, expires_at, .. } = config.status::<_, i32>(&mut conn, "shop", "order-1")? else {
+    /// let KeyStatus::Completed { response, expires_at, .. } = config.status::<_, i32>(&mut conn, "shop", "order-1", &"book")? else {
     ///     return Err("not completed".into());
     /// };
     /// assert_eq!((response, expires_at), (7, first.expires_at));
-    /// // Another scope knows nothing of it.
-    /// assert_eq!(config.status::<_, i32>(&mut conn, "other", "order-1")?, KeyStatus::NoRecord);
+    /// // Another request under the key, or another scope, learns nothing.
+    /// assert_eq!(config.status::<_, i32>(&mut conn, "shop", "order-1", &"lamp")?, KeyStatus::NoRecord);
+    /// assert_eq!(config.status::<_, i32>(&mut conn, "other", "order-1", &"book")?, KeyStatus::NoRecord);
     ///
     /// clock.advance(Duration::hours(1));
     /// assert_eq!(
-    ///     config.status::<_, i32>(&mut conn, "shop", "order-1")?,
+    ///     config.status::<_, i32>(&mut conn, "shop", "order-1", &"book")?,
     ///     KeyStatus::Expired { expired_at: first.expires_at }
     /// );
     /// # Ok(())
     /// # }
     /// ```
-    pub fn status<C, R>(&self, conn: &mut C, scope: &str, key: &str) -> Result<KeyStatus<R>, Error>
+    pub fn status<C, R>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &(impl Serialize + ?Sized),
+    ) -> Result<KeyStatus<R>, Error>
     where
         C: StoreConnection,
         R: DeserializeOwned,
     {
         self.check_rules::<C::Raw, Infallible>(scope, key, None)?;
-        status::look_up(self, conn.raw(), scope, key)
+        let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
+        let reader = Reader::Request {
+            request_hash: &request_hash,
+            operation: None,
+        };
+        status::look_up(self, conn.raw(), scope, key, &reader)
+    }
+
+    /// [`status`](Config::status) as a reader that has no request: of
+    /// the records, single calls' and phased operations' alike, whose caller
+    /// hash is one of `callers` (the HTTP layer's lookup).
+    #[cfg(feature = "axum")]
+    pub(crate) fn status_for_callers<C, R>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        callers: &[String],
+    ) -> Result<KeyStatus<R>, Error>
+    where
+        C: StoreConnection,
+        R: DeserializeOwned,
+    {
+        self.check_rules::<C::Raw, Infallible>(scope, key, None)?;
+        status::look_up(self, conn.raw(), scope, key, &Reader::Callers(callers))
+    }
+
+    /// [`status`](Config::status) of an operation in phases named
+    /// `operation`, for `request`.
+    pub(crate) fn operation_status<C, R>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        operation: &str,
+        request: &(impl Serialize + ?Sized),
+    ) -> Result<KeyStatus<R>, Error>
+    where
+        C: StoreConnection,
+        R: DeserializeOwned,
+    {
+        self.check_rules::<C::Raw, Infallible>(scope, key, None)?;
+        let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
+        let reader = Reader::Request {
+            request_hash: &request_hash,
+            operation: Some(operation),
+        };
+        status::look_up(self, conn.raw(), scope, key, &reader)
     }
 
     /// Deletes every record whose retention has ended (`expires_at <= now`),

@@ -10,6 +10,7 @@ diesel::table! {
         created_at -> Timestamp,
         completed_at -> Nullable<Timestamp>,
         expires_at -> Timestamp,
+        caller_hash -> Nullable<Text>,
     }
 }
 
@@ -48,6 +49,7 @@ diesel::table! {
         created_at -> Timestamp,
         updated_at -> Timestamp,
         expires_at -> Nullable<Timestamp>,
+        caller_hash -> Nullable<Text>,
     }
 }
 

@@ -3,7 +3,8 @@
 //! Each set is in its backend's SQL, with the same versions for the same
 //! tables: `20261129000000` the key table, `20261130000000` the outbox,
 //! `20261203000000` operations in phases (MySQL's set was written with its
-//! final columns and has no others), `20261204000000` the outbox's scope.
+//! final columns and has no others), `20261204000000` the outbox's scope,
+//! `20261205000000` the callers a record is answered to (`caller_hash`).
 //! Where a backend needs a step the others lack (SQLite's key table without
 //! a rowid, PostgreSQL's outbox notifications), its set has a migration
 //! under a version no other set uses, so a database records the same

@@ -107,13 +107,14 @@ pub(crate) struct KeyRecord<Time>(PhantomData<Time>);
 
 impl<Time: 'static> Lookup for KeyRecord<Time> {
     const TABLE: &'static str = "idempotency_keys";
-    const COLUMNS: &'static str = "r.request_hash, r.status, r.response, r.created_at, r.expires_at";
+    const COLUMNS: &'static str = "r.request_hash, r.status, r.response, r.created_at, r.expires_at, r.caller_hash";
     type SqlType = (
         Nullable<Text>,
         Nullable<Text>,
         Nullable<Text>,
         Nullable<Time>,
         Nullable<Time>,
+        Nullable<Text>,
     );
 }
 
@@ -123,6 +124,7 @@ pub(crate) type KeyRecordRow = (
     Option<String>,
     Option<NaiveDateTime>,
     Option<NaiveDateTime>,
+    Option<String>,
 );
 
 /// The head and the key record, if any, of `(scope, key)`.
@@ -140,12 +142,13 @@ where
 /// The key record of a [`KeyRecord`] lookup's columns, if it found one.
 pub(crate) fn stored_of(row: KeyRecordRow) -> Option<Stored> {
     match row {
-        (Some(request_hash), Some(status), response, Some(created_at), Some(expires_at)) => Some(Stored {
+        (Some(request_hash), Some(status), response, Some(created_at), Some(expires_at), caller_hash) => Some(Stored {
             request_hash,
             status,
             response,
             created_at,
             expires_at,
+            caller_hash,
         }),
         _ => None,
     }
@@ -155,8 +158,8 @@ pub(crate) struct OperationColumns<Time>(PhantomData<Time>);
 
 impl<Time: 'static> Lookup for OperationColumns<Time> {
     const TABLE: &'static str = "idempotency_phases";
-    const COLUMNS: &'static str =
-        "r.operation, r.request_hash, r.op_id, r.status, r.points, r.response, r.lease_until, r.expires_at";
+    const COLUMNS: &'static str = "r.operation, r.request_hash, r.op_id, r.status, r.points, r.response, \
+         r.lease_until, r.expires_at, r.created_at, r.caller_hash";
     type SqlType = (
         Nullable<Text>,
         Nullable<Text>,
@@ -166,6 +169,8 @@ impl<Time: 'static> Lookup for OperationColumns<Time> {
         Nullable<Text>,
         Nullable<Time>,
         Nullable<Time>,
+        Nullable<Time>,
+        Nullable<Text>,
     );
 }
 
@@ -178,6 +183,8 @@ pub(crate) type OperationColumnsRow = (
     Option<String>,
     Option<NaiveDateTime>,
     Option<NaiveDateTime>,
+    Option<NaiveDateTime>,
+    Option<String>,
 );
 
 /// The operation of `(scope, key)`, if any, and the head: the database's
@@ -210,6 +217,8 @@ pub(crate) fn operation_of(columns: OperationColumnsRow) -> Option<OperationRow>
             response,
             lease_until,
             expires_at,
+            Some(created_at),
+            caller_hash,
         ) => Some(OperationRow {
             operation,
             request_hash,
@@ -219,6 +228,8 @@ pub(crate) fn operation_of(columns: OperationColumnsRow) -> Option<OperationRow>
             response,
             lease_until,
             expires_at,
+            created_at,
+            caller_hash,
         }),
         _ => None,
     }

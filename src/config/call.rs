@@ -21,7 +21,9 @@ use crate::row_status::RecordStatus;
 use crate::telemetry::CallTrace;
 
 /// The call of [`Config::run_recorded`] once `scope` and `key` passed the
-/// key rules and the request is fingerprinted (`request_hash`): a replay
+/// key rules and the request is fingerprinted (`request_hash`), the record
+/// it writes answered to the lookups of `caller_hash` alone (where the call
+/// came over HTTP): a replay
 /// from one read, or the write path, which holds the key (a key the read
 /// found no record for claimed in the round trip that takes it, where the
 /// backend can; by a claim at once where the read found that the database
@@ -35,7 +37,7 @@ pub(super) async fn recorded<C, R, E, F>(
     conn: &mut C,
     scope: &str,
     key: &str,
-    request_hash: &str,
+    (request_hash, caller_hash): (&str, Option<&str>),
     trace: &CallTrace,
     op: F,
 ) -> Result<Recorded<R>, Error<E>>
@@ -85,6 +87,7 @@ where
         created_at: now,
         completed_at: None,
         expires_at: C::Rules::storable_time(now + config.retention),
+        caller_hash,
     };
     let claim = fresh.then_some(&record);
     let work = async |tx: &mut C, guard: &mut Guard, claimed| {

@@ -1,6 +1,6 @@
-//! What became of a key, for a client that lost the response and no longer
-//! has the request: looked up within the caller's scope, without running
-//! anything.
+//! What became of a key, for a client that lost the response: looked up
+//! within the caller's scope, without running anything, and answered only
+//! to a reader a replay would answer. To anyone else a record is no record.
 
 use std::convert::Infallible;
 
@@ -9,20 +9,29 @@ use serde::de::DeserializeOwned;
 
 use super::Config;
 use super::call::call_error;
-use crate::backend::{HeldKey, KeyStore, Read, Stored};
+use crate::backend::phases::OperationRow;
+use crate::backend::{HeldKey, PhaseStore, Read, Stored};
 use crate::error::Error;
 use crate::in_flight::InFlight;
-use crate::row_status::RecordStatus;
+use crate::row_status::{OperationStatus, RecordStatus};
 
-/// What [`Config::status`] found for a key in a scope.
+/// What a lookup ([`Config::status`],
+/// [`Phased::status`](crate::phased::Phased::status), the HTTP layer's
+/// `lookup`) found for a key in a scope, as the reader may know it: a
+/// record that a replay would not answer this reader is
+/// [`NoRecord`](KeyStatus::NoRecord), as if it did not exist.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum KeyStatus<R> {
-    /// No call with this key in this scope has committed, and none holds
-    /// the key now: nothing happened, or it failed and was rolled back.
+    /// No call with this key in this scope has committed for this reader,
+    /// and none holds the key now: nothing happened, it failed and was
+    /// rolled back, or the record is another request's (another caller's,
+    /// another endpoint's), which a lookup does not tell apart.
     NoRecord,
-    /// A call with this key holds it now. On SQLite, whose one write lock
-    /// holds every key, any write in progress looks so.
+    /// A call with this key holds it now, or a phased operation under it
+    /// has started and not finished (an attempt carries it on, or waits for
+    /// the client's retry or a completer to resume it). On SQLite, whose
+    /// one write lock holds every key, any write in progress looks so.
     InProgress,
     /// The operation ran and its result is stored: what a retry with the
     /// same request is answered with, until `expires_at`.
@@ -40,27 +49,118 @@ pub enum KeyStatus<R> {
         /// When the retention ended (UTC).
         expired_at: DateTime<Utc>,
     },
+    /// A [phased operation](crate::phased) was stopped partway and waits
+    /// for a person ([`Error::Parked`]): some of it may have been carried
+    /// out, so it must not be sent again under a new key. A retry is
+    /// answered with [`Error::Parked`] until an operator requeues it.
+    Parked,
 }
 
-/// [`Config::status`] once `scope` and `key` passed the key rules: one read
-/// for a completed, unexpired record; otherwise the key held without
-/// waiting and the record read again.
-pub(super) fn look_up<C: KeyStore, R: DeserializeOwned>(
+/// Whom a lookup answers: what a record must be bound to for the lookup to
+/// answer it, as a replay would answer that reader.
+pub(crate) enum Reader<'a> {
+    /// A caller with the request, fingerprinted: a key record's fingerprint
+    /// must be the request's; with `operation`, a phased operation's, whose
+    /// name must be `operation` too.
+    Request {
+        request_hash: &'a str,
+        operation: Option<&'a str>,
+    },
+    /// A caller over HTTP: the record's caller hash must be one of these.
+    /// Records of single calls and of phased operations alike.
+    #[cfg_attr(
+        not(feature = "axum"),
+        expect(dead_code, reason = "only the HTTP layer looks up by caller")
+    )]
+    Callers(&'a [String]),
+}
+
+impl Reader<'_> {
+    fn reads_records(&self) -> bool {
+        !matches!(self, Reader::Request { operation: Some(_), .. })
+    }
+
+    fn reads_operations(&self) -> bool {
+        !matches!(self, Reader::Request { operation: None, .. })
+    }
+
+    /// Whether a replay would answer this reader from `stored`.
+    fn answers_record(&self, stored: &Stored) -> bool {
+        match self {
+            Reader::Request {
+                request_hash,
+                operation: None,
+            } => stored.request_hash == *request_hash,
+            Reader::Request { operation: Some(_), .. } => false,
+            Reader::Callers(callers) => is_among(stored.caller_hash.as_deref(), callers),
+        }
+    }
+
+    /// Whether a retry would answer this reader from the operation `row`.
+    fn answers_operation(&self, row: &OperationRow) -> bool {
+        match self {
+            Reader::Request {
+                request_hash,
+                operation: Some(operation),
+            } => row.operation == *operation && row.request_hash == *request_hash,
+            Reader::Request { operation: None, .. } => false,
+            Reader::Callers(callers) => is_among(row.caller_hash.as_deref(), callers),
+        }
+    }
+}
+
+/// Whether `caller_hash` is one of `callers`; a record without one (written
+/// outside the HTTP layer) is answered to no HTTP caller.
+fn is_among(caller_hash: Option<&str>, callers: &[String]) -> bool {
+    caller_hash.is_some_and(|hash| callers.iter().any(|caller| caller == hash))
+}
+
+/// A lookup once `scope` and `key` passed the key rules, answered to
+/// `reader` alone. A record the reader may not know of is passed over
+/// wherever it is read, so that the lookup goes on exactly as for a key
+/// without one: one read answers a completed, unexpired key record; then
+/// the operation in phases, if any; otherwise the key is held without
+/// waiting and both are read again, so a call that committed meanwhile is
+/// seen and a call that holds the key is in progress.
+pub(super) fn look_up<C: PhaseStore, R: DeserializeOwned>(
     config: &Config,
     conn: &mut C,
     scope: &str,
     key: &str,
+    reader: &Reader<'_>,
 ) -> Result<KeyStatus<R>, Error> {
-    let Read { record, now, .. } = match conn.read(scope, key) {
-        Ok(read) => read,
-        // A reader kept out by a writer (SQLite outside WAL mode).
-        Err(error) if C::is_in_flight_timeout(&error) => return Ok(KeyStatus::InProgress),
-        Err(error) => return Err(Error::Storage(error)),
-    };
-    let now = config.clock.or_database(now);
-    if let Some(stored) = record.as_ref().filter(|stored| is_answered(stored, now)) {
-        return completed(stored);
+    // The time of the first read, which each read brings along.
+    let mut now = None;
+    if reader.reads_records() {
+        let Read {
+            record, now: read_at, ..
+        } = match conn.read(scope, key) {
+            Ok(read) => read,
+            // A reader kept out by a writer (SQLite outside WAL mode).
+            Err(error) if C::is_in_flight_timeout(&error) => return Ok(KeyStatus::InProgress),
+            Err(error) => return Err(Error::Storage(error)),
+        };
+        let read_at = *now.insert(config.clock.or_database(read_at));
+        let answered = record.filter(|stored| reader.answers_record(stored) && is_answered(stored, read_at));
+        if let Some(stored) = answered {
+            return completed(&stored);
+        }
     }
+    if reader.reads_operations() {
+        let (row, read_at) = match conn.read_operation(scope, key) {
+            Ok(read) => read,
+            Err(error) if C::is_in_flight_timeout(&error) => return Ok(KeyStatus::InProgress),
+            Err(error) => return Err(Error::Storage(error)),
+        };
+        let read_at = *now.get_or_insert(config.clock.or_database(read_at));
+        if let Some(row) = row.filter(|row| reader.answers_operation(row)) {
+            return operation_status(row, read_at);
+        }
+    }
+    let now = match now {
+        Some(now) => now,
+        None => config.clock.or_database(conn.database_now()?),
+    };
     let held = HeldKey {
         scope,
         key,
@@ -70,14 +170,29 @@ pub(super) fn look_up<C: KeyStore, R: DeserializeOwned>(
     };
     // Holding the key proves no call holds it; the transaction writes
     // nothing, so its commit changes nothing.
-    match conn.key_transaction(held, |tx, _| tx.find(scope, key).map_err(Error::Storage)) {
-        Ok(None) => Ok(KeyStatus::NoRecord),
-        Ok(Some(stored)) if is_answered(&stored, now) => completed(&stored),
-        Ok(Some(stored)) if stored.status == RecordStatus::Completed => Ok(KeyStatus::Expired {
+    let found = conn.key_transaction(held, |tx, _| {
+        let record = match reader.reads_records() {
+            true => tx.find(scope, key)?.filter(|stored| reader.answers_record(stored)),
+            false => None,
+        };
+        let operation = match reader.reads_operations() {
+            true => tx
+                .read_operation(scope, key)?
+                .0
+                .filter(|row| reader.answers_operation(row)),
+            false => None,
+        };
+        Ok::<_, Error>((record, operation))
+    });
+    match found {
+        Ok((Some(stored), _)) if is_answered(&stored, now) => completed(&stored),
+        Ok((Some(stored), _)) if stored.status == RecordStatus::Completed => Ok(KeyStatus::Expired {
             expired_at: stored.expires_at.and_utc(),
         }),
         // A claim this connection's own enclosing call holds.
-        Ok(Some(_)) => Ok(KeyStatus::InProgress),
+        Ok((Some(_), _)) => Ok(KeyStatus::InProgress),
+        Ok((None, Some(row))) => operation_status(row, now),
+        Ok((None, None)) => Ok(KeyStatus::NoRecord),
         Err(error) => match call_error::<C, Infallible>(error, false) {
             Error::InProgress => Ok(KeyStatus::InProgress),
             other => Err(other),
@@ -99,4 +214,20 @@ fn completed<R: DeserializeOwned>(stored: &Stored) -> Result<KeyStatus<R>, Error
         created_at: stored.created_at.and_utc(),
         expires_at: stored.expires_at.and_utc(),
     })
+}
+
+/// What an operation in phases is as of `now`, as a retry would find it.
+fn operation_status<R: DeserializeOwned>(row: OperationRow, now: NaiveDateTime) -> Result<KeyStatus<R>, Error> {
+    match (row.status, row.expires_at) {
+        (OperationStatus::Completed, Some(expires_at)) if expires_at <= now => Ok(KeyStatus::Expired {
+            expired_at: expires_at.and_utc(),
+        }),
+        (OperationStatus::Completed, expires_at) => Ok(KeyStatus::Completed {
+            response: serde_json::from_str(row.response.as_deref().unwrap_or_default()).map_err(Error::Codec)?,
+            created_at: row.created_at.and_utc(),
+            expires_at: expires_at.unwrap_or(now).and_utc(),
+        }),
+        (OperationStatus::Parked, _) => Ok(KeyStatus::Parked),
+        (OperationStatus::Running, _) => Ok(KeyStatus::InProgress),
+    }
 }

@@ -3,7 +3,7 @@
 
 use std::ops::Deref;
 
-use axum::http::{HeaderName, HeaderValue};
+use axum::http::{HeaderName, HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
 
@@ -17,8 +17,9 @@ use crate::Outcome;
 /// ([`KeyHeader::expiry_header`](super::KeyHeader::expiry_header), by
 /// default `Idempotency-Expires`) whose value is the moment the key may
 /// execute again, as an HTTP-date (RFC 9110 §5.6.7, the IMF-fixdate form),
-/// the same on the first response and on every replay. It dereferences to
-/// the outcome, so `answer.is_replayed()` reads as before.
+/// the same on the first response and on every replay. A lookup's answer
+/// also carries `Cache-Control: no-store`: it is one caller's. It
+/// dereferences to the outcome, so `answer.is_replayed()` reads as before.
 ///
 /// ```
 /// use axum::http::HeaderName;
@@ -41,6 +42,9 @@ pub struct Answer<R> {
     outcome: Outcome<R>,
     expires_at: DateTime<Utc>,
     header: HeaderName,
+    /// Answered with `Cache-Control: no-store`, as every answer of a
+    /// lookup is.
+    no_store: bool,
 }
 
 impl<R> Answer<R> {
@@ -51,7 +55,14 @@ impl<R> Answer<R> {
             outcome,
             expires_at,
             header,
+            no_store: false,
         }
+    }
+
+    /// The same answer, with `Cache-Control: no-store`.
+    pub(super) fn not_to_be_stored(mut self) -> Self {
+        self.no_store = true;
+        self
     }
 
     /// When the key's retention ends (UTC): from then on the same key
@@ -81,7 +92,11 @@ impl<R: IntoResponse> IntoResponse for Answer<R> {
         // rounded down, so that the header never promises more than is kept.
         let date = self.expires_at.format("%a, %d %b %Y %H:%M:%S GMT").to_string();
         let value = HeaderValue::try_from(date).expect("an HTTP-date is visible ASCII");
-        response.headers_mut().insert(self.header, value);
+        let headers = response.headers_mut();
+        headers.insert(self.header, value);
+        if self.no_store {
+            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        }
         response
     }
 }

@@ -28,16 +28,21 @@ use crate::{Config, Error, InFlight, Outcome, StoreConnection};
 /// [`StoredResponse`](super::StoredResponse); an `Err` rolls everything
 /// back and leaves the key free.
 ///
-/// The key is bound to the caller's scope, to `request` and to the endpoint
+/// The key is bound to the caller's scope, to `request`, to the endpoint
 /// the [`IdempotencyKey`] was sent to (method, matched route, path
-/// parameters, query): the fingerprint covers them all, so the same key and
-/// body sent to another endpoint is a 422, never that endpoint's replay of
-/// the first one's response. A key made
+/// parameters, query) and to the caller's
+/// [`principal`](super::Caller::principal) where it is not the scope: the
+/// fingerprint covers them all, so the same key and body sent to another
+/// endpoint, or by another user of a tenant's scope, is a 422, never a
+/// replay of the first one's response. A key made
 /// [`across_endpoints`](IdempotencyKey::across_endpoints) is bound to
-/// `request` alone. `request` is bound as it serializes, hash sets in it
-/// with their elements sorted, so the same body sent again is replayed; it
-/// must be a function of the body
+/// `request` (and the principal) alone. `request` is bound as it
+/// serializes, hash sets in it with their elements sorted, so the same body
+/// sent again is replayed; it must be a function of the body
 /// ([what a request type must be](crate::guide::contract#what-a-request-type-must-be)).
+/// The record is stored with its principal and endpoint, so that
+/// [`lookup`](super::lookup) answers it to that principal at that endpoint
+/// alone.
 ///
 /// How it behaves, and why:
 ///
@@ -153,8 +158,11 @@ where
     F: FnOnce(&mut P::Connection, &Q) -> Result<R, E> + Send + 'static,
 {
     let owned = config.clone();
+    let caller_hash = key.caller_hash();
     bound_call(pool, config, key, request, move |conn, scope, key, bound| {
-        let recorded = owned.run_recorded(conn, scope, key, bound, |tx| op(tx, bound.request()))?;
+        let recorded = owned.run_recorded_by(conn, scope, key, bound, Some(&caller_hash), |tx| {
+            op(tx, bound.request())
+        })?;
         Ok((recorded.outcome, recorded.expires_at))
     })
     .await
@@ -241,10 +249,16 @@ where
         key,
         request,
         async |conn: &mut P::Connection, bound: &Bound<Q>| {
+            let caller_hash = key.caller_hash();
             let recorded = config
-                .run_recorded_async(conn, key.scope(), key.key(), bound, async |tx: &mut P::Connection| {
-                    op(tx, bound.request()).await
-                })
+                .run_recorded_by_async(
+                    conn,
+                    key.scope(),
+                    key.key(),
+                    bound,
+                    Some(&caller_hash),
+                    async |tx: &mut P::Connection| op(tx, bound.request()).await,
+                )
                 .await?;
             Ok((recorded.outcome, recorded.expires_at))
         },
@@ -281,8 +295,11 @@ where
     F: FnOnce(&mut Steps<'_, P::Connection>, &Q) -> Result<Finished<R>, Error<E>> + Send + 'static,
 {
     let owned = phased.clone();
+    let caller_hash = key.caller_hash();
     bound_call(pool, &phased.config, key, request, move |conn, scope, key, bound| {
-        owned.run_expiring(conn, scope, key, bound, |steps| body(steps, bound.request()))
+        owned.run_expiring(conn, scope, key, bound, Some(&caller_hash), |steps| {
+            body(steps, bound.request())
+        })
     })
     .await
 }
@@ -329,12 +346,14 @@ where
         key,
         request,
         async |conn: &mut P::Connection, bound: &Bound<Q>| {
+            let caller_hash = key.caller_hash();
             phased
                 .run_expiring_async(
                     conn,
                     key.scope(),
                     key.key(),
                     bound,
+                    Some(&caller_hash),
                     async |steps: &mut AsyncSteps<'_, P::Connection>| body(steps, bound.request()).await,
                 )
                 .await
@@ -371,7 +390,7 @@ where
         .lend()
         .await
         .map_err(|cause| Failure::unavailable(problems, cause))?;
-    let bound = Bound::new(key.endpoint().cloned(), request);
+    let bound = Bound::new(key.endpoint().cloned(), key.principal_beside_scope(), request);
     match crate::backend::catch_unwind(call(&mut *conn, &bound)).await {
         Ok(Ok((outcome, expires_at))) => Ok(Answer::new(outcome, expires_at, key.expiry_header().clone())),
         Ok(Err(error)) => Err(Failure::of(error, problems)),
@@ -403,7 +422,7 @@ where
         + Send
         + 'static,
 {
-    let bound = Bound::new(key.endpoint().cloned(), request);
+    let bound = Bound::new(key.endpoint().cloned(), key.principal_beside_scope(), request);
     let (outcome, expires_at) = blocking(pool, config, config.in_flight, key, move |conn, scope, key| {
         call(conn, scope, key, &bound)
     })

@@ -7,6 +7,8 @@ use axum::http::request::Parts;
 use serde::Serialize;
 use serde::ser::{SerializeStruct, Serializer};
 
+use crate::fingerprint;
+
 /// The endpoint a key was sent to, as it is fingerprinted with the request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub(super) struct Endpoint {
@@ -49,18 +51,72 @@ impl Endpoint {
     }
 }
 
+impl Endpoint {
+    /// The path parameters, sorted by name.
+    pub(super) fn path(&self) -> &[(String, String)] {
+        &self.path
+    }
+
+    /// The hash that binds a record of a call at this endpoint to the
+    /// lookups of `principal` (see [`caller_hash`]).
+    pub(super) fn caller_hash(&self, principal: &str) -> String {
+        let route = Route {
+            method: &self.method,
+            route: &self.route,
+            path: &self.path,
+        };
+        caller_hash(principal, Some(route))
+    }
+}
+
+/// Who may look up a record, and where: the principal and the endpoint of
+/// the call (its method, matched route and path parameters; `None` for a
+/// key across endpoints), the query left out, since a lookup is a request
+/// of its own. Its fingerprint is what the record stores as its caller
+/// hash, and what a lookup computes for each endpoint it answers for.
+#[derive(Serialize)]
+struct Audience<'a> {
+    principal: &'a str,
+    endpoint: Option<Route<'a>>,
+}
+
+/// An endpoint without its query: its method, matched route and path
+/// parameters, sorted by name.
+#[derive(Serialize)]
+pub(super) struct Route<'a> {
+    pub(super) method: &'a str,
+    pub(super) route: &'a str,
+    pub(super) path: &'a [(String, String)],
+}
+
+/// The caller hash of `principal` at `endpoint`, or across endpoints.
+pub(super) fn caller_hash(principal: &str, endpoint: Option<Route<'_>>) -> String {
+    let audience = Audience { principal, endpoint };
+    fingerprint::of(&audience).expect("strings have a fingerprint")
+}
+
 /// What a key is bound to: the request value, with the endpoint it was
-/// sent to unless the key spans endpoints. Without an endpoint it is the
-/// request value itself, so the fingerprint is the one the request alone
-/// has.
+/// sent to unless the key spans endpoints, and the principal where it is
+/// not the scope. Without an endpoint and a principal it is the request
+/// value itself, so the fingerprint is the one the request alone has.
 pub(super) struct Bound<Q> {
     endpoint: Option<Endpoint>,
+    /// The caller's principal, where it differs from the scope: two users
+    /// of one tenant's scope never share a fingerprint. Left out where the
+    /// scope is the principal, which tells them apart already, so that the
+    /// records written before the principal was bound keep their
+    /// fingerprints.
+    principal: Option<String>,
     request: Q,
 }
 
 impl<Q> Bound<Q> {
-    pub(super) fn new(endpoint: Option<Endpoint>, request: Q) -> Self {
-        Bound { endpoint, request }
+    pub(super) fn new(endpoint: Option<Endpoint>, principal: Option<String>, request: Q) -> Self {
+        Bound {
+            endpoint,
+            principal,
+            request,
+        }
     }
 
     /// The request value.
@@ -71,11 +127,16 @@ impl<Q> Bound<Q> {
 
 impl<Q: Serialize> Serialize for Bound<Q> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        let Some(endpoint) = &self.endpoint else {
+        if self.endpoint.is_none() && self.principal.is_none() {
             return self.request.serialize(serializer);
-        };
-        let mut bound = serializer.serialize_struct("Bound", 2)?;
-        bound.serialize_field("endpoint", endpoint)?;
+        }
+        let mut bound = serializer.serialize_struct("Bound", 3)?;
+        if let Some(endpoint) = &self.endpoint {
+            bound.serialize_field("endpoint", endpoint)?;
+        }
+        if let Some(principal) = &self.principal {
+            bound.serialize_field("principal", principal)?;
+        }
         bound.serialize_field("request", &self.request)?;
         bound.end()
     }

@@ -73,6 +73,10 @@ impl<E: StdError + 'static> StdError for Failure<E> {
     }
 }
 
+/// What a retry and a lookup of a parked operation tell the client.
+pub(super) const PARKED: &str = "the request with this idempotency key was stopped partway and waits for the \
+     service's operators; sending it again does not help, and sending it under a new key may carry it out twice";
+
 impl<E> Failure<E> {
     /// The failure of a call that ended in `error`, its problem described
     /// by `problems`.
@@ -118,9 +122,7 @@ impl<E> Failure<E> {
             }
             cause @ Error::Parked => {
                 return Failure::Failed {
-                    problem: problems.problem(ProblemKind::Internal).with_detail(
-                        "the operation was stopped and waits for the service's operators; retrying does not help",
-                    ),
+                    problem: problems.problem(ProblemKind::OperationParked).with_detail(PARKED),
                     cause: Box::new(cause),
                 };
             }

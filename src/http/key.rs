@@ -48,6 +48,40 @@ pub trait Caller {
     /// bytes); a scope that breaks them fails the call with a 500, as a
     /// server-side mistake.
     fn scope(&self) -> Cow<'_, str>;
+
+    /// The principal this caller acts as: who may look up the records of
+    /// its calls with [`lookup`](super::lookup). By default the scope,
+    /// which is the principal where the scope is the one recommended. Where
+    /// the scope is shared (a tenant whose users share its keys), return
+    /// the stable id of the user or API client: a call's record is then
+    /// answered to that principal's lookups alone, and another principal
+    /// of the scope who sends the same key and request gets a 422 (the
+    /// principal is part of the request's fingerprint wherever it is not
+    /// the scope). Like the scope, an id, never a credential.
+    ///
+    /// ```
+    /// use std::borrow::Cow;
+    /// use idempotency::http::Caller;
+    ///
+    /// /// A user of a tenant; the tenant's users share its keys.
+    /// struct Member { tenant: String, user: String }
+    ///
+    /// impl Caller for Member {
+    ///     fn scope(&self) -> Cow<'_, str> {
+    ///         Cow::Borrowed(&self.tenant)
+    ///     }
+    ///
+    ///     fn principal(&self) -> Cow<'_, str> {
+    ///         Cow::Borrowed(&self.user)
+    ///     }
+    /// }
+    ///
+    /// let member = Member { tenant: "acme".into(), user: "user-2".into() };
+    /// assert_eq!((member.scope(), member.principal()), ("acme".into(), "user-2".into()));
+    /// ```
+    fn principal(&self) -> Cow<'_, str> {
+        self.scope()
+    }
 }
 
 /// The `Idempotency-Key` of a request and the caller it belongs to: an axum
@@ -155,10 +189,14 @@ pub trait Caller {
 pub struct IdempotencyKey<A> {
     caller: A,
     scope: String,
+    principal: String,
     key: String,
     problems: Problems,
     expiry_header: HeaderName,
-    endpoint: Option<Endpoint>,
+    endpoint: Endpoint,
+    /// Whether the key is bound to `endpoint` (not made
+    /// [`across_endpoints`](IdempotencyKey::across_endpoints)).
+    bound_to_endpoint: bool,
 }
 
 impl<A> IdempotencyKey<A> {
@@ -170,6 +208,11 @@ impl<A> IdempotencyKey<A> {
     /// The scope, from [`Caller::scope`].
     pub fn scope(&self) -> &str {
         &self.scope
+    }
+
+    /// The principal, from [`Caller::principal`].
+    pub fn principal(&self) -> &str {
+        &self.principal
     }
 
     /// The authenticated caller.
@@ -189,8 +232,11 @@ impl<A> IdempotencyKey<A> {
     /// value sent to another endpoint then replays the first endpoint's
     /// response, so the request value must name whatever tells the
     /// operations apart. A key bound this way fingerprints the request
-    /// value alone, as keys did before endpoints were bound, and its
-    /// records are not interchangeable with those of a bound key.
+    /// value alone (with the [principal](Caller::principal) where it is not
+    /// the scope), as keys did before endpoints were bound, and its records
+    /// are not interchangeable with those of a bound key. Its records are
+    /// answered to its principal by a [lookup](super::lookup) at any
+    /// endpoint.
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -217,7 +263,7 @@ impl<A> IdempotencyKey<A> {
     /// # }
     /// ```
     pub fn across_endpoints(mut self) -> Self {
-        self.endpoint = None;
+        self.bound_to_endpoint = false;
         self
     }
 
@@ -233,7 +279,28 @@ impl<A> IdempotencyKey<A> {
 
     /// The endpoint the key is bound to, if it is.
     pub(super) fn endpoint(&self) -> Option<&Endpoint> {
-        self.endpoint.as_ref()
+        self.bound_to_endpoint.then_some(&self.endpoint)
+    }
+
+    /// The endpoint the request was sent to, bound or not: a lookup's, whose
+    /// path parameters it compares.
+    pub(super) fn sent_to(&self) -> &Endpoint {
+        &self.endpoint
+    }
+
+    /// The principal where it is not the scope: what a call's fingerprint
+    /// binds beside the request and the endpoint.
+    pub(super) fn principal_beside_scope(&self) -> Option<String> {
+        (self.principal != self.scope).then(|| self.principal.clone())
+    }
+
+    /// Who may look up the record of a call with this key: the principal,
+    /// at the endpoint the key is bound to.
+    pub(super) fn caller_hash(&self) -> String {
+        match self.endpoint() {
+            Some(endpoint) => endpoint.caller_hash(&self.principal),
+            None => super::endpoint::caller_hash(&self.principal, None),
+        }
     }
 }
 
@@ -293,13 +360,16 @@ impl<A: Caller> IdempotencyKey<A> {
         };
         let endpoint = Endpoint::of(parts).await.map_err(IdempotencyKeyRejection::PathParams)?;
         let scope = caller.scope().into_owned();
+        let principal = caller.principal().into_owned();
         Ok(IdempotencyKey {
             caller,
             scope,
+            principal,
             key,
             problems,
             expiry_header: header.expiry_header_name().clone(),
-            endpoint: Some(endpoint),
+            endpoint,
+            bound_to_endpoint: true,
         })
     }
 }

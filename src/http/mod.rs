@@ -12,7 +12,7 @@
 //! | [`IdempotencyKeyRejection<R>`](IdempotencyKeyRejection) | why the extractor refused a request: the caller's own rejection `R`, or the key header's problem; a handler may match on it |
 //! | [`KeyHeader`] | how the extractor reads the header: the syntax it accepts |
 //! | [`run`] | one async call: the key rules checked at once, then a connection from the pool (r2d2's, or deadpool-diesel's with the feature `deadpool`: [`ConnectionPool`]), [`Config::run`](crate::Config::run) on tokio's blocking pool, join; the failures as responses ([`Failure`]) |
-//! | [`lookup`] | what became of a key in the caller's scope: the stored response, or a 404, 409 or 410 problem |
+//! | [`lookup`] | what became of the caller's own call with a key, at the endpoints named: the stored response, or a 404, 409, 410 or (a parked phased operation) 500 problem; to anyone else, the 404 of an unknown key |
 //! | [`run_phased`] | the same for a [phased operation](crate::phased) with a foreign call in the middle |
 //! | `run_async`, `run_phased_async` (feature `diesel-async`) | the same on a bb8 or deadpool pool of diesel-async connections ([`AsyncConnectionPool`]), the operation or the steps async closures, in the handler's own future |
 //! | [`StoredResponse<T>`](StoredResponse) | what an operation returns: status, kept headers, JSON body; stored, and replayed as it was |
@@ -28,7 +28,7 @@
 //! | retry with the same key and request | the first response, with `Idempotent-Replayed: true` and the same `Idempotency-Expires` |
 //! | no `Idempotency-Key` where one is required | 400 problem |
 //! | two `Idempotency-Key` headers, an unparsable value, a key breaking the key rules | 400 problem |
-//! | same key, different request, or the same request at another endpoint (method, route, path parameters, query) | 422 problem |
+//! | same key, different request, or the same request at another endpoint (method, route, path parameters, query) or from another principal of the scope ([`Caller::principal`]) | 422 problem |
 //! | a request with the same key still in progress after the in-flight wait | 409 problem, `Retry-After` |
 //! | the operation's own error | the application's response for it; the key stays free |
 //! | no database connection in time | 503 problem, `Retry-After` |

@@ -169,7 +169,7 @@ impl IntoResponses for LookupProblems {
             ),
             (
                 ProblemKind::KeyUnknown,
-                "No request with this key was carried out: sending it again is safe.",
+                "No request with this key was carried out for this caller at this endpoint: sending it again is safe.",
             ),
             (
                 ProblemKind::InProgress,
@@ -179,7 +179,11 @@ impl IntoResponses for LookupProblems {
                 ProblemKind::KeyExpired,
                 "The request ran, but its result is no longer kept.",
             ),
-            (ProblemKind::Internal, "The lookup failed."),
+            (
+                ProblemKind::Internal,
+                "The lookup failed, or the operation with this key was stopped partway for the service's \
+                 operators: never send it under a new key.",
+            ),
             (
                 ProblemKind::Unavailable,
                 "No database connection was free: retry after Retry-After.",

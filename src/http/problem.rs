@@ -49,6 +49,10 @@ pub struct Problem {
     retryable: Option<bool>,
     #[serde(skip)]
     retry_after: Option<Duration>,
+    /// Answered with `Cache-Control: no-store`, as every answer of a
+    /// lookup is.
+    #[serde(skip)]
+    no_store: bool,
 }
 
 impl Problem {
@@ -63,6 +67,7 @@ impl Problem {
             detail: None,
             retryable: None,
             retry_after: None,
+            no_store: false,
         }
     }
 
@@ -125,15 +130,25 @@ impl Problem {
     pub fn retry_after(&self) -> Option<Duration> {
         self.retry_after
     }
+
+    /// The same problem, answered with `Cache-Control: no-store`.
+    pub(super) fn not_to_be_stored(mut self) -> Self {
+        self.no_store = true;
+        self
+    }
 }
 
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
         let status = self.status;
         let retry_after = self.retry_after;
+        let no_store = self.no_store;
         let mut response = (status, axum::Json(self)).into_response();
         let headers = response.headers_mut();
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        if no_store {
+            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        }
         if let Some(after) = retry_after {
             let after = after.to_std().unwrap_or_default();
             let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
@@ -182,6 +197,13 @@ pub enum ProblemKind {
     /// 410, from a [lookup](super::lookup): the request ran, but its result
     /// is no longer kept; sending it again would execute it again.
     KeyExpired,
+    /// 500: the [phased operation](crate::phased) of this key was stopped
+    /// partway and waits for the service's operators
+    /// ([`Error::Parked`](crate::Error::Parked)). Some of it may have been
+    /// carried out: sending it again does not help, and sending it under a
+    /// new key may carry it out twice. Answered to the retry and to a
+    /// [lookup](super::lookup) alike.
+    OperationParked,
     /// 500: the operation's result is longer than
     /// [`Config::max_response_len`](crate::Config::max_response_len) allows
     /// to store; nothing was done and the key is free, but the same request
@@ -202,7 +224,9 @@ impl ProblemKind {
             ProblemKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProblemKind::KeyUnknown => StatusCode::NOT_FOUND,
             ProblemKind::KeyExpired => StatusCode::GONE,
-            ProblemKind::ResponseTooLarge | ProblemKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            ProblemKind::OperationParked | ProblemKind::ResponseTooLarge | ProblemKind::Internal => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -227,6 +251,7 @@ impl ProblemKind {
             ProblemKind::Unavailable => "service-unavailable",
             ProblemKind::KeyUnknown => "idempotency-key-unknown",
             ProblemKind::KeyExpired => "idempotency-key-expired",
+            ProblemKind::OperationParked => "idempotency-key-parked",
             ProblemKind::ResponseTooLarge => "response-too-large",
             ProblemKind::Internal => "internal-error",
         }
@@ -242,6 +267,7 @@ impl ProblemKind {
             ProblemKind::Unavailable => "Service unavailable",
             ProblemKind::KeyUnknown => "No request with this idempotency key",
             ProblemKind::KeyExpired => "Idempotency key expired",
+            ProblemKind::OperationParked => "Operation with this idempotency key parked",
             ProblemKind::ResponseTooLarge => "Response too large to store",
             ProblemKind::Internal => "Internal server error",
         }
@@ -273,7 +299,8 @@ struct Settings {
 /// The names are `idempotency-key-missing`, `idempotency-key-invalid`,
 /// `idempotency-key-reused`, `idempotency-key-in-progress`,
 /// `service-unavailable`, `idempotency-key-unknown`,
-/// `idempotency-key-expired`, `response-too-large` and `internal-error`;
+/// `idempotency-key-expired`, `idempotency-key-parked`, `response-too-large`
+/// and `internal-error`;
 /// they are stable.
 ///
 /// An API sets its `Problems` once, as a request extension for its routes

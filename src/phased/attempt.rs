@@ -15,6 +15,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::Phased;
+use super::operation::Admitted;
 use crate::backend::phases::{Lease, NewOperation, OperationRow, PhaseDriver};
 use crate::backend::{Driver, KeyStore, Panic};
 use crate::clock::Reading;
@@ -88,6 +89,7 @@ pub(super) struct Attempt<'a, C> {
     lease: Lease<'a>,
     request_hash: &'a str,
     request: Option<&'a str>,
+    caller_hash: Option<&'a str>,
     clock: Reading,
     held: Held,
     /// When the stored response's retention ends, once `finish` stored it.
@@ -109,8 +111,7 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
         phased: &'a Phased,
         conn: &'a mut C,
         lease: Lease<'a>,
-        request_hash: &'a str,
-        request: Option<&'a str>,
+        admitted: &'a Admitted,
         held: Held,
         clock: Reading,
     ) -> Self {
@@ -118,8 +119,9 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
             phased,
             conn,
             lease,
-            request_hash,
-            request,
+            request_hash: &admitted.request_hash,
+            request: admitted.request.as_deref(),
+            caller_hash: admitted.caller_hash.as_deref(),
             clock,
             held,
             expires_at: None,
@@ -379,6 +381,7 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
             attempts: 1,
             created_at: now,
             updated_at: now,
+            caller_hash: self.caller_hash,
         });
         let held = (self.lease.scope, self.lease.key);
         let points_kept = &mut points;

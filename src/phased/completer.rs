@@ -414,6 +414,11 @@ where
     /// Up to `limit` parked operations, oldest first: what waits for a
     /// person.
     ///
+    /// An operator's tool: it lists the parked operations of every scope
+    /// (their scopes, keys, names and why they were parked), never a stored
+    /// response or request. Serve it to the service's operators, never on
+    /// a route of the clients, whose lookups answer only their own calls.
+    ///
     /// # Errors
     ///
     /// [`Error::Storage`] when the query fails.

@@ -18,7 +18,7 @@ use crate::backend::AsyncStoreConnection;
 use crate::backend::phases::{Lease, PhaseDriver};
 use crate::backend::{KeyStore, StoreConnection, at_once};
 use crate::clock::{Reading, assert_duration};
-use crate::config::Config;
+use crate::config::{Config, KeyStatus};
 use crate::error::Error;
 use crate::outcome::Outcome;
 use crate::row_status::OperationStatus;
@@ -167,18 +167,20 @@ impl Phased {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut Steps<'_, C::Raw>) -> Result<Finished<R>, Error<E>>,
     {
-        self.run_expiring(conn, scope, key, request, body)
+        self.run_expiring(conn, scope, key, request, None, body)
             .map(|(outcome, _)| outcome)
     }
 
     /// [`run`](Phased::run), also telling when the operation's retention
-    /// ends: the HTTP layer sends it to the client.
+    /// ends: the HTTP layer sends it to the client. The operation is
+    /// answered to the lookups of `caller_hash` alone.
     pub(crate) fn run_expiring<C, Q, R, E, F>(
         &self,
         conn: &mut C,
         scope: &str,
         key: &str,
         request: &Q,
+        caller_hash: Option<&str>,
         body: F,
     ) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>
     where
@@ -192,7 +194,7 @@ impl Phased {
         // In the attempt's span, so that its events carry the operation, the
         // scope, the key and the backend.
         let result = trace.span().in_scope(|| {
-            let admitted = self.admit::<C::Raw, Q, E>(scope, key, request, &trace)?;
+            let admitted = self.admit::<C::Raw, Q, E>(scope, key, request, caller_hash, &trace)?;
             match at_once(self.start(conn, scope, key, &admitted))? {
                 Begin::Replay(outcome, expires_at) => Ok((outcome, expires_at.and_utc())),
                 Begin::Attempt(attempt) => Steps::attempt(*attempt, body),
@@ -265,13 +267,13 @@ impl Phased {
         R: Serialize + DeserializeOwned,
         F: AsyncFnOnce(&mut AsyncSteps<'_, C>) -> Result<Finished<R>, Error<E>>,
     {
-        self.run_expiring_async(conn, scope, key, request, body)
+        self.run_expiring_async(conn, scope, key, request, None, body)
             .await
             .map(|(outcome, _)| outcome)
     }
 
     /// [`run_async`](Phased::run_async), also telling when the operation's
-    /// retention ends.
+    /// retention ends; answered to the lookups of `caller_hash` alone.
     #[cfg(feature = "diesel-async")]
     pub(crate) async fn run_expiring_async<C, Q, R, E, F>(
         &self,
@@ -279,6 +281,7 @@ impl Phased {
         scope: &str,
         key: &str,
         request: &Q,
+        caller_hash: Option<&str>,
         body: F,
     ) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>
     where
@@ -295,7 +298,7 @@ impl Phased {
         // held the attempt whole would be deeper than rustc lays out.
         let result = Box::pin(
             async {
-                let admitted = self.admit::<C::Rules, Q, E>(scope, key, request, &trace)?;
+                let admitted = self.admit::<C::Rules, Q, E>(scope, key, request, caller_hash, &trace)?;
                 match self.start(conn, scope, key, &admitted).await? {
                     Begin::Replay(outcome, expires_at) => Ok((outcome, expires_at.and_utc())),
                     Begin::Attempt(attempt) => AsyncSteps::attempt(*attempt, body).await,
@@ -308,14 +311,70 @@ impl Phased {
         result
     }
 
+    /// What became of this operation for `request` under `key` in
+    /// `scope`, as a retry would find it: [`InProgress`](KeyStatus::InProgress)
+    /// while it runs (an attempt holds it, or it waits for a retry or a
+    /// [`Completer`](super::Completer) to resume it),
+    /// [`Completed`](KeyStatus::Completed) with its response once finished,
+    /// [`Expired`](KeyStatus::Expired) after its retention,
+    /// [`Parked`](KeyStatus::Parked) while it waits for a person. It never
+    /// runs a step and never writes.
+    ///
+    /// As [`Config::status`] for a single call, the lookup answers only
+    /// what a retry would: an operation of another request or of another
+    /// operation (another name) is [`NoRecord`](KeyStatus::NoRecord),
+    /// exactly as a key without one.
+    ///
+    /// # Errors
+    ///
+    /// As [`Config::status`].
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use idempotency::phased::Phased;
+    /// use idempotency::KeyStatus;
+    ///
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// let create_ride = Phased::new("create-ride");
+    /// assert_eq!(create_ride.status::<_, String>(&mut conn, "rider-ada", "ride-7c1e", &"ada")?, KeyStatus::NoRecord);
+    ///
+    /// create_ride.run(&mut conn, "rider-ada", "ride-7c1e", &"ada", |s| {
+    ///     let charge = s.call("charged", |provider_key| Ok::<_, std::io::Error>(format!("ch_{}", &provider_key[..8])))?;
+    ///     s.finish(|_| Ok::<_, std::io::Error>(charge))
+    /// })?;
+    /// let KeyStatus::Completed { response, .. } = create_ride.status::<_, String>(&mut conn, "rider-ada", "ride-7c1e", &"ada")? else {
+    ///     return Err("not finished".into());
+    /// };
+    /// assert!(response.starts_with("ch_"));
+    /// // Another operation under the key learns nothing of it.
+    /// let refund = Phased::new("refund-ride");
+    /// assert_eq!(refund.status::<_, String>(&mut conn, "rider-ada", "ride-7c1e", &"ada")?, KeyStatus::NoRecord);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn status<C, R>(
+        &self,
+        conn: &mut C,
+        scope: &str,
+        key: &str,
+        request: &(impl Serialize + ?Sized),
+    ) -> Result<KeyStatus<R>, Error>
+    where
+        C: StoreConnection,
+        R: DeserializeOwned,
+    {
+        self.config.operation_status(conn, scope, key, &self.name, request)
+    }
+
     /// What every attempt does before it reads: the key rules, the
-    /// request's fingerprint, the request to store, and the token of the
-    /// lease it may take.
+    /// request's fingerprint, the request to store, the token of the lease
+    /// it may take, and whom its lookups answer.
     fn admit<C: KeyStore, Q: Serialize + ?Sized, E>(
         &self,
         scope: &str,
         key: &str,
         request: &Q,
+        caller_hash: Option<&str>,
         trace: &CallTrace,
     ) -> Result<Admitted, Error<E>> {
         let request_hash = self.config.admit::<C, Q, E>(scope, key, request, trace)?;
@@ -327,6 +386,7 @@ impl Phased {
             request_hash,
             request,
             token: id::new(),
+            caller_hash: caller_hash.map(str::to_owned),
         })
     }
 
@@ -351,17 +411,8 @@ impl Phased {
             key,
             token: &admitted.token,
         };
-        let attempt = |conn, held, clock| {
-            Begin::Attempt(Box::new(Attempt::new(
-                self,
-                conn,
-                lease,
-                request_hash,
-                admitted.request.as_deref(),
-                held,
-                clock,
-            )))
-        };
+        let attempt =
+            |conn, held, clock| Begin::Attempt(Box::new(Attempt::new(self, conn, lease, admitted, held, clock)));
         let wait = std::time::Duration::from_millis(u64::try_from(self.config.in_flight.wait_millis()).unwrap_or(0));
         let deadline = Instant::now() + wait;
         loop {
@@ -424,10 +475,11 @@ impl Phased {
 }
 
 /// What an attempt knows before it reads the operation.
-struct Admitted {
-    request_hash: String,
-    request: Option<String>,
+pub(super) struct Admitted {
+    pub(super) request_hash: String,
+    pub(super) request: Option<String>,
     token: String,
+    pub(super) caller_hash: Option<String>,
 }
 
 /// What [`Phased::start`] decided.

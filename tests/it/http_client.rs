@@ -290,6 +290,7 @@ mod lookup {
     use std::convert::Infallible;
 
     use axum::extract::FromRequestParts;
+    use axum::http::Method;
     use axum::http::request::Parts;
     use axum::routing::get;
     use chrono::Duration as Retention;
@@ -333,7 +334,7 @@ mod lookup {
         State(notes): State<Notes>,
         key: IdempotencyKey<Token>,
     ) -> Result<Answer<StoredResponse<i64>>, Failure<Infallible>> {
-        http::lookup(&notes.pool, &notes.config, &key).await
+        http::lookup(&notes.pool, &notes.config, &key, &[(Method::POST, "/charges")]).await
     }
 
     fn charges_app(db: &idempotency::testing::SqliteFile, config: Config) -> Router {

@@ -48,6 +48,8 @@ mod http_client;
 mod keys;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod killed_sessions;
+#[cfg(feature = "axum")]
+mod lookup;
 #[cfg(feature = "metrics")]
 mod metrics;
 mod migrations;

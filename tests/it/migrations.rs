@@ -41,15 +41,45 @@ where
     calls
 }
 
+/// A key record as the previous release wrote it: the columns it had.
+#[derive(QueryableByName)]
+struct OldRecord {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    request_hash: String,
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    response: String,
+}
+
 /// Records written under the previous release's schema: executed calls and
-/// an undelivered message.
+/// an undelivered message. The calls' records are written as that release
+/// wrote them, with its columns, since the crate of today writes columns
+/// added since; their fingerprints and responses are those the crate
+/// computes for the calls, taken from an in-memory database.
 fn write_old_records<C: StoreConnection>(conn: &mut C) -> Vec<Outcome<String>> {
+    let mut scratch = idempotency::testing::sqlite_memory();
     let calls: Vec<Outcome<String>> = (0..3)
         .map(|n| {
-            run_idempotent(conn, "shop", &format!("order-{n}"), &n, |_| {
+            let key = format!("order-{n}");
+            let call = run_idempotent(&mut scratch, "shop", &key, &n, |_| {
                 Ok::<_, std::convert::Infallible>(format!("order {n} placed"))
             })
-            .expect("a call on the old schema")
+            .expect("a call on a scratch database");
+            let old: OldRecord =
+                diesel::sql_query("SELECT request_hash, response FROM idempotency_keys WHERE idempotency_key = ?")
+                    .bind::<diesel::sql_types::Text, _>(&key)
+                    .get_result(&mut scratch)
+                    .expect("the scratch record");
+            conn.raw()
+                .batch_execute(&format!(
+                    "INSERT INTO idempotency_keys \
+                     (scope, idempotency_key, request_hash, status, response, created_at, completed_at, expires_at) \
+                     VALUES ('shop', '{key}', '{}', 'completed', '{}', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP, \
+                             '2100-01-01 00:00:00')",
+                    old.request_hash,
+                    old.response.replace('\'', "''"),
+                ))
+                .expect("a record on the old schema");
+            call
         })
         .collect();
     // As the previous release enqueued it: without a scope, which the
@@ -127,17 +157,24 @@ where
         .collect()
 }
 
-/// MySQL's set is new: one migration per table, with its final columns,
-/// under the version that table has in every other set, so the versions a
-/// database records mean the same tables on every backend. Its down
-/// migrations leave nothing behind.
+/// MySQL's set is new: one migration per table, with the columns it had
+/// then, under the version that table has in every other set, and the
+/// migrations added since under the versions every set shares, so the
+/// versions a database records mean the same tables on every backend. Its
+/// down migrations leave nothing behind.
 #[cfg(feature = "mysql")]
 #[test]
 fn mysql_migrations_keep_the_versions_of_the_other_sets_and_revert_cleanly() {
     let mysql = versions::<diesel::mysql::Mysql>();
     assert_eq!(
         mysql,
-        ["20261129000000", "20261130000000", "20261203000000", "20261204000000"]
+        [
+            "20261129000000",
+            "20261130000000",
+            "20261203000000",
+            "20261204000000",
+            "20261205000000"
+        ]
     );
     let sqlite = versions::<diesel::sqlite::Sqlite>();
     assert!(mysql.iter().all(|version| sqlite.contains(version)), "{sqlite:?}");

@@ -34,9 +34,12 @@ pub struct Record<'a> {
     pub(crate) created_at: NaiveDateTime,
     pub(crate) completed_at: Option<NaiveDateTime>,
     pub(crate) expires_at: NaiveDateTime,
+    /// Who may look the record up (written by the HTTP layer: the hash of
+    /// the caller's principal and endpoint); `None` for no HTTP lookup.
+    pub(crate) caller_hash: Option<&'a str>,
 }
 
-/// What a replay needs of a stored record.
+/// What a replay, and a lookup, needs of a stored record.
 #[derive(Queryable, Debug)]
 pub struct Stored {
     pub(crate) request_hash: String,
@@ -44,6 +47,7 @@ pub struct Stored {
     pub(crate) response: Option<String>,
     pub(crate) created_at: NaiveDateTime,
     pub(crate) expires_at: NaiveDateTime,
+    pub(crate) caller_hash: Option<String>,
 }
 
 /// What the replay read outside the write transaction found.

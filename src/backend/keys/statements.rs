@@ -32,7 +32,7 @@ macro_rules! key_statements {
             // SQLite prepare the statement again on every call.
             k::table
                 .find((scope, key))
-                .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at))
+                .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at, k::caller_hash))
                 .get_result(self)
                 $($await)*
                 .optional()
@@ -130,6 +130,7 @@ macro_rules! record_values {
             $k::created_at.eq($record.created_at),
             $k::completed_at.eq($record.completed_at),
             $k::expires_at.eq($record.expires_at),
+            $k::caller_hash.eq($record.caller_hash),
         )
     };
 }

@@ -296,6 +296,7 @@ type Written<'a> = (
     Eq<k::created_at, NaiveDateTime>,
     Eq<k::completed_at, Option<NaiveDateTime>>,
     Eq<k::expires_at, NaiveDateTime>,
+    Eq<k::caller_hash, Option<&'a str>>,
 );
 
 fn written<'a>(record: &Record<'a>) -> Written<'a> {

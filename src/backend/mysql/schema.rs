@@ -13,6 +13,7 @@ diesel::table! {
         created_at -> Datetime,
         completed_at -> Nullable<Datetime>,
         expires_at -> Datetime,
+        caller_hash -> Nullable<Char>,
     }
 }
 
@@ -51,6 +52,7 @@ diesel::table! {
         created_at -> Datetime,
         updated_at -> Datetime,
         expires_at -> Nullable<Datetime>,
+        caller_hash -> Nullable<Char>,
     }
 }
 

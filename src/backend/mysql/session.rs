@@ -135,7 +135,7 @@ macro_rules! sends {
             use $crate::backend::mysql::schema::idempotency_keys as k;
             k::table
                 .find((scope, key))
-                .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at))
+                .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at, k::caller_hash))
                 .for_update()
                 .get_result(self)
                 $($await)*

@@ -42,9 +42,11 @@ pub struct NewOperation<'a> {
     pub(crate) attempts: i32,
     pub(crate) created_at: NaiveDateTime,
     pub(crate) updated_at: NaiveDateTime,
+    /// Who may look the operation up, as [`Record::caller_hash`](crate::backend::Record).
+    pub(crate) caller_hash: Option<&'a str>,
 }
 
-/// An operation as an attempt reads it.
+/// An operation as an attempt, or a lookup, reads it.
 #[derive(Queryable, Selectable, Debug)]
 #[diesel(table_name = idempotency_phases)]
 pub struct OperationRow {
@@ -56,6 +58,8 @@ pub struct OperationRow {
     pub(crate) response: Option<String>,
     pub(crate) lease_until: Option<NaiveDateTime>,
     pub(crate) expires_at: Option<NaiveDateTime>,
+    pub(crate) created_at: NaiveDateTime,
+    pub(crate) caller_hash: Option<String>,
 }
 
 /// An attempt's hold on an operation: its key and lease token.

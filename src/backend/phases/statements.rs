@@ -349,6 +349,7 @@ macro_rules! operation_values {
             $p::attempts.eq($operation.attempts),
             $p::created_at.eq($operation.created_at),
             $p::updated_at.eq($operation.updated_at),
+            $p::caller_hash.eq($operation.caller_hash),
         )
     };
 }

@@ -181,14 +181,15 @@ fn claim_sql(record: &Record<'_>) -> Option<String> {
     };
     Some(format!(
         "INSERT INTO idempotency_keys \
-         (scope, idempotency_key, request_hash, status, created_at, expires_at) \
-         VALUES ({}, {}, {}, {}, {}, {})",
+         (scope, idempotency_key, request_hash, status, created_at, expires_at, caller_hash) \
+         VALUES ({}, {}, {}, {}, {}, {}, {})",
         text_literal(record.scope),
         text_literal(record.idempotency_key),
         text_literal(record.request_hash),
         text_literal(record.status.as_str()),
         time(record.created_at)?,
         time(record.expires_at)?,
+        record.caller_hash.map_or_else(|| String::from("NULL"), text_literal),
     ))
 }
 

@@ -120,7 +120,7 @@ async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<
         );
         let orders = orders_of::<D>(&mut admin, &key);
         let status = config
-            .status::<_, i32>(&mut admin, "shop", &key)
+            .status::<_, i32>(&mut admin, "shop", &key, &key)
             .expect("the key's status");
         match (orders, &status) {
             (0, KeyStatus::NoRecord) | (1, KeyStatus::Completed { response: 1, .. }) => {}

@@ -5,6 +5,8 @@
 //! inside a transaction, and its retry executes once. `http::run_phased_async`
 //! runs each step once and replays; a client that hangs up during its call
 //! leaves the lease held until it runs out, and the retry then resumes.
+//! Both are looked up by `http::lookup` on a pool of sync connections, at
+//! their own endpoints only.
 //!
 //! An axum handler's future must be `Send`, which the compiler proves only
 //! for a concrete connection: each backend and pool gets its module from
@@ -40,6 +42,22 @@ fn config() -> Config {
 /// returns the status and whether the answer is a replay.
 async fn post(addr: std::net::SocketAddr, key: &str, item: &str) -> (StatusCode, bool) {
     post_to(addr, "/orders", key, item).await
+}
+
+/// Sends `GET path` with `key`; returns the status and whether the answer
+/// is a replay.
+async fn look_up(addr: std::net::SocketAddr, path: &str, key: &str) -> (StatusCode, bool) {
+    let response = crate::common::http::client()
+        .get(format!("http://{addr}{path}"))
+        .header("Idempotency-Key", key)
+        .send()
+        .await
+        .expect("an answer");
+    let replayed = response.headers().get("idempotent-replayed").is_some();
+    (
+        StatusCode::from_u16(response.status().as_u16()).expect("a status"),
+        replayed,
+    )
 }
 
 /// [`post`] to `path`.
@@ -86,12 +104,12 @@ macro_rules! async_http_tests {
             use std::sync::{Arc, Mutex};
 
             use axum::extract::State;
-            use axum::http::StatusCode;
+            use axum::http::{Method, StatusCode};
             use axum::response::{IntoResponse, Response};
-            use axum::routing::post;
+            use axum::routing::{get, post};
             use axum::{Json, Router};
             use diesel_async::pooled_connection::AsyncDieselConnectionManager;
-            use idempotency::http::{self, IdempotencyKey, StoredResponse};
+            use idempotency::http::{self, Answer, Failure, IdempotencyKey, StoredResponse};
             use idempotency::phased::{AsyncSteps, Phased};
             use idempotency::testing::ManualClock;
             use idempotency::{Config, InFlight};
@@ -105,6 +123,8 @@ macro_rules! async_http_tests {
 
             struct App {
                 pool: $pool,
+                /// Sync connections to the same database, for lookups.
+                lookups: diesel::r2d2::Pool<diesel::r2d2::ConnectionManager<<$db as TestDb>::Conn>>,
                 config: Config,
                 /// Told when the operation of [`HANGS`] has inserted its order.
                 inside: Notify,
@@ -198,6 +218,23 @@ macro_rules! async_http_tests {
                 .into_response()
             }
 
+            /// What became of a call with the key at `call`.
+            async fn status(
+                app: &App,
+                key: &IdempotencyKey<Anyone>,
+                call: &str,
+            ) -> Result<Answer<StoredResponse<String>>, Failure<std::convert::Infallible>> {
+                http::lookup(&app.lookups, &app.config, key, &[(Method::POST, call)]).await
+            }
+
+            async fn order_status(State(app): State<Arc<App>>, key: IdempotencyKey<Anyone>) -> Response {
+                status(&app, &key, "/orders").await.into_response()
+            }
+
+            async fn ride_status(State(app): State<Arc<App>>, key: IdempotencyKey<Anyone>) -> Response {
+                status(&app, &key, "/rides").await.into_response()
+            }
+
             /// The database, and the service on a pool of `size` connections to it.
             async fn serve(size: u32) -> ($db, std::net::SocketAddr, Arc<App>) {
                 let db = <$db as TestDb>::new();
@@ -205,6 +242,7 @@ macro_rules! async_http_tests {
                 let clock = ManualClock::new();
                 let app = Arc::new(App {
                     pool: $build(manager, size).await,
+                    lookups: <$db as TestDb>::pool(&db, 2),
                     config: super::config(),
                     inside: Notify::new(),
                     rides: Phased::new("ride")
@@ -219,6 +257,8 @@ macro_rules! async_http_tests {
                     .route("/orders", post(place))
                     .route("/returns", post(place))
                     .route("/rides", post(ride))
+                    .route("/orders/status", get(order_status))
+                    .route("/rides/status", get(ride_status))
                     .with_state(app.clone());
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
                     .await
@@ -245,6 +285,32 @@ macro_rules! async_http_tests {
                 );
                 let orders = tokio::task::block_in_place(|| <$db as TestDb>::order_items(&mut db.conn()));
                 assert_eq!(orders, ["book"]);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn async_calls_are_looked_up_at_their_own_endpoints_only() {
+                let (_db, addr, _app) = serve(2).await;
+                assert_eq!(super::post(addr, "k-1", "book").await.0, StatusCode::CREATED);
+                assert_eq!(
+                    super::post_to(addr, "/rides", "r-1", "book").await.0,
+                    StatusCode::CREATED
+                );
+                assert_eq!(
+                    super::look_up(addr, "/orders/status", "k-1").await,
+                    (StatusCode::CREATED, true)
+                );
+                assert_eq!(
+                    super::look_up(addr, "/rides/status", "r-1").await,
+                    (StatusCode::CREATED, true)
+                );
+                assert_eq!(
+                    super::look_up(addr, "/rides/status", "k-1").await.0,
+                    StatusCode::NOT_FOUND
+                );
+                assert_eq!(
+                    super::look_up(addr, "/orders/status", "r-1").await.0,
+                    StatusCode::NOT_FOUND
+                );
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,2 @@
+ALTER TABLE idempotency_phases DROP COLUMN caller_hash;
+ALTER TABLE idempotency_keys DROP COLUMN caller_hash;

@@ -1,0 +1,421 @@
+//! `http::lookup` through a router, on every backend: a lookup answers only
+//! what a replay would answer the same caller at the same endpoint (to
+//! anyone else it is byte for byte the answer for an unknown key), it sees
+//! phased operations as well as single calls, and no answer of it is kept
+//! by a cache.
+
+use std::borrow::Cow;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, to_bytes};
+use axum::extract::{FromRequestParts, State};
+use axum::http::{HeaderMap, Method, Request, StatusCode, request::Parts};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use diesel::r2d2::{ConnectionManager, Pool};
+use idempotency::http::{self, Answer, Caller, Failure, IdempotencyKey, Problem, Problems, StoredResponse};
+use idempotency::phased::Phased;
+use idempotency::{Config, InFlight};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+use crate::common::TestDb;
+use crate::common::wait::Barrier;
+
+crate::common::backend_tests!(
+    async:
+    another_user_of_the_tenant_is_refused_the_call_and_told_the_key_is_unknown,
+    a_lookup_does_not_answer_the_record_of_another_endpoint,
+    a_lookup_compares_its_own_path_parameters,
+    a_key_across_endpoints_is_answered_to_its_principal_at_any_lookup,
+    a_record_written_outside_http_is_an_unknown_key_over_http,
+    a_phased_operation_is_in_progress_while_it_runs_then_its_response,
+    a_parked_phased_operation_says_so,
+    every_lookup_answer_is_not_to_be_stored,
+);
+
+/// A user of a tenant, as `Authorization: Bearer tenant:user` names it:
+/// keys live in the tenant's scope, and the user is the principal.
+struct User {
+    tenant: String,
+    user: String,
+}
+
+impl<S: Sync> FromRequestParts<S> for User {
+    type Rejection = StatusCode;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
+        let token = parts
+            .headers
+            .get("authorization")
+            .and_then(|value| value.to_str().ok()?.strip_prefix("Bearer "))
+            .ok_or(StatusCode::UNAUTHORIZED)?;
+        let (tenant, user) = token.split_once(':').ok_or(StatusCode::UNAUTHORIZED)?;
+        Ok(User {
+            tenant: tenant.to_owned(),
+            user: user.to_owned(),
+        })
+    }
+}
+
+impl Caller for User {
+    fn scope(&self) -> Cow<'_, str> {
+        Cow::Borrowed(&self.tenant)
+    }
+
+    fn principal(&self) -> Cow<'_, str> {
+        Cow::Borrowed(&self.user)
+    }
+}
+
+/// The refunds service of the tests: refunds (also under an account),
+/// payouts (an endpoint of its own), transfers (keys across endpoints) and
+/// rides (a phased operation), each with its lookup.
+struct App<D: TestDb> {
+    pool: Pool<ConnectionManager<D::Conn>>,
+    config: Config,
+    /// Where a ride whose request is `"hold"` waits in its foreign call:
+    /// it arrives, then waits to be let go.
+    ride_gate: Arc<Barrier>,
+}
+
+impl<D: TestDb> Clone for App<D> {
+    fn clone(&self) -> Self {
+        App {
+            pool: self.pool.clone(),
+            config: self.config.clone(),
+            ride_gate: self.ride_gate.clone(),
+        }
+    }
+}
+
+type Looked = Result<Answer<StoredResponse<Value>>, Failure<Infallible>>;
+
+async fn stored<D: TestDb>(app: &App<D>, key: &IdempotencyKey<User>, reference: &'static str) -> Response {
+    let outcome: Result<Answer<StoredResponse<Value>>, Failure<Problem>> =
+        http::run(&app.pool, &app.config, key, (), move |_, ()| {
+            Ok(StoredResponse::new(
+                StatusCode::CREATED,
+                json!({ "reference": reference }),
+            ))
+        })
+        .await;
+    outcome.into_response()
+}
+
+async fn refund<D: TestDb>(State(app): State<App<D>>, key: IdempotencyKey<User>) -> Response {
+    stored(&app, &key, "re_1").await
+}
+
+async fn payout<D: TestDb>(State(app): State<App<D>>, key: IdempotencyKey<User>) -> Response {
+    stored(&app, &key, "po_1").await
+}
+
+async fn transfer<D: TestDb>(State(app): State<App<D>>, key: IdempotencyKey<User>) -> Response {
+    stored(&app, &key.across_endpoints(), "tr_1").await
+}
+
+async fn ride<D: TestDb>(State(app): State<App<D>>, key: IdempotencyKey<User>, body: String) -> Response {
+    let phased = Phased::new("ride").config(app.config.clone());
+    let gate = app.ride_gate.clone();
+    let outcome: Result<Answer<StoredResponse<Value>>, Failure<Problem>> =
+        http::run_phased(&app.pool, &phased, &key, body, move |s, body| {
+            let charge = s.call_at_most_once("charged", |provider_key| match body.as_str() {
+                "fail" => Err(Problem::new(StatusCode::BAD_GATEWAY, "Bad Gateway")),
+                "hold" => {
+                    gate.wait();
+                    gate.wait();
+                    Ok(format!("ch_{}", &provider_key[..8]))
+                }
+                _ => Ok(format!("ch_{}", &provider_key[..8])),
+            })?;
+            s.finish(|_| Ok::<_, Problem>(StoredResponse::new(StatusCode::CREATED, json!({ "charge": charge }))))
+        })
+        .await;
+    outcome.into_response()
+}
+
+async fn refund_status<D: TestDb>(State(app): State<App<D>>, key: IdempotencyKey<User>) -> Looked {
+    http::lookup(&app.pool, &app.config, &key, &[(Method::POST, "/refunds")]).await
+}
+
+async fn account_refund_status<D: TestDb>(State(app): State<App<D>>, key: IdempotencyKey<User>) -> Looked {
+    http::lookup(
+        &app.pool,
+        &app.config,
+        &key,
+        &[(Method::POST, "/accounts/{account}/refunds")],
+    )
+    .await
+}
+
+async fn ride_status<D: TestDb>(State(app): State<App<D>>, key: IdempotencyKey<User>) -> Looked {
+    http::lookup(&app.pool, &app.config, &key, &[(Method::POST, "/rides")]).await
+}
+
+fn app<D: TestDb>(db: &D) -> Router {
+    let app = App::<D> {
+        pool: db.pool(4),
+        config: Config::default().in_flight(InFlight::Reject),
+        ride_gate: Arc::new(Barrier::new(2)),
+    };
+    app_on(app)
+}
+
+fn app_on<D: TestDb>(app: App<D>) -> Router {
+    Router::new()
+        .route("/refunds", post(refund::<D>))
+        .route("/refunds/status", get(refund_status::<D>))
+        .route("/accounts/{account}/refunds", post(refund::<D>))
+        .route("/accounts/{account}/refunds/status", get(account_refund_status::<D>))
+        .route("/payouts", post(payout::<D>))
+        .route("/transfers", post(transfer::<D>))
+        .route("/rides", post(ride::<D>))
+        .route("/rides/status", get(ride_status::<D>))
+        .with_state(app)
+}
+
+/// A response as a client sees it: every byte of it.
+#[derive(Debug, PartialEq)]
+struct Seen {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Vec<u8>,
+}
+
+impl Seen {
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).expect("a JSON body")
+    }
+}
+
+async fn send(app: &Router, method: Method, path: &str, token: &str, key: &str, body: &'static str) -> Seen {
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("authorization", format!("Bearer {token}"))
+        .header("idempotency-key", key)
+        .body(Body::from(body))
+        .expect("a request");
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    let status = response.status();
+    let headers = response.headers().clone();
+    let body = to_bytes(response.into_body(), usize::MAX)
+        .await
+        .expect("a body")
+        .to_vec();
+    Seen { status, headers, body }
+}
+
+async fn post_to(app: &Router, path: &str, token: &str, key: &str) -> Seen {
+    send(app, Method::POST, path, token, key, "").await
+}
+
+/// A lookup, whose every answer must say that it is not to be stored.
+async fn look_up(app: &Router, path: &str, token: &str, key: &str) -> Seen {
+    let seen = send(app, Method::GET, path, token, key, "").await;
+    assert_eq!(
+        seen.headers
+            .get("cache-control")
+            .map(|value| value.to_str().expect("ascii")),
+        Some("no-store"),
+        "{path} answered {} without no-store",
+        seen.status
+    );
+    seen
+}
+
+/// What `token` is told about a key never used: the answer every lookup of
+/// a record that is not the caller's must be, byte for byte.
+async fn unknown(app: &Router, path: &str, token: &str) -> Seen {
+    let seen = look_up(app, path, token, "never-used").await;
+    assert_eq!(seen.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        seen.json()["type"],
+        format!("{}idempotency-key-unknown", Problems::DEFAULT_BASE)
+    );
+    seen
+}
+
+fn assert_replayed(seen: &Seen, body: Value) {
+    assert_eq!(
+        seen.status,
+        StatusCode::CREATED,
+        "{:?}",
+        String::from_utf8_lossy(&seen.body)
+    );
+    assert_eq!(seen.json(), body);
+    assert_eq!(seen.headers["idempotent-replayed"], "true");
+}
+
+async fn another_user_of_the_tenant_is_refused_the_call_and_told_the_key_is_unknown<D: TestDb>() {
+    let db = D::new();
+    let app = app(&db);
+    let first = post_to(&app, "/refunds", "acme:user-1", "refund-1").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+
+    let reused = post_to(&app, "/refunds", "acme:user-2", "refund-1").await;
+    assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY, "never user-1's replay");
+    let foreign = look_up(&app, "/refunds/status", "acme:user-2", "refund-1").await;
+    assert_eq!(foreign, unknown(&app, "/refunds/status", "acme:user-2").await);
+
+    let own = look_up(&app, "/refunds/status", "acme:user-1", "refund-1").await;
+    assert_replayed(&own, json!({ "reference": "re_1" }));
+    assert_eq!(own.headers["idempotency-expires"], first.headers["idempotency-expires"]);
+}
+
+async fn a_lookup_does_not_answer_the_record_of_another_endpoint<D: TestDb>() {
+    let db = D::new();
+    let app = app(&db);
+    assert_eq!(
+        post_to(&app, "/payouts", "acme:user-1", "k-1").await.status,
+        StatusCode::CREATED
+    );
+    let elsewhere = look_up(&app, "/refunds/status", "acme:user-1", "k-1").await;
+    assert_eq!(elsewhere, unknown(&app, "/refunds/status", "acme:user-1").await);
+}
+
+async fn a_lookup_compares_its_own_path_parameters<D: TestDb>() {
+    let db = D::new();
+    let app = app(&db);
+    let first = post_to(&app, "/accounts/a-1/refunds", "acme:user-1", "k-2").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let own = look_up(&app, "/accounts/a-1/refunds/status", "acme:user-1", "k-2").await;
+    assert_replayed(&own, json!({ "reference": "re_1" }));
+    let other_account = look_up(&app, "/accounts/a-2/refunds/status", "acme:user-1", "k-2").await;
+    assert_eq!(
+        other_account,
+        unknown(&app, "/accounts/a-2/refunds/status", "acme:user-1").await
+    );
+    let other_route = look_up(&app, "/refunds/status", "acme:user-1", "k-2").await;
+    assert_eq!(other_route, unknown(&app, "/refunds/status", "acme:user-1").await);
+}
+
+async fn a_key_across_endpoints_is_answered_to_its_principal_at_any_lookup<D: TestDb>() {
+    let db = D::new();
+    let app = app(&db);
+    assert_eq!(
+        post_to(&app, "/transfers", "acme:user-1", "k-3").await.status,
+        StatusCode::CREATED
+    );
+    let own = look_up(&app, "/refunds/status", "acme:user-1", "k-3").await;
+    assert_replayed(&own, json!({ "reference": "tr_1" }));
+    let foreign = look_up(&app, "/refunds/status", "acme:user-2", "k-3").await;
+    assert_eq!(foreign, unknown(&app, "/refunds/status", "acme:user-2").await);
+}
+
+async fn a_record_written_outside_http_is_an_unknown_key_over_http<D: TestDb>() {
+    let db = D::new();
+    let app = app(&db);
+    let config = Config::default();
+    tokio::task::block_in_place(|| {
+        config.run(&mut db.conn(), "acme", "k-4", &(), |_| {
+            Ok::<_, Infallible>(StoredResponse::new(
+                StatusCode::CREATED,
+                json!({ "reference": "re_core" }),
+            ))
+        })
+    })
+    .expect("a call outside HTTP");
+    let looked = look_up(&app, "/refunds/status", "acme:user-1", "k-4").await;
+    assert_eq!(looked, unknown(&app, "/refunds/status", "acme:user-1").await);
+}
+
+async fn a_phased_operation_is_in_progress_while_it_runs_then_its_response<D: TestDb>() {
+    let db = D::new();
+    let gate = Arc::new(Barrier::new(2));
+    let app = app_on(App::<D> {
+        pool: db.pool(4),
+        config: Config::default().in_flight(InFlight::Reject),
+        ride_gate: gate.clone(),
+    });
+    let unknown_ride = unknown(&app, "/rides/status", "acme:user-1").await;
+    assert_eq!(
+        look_up(&app, "/rides/status", "acme:user-1", "ride-1").await,
+        unknown_ride
+    );
+
+    let held = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, Method::POST, "/rides", "acme:user-1", "ride-1", "hold").await }
+    });
+    // The ride is in its foreign call, its lease held.
+    tokio::task::block_in_place(|| gate.wait());
+    let running = look_up(&app, "/rides/status", "acme:user-1", "ride-1").await;
+    let foreign = look_up(&app, "/rides/status", "acme:user-2", "ride-1").await;
+    tokio::task::block_in_place(|| gate.wait());
+    let first = held.await.expect("the ride");
+
+    assert_eq!(
+        running.status,
+        StatusCode::CONFLICT,
+        "{:?}",
+        String::from_utf8_lossy(&running.body)
+    );
+    assert_eq!(
+        running.json()["type"],
+        format!("{}idempotency-key-in-progress", Problems::DEFAULT_BASE)
+    );
+    assert!(running.headers.contains_key("retry-after"));
+    assert_eq!(foreign, unknown(&app, "/rides/status", "acme:user-2").await);
+
+    assert_eq!(first.status, StatusCode::CREATED);
+    let finished = look_up(&app, "/rides/status", "acme:user-1", "ride-1").await;
+    assert_replayed(&finished, first.json());
+    assert_eq!(
+        finished.headers["idempotency-expires"],
+        first.headers["idempotency-expires"]
+    );
+    let foreign = look_up(&app, "/rides/status", "acme:user-2", "ride-1").await;
+    assert_eq!(foreign, unknown(&app, "/rides/status", "acme:user-2").await);
+}
+
+async fn a_parked_phased_operation_says_so<D: TestDb>() {
+    let db = D::new();
+    let app = app(&db);
+    // The call fails once it was recorded as started; a call made at most
+    // once is then never made again, and the retry parks the operation.
+    let failed = send(&app, Method::POST, "/rides", "acme:user-1", "ride-2", "fail").await;
+    assert_eq!(failed.status, StatusCode::BAD_GATEWAY);
+    let stopped = look_up(&app, "/rides/status", "acme:user-1", "ride-2").await;
+    assert_eq!(
+        stopped.status,
+        StatusCode::CONFLICT,
+        "started, not finished: in progress"
+    );
+    let parked = send(&app, Method::POST, "/rides", "acme:user-1", "ride-2", "fail").await;
+
+    let looked = look_up(&app, "/rides/status", "acme:user-1", "ride-2").await;
+    assert_eq!(looked.status, parked.status);
+    assert_eq!(
+        looked.json()["type"],
+        format!("{}idempotency-key-parked", Problems::DEFAULT_BASE)
+    );
+    assert_eq!(looked.json()["type"], parked.json()["type"]);
+    assert_eq!(looked.json()["retryable"], json!(false));
+    let foreign = look_up(&app, "/rides/status", "acme:user-2", "ride-2").await;
+    assert_eq!(foreign, unknown(&app, "/rides/status", "acme:user-2").await);
+}
+
+async fn every_lookup_answer_is_not_to_be_stored<D: TestDb>() {
+    let db = D::new();
+    let app = app(&db);
+    // `look_up` checks the header on each: the unknown key, the stored
+    // response, a key the rules refuse.
+    unknown(&app, "/refunds/status", "acme:user-1").await;
+    assert_eq!(
+        post_to(&app, "/refunds", "acme:user-1", "k-5").await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(
+        look_up(&app, "/refunds/status", "acme:user-1", "k-5").await.status,
+        StatusCode::CREATED
+    );
+    let refused = look_up(&app, "/refunds/status", "acme:user-1", "4111111111111111").await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+    // The call's own answers are the application's to cache or not.
+    let replay = post_to(&app, "/refunds", "acme:user-1", "k-5").await;
+    assert!(!replay.headers.contains_key("cache-control"));
+}
