@@ -302,7 +302,7 @@ async fn a_connection_whose_call_was_dropped_inside_its_transaction_refuses_ever
     assert_eq!(seen(), (0, 0), "nothing was committed");
     assert_eq!(
         config
-            .status::<_, i32>(&mut check, "shop", "order-1")
+            .status::<_, i32>(&mut check, "shop", "order-1", &"order-1")
             .expect("the key's status"),
         KeyStatus::NoRecord
     );
