@@ -118,7 +118,7 @@ pub mod testing;
 
 #[cfg(feature = "diesel-async")]
 pub use backend::AsyncStoreConnection;
-pub use backend::migrate::{MIGRATIONS, Migrations, run_migrations};
+pub use backend::migrate::{MIGRATIONS, Migrations, SchemaHistory, run_migrations};
 pub use backend::{RawConnection, StoreConnection};
 #[cfg(feature = "diesel-async")]
 pub use config::run_idempotent_async;
@@ -134,6 +134,17 @@ pub use telemetry::describe_metrics;
 
 #[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
 compile_error!("enable at least one backend feature: `sqlite` (the default), `postgres` or `mysql`");
+
+// `diesel-async` alone has no connection to run on: each backend's async
+// connection is a feature of its own, so that no backend's async client
+// reaches a build that did not ask for it.
+#[cfg(all(
+    feature = "diesel-async",
+    not(any(feature = "sqlite-async", feature = "postgres-async", feature = "mysql-async"))
+))]
+compile_error!(
+    "the feature `diesel-async` is enabled through a backend's: `sqlite-async`, `postgres-async` or `mysql-async`"
+);
 
 /// Guides: documentation only. These modules hold no items; each one's page
 /// is a guide from the crate's `docs/` folder, and every Rust example in

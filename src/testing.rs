@@ -76,7 +76,7 @@ pub fn sqlite_memory() -> SqliteConnection {
 /// # Ok(())
 /// # }
 /// ```
-#[cfg(feature = "diesel-async")]
+#[cfg(feature = "sqlite-async")]
 pub fn sqlite_memory_async() -> diesel_async::sync_connection_wrapper::SyncConnectionWrapper<SqliteConnection> {
     diesel_async::sync_connection_wrapper::SyncConnectionWrapper::new(sqlite_memory())
 }

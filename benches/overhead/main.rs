@@ -40,7 +40,7 @@ mod citus;
 mod common;
 
 mod args;
-#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+#[cfg(feature = "postgres-async")]
 mod asynchronous;
 mod db;
 mod instrument;
@@ -115,9 +115,9 @@ fn main() -> ExitCode {
             );
             return ExitCode::from(2);
         }
-        #[cfg(all(feature = "diesel-async", feature = "postgres"))]
+        #[cfg(feature = "postgres-async")]
         "postgres-async" => (asynchronous::run(sizes), asynchronous::print_report),
-        #[cfg(not(all(feature = "diesel-async", feature = "postgres")))]
+        #[cfg(not(feature = "postgres-async"))]
         "postgres-async" => {
             eprintln!(
                 "postgres-async needs the postgres and diesel-async features: run \
