@@ -118,7 +118,7 @@ pub mod testing;
 
 #[cfg(feature = "diesel-async")]
 pub use backend::AsyncStoreConnection;
-pub use backend::migrate::{MIGRATIONS, Migrations, SchemaHistory, run_migrations};
+pub use backend::migrate::{MIGRATIONS, Migrations, SchemaError, SchemaHistory, check_schema, run_migrations};
 pub use backend::{RawConnection, StoreConnection};
 #[cfg(feature = "diesel-async")]
 pub use config::run_idempotent_async;

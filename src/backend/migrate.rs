@@ -142,6 +142,75 @@ pub fn run_migrations<C: StoreConnection>(conn: &mut C) -> migration::Result<()>
     Ok(())
 }
 
+/// Checks, changing nothing, that the database of `conn` has every
+/// migration of [`MIGRATIONS`]: for the start of a service that leaves
+/// migrating to a deployment step, so that a database without the crate's
+/// tables stops it at once with the fix named, not every request later
+/// with a 500.
+///
+/// # Errors
+///
+/// [`SchemaError::Pending`] with the versions the database lacks;
+/// [`SchemaError::Unreadable`] when the database cannot be asked.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::prelude::*;
+/// use idempotency::SchemaError;
+///
+/// let mut conn = SqliteConnection::establish(":memory:")?;
+/// let missing = idempotency::check_schema(&mut conn);
+/// assert!(matches!(missing, Err(SchemaError::Pending(_))));
+/// assert!(missing.unwrap_err().to_string().contains("idempotency::run_migrations"));
+///
+/// idempotency::run_migrations(&mut conn)?;
+/// idempotency::check_schema(&mut conn)?;
+/// # Ok(())
+/// # }
+/// ```
+pub fn check_schema<C: StoreConnection>(conn: &mut C) -> Result<(), SchemaError> {
+    let pending = conn.raw().unapplied().map_err(SchemaError::Unreadable)?;
+    if pending.is_empty() {
+        Ok(())
+    } else {
+        Err(SchemaError::Pending(pending))
+    }
+}
+
+/// Why [`check_schema`] refused a database.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SchemaError {
+    /// The versions of the crate's migrations that the database lacks,
+    /// oldest first: apply them with [`run_migrations`].
+    Pending(Vec<String>),
+    /// The database could not be asked which migrations it has.
+    Unreadable(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl std::fmt::Display for SchemaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SchemaError::Pending(versions) => write!(
+                f,
+                "the database lacks the idempotency crate's migrations {}: apply them with \
+                 `idempotency::run_migrations(&mut conn)` before serving",
+                versions.join(", ")
+            ),
+            SchemaError::Unreadable(_) => f.write_str("the database's idempotency migrations could not be read"),
+        }
+    }
+}
+
+impl std::error::Error for SchemaError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SchemaError::Pending(_) => None,
+            SchemaError::Unreadable(error) => Some(&**error),
+        }
+    }
+}
+
 /// The crate's schema history on a connection: a diesel
 /// [`MigrationHarness`](diesel_migrations::MigrationHarness) for
 /// [`MIGRATIONS`] that records them in `__idempotency_schema_migrations`,
@@ -231,6 +300,20 @@ pub trait History: KeyStore {
     /// The versions the crate's history holds, newest first, once the
     /// history exists and holds what diesel's held of the crate's.
     fn recorded(&mut self) -> migration::Result<Vec<MigrationVersion<'static>>>;
+
+    /// The versions of the crate's migrations that neither history holds,
+    /// oldest first; read only.
+    fn unapplied(&mut self) -> migration::Result<Vec<String>>;
+}
+
+/// The versions of a set of migrations, oldest first.
+pub(crate) fn versions<DB: diesel::backend::Backend>(set: &EmbeddedMigrations) -> migration::Result<Vec<String>> {
+    let mut versions: Vec<String> = MigrationSource::<DB>::migrations(set)?
+        .iter()
+        .map(|migration| migration.name().version().to_string())
+        .collect();
+    versions.sort();
+    Ok(versions)
 }
 
 /// The count a backend's [`History::has_table`] reads.
@@ -285,15 +368,11 @@ macro_rules! schema_history {
         }
 
         fn recorded(&mut self) -> diesel::migration::Result<Vec<diesel::migration::MigrationVersion<'static>>> {
-            use diesel::migration::MigrationSource;
             use $crate::backend::migrate::{application, history};
 
             diesel::connection::SimpleConnection::batch_execute(self, $crate::backend::migrate::CREATE_HISTORY)?;
             if self.has_table("__diesel_schema_migrations")? {
-                let ours: Vec<String> = MigrationSource::<Self::Backend>::migrations(&Self::MIGRATIONS)?
-                    .iter()
-                    .map(|migration| migration.name().version().to_string())
-                    .collect();
+                let ours = $crate::backend::migrate::versions::<Self::Backend>(&Self::MIGRATIONS)?;
                 // Moves the crate's versions diesel's history holds, with
                 // the times they were applied; a version both hold stays in
                 // the crate's only.
@@ -325,6 +404,29 @@ macro_rules! schema_history {
             Ok(versions
                 .into_iter()
                 .map(diesel::migration::MigrationVersion::from)
+                .collect())
+        }
+
+        fn unapplied(&mut self) -> diesel::migration::Result<Vec<String>> {
+            use $crate::backend::migrate::{application, history};
+
+            let ours = $crate::backend::migrate::versions::<Self::Backend>(&Self::MIGRATIONS)?;
+            let mut applied: Vec<String> = Vec::new();
+            if self.has_table("__idempotency_schema_migrations")? {
+                applied.extend(history::table.select(history::version).load::<String>(self)?);
+            }
+            // A database of a release before, whose history is diesel's.
+            if self.has_table("__diesel_schema_migrations")? {
+                applied.extend(
+                    application::table
+                        .select(application::version)
+                        .filter(application::version.eq_any(&ours))
+                        .load::<String>(self)?,
+                );
+            }
+            Ok(ours
+                .into_iter()
+                .filter(|version| !applied.contains(version))
                 .collect())
         }
     };

@@ -280,6 +280,7 @@ where
         Ok::<_, std::convert::Infallible>(2)
     });
     assert_eq!(executed.expect("a call before the move"), Outcome::Executed(2));
+    idempotency::check_schema(&mut conn).expect("the schema of a release before is complete");
 
     idempotency::run_migrations(&mut conn).expect("the run that moves the versions");
     assert_eq!(application_history(&mut conn), ["20200101000000"]);
@@ -300,7 +301,37 @@ where
     calls_work(&mut conn, "after-the-move");
 }
 
+/// A service that checks the schema at start, on a database without the
+/// crate's tables, stops with the versions it lacks and the call that
+/// applies them, and the check leaves the database as it was; once
+/// migrated, it starts.
+fn a_database_without_the_crates_tables_is_refused_at_start_naming_run_migrations<Db: TestDb>()
+where
+    idempotency::Migrations: MigrationSource<<Db::Conn as Connection>::Backend>,
+{
+    let db = Db::empty();
+    let mut conn = db.conn();
+    let refused = idempotency::check_schema(&mut conn).expect_err("a database without the crate's tables");
+    assert!(refused.to_string().contains("idempotency::run_migrations"), "{refused}");
+    match refused {
+        idempotency::SchemaError::Pending(versions) => {
+            assert_eq!(versions, crate_versions::<<Db::Conn as Connection>::Backend>());
+        }
+        other => panic!("refused for another reason: {other:?}"),
+    }
+    assert!(
+        conn.raw()
+            .batch_execute("SELECT version FROM __idempotency_schema_migrations")
+            .is_err(),
+        "the check created the crate's history"
+    );
+
+    idempotency::run_migrations(&mut conn).expect("the crate's migrations");
+    idempotency::check_schema(&mut conn).expect("the migrated database");
+}
+
 backend_tests!(
+    a_database_without_the_crates_tables_is_refused_at_start_naming_run_migrations,
     the_applications_revert_and_redo_pass_the_crates_migrations_by,
     a_history_holding_the_crates_versions_has_them_moved_on_the_next_run,
 );

@@ -199,6 +199,8 @@ impl QueryFragment<Mysql> for GetLock<'_> {
 }
 
 impl RunQueryDsl<MysqlConnection> for GetLock<'_> {}
+#[cfg(feature = "mysql-async")]
+impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for GetLock<'_> {}
 
 /// `SELECT RELEASE_LOCK(name)`.
 struct ReleaseLock<'a>(&'a str);
@@ -222,6 +224,8 @@ impl QueryFragment<Mysql> for ReleaseLock<'_> {
 }
 
 impl RunQueryDsl<MysqlConnection> for ReleaseLock<'_> {}
+#[cfg(feature = "mysql-async")]
+impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for ReleaseLock<'_> {}
 
 /// The statements that bound how long the server waits for the client of
 /// a call that holds its key: the session's `wait_timeout`, lowered from
@@ -275,6 +279,8 @@ impl QueryFragment<Mysql> for IdleStatement<'_> {
 }
 
 impl RunQueryDsl<MysqlConnection> for IdleStatement<'_> {}
+#[cfg(feature = "mysql-async")]
+impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for IdleStatement<'_> {}
 
 /// The longest `wait_timeout` the server takes, in seconds (a year).
 const MAX_WAIT_TIMEOUT: i64 = 31_536_000;
