@@ -19,7 +19,7 @@
 //!   extractor, `http::run`, `StoredResponse`: what the whole layer costs.
 //! - `replay`: `http` with a key it already answered.
 //!
-//! On PostgreSQL with the feature `diesel-async`, two more, on a bb8 pool of
+//! On PostgreSQL with the feature `postgres-async`, two more, on a bb8 pool of
 //! `AsyncPgConnection`s beside the r2d2 pool:
 //!
 //! - `plain_async`: the plain handler on the async pool, the order inserted

@@ -56,7 +56,7 @@ pub fn sqlite_memory() -> SqliteConnection {
 }
 
 /// [`sqlite_memory`] behind diesel-async's `SyncConnectionWrapper`
-/// (feature `diesel-async`): an in-memory SQLite database with this
+/// (feature `sqlite-async`): an in-memory SQLite database with this
 /// crate's tables, for domain tests of code that runs
 /// [`run_idempotent_async`](crate::run_idempotent_async). Its statements
 /// run on tokio's blocking pool, on the runtime it is made in.

@@ -7,7 +7,7 @@
 //! cargo bench --features postgres --bench overhead -- --backend postgres [--quick] [--json FILE] [--statements]
 //! cargo bench --features mysql --bench overhead -- --backend mysql [--quick] [--json FILE] [--statements]
 //! cargo bench --features postgres --bench overhead -- --backend citus [--quick] [--json FILE]
-//! cargo bench --features postgres,diesel-async --bench overhead -- --backend postgres-async [--quick] [--json FILE]
+//! cargo bench --features postgres-async --bench overhead -- --backend postgres-async [--quick] [--json FILE]
 //! ```
 //!
 //! `--backend postgres-async` measures the diesel-async call next to the
@@ -121,7 +121,7 @@ fn main() -> ExitCode {
         "postgres-async" => {
             eprintln!(
                 "postgres-async needs the postgres and diesel-async features: run \
-                 cargo bench --features postgres,diesel-async --bench overhead -- --backend postgres-async"
+                 cargo bench --features postgres-async --bench overhead -- --backend postgres-async"
             );
             return ExitCode::from(2);
         }
