@@ -145,7 +145,10 @@ fn main() -> anyhow::Result<()> {
         pool,
         config: Config::default(),
     });
-    println!("order service on {} (the status each call prints is what HTTP would answer)", path.display());
+    println!(
+        "order service on {} (the status each call prints is what HTTP would answer)",
+        path.display()
+    );
 
     println!("\n1. the response is lost and the client retries");
     let book = PlaceOrder {
