@@ -19,7 +19,7 @@
 //!   extractor, `http::run`, `StoredResponse`: what the whole layer costs.
 //! - `replay`: `http` with a key it already answered.
 //!
-//! On PostgreSQL with the feature `diesel-async`, two more, on a bb8 pool of
+//! On PostgreSQL with the feature `postgres-async`, two more, on a bb8 pool of
 //! `AsyncPgConnection`s beside the r2d2 pool:
 //!
 //! - `plain_async`: the plain handler on the async pool, the order inserted
@@ -63,11 +63,11 @@ use http_orders::problems::Body;
 use idempotency::http::{Caller, IDEMPOTENT_REPLAYED};
 use idempotency::{Config, Outcome};
 
-#[cfg(not(all(feature = "postgres", feature = "diesel-async")))]
+#[cfg(not(feature = "postgres-async"))]
 const SCENARIOS: [&str; 4] = ["plain", "core", "http", "replay"];
 /// On PostgreSQL with diesel-async the async scenarios run beside the
 /// others; a run on another backend skips them.
-#[cfg(all(feature = "postgres", feature = "diesel-async"))]
+#[cfg(feature = "postgres-async")]
 const SCENARIOS: [&str; 6] = ["plain", "core", "http", "replay", "plain_async", "http_async"];
 const CLIENTS: [usize; 2] = [1, 16];
 const BODY: &str = r#"{"item": "book", "quantity": 1}"#;
@@ -181,7 +181,7 @@ async fn core_order<C: Begin>(
 }
 
 /// The async handlers, on a bb8 pool of diesel-async connections.
-#[cfg(all(feature = "postgres", feature = "diesel-async"))]
+#[cfg(feature = "postgres-async")]
 mod asynchronous {
     use std::sync::Arc;
 
@@ -396,7 +396,7 @@ fn run(args: &Args) -> anyhow::Result<()> {
         #[cfg(feature = "postgres")]
         Database::Postgres(pool) => {
             let router = router(pool)?;
-            #[cfg(feature = "diesel-async")]
+            #[cfg(feature = "postgres-async")]
             let router = {
                 let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
                 router.merge(runtime.block_on(asynchronous::router(scratch.url(), 16))?)

@@ -7,6 +7,11 @@
 //! 3. a request is rejected, corrected and retried with the same key;
 //! 4. eight clients race with one key: one order.
 //!
+//! No HTTP is involved: each call is what a `POST /orders` handler would
+//! run, and prints the status that handler would answer and whether the
+//! operation executed or was replayed. `cargo run --example http_orders
+//! --features axum` is the same service over HTTP.
+//!
 //! Run it with `cargo run --example orders`.
 
 use std::sync::{Arc, Barrier};
@@ -28,7 +33,7 @@ diesel::table! {
     }
 }
 
-/// The request body of `POST /orders`.
+/// The request to place an order.
 #[derive(Serialize, Clone)]
 struct PlaceOrder {
     item: String,
@@ -92,11 +97,12 @@ struct OrderService {
 }
 
 impl OrderService {
-    /// `POST /orders` with an `Idempotency-Key` header, from `customer`,
-    /// the id that authentication found for the request's credential (never
-    /// the credential, nor a field of the body): returns the HTTP status and
-    /// a body.
-    fn post(&self, customer: &str, key: &str, request: &PlaceOrder) -> (u16, String) {
+    /// What a `POST /orders` handler runs for a request with an
+    /// `Idempotency-Key`, from `customer`, the id that authentication found
+    /// for the request's credential (never the credential, nor a field of
+    /// the body): returns the HTTP status it would answer and what
+    /// happened.
+    fn place(&self, customer: &str, key: &str, request: &PlaceOrder) -> (u16, String) {
         let mut conn = match self.pool.get() {
             Ok(conn) => conn,
             Err(error) => return (503, error.to_string()),
@@ -106,11 +112,11 @@ impl OrderService {
             insert_order(tx, customer, request)
         });
         match result {
-            Ok(Outcome::Executed(placed)) => (201, format!("{placed:?}")),
-            Ok(Outcome::Replayed(placed)) => (201, format!("{placed:?} (replayed)")),
+            Ok(Outcome::Executed(placed)) => (201, format!("executed: {placed:?}")),
+            Ok(Outcome::Replayed(placed)) => (201, format!("replayed: {placed:?}")),
             // The application maps its own errors; the crate's have a status.
-            Err(Error::Operation(error @ OrderError::InvalidQuantity(_))) => (400, error.to_string()),
-            Err(error) => (error.status_code(), error.to_string()),
+            Err(Error::Operation(error @ OrderError::InvalidQuantity(_))) => (400, format!("refused: {error}")),
+            Err(error) => (error.status_code(), format!("refused: {error}")),
         }
     }
 
@@ -139,17 +145,20 @@ fn main() -> anyhow::Result<()> {
         pool,
         config: Config::default(),
     });
-    println!("order service on {}", path.display());
+    println!(
+        "order service on {} (the status each call prints is what HTTP would answer)",
+        path.display()
+    );
 
     println!("\n1. the response is lost and the client retries");
     let book = PlaceOrder {
         item: "book".into(),
         quantity: 1,
     };
-    let (status, body) = service.post("alice", "a1b2c3", &book);
-    println!("   POST /orders key=a1b2c3 -> {status} {body}   (the client never sees this)");
-    let (status, body) = service.post("alice", "a1b2c3", &book);
-    println!("   retry with key=a1b2c3  -> {status} {body}");
+    let (status, body) = service.place("alice", "a1b2c3", &book);
+    println!("   key=a1b2c3        -> {status} {body}   (the client never sees this)");
+    let (status, body) = service.place("alice", "a1b2c3", &book);
+    println!("   retry, key=a1b2c3 -> {status} {body}");
     println!("   orders in the database: {}", service.order_count()?);
 
     println!("\n2. the same key for a different order");
@@ -157,23 +166,23 @@ fn main() -> anyhow::Result<()> {
         item: "lamp".into(),
         quantity: 1,
     };
-    let (status, body) = service.post("alice", "a1b2c3", &lamp);
-    println!("   POST /orders key=a1b2c3 (lamp) -> {status} {body}");
+    let (status, body) = service.place("alice", "a1b2c3", &lamp);
+    println!("   key=a1b2c3 (lamp) -> {status} {body}");
 
     println!("\n3. a rejected request, corrected and retried with the same key");
     let wrong = PlaceOrder {
         item: "chair".into(),
         quantity: 0,
     };
-    let (status, body) = service.post("bob", "d4e5f6", &wrong);
-    println!("   POST /orders key=d4e5f6 quantity=0 -> {status} {body}   (nothing stored, key still free)");
+    let (status, body) = service.place("bob", "d4e5f6", &wrong);
+    println!("   key=d4e5f6 quantity=0 -> {status} {body}   (nothing stored, key still free)");
     let fixed = PlaceOrder { quantity: 2, ..wrong };
-    let (status, body) = service.post("bob", "d4e5f6", &fixed);
-    println!("   POST /orders key=d4e5f6 quantity=2 -> {status} {body}");
-    let (status, body) = service.post("bob", "not a key", &fixed);
-    println!("   POST /orders key=\"not a key\"       -> {status} {body}");
+    let (status, body) = service.place("bob", "d4e5f6", &fixed);
+    println!("   key=d4e5f6 quantity=2 -> {status} {body}");
+    let (status, body) = service.place("bob", "not a key", &fixed);
+    println!("   key=\"not a key\"       -> {status} {body}");
 
-    println!("\n4. eight clients race with one key");
+    println!("\n4. eight clients race with one key: one executes, the others replay its order");
     let racers = 8;
     let barrier = Arc::new(Barrier::new(racers));
     let desk = PlaceOrder {
@@ -185,7 +194,7 @@ fn main() -> anyhow::Result<()> {
             let (service, barrier, desk) = (service.clone(), barrier.clone(), desk.clone());
             thread::spawn(move || {
                 barrier.wait();
-                let (status, body) = service.post("carol", "g7h8i9", &desk);
+                let (status, body) = service.place("carol", "g7h8i9", &desk);
                 format!("   client {i}: {status} {body}")
             })
         })

@@ -9,6 +9,19 @@
 //! spent exactly when that transaction commits: the whole contract is in
 //! [`guide::contract`].
 //!
+//! # Where to start
+//!
+//! - **A function**: wrap the operation in [`run_idempotent`], as below;
+//!   apply the crate's tables at start-up with [`run_migrations`] (the
+//!   README's quick start is a whole program). On PostgreSQL, the
+//!   [PostgreSQL guide](guide::postgres) starts from there.
+//! - **An axum handler** (feature `axum`): the [HTTP guide](guide::http)
+//!   has a complete service, the `Idempotency-Key` extractor and stored
+//!   responses; on diesel-async connections, the
+//!   [async guide](guide::asynchronous).
+//! - **An outbox**: messages to other systems committed with the
+//!   operation and delivered afterwards, in the [outbox guide](guide::outbox).
+//!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! use diesel::prelude::*;
@@ -45,6 +58,22 @@
 //! Every duration the crate's builders and functions take is a
 //! [`chrono::Duration`], the type its clock and its records count in.
 //!
+//! # Guides
+//!
+//! The [`guide`] modules hold the documentation beyond the API, every
+//! example in them compiled and run as a test:
+//! [contract](guide::contract), [HTTP](guide::http),
+//! [backends](guide::backends) ([SQLite](guide::sqlite),
+//! [PostgreSQL](guide::postgres), [MySQL and MariaDB](guide::mysql)),
+//! [repository functions](guide::repository), [outbox](guide::outbox),
+//! [phased operations](guide::phased), [batch jobs](guide::batch),
+//! [testing your domain](guide::testing),
+//! [running in production](guide::production),
+//! [high availability](guide::high_availability),
+//! [scaling out with Citus](guide::citus),
+//! [performance](guide::performance),
+//! [async: diesel-async](guide::asynchronous).
+//!
 //! # Layers
 //!
 //! Each layer uses only the ones below it:
@@ -70,22 +99,6 @@
 //!   ([`InFlight`]), ids, the JSON codec, the request fingerprint, the key
 //!   rules ([`key`]), [`Outcome`], the schema, the calls a thread is
 //!   executing.
-//!
-//! # Guides
-//!
-//! The [`guide`] modules hold the documentation beyond the API, every
-//! example in them compiled and run as a test:
-//! [contract](guide::contract), [HTTP](guide::http),
-//! [backends](guide::backends) ([SQLite](guide::sqlite),
-//! [PostgreSQL](guide::postgres), [MySQL and MariaDB](guide::mysql)),
-//! [repository functions](guide::repository), [outbox](guide::outbox),
-//! [phased operations](guide::phased), [batch jobs](guide::batch),
-//! [testing your domain](guide::testing),
-//! [running in production](guide::production),
-//! [high availability](guide::high_availability),
-//! [scaling out with Citus](guide::citus),
-//! [performance](guide::performance),
-//! [async: diesel-async](guide::asynchronous).
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs)]
@@ -120,7 +133,7 @@ pub mod testing;
 
 #[cfg(feature = "diesel-async")]
 pub use backend::AsyncStoreConnection;
-pub use backend::migrate::{MIGRATIONS, Migrations, run_migrations};
+pub use backend::migrate::{MIGRATIONS, Migrations, SchemaError, SchemaHistory, check_schema, run_migrations};
 pub use backend::{RawConnection, StoreConnection};
 #[cfg(feature = "diesel-async")]
 pub use config::run_idempotent_async;
@@ -138,6 +151,17 @@ pub use telemetry::describe_metrics;
 
 #[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
 compile_error!("enable at least one backend feature: `sqlite` (the default), `postgres` or `mysql`");
+
+// `diesel-async` alone has no connection to run on: each backend's async
+// connection is a feature of its own, so that no backend's async client
+// reaches a build that did not ask for it.
+#[cfg(all(
+    feature = "diesel-async",
+    not(any(feature = "sqlite-async", feature = "postgres-async", feature = "mysql-async"))
+))]
+compile_error!(
+    "the feature `diesel-async` is enabled through a backend's: `sqlite-async`, `postgres-async` or `mysql-async`"
+);
 
 /// Guides: documentation only. These modules hold no items; each one's page
 /// is a guide from the crate's `docs/` folder, and every Rust example in

@@ -56,7 +56,7 @@ pub fn sqlite_memory() -> SqliteConnection {
 }
 
 /// [`sqlite_memory`] behind diesel-async's `SyncConnectionWrapper`
-/// (feature `diesel-async`): an in-memory SQLite database with this
+/// (feature `sqlite-async`): an in-memory SQLite database with this
 /// crate's tables, for domain tests of code that runs
 /// [`run_idempotent_async`](crate::run_idempotent_async). Its statements
 /// run on tokio's blocking pool, on the runtime it is made in.
@@ -76,7 +76,7 @@ pub fn sqlite_memory() -> SqliteConnection {
 /// # Ok(())
 /// # }
 /// ```
-#[cfg(feature = "diesel-async")]
+#[cfg(feature = "sqlite-async")]
 pub fn sqlite_memory_async() -> diesel_async::sync_connection_wrapper::SyncConnectionWrapper<SqliteConnection> {
     diesel_async::sync_connection_wrapper::SyncConnectionWrapper::new(sqlite_memory())
 }

@@ -199,7 +199,7 @@ impl<C: Bench> Db<C> {
     }
 
     /// Where the bench database is.
-    #[cfg(all(feature = "diesel-async", feature = "postgres"))]
+    #[cfg(feature = "postgres-async")]
     pub fn url(&self) -> &str {
         self.scratch.url()
     }

@@ -37,11 +37,11 @@ impl StatementCounter {
 /// one's round trip. diesel's instrumentation does not report the prepare
 /// of a statement it does not cache, a round trip of its own that is not
 /// counted.
-#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+#[cfg(feature = "postgres-async")]
 #[derive(Clone, Default)]
 pub struct RoundTripCounter(Arc<RoundTrips>);
 
-#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+#[cfg(feature = "postgres-async")]
 #[derive(Default)]
 struct RoundTrips {
     statements: AtomicU64,
@@ -49,7 +49,7 @@ struct RoundTrips {
     in_flight: AtomicU64,
 }
 
-#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+#[cfg(feature = "postgres-async")]
 impl RoundTripCounter {
     pub fn instrumentation(&self) -> impl diesel::connection::Instrumentation {
         let counts = Arc::clone(&self.0);

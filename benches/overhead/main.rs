@@ -7,7 +7,7 @@
 //! cargo bench --features postgres --bench overhead -- --backend postgres [--quick] [--json FILE] [--statements]
 //! cargo bench --features mysql --bench overhead -- --backend mysql [--quick] [--json FILE] [--statements]
 //! cargo bench --features postgres --bench overhead -- --backend citus [--quick] [--json FILE]
-//! cargo bench --features postgres,diesel-async --bench overhead -- --backend postgres-async [--quick] [--json FILE]
+//! cargo bench --features postgres-async --bench overhead -- --backend postgres-async [--quick] [--json FILE]
 //! ```
 //!
 //! `--backend postgres-async` measures the diesel-async call next to the
@@ -40,7 +40,7 @@ mod citus;
 mod common;
 
 mod args;
-#[cfg(all(feature = "diesel-async", feature = "postgres"))]
+#[cfg(feature = "postgres-async")]
 mod asynchronous;
 mod db;
 mod instrument;
@@ -115,13 +115,13 @@ fn main() -> ExitCode {
             );
             return ExitCode::from(2);
         }
-        #[cfg(all(feature = "diesel-async", feature = "postgres"))]
+        #[cfg(feature = "postgres-async")]
         "postgres-async" => (asynchronous::run(sizes), asynchronous::print_report),
-        #[cfg(not(all(feature = "diesel-async", feature = "postgres")))]
+        #[cfg(not(feature = "postgres-async"))]
         "postgres-async" => {
             eprintln!(
                 "postgres-async needs the postgres and diesel-async features: run \
-                 cargo bench --features postgres,diesel-async --bench overhead -- --backend postgres-async"
+                 cargo bench --features postgres-async --bench overhead -- --backend postgres-async"
             );
             return ExitCode::from(2);
         }

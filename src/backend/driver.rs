@@ -61,14 +61,14 @@ pub trait Driver: Sized {
 
     /// [`KeyStore::find`].
     #[cfg_attr(
-        not(any(feature = "sqlite", feature = "postgres", feature = "diesel-async")),
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql-async")),
         expect(dead_code, reason = "MySQL's sync calls read by statements of their own")
     )]
     fn find(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>>;
 
     /// [`KeyStore::claim`].
     #[cfg_attr(
-        not(any(feature = "sqlite", feature = "postgres", feature = "diesel-async")),
+        not(any(feature = "sqlite", feature = "postgres", feature = "mysql-async")),
         expect(dead_code, reason = "MySQL's sync calls claim by statements of their own")
     )]
     fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<Claim>>;
@@ -167,12 +167,12 @@ pub(crate) async fn catch_unwind<F: Future>(future: F) -> Result<F::Output, Pani
     .await
 }
 
-#[cfg(all(feature = "diesel-async", any(feature = "postgres", feature = "mysql")))]
+#[cfg(any(feature = "postgres-async", feature = "mysql-async"))]
 pub(crate) use asynchronous::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
 
 /// The transactions of the diesel-async connections whose transaction
 /// manager is diesel-async's own (PostgreSQL's and MySQL's).
-#[cfg(all(feature = "diesel-async", any(feature = "postgres", feature = "mysql")))]
+#[cfg(any(feature = "postgres-async", feature = "mysql-async"))]
 mod asynchronous {
     use std::ops::{Deref, DerefMut};
 

@@ -10,11 +10,19 @@
 //! under a version no other set uses, so a database records the same
 //! versions for the same tables
 //! whichever set created it.
+//!
+//! The database records them in a schema history of the crate's own,
+//! `__idempotency_schema_migrations` (its one statement in
+//! `migrations/schema_history.sql`), never in the application's
+//! `__diesel_schema_migrations`, whose newest version diesel's
+//! `revert_last_migration` (and the diesel CLI's `migration revert` and
+//! `redo`) looks up in the application's own migrations.
 
-use diesel::migration::{self, Migration, MigrationSource};
-use diesel_migrations::{EmbeddedMigrations, embed_migrations};
+use diesel::migration::{self, Migration, MigrationSource, MigrationVersion};
+use diesel::prelude::*;
+use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
-use crate::backend::StoreConnection;
+use crate::backend::{KeyStore, RawConnection, StoreConnection};
 
 #[cfg(feature = "sqlite")]
 pub(crate) const SQLITE: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
@@ -25,28 +33,59 @@ pub(crate) const POSTGRES: EmbeddedMigrations = embed_migrations!("migrations/po
 #[cfg(feature = "mysql")]
 pub(crate) const MYSQL: EmbeddedMigrations = embed_migrations!("migrations/mysql");
 
-/// This crate's migrations: the `idempotency_keys` table and its index, and
-/// the `idempotency_outbox` table of the [outbox](crate::outbox), for
+/// Creates the crate's schema history where it is missing.
+pub(crate) const CREATE_HISTORY: &str = include_str!("../../migrations/schema_history.sql");
+
+diesel::table! {
+    /// The crate's schema history.
+    __idempotency_schema_migrations (version) {
+        version -> VarChar,
+        run_on -> Timestamp,
+    }
+}
+
+diesel::table! {
+    /// The application's schema history, diesel's, where releases before
+    /// the crate's own history recorded the crate's migrations.
+    __diesel_schema_migrations (version) {
+        version -> VarChar,
+        run_on -> Timestamp,
+    }
+}
+
+pub(crate) use __diesel_schema_migrations as application;
+pub(crate) use __idempotency_schema_migrations as history;
+
+/// This crate's migrations: the `idempotency_keys` table and its index, the
+/// `idempotency_outbox` table of the [outbox](crate::outbox) and the
+/// `idempotency_phases` table of [phased operations](crate::phased), for
 /// whichever backend the harness runs them on.
 ///
-/// Run them with [`run_migrations`], or with your own
-/// [`MigrationHarness`](diesel_migrations::MigrationHarness) next to your
-/// application's migrations: diesel records them in the same
-/// `__diesel_schema_migrations` table under their own versions
-/// (`20261129000000` onwards), so they never clash with yours.
+/// Apply them with [`run_migrations`], which records them in the crate's
+/// own schema history, `__idempotency_schema_migrations`, beside your
+/// application's `__diesel_schema_migrations`: your migrations and the
+/// diesel CLI (`diesel migration run`, `revert`, `redo`) never see them.
+/// To revert them, or to ask what is pending, give `MIGRATIONS` to a
+/// [`SchemaHistory`], the harness that keeps that history; a harness of
+/// your own (`conn.run_pending_migrations(MIGRATIONS)`) would record them
+/// in your history, where diesel's `revert_last_migration` then fails to
+/// find them among your migrations.
 ///
 /// ```
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use diesel::prelude::*;
 /// use diesel_migrations::{embed_migrations, EmbeddedMigrations, MigrationHarness};
+/// use idempotency::SchemaHistory;
 ///
 /// // Your application's own migrations.
 /// const APP_MIGRATIONS: EmbeddedMigrations = embed_migrations!("tests/migrations");
 ///
 /// let mut conn = SqliteConnection::establish(":memory:")?;
-/// conn.run_pending_migrations(idempotency::MIGRATIONS)?;
 /// conn.run_pending_migrations(APP_MIGRATIONS)?;
-/// assert!(conn.has_pending_migration(idempotency::MIGRATIONS).map(|pending| !pending)?);
+/// idempotency::run_migrations(&mut conn)?;
+/// assert!(!SchemaHistory::new(&mut conn).has_pending_migration(idempotency::MIGRATIONS)?);
+/// // Your history holds your migrations only: reverting the last one reverts yours.
+/// conn.revert_last_migration(APP_MIGRATIONS)?;
 /// # Ok(())
 /// # }
 /// ```
@@ -78,7 +117,11 @@ impl MigrationSource<diesel::mysql::Mysql> for Migrations {
     }
 }
 
-/// Applies the pending migrations of [`MIGRATIONS`] on `conn`.
+/// Applies the pending migrations of [`MIGRATIONS`] on `conn`, recorded
+/// in the crate's schema history (see [`SchemaHistory`]). Call it at
+/// start-up, before serving: a call on a database without the crate's
+/// tables fails with [`Error::Storage`](crate::Error::Storage) at every
+/// request.
 ///
 /// # Errors
 ///
@@ -96,6 +139,297 @@ impl MigrationSource<diesel::mysql::Mysql> for Migrations {
 /// # }
 /// ```
 pub fn run_migrations<C: StoreConnection>(conn: &mut C) -> migration::Result<()> {
-    use crate::backend::KeyStore;
-    conn.raw().apply_migrations()
+    SchemaHistory::new(conn).run_pending_migrations(<C::Raw as History>::MIGRATIONS)?;
+    Ok(())
 }
+
+/// Checks, changing nothing, that the database of `conn` has every
+/// migration of [`MIGRATIONS`]: for the start of a service that leaves
+/// migrating to a deployment step, so that a database without the crate's
+/// tables stops it at once with the fix named, not every request later
+/// with a 500.
+///
+/// # Errors
+///
+/// [`SchemaError::Pending`] with the versions the database lacks;
+/// [`SchemaError::Unreadable`] when the database cannot be asked.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::prelude::*;
+/// use idempotency::SchemaError;
+///
+/// let mut conn = SqliteConnection::establish(":memory:")?;
+/// let missing = idempotency::check_schema(&mut conn);
+/// assert!(matches!(missing, Err(SchemaError::Pending(_))));
+/// assert!(missing.unwrap_err().to_string().contains("idempotency::run_migrations"));
+///
+/// idempotency::run_migrations(&mut conn)?;
+/// idempotency::check_schema(&mut conn)?;
+/// # Ok(())
+/// # }
+/// ```
+pub fn check_schema<C: StoreConnection>(conn: &mut C) -> Result<(), SchemaError> {
+    let pending = conn.raw().unapplied().map_err(SchemaError::Unreadable)?;
+    if pending.is_empty() {
+        Ok(())
+    } else {
+        Err(SchemaError::Pending(pending))
+    }
+}
+
+/// Why [`check_schema`] refused a database.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SchemaError {
+    /// The versions of the crate's migrations that the database lacks,
+    /// oldest first: apply them with [`run_migrations`].
+    Pending(Vec<String>),
+    /// The database could not be asked which migrations it has.
+    Unreadable(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl std::fmt::Display for SchemaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SchemaError::Pending(versions) => write!(
+                f,
+                "the database lacks the idempotency crate's migrations {}: apply them with \
+                 `idempotency::run_migrations(&mut conn)` before serving",
+                versions.join(", ")
+            ),
+            SchemaError::Unreadable(_) => f.write_str("the database's idempotency migrations could not be read"),
+        }
+    }
+}
+
+impl std::error::Error for SchemaError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            SchemaError::Pending(_) => None,
+            SchemaError::Unreadable(error) => Some(&**error),
+        }
+    }
+}
+
+/// The crate's schema history on a connection: a diesel
+/// [`MigrationHarness`](diesel_migrations::MigrationHarness) for
+/// [`MIGRATIONS`] that records them in `__idempotency_schema_migrations`,
+/// never in your application's `__diesel_schema_migrations`.
+///
+/// [`run_migrations`] applies them through it; use it yourself to list
+/// what is applied or pending, or to revert the crate's migrations. Its
+/// first use on a database where a release before recorded the crate's
+/// migrations in `__diesel_schema_migrations` moves those versions into the
+/// crate's history, in one transaction; your own versions stay where they
+/// are.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::prelude::*;
+/// use diesel_migrations::MigrationHarness;
+/// use idempotency::{SchemaHistory, MIGRATIONS};
+///
+/// let mut conn = SqliteConnection::establish(":memory:")?;
+/// let mut history = SchemaHistory::new(&mut conn);
+/// history.run_pending_migrations(MIGRATIONS)?;
+/// assert!(!history.has_pending_migration(MIGRATIONS)?);
+/// // Reverting them drops the crate's tables.
+/// history.revert_all_migrations(MIGRATIONS)?;
+/// assert!(history.has_pending_migration(MIGRATIONS)?);
+/// # Ok(())
+/// # }
+/// ```
+pub struct SchemaHistory<'a, C> {
+    conn: &'a mut C,
+}
+
+impl<'a, C: RawConnection> SchemaHistory<'a, C> {
+    /// The crate's schema history on `conn` (or the connection behind a
+    /// pooled one).
+    pub fn new<S: StoreConnection<Raw = C>>(conn: &'a mut S) -> Self {
+        SchemaHistory { conn: conn.raw() }
+    }
+}
+
+impl<C> MigrationHarness<<C as Connection>::Backend> for SchemaHistory<'_, C>
+where
+    C: RawConnection,
+{
+    fn run_migration(
+        &mut self,
+        migration: &dyn Migration<<C as Connection>::Backend>,
+    ) -> migration::Result<MigrationVersion<'static>> {
+        self.conn.run_recorded(migration)
+    }
+
+    fn revert_migration(
+        &mut self,
+        migration: &dyn Migration<<C as Connection>::Backend>,
+    ) -> migration::Result<MigrationVersion<'static>> {
+        self.conn.revert_recorded(migration)
+    }
+
+    fn applied_migrations(&mut self) -> migration::Result<Vec<MigrationVersion<'static>>> {
+        self.conn.recorded()
+    }
+}
+
+/// A backend's side of the crate's schema history: its migrations, how it
+/// finds a table, and the harness's statements, which
+/// [`schema_history!`] writes once for every backend.
+pub trait History: KeyStore {
+    /// The backend's set of the crate's migrations.
+    const MIGRATIONS: EmbeddedMigrations;
+
+    /// Whether a table of this name is where an unqualified statement
+    /// would find it.
+    fn has_table(&mut self, name: &str) -> QueryResult<bool>;
+
+    /// Runs `migration` and records it in the crate's history.
+    fn run_recorded(
+        &mut self,
+        migration: &dyn Migration<Self::Backend>,
+    ) -> migration::Result<MigrationVersion<'static>>;
+
+    /// Reverts `migration` and removes it from the crate's history.
+    fn revert_recorded(
+        &mut self,
+        migration: &dyn Migration<Self::Backend>,
+    ) -> migration::Result<MigrationVersion<'static>>;
+
+    /// The versions the crate's history holds, newest first, once the
+    /// history exists and holds what diesel's held of the crate's.
+    fn recorded(&mut self) -> migration::Result<Vec<MigrationVersion<'static>>>;
+
+    /// The versions of the crate's migrations that neither history holds,
+    /// oldest first; read only.
+    fn unapplied(&mut self) -> migration::Result<Vec<String>>;
+}
+
+/// The versions of a set of migrations, oldest first.
+pub(crate) fn versions<DB: diesel::backend::Backend>(set: &EmbeddedMigrations) -> migration::Result<Vec<String>> {
+    let mut versions: Vec<String> = MigrationSource::<DB>::migrations(set)?
+        .iter()
+        .map(|migration| migration.name().version().to_string())
+        .collect();
+    versions.sort();
+    Ok(versions)
+}
+
+/// The count a backend's [`History::has_table`] reads.
+#[derive(QueryableByName)]
+pub(crate) struct Count {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    pub(crate) n: i64,
+}
+
+/// The statements of [`History`] for the connection type `$conn`, written
+/// once: in an `impl History for $conn` block.
+macro_rules! schema_history {
+    ($conn:ty) => {
+        fn run_recorded(
+            &mut self,
+            migration: &dyn diesel::migration::Migration<Self::Backend>,
+        ) -> diesel::migration::Result<diesel::migration::MigrationVersion<'static>> {
+            use $crate::backend::migrate::history;
+            let version = migration.name().version().as_owned();
+            let apply = |conn: &mut $conn| -> diesel::migration::Result<()> {
+                migration.run(conn)?;
+                diesel::insert_into(history::table)
+                    .values(history::version.eq(version.to_string()))
+                    .execute(conn)?;
+                Ok(())
+            };
+            if migration.metadata().run_in_transaction() {
+                self.transaction(apply)?;
+            } else {
+                apply(self)?;
+            }
+            Ok(version)
+        }
+
+        fn revert_recorded(
+            &mut self,
+            migration: &dyn diesel::migration::Migration<Self::Backend>,
+        ) -> diesel::migration::Result<diesel::migration::MigrationVersion<'static>> {
+            use $crate::backend::migrate::history;
+            let version = migration.name().version().as_owned();
+            let revert = |conn: &mut $conn| -> diesel::migration::Result<()> {
+                migration.revert(conn)?;
+                diesel::delete(history::table.find(version.to_string())).execute(conn)?;
+                Ok(())
+            };
+            if migration.metadata().run_in_transaction() {
+                self.transaction(revert)?;
+            } else {
+                revert(self)?;
+            }
+            Ok(version)
+        }
+
+        fn recorded(&mut self) -> diesel::migration::Result<Vec<diesel::migration::MigrationVersion<'static>>> {
+            use $crate::backend::migrate::{application, history};
+
+            diesel::connection::SimpleConnection::batch_execute(self, $crate::backend::migrate::CREATE_HISTORY)?;
+            if self.has_table("__diesel_schema_migrations")? {
+                let ours = $crate::backend::migrate::versions::<Self::Backend>(&Self::MIGRATIONS)?;
+                // Moves the crate's versions diesel's history holds, with
+                // the times they were applied; a version both hold stays in
+                // the crate's only.
+                self.transaction(|conn| {
+                    let moved: Vec<(String, chrono::NaiveDateTime)> = application::table
+                        .select((application::version, application::run_on))
+                        .filter(application::version.eq_any(&ours))
+                        .load(conn)?;
+                    if moved.is_empty() {
+                        return QueryResult::Ok(());
+                    }
+                    let kept: Vec<String> = history::table
+                        .select(history::version)
+                        .filter(history::version.eq_any(&ours))
+                        .load(conn)?;
+                    for (version, run_on) in moved.iter().filter(|(version, _)| !kept.contains(version)) {
+                        diesel::insert_into(history::table)
+                            .values((history::version.eq(version), history::run_on.eq(run_on)))
+                            .execute(conn)?;
+                    }
+                    diesel::delete(application::table.filter(application::version.eq_any(&ours))).execute(conn)?;
+                    Ok(())
+                })?;
+            }
+            let versions: Vec<String> = history::table
+                .select(history::version)
+                .order(history::version.desc())
+                .load(self)?;
+            Ok(versions
+                .into_iter()
+                .map(diesel::migration::MigrationVersion::from)
+                .collect())
+        }
+
+        fn unapplied(&mut self) -> diesel::migration::Result<Vec<String>> {
+            use $crate::backend::migrate::{application, history};
+
+            let ours = $crate::backend::migrate::versions::<Self::Backend>(&Self::MIGRATIONS)?;
+            let mut applied: Vec<String> = Vec::new();
+            if self.has_table("__idempotency_schema_migrations")? {
+                applied.extend(history::table.select(history::version).load::<String>(self)?);
+            }
+            // A database of a release before, whose history is diesel's.
+            if self.has_table("__diesel_schema_migrations")? {
+                applied.extend(
+                    application::table
+                        .select(application::version)
+                        .filter(application::version.eq_any(&ours))
+                        .load::<String>(self)?,
+                );
+            }
+            Ok(ours
+                .into_iter()
+                .filter(|version| !applied.contains(version))
+                .collect())
+        }
+    };
+}
+pub(crate) use schema_history;

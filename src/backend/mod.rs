@@ -71,10 +71,11 @@ pub(crate) mod row_with;
 mod sqlite;
 mod transaction;
 
-#[cfg(all(feature = "diesel-async", any(feature = "postgres", feature = "mysql")))]
+#[cfg(any(feature = "postgres-async", feature = "mysql-async"))]
 pub(crate) use driver::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
 pub(crate) use driver::{Driver, Panic, at_once, catch_unwind};
 pub(crate) use keys::{Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, Stored};
+pub(crate) use migrate::History;
 pub(crate) use outbox::OutboxStore;
 pub(crate) use phases::PhaseStore;
 pub(crate) use purge::{purge_in_batches, sql_limit};
@@ -141,7 +142,7 @@ pub trait StoreConnection: sealed::Sealed {
 /// implements it. Its supertraits besides `StoreConnection` hold the
 /// crate's statements (key records, outbox, phases); they are private, and
 /// `RawConnection` is the one bound that brings them all.
-pub trait RawConnection: StoreConnection<Raw = Self> + KeyStore + OutboxStore + PhaseStore {}
+pub trait RawConnection: StoreConnection<Raw = Self> + KeyStore + OutboxStore + PhaseStore + History {}
 
 impl<C> StoreConnection for PooledConnection<ConnectionManager<C>>
 where
@@ -160,9 +161,10 @@ impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
 }
 
 /// A diesel-async connection that idempotent calls can run on
-/// (feature `diesel-async`): `AsyncPgConnection` (with `postgres`),
-/// `AsyncMysqlConnection` (with `mysql`), or
-/// `SyncConnectionWrapper<SqliteConnection>` (with `sqlite`). The
+/// (feature `diesel-async`, enabled by each of the backends' async
+/// features): `AsyncPgConnection` (feature `postgres-async`),
+/// `AsyncMysqlConnection` (`mysql-async`), or
+/// `SyncConnectionWrapper<SqliteConnection>` (`sqlite-async`). The
 /// operation of [`run_idempotent_async`](crate::run_idempotent_async)
 /// receives the same connection, inside the call's transaction. A pooled
 /// connection (bb8, deadpool) is passed as the connection it derefs to:

@@ -91,6 +91,11 @@ where
 
 impl<H, L, C> RunQueryDsl<C> for RowWith<'_, H, L> {}
 
+// diesel-async runs a query of diesel's kind only; a statement of the
+// crate's own says it runs on diesel-async's connections as well.
+#[cfg(any(feature = "postgres-async", feature = "mysql-async"))]
+impl<H, L, C> diesel_async::RunQueryDsl<C> for RowWith<'_, H, L> {}
+
 /// The head and the columns of the row of `(scope, key)`, as `Row`.
 pub(crate) fn row_with<H, L, C, Row>(conn: &mut C, scope: &str, key: &str) -> QueryResult<Row>
 where

@@ -1947,7 +1947,9 @@ mod library {
     #[cfg(feature = "deadpool")]
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deadpool_pool_without_a_wait_timeout_answers_503_with_retry_after() {
-        use deadpool_diesel::sqlite::{Manager, Pool, Runtime};
+        use deadpool_diesel::Runtime;
+        type Manager = deadpool_diesel::Manager<diesel::SqliteConnection>;
+        type Pool = deadpool_diesel::Pool<Manager>;
 
         let db = idempotency::testing::SqliteFile::new();
         db.conn()

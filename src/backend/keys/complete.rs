@@ -65,3 +65,8 @@ where
 }
 
 impl<C, Time> RunQueryDsl<C> for Complete<'_, Time> {}
+
+// diesel-async runs a query of diesel's kind only; a statement of the
+// crate's own says it runs on diesel-async's connections as well.
+#[cfg(feature = "diesel-async")]
+impl<C, Time> diesel_async::RunQueryDsl<C> for Complete<'_, Time> {}

@@ -150,9 +150,6 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
         }
     }
 
-    /// Applies the pending migrations of this backend's set.
-    fn apply_migrations(&mut self) -> diesel::migration::Result<()>;
-
     /// The record for `(scope, key)` and the database's time, in one
     /// statement outside any write transaction.
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read>;

@@ -50,7 +50,7 @@
 //! between) leaves the connection marked broken ([`TakenSession`]): a pool
 //! discards it, and the server frees the lock when the session closes.
 
-#[cfg(feature = "diesel-async")]
+#[cfg(feature = "mysql-async")]
 mod asynchronous;
 mod outbox;
 mod phases;
@@ -67,7 +67,9 @@ use diesel::prelude::*;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Datetime, Double, Nullable, Text};
-use diesel_migrations::MigrationHarness;
+use diesel_migrations::EmbeddedMigrations;
+
+use super::migrate::{self, Count, History};
 
 use self::session::{Session, TakenSession};
 use super::row_with::Head;
@@ -81,6 +83,21 @@ pub(crate) mod schema;
 use schema::idempotency_keys as k;
 
 super::raw_connection!(MysqlConnection);
+
+impl History for MysqlConnection {
+    const MIGRATIONS: EmbeddedMigrations = migrate::MYSQL;
+
+    fn has_table(&mut self, name: &str) -> QueryResult<bool> {
+        let found: Count = diesel::sql_query(
+            "SELECT COUNT(*) AS n FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name = ?",
+        )
+        .bind::<diesel::sql_types::Text, _>(name)
+        .get_result(self)?;
+        Ok(found.n > 0)
+    }
+
+    migrate::schema_history!(MysqlConnection);
+}
 
 /// `UTC_TIMESTAMP(6)`, the server's time in UTC to the microsecond, as an
 /// expression of the DSL. (diesel's `now` is the session's time, to the
@@ -182,6 +199,8 @@ impl QueryFragment<Mysql> for GetLock<'_> {
 }
 
 impl RunQueryDsl<MysqlConnection> for GetLock<'_> {}
+#[cfg(feature = "mysql-async")]
+impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for GetLock<'_> {}
 
 /// `SELECT RELEASE_LOCK(name)`.
 struct ReleaseLock<'a>(&'a str);
@@ -205,6 +224,8 @@ impl QueryFragment<Mysql> for ReleaseLock<'_> {
 }
 
 impl RunQueryDsl<MysqlConnection> for ReleaseLock<'_> {}
+#[cfg(feature = "mysql-async")]
+impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for ReleaseLock<'_> {}
 
 /// The statements that bound how long the server waits for the client of
 /// a call that holds its key: the session's `wait_timeout`, lowered from
@@ -258,6 +279,8 @@ impl QueryFragment<Mysql> for IdleStatement<'_> {
 }
 
 impl RunQueryDsl<MysqlConnection> for IdleStatement<'_> {}
+#[cfg(feature = "mysql-async")]
+impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for IdleStatement<'_> {}
 
 /// The longest `wait_timeout` the server takes, in seconds (a year).
 const MAX_WAIT_TIMEOUT: i64 = 31_536_000;
@@ -476,11 +499,6 @@ impl KeyStore for MysqlConnection {
     // `DATETIME` holds the years 1000 to 9999; beyond them the server
     // stores `0000-00-00`, even in strict mode, which sorts before now.
     const STORABLE_YEARS: Option<RangeInclusive<i32>> = Some(1000..=9999);
-
-    fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
-        self.run_pending_migrations(crate::backend::migrate::MYSQL)?;
-        Ok(())
-    }
 
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         at_once(read(self, scope, key))

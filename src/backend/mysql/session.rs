@@ -148,7 +148,7 @@ macro_rules! sends {
         }
     };
 }
-#[cfg(feature = "diesel-async")]
+#[cfg(feature = "mysql-async")]
 pub(super) use sends;
 
 impl Session for MysqlConnection {

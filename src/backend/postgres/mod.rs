@@ -35,7 +35,7 @@
 //! meets one of the crate's only by a 1 in 2^64 chance, and two keys that
 //! meet merely wait for each other.
 
-#[cfg(feature = "diesel-async")]
+#[cfg(feature = "postgres-async")]
 mod asynchronous;
 mod outbox;
 mod phases;
@@ -47,7 +47,9 @@ use diesel::prelude::*;
 use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Bool, Text, Timestamp, Timestamptz};
-use diesel_migrations::MigrationHarness;
+use diesel_migrations::EmbeddedMigrations;
+
+use super::migrate::{self, Count, History};
 
 use super::citus;
 use super::keys::{claiming, hold_of};
@@ -58,6 +60,21 @@ use crate::in_flight::InFlight;
 use crate::schema;
 
 super::raw_connection!(PgConnection);
+
+impl History for PgConnection {
+    const MIGRATIONS: EmbeddedMigrations = migrate::POSTGRES;
+
+    // `to_regclass` finds a table as an unqualified name does, through the
+    // session's `search_path`, and is null where there is none.
+    fn has_table(&mut self, name: &str) -> QueryResult<bool> {
+        let found: Count = diesel::sql_query("SELECT COUNT(to_regclass($1)) AS n")
+            .bind::<diesel::sql_types::Text, _>(name)
+            .get_result(self)?;
+        Ok(found.n > 0)
+    }
+
+    migrate::schema_history!(PgConnection);
+}
 
 diesel::define_sql_function! {
     /// PostgreSQL's `timezone(zone, timestamptz)`: the time in `zone`,
@@ -454,11 +471,6 @@ impl KeyStore for PgConnection {
     // scope and the key side by side: 1300 bytes each fit with their headers
     // even when the values do not compress.
     const MAX_KEY_LEN: Option<usize> = Some(1300);
-
-    fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
-        self.run_pending_migrations(crate::backend::migrate::POSTGRES)?;
-        Ok(())
-    }
 
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         let ((now, claims_first), record) =

@@ -14,7 +14,7 @@
 //! PRAGMAs are prepared statements that diesel caches, so each costs
 //! microseconds, not a parse per call.
 
-#[cfg(feature = "diesel-async")]
+#[cfg(feature = "sqlite-async")]
 mod asynchronous;
 mod outbox;
 mod phases;
@@ -29,7 +29,9 @@ use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Integer, Timestamp};
 use diesel::sqlite::{Sqlite, SqliteConnection};
-use diesel_migrations::MigrationHarness;
+use diesel_migrations::EmbeddedMigrations;
+
+use super::migrate::{self, Count, History};
 
 use super::keys::{claiming, hold_of};
 use super::{Driver, Hold, KeyStore, Read, Record, at_once, transaction_depth};
@@ -37,6 +39,22 @@ use crate::in_flight::InFlight;
 use crate::schema;
 
 super::raw_connection!(SqliteConnection);
+
+impl History for SqliteConnection {
+    const MIGRATIONS: EmbeddedMigrations = migrate::SQLITE;
+
+    // A table of the main database: an attached database's is found only
+    // by a qualified name.
+    fn has_table(&mut self, name: &str) -> QueryResult<bool> {
+        let found: Count =
+            diesel::sql_query("SELECT COUNT(*) AS n FROM sqlite_master WHERE type = 'table' AND name = ?")
+                .bind::<diesel::sql_types::Text, _>(name)
+                .get_result(self)?;
+        Ok(found.n > 0)
+    }
+
+    migrate::schema_history!(SqliteConnection);
+}
 
 /// A PRAGMA that reads or sets an integer, sent as a prepared statement
 /// that diesel caches by its text. (`sql_query` is never cached, and a
@@ -176,11 +194,6 @@ impl KeyStore for SqliteConnection {
     // Times are text compared as text, which orders them only while the
     // year has four digits: `+10021-01-01` sorts before `2026-01-01`.
     const STORABLE_YEARS: Option<RangeInclusive<i32>> = Some(1..=9999);
-
-    fn apply_migrations(&mut self) -> diesel::migration::Result<()> {
-        self.run_pending_migrations(crate::backend::migrate::SQLITE)?;
-        Ok(())
-    }
 
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         Ok(Read {

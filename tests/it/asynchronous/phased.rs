@@ -500,7 +500,7 @@ async fn an_async_attempt_cut_at_any_wait_keeps_whole_steps_and_is_resumed_after
         waits += 1;
     }
     assert!(
-        cut_inside > 0 && cut_between > 0,
+        cut_inside > 0 && (cut_between > 0 || D::CUT_STATEMENT_DISCARDS_THE_CONNECTION),
         "the cuts fell inside a step's transaction ({cut_inside}) and between steps ({cut_between})"
     );
 }

@@ -35,6 +35,12 @@ pub trait AsyncServerDb: AsyncDb<Async: PoolableConnection> + ServerDb {
     /// bb8's manager of the backend's async connections.
     type Manager: bb8::ManageConnection<Connection = Self::Async>;
 
+    /// Whether a future dropped while a statement of its connection is in
+    /// flight leaves the connection to be discarded, wherever it was: the
+    /// statement's reply may still arrive (diesel-async 0.10's MySQL
+    /// connection), so no cut leaves the connection as it was.
+    const CUT_STATEMENT_DISCARDS_THE_CONNECTION: bool;
+
     /// A bb8 pool of at most `size` async connections to this test's
     /// database.
     fn async_pool(&self, size: u32) -> impl Future<Output = bb8::Pool<Self::Manager>> + Send;
@@ -89,6 +95,7 @@ impl AsyncDb for super::pg::Db {
 #[cfg(feature = "postgres")]
 impl AsyncServerDb for super::pg::Db {
     type Manager = AsyncDieselConnectionManager<AsyncPgConnection>;
+    const CUT_STATEMENT_DISCARDS_THE_CONNECTION: bool = false;
 
     async fn async_pool(&self, size: u32) -> bb8::Pool<Self::Manager> {
         bb8::Pool::builder()
@@ -138,6 +145,7 @@ impl AsyncDb for super::mysql::Db {
 #[cfg(feature = "mysql")]
 impl AsyncServerDb for super::mysql::Db {
     type Manager = AsyncDieselConnectionManager<AsyncMysqlConnection>;
+    const CUT_STATEMENT_DISCARDS_THE_CONNECTION: bool = true;
 
     async fn async_pool(&self, size: u32) -> bb8::Pool<Self::Manager> {
         bb8::Pool::builder()
