@@ -53,8 +53,6 @@ macro_rules! raw_connection {
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use raw_connection;
 
-#[cfg(feature = "postgres")]
-pub mod citus;
 mod driver;
 mod keys;
 pub(crate) mod migrate;
@@ -78,6 +76,8 @@ pub(crate) use keys::{Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Re
 pub(crate) use migrate::History;
 pub(crate) use outbox::OutboxStore;
 pub(crate) use phases::PhaseStore;
+#[cfg(feature = "postgres")]
+pub use postgres::citus;
 pub(crate) use purge::{purge_in_batches, sql_limit};
 #[cfg(feature = "postgres")]
 pub(crate) use transaction::transaction_with;

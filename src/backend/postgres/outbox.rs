@@ -15,9 +15,10 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{Text, Timestamp};
 
-use crate::backend::citus;
+use super::citus;
+use super::expired::Expired;
+use super::{database_time, purge};
 use crate::backend::outbox::{Claim, Claimed, OutboxStore, claim_in_one_statement, outbox_statements};
-use crate::backend::postgres::{Expired, database_time, purge};
 use crate::row_status::MessageStatus;
 use crate::schema;
 

@@ -27,7 +27,7 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Text};
 
-use crate::backend::postgres::Expired;
+use super::expired::Expired;
 use crate::backend::sql_limit;
 use crate::error::Error;
 
