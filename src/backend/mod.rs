@@ -76,8 +76,6 @@ pub(crate) use keys::{Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Re
 pub(crate) use migrate::History;
 pub(crate) use outbox::OutboxStore;
 pub(crate) use phases::PhaseStore;
-#[cfg(feature = "postgres")]
-pub use postgres::citus;
 pub(crate) use purge::{purge_in_batches, sql_limit};
 #[cfg(feature = "postgres")]
 pub(crate) use transaction::transaction_with;

@@ -5,7 +5,7 @@
 //! `CITUS_DATABASE_URL` (the coordinator), reached through `search_path`,
 //! with the crate's migrations, a domain table `orders` distributed by
 //! `account`, and the crate's tables distributed by `scope` and co-located
-//! with it by `idempotency::backend::citus::distribute`. Citus names every shard with its schema in the statements it
+//! with it by `idempotency::citus::distribute`. Citus names every shard with its schema in the statements it
 //! sends to the workers, so the schema reaches the shards without a
 //! `search_path` on the workers.
 //!
@@ -101,7 +101,7 @@ impl Db {
     fn new() -> Db {
         let db = Db::undistributed();
         let mut conn = db.conn();
-        idempotency::backend::citus::distribute(&mut conn, "orders").expect("distribute the crate's tables");
+        idempotency::citus::distribute(&mut conn, "orders").expect("distribute the crate's tables");
         assert_distributed(&mut conn, &db.schema);
         db
     }

@@ -2,7 +2,7 @@
 
 use diesel::connection::SimpleConnection;
 use diesel::pg::PgConnection;
-use idempotency::backend::citus::distribute;
+use idempotency::citus::distribute;
 use idempotency::{Error, Outcome, run_idempotent};
 
 use crate::{Db, PlaceOrder, lines, orders_and_key_records, place_order};
