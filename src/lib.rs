@@ -128,7 +128,7 @@ mod row_status;
 mod schema;
 mod service;
 mod telemetry;
-#[cfg(feature = "sqlite")]
+#[cfg(feature = "testing")]
 pub mod testing;
 
 #[cfg(feature = "diesel-async")]
