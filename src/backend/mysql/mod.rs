@@ -73,7 +73,9 @@ use super::migrate::{self, Count, History};
 
 use self::session::{Session, TakenSession};
 use super::row_with::Head;
-use super::{Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, at_once, catch_unwind, transaction_depth};
+use super::{
+    ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, at_once, catch_unwind, transaction_depth,
+};
 use crate::in_flight::InFlight;
 use crate::row_status::RecordStatus;
 use crate::telemetry;
@@ -466,16 +468,16 @@ async fn hold<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold
 }
 
 /// Claims `record`'s key, on either kind of connection.
-async fn claim<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<Claim> {
+async fn claim<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
     if insert_claim(conn, record).await? {
-        return Ok(Claim::Inserted);
+        return Ok(ClaimOutcome::Inserted);
     }
     // An existing record is taken over by a second, guarded statement only
     // if its retention has ended.
     Ok(if conn.take_over(record).await? == 1 {
-        Claim::TookOver
+        ClaimOutcome::TookOver
     } else {
-        Claim::Refused
+        ClaimOutcome::Refused
     })
 }
 
@@ -534,7 +536,7 @@ impl KeyStore for MysqlConnection {
         at_once(hold(self, record))
     }
 
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim> {
+    fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
         at_once(claim(self, record))
     }
 
