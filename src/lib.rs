@@ -79,7 +79,7 @@
 //! Each layer uses only the ones below it:
 //!
 //! - **integrations**: [`http`] for axum (feature `axum`), [`testing`] for
-//!   domain tests;
+//!   domain tests (feature `testing`);
 //! - **services**, background loops stopped by a [`Shutdown`], each beside
 //!   the feature it serves and all on one loop (`src/service/`): the outbox
 //!   [`Relay::serve`](outbox::Relay::serve), the [`Purger`], the phased
