@@ -57,6 +57,11 @@ pub(crate) fn validate_scope(scope: &str, max_len: usize) -> Result<(), KeyError
     validate(scope, max_len)
 }
 
+/// Checks an outbox message's topic: the same rules as a key's.
+pub(crate) fn validate_topic(topic: &str, max_len: usize) -> Result<(), KeyError> {
+    validate(topic, max_len)
+}
+
 fn validate(value: &str, max_len: usize) -> Result<(), KeyError> {
     check_length(value, max_len)?;
     // Before the character check, so that "4111 1111 1111 1111" is reported

@@ -79,7 +79,7 @@
 //! Each layer uses only the ones below it:
 //!
 //! - **integrations**: [`http`] for axum (feature `axum`), [`testing`] for
-//!   domain tests;
+//!   domain tests (feature `testing`);
 //! - **services**, background loops stopped by a [`Shutdown`], each beside
 //!   the feature it serves and all on one loop (`src/service/`): the outbox
 //!   [`Relay::serve`](outbox::Relay::serve), the [`Purger`], the phased
@@ -91,7 +91,7 @@
 //!   the [`outbox`], [`phased`] operations, [`batch`] jobs, the
 //!   [`Idempotent`] repository wrapper, purging
 //!   ([`Config::purge_expired`]);
-//! - **backends** ([`backend`], one folder per database under
+//! - **backends** (one folder per database under
 //!   `src/backend/`): SQLite, PostgreSQL and MySQL/MariaDB, each a cargo
 //!   feature, behind [`StoreConnection`]; the tables come from
 //!   [`run_migrations`] or [`MIGRATIONS`];
@@ -104,7 +104,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
-pub mod backend;
+mod backend;
 pub mod batch;
 mod clock;
 mod codec;
@@ -128,12 +128,14 @@ mod row_status;
 mod schema;
 mod service;
 mod telemetry;
-#[cfg(feature = "sqlite")]
+#[cfg(feature = "testing")]
 pub mod testing;
 
 #[cfg(feature = "diesel-async")]
 pub use backend::AsyncStoreConnection;
 pub use backend::migrate::{MIGRATIONS, Migrations, SchemaError, SchemaHistory, check_schema, run_migrations};
+#[cfg(feature = "postgres")]
+pub use backend::postgres::citus;
 pub use backend::{RawConnection, StoreConnection};
 #[cfg(feature = "diesel-async")]
 pub use config::run_idempotent_async;

@@ -3,7 +3,7 @@
 //!
 //! The domain operation inserts an order into `orders(account, id, item)`,
 //! distributed by `account` on Citus; the crate's tables are distributed by
-//! `scope` and co-located with it by `idempotency::backend::citus::distribute`,
+//! `scope` and co-located with it by `idempotency::citus::distribute`,
 //! and every call's scope is the order's tenant, so that a call runs on one
 //! worker. Per call, with the scenarios taking turns call by call:
 //!
@@ -219,7 +219,7 @@ impl Db {
         }
         idempotency::run_migrations(&mut conn).expect("migrate");
         if backend == "citus" {
-            idempotency::backend::citus::distribute(&mut conn, "orders").expect("distribute the crate's tables");
+            idempotency::citus::distribute(&mut conn, "orders").expect("distribute the crate's tables");
         }
         let roles = Roles {
             url: scratch.url().to_owned(),

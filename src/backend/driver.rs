@@ -20,7 +20,7 @@ use std::task::{Context, Poll, Waker};
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
 
-use super::keys::{Claim, HeldKey, Hold, KeyStore, Read, Record, Stored};
+use super::keys::{ClaimOutcome, HeldKey, Hold, KeyStore, Read, Record, Stored};
 
 /// The statements of one call on one kind of connection, sent and awaited
 /// as that connection does. A supertrait of the crate's public connection
@@ -71,7 +71,7 @@ pub trait Driver: Sized {
         not(any(feature = "sqlite", feature = "postgres", feature = "mysql-async")),
         expect(dead_code, reason = "MySQL's sync calls claim by statements of their own")
     )]
-    fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<Claim>>;
+    fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<ClaimOutcome>>;
 
     /// [`KeyStore::store`].
     fn store(&mut self, hold: Hold, record: &Record<'_>) -> impl Future<Output = QueryResult<()>>;
@@ -120,7 +120,7 @@ impl<C: KeyStore> Driver for C {
         ready(KeyStore::find(self, scope, key))
     }
 
-    fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<Claim>> {
+    fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<ClaimOutcome>> {
         ready(KeyStore::claim(self, record))
     }
 

@@ -53,8 +53,6 @@ macro_rules! raw_connection {
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use raw_connection;
 
-#[cfg(feature = "postgres")]
-pub mod citus;
 mod driver;
 mod keys;
 pub(crate) mod migrate;
@@ -74,7 +72,7 @@ mod transaction;
 #[cfg(any(feature = "postgres-async", feature = "mysql-async"))]
 pub(crate) use driver::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
 pub(crate) use driver::{Driver, Panic, at_once, catch_unwind};
-pub(crate) use keys::{Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, Stored};
+pub(crate) use keys::{ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, Stored};
 pub(crate) use migrate::History;
 pub(crate) use outbox::OutboxStore;
 pub(crate) use phases::PhaseStore;

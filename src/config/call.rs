@@ -90,7 +90,7 @@ where
         caller_hash,
     };
     let claim = fresh.then_some(&record);
-    let work = async |tx: &mut C, guard: &mut Guard, claimed| {
+    let work = async |tx: &mut C, guard: &mut KeyWork, claimed| {
         let hold = match claimed {
             true => Hold::Claimed { took_over: false },
             false => tx.hold(&record, claims_first).await?,
@@ -152,11 +152,11 @@ fn replay<R: DeserializeOwned, E>(stored: Stored, request_hash: &str) -> Result<
 /// A call that already executes the same key on `conn` (an enclosing one)
 /// makes it [`Error::InProgress`] before anything is written. The wait for
 /// the key is recorded on `trace`. The application's code runs through the
-/// [`Guard`], so that a panic in it rolls the transaction back before it
+/// [`KeyWork`], so that a panic in it rolls the transaction back before it
 /// goes on, and the connection is left as it was. A failure is reported as
 /// [`call_error`] says; the commit's own failure as
 /// [`Error::OutcomeUnknown`] only where `work` marked the transaction
-/// [`committing`](Guard::committing) and it is this call's own, not a
+/// [`committing`](KeyWork::committing) and it is this call's own, not a
 /// savepoint in a caller's.
 pub(crate) async fn within_key<C, T, E>(
     conn: &mut C,
@@ -164,7 +164,7 @@ pub(crate) async fn within_key<C, T, E>(
     (scope, key): (&str, &str),
     trace: Option<&CallTrace>,
     claim: Option<&Record<'_>>,
-    work: impl AsyncFnOnce(&mut C, &mut Guard, bool) -> Result<T, Error<E>>,
+    work: impl AsyncFnOnce(&mut C, &mut KeyWork, bool) -> Result<T, Error<E>>,
 ) -> Result<T, Error<E>>
 where
     C: Driver,
@@ -175,7 +175,7 @@ where
     let Some(_executing) = Executing::enter(&*conn, scope, key) else {
         return Err(Error::InProgress);
     };
-    let mut guard = Guard {
+    let mut guard = KeyWork {
         started: Instant::now(),
         panicked: None,
         committing: false,
@@ -212,14 +212,14 @@ where
 
 /// What the work of a [`within_key`] runs the application's code
 /// through, and marks the transaction with once it has written.
-pub(crate) struct Guard {
+pub(crate) struct KeyWork {
     /// When the call began to wait for its key.
     started: Instant,
     panicked: Option<Panic>,
     committing: bool,
 }
 
-impl Guard {
+impl KeyWork {
     /// Runs `f`, the application's code, inside the key transaction. A panic
     /// in it rolls back the levels `f` opened and left open, is kept, and
     /// comes back as an error, which rolls the transaction's own level back

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::endpoint::Bound;
+use super::endpoint::BoundRequest;
 use super::gate;
 use super::pool::sealed::Unavailable;
 use super::{Answer, ConnectionPool, Failure, IdempotencyKey};
@@ -248,7 +248,7 @@ where
         config,
         key,
         request,
-        async |conn: &mut P::Connection, bound: &Bound<Q>| {
+        async |conn: &mut P::Connection, bound: &BoundRequest<Q>| {
             let caller_hash = key.caller_hash();
             let recorded = config
                 .run_recorded_by_async(
@@ -297,7 +297,7 @@ where
     let owned = phased.clone();
     let caller_hash = key.caller_hash();
     bound_call(pool, &phased.config, key, request, move |conn, scope, key, bound| {
-        owned.run_expiring(conn, scope, key, bound, Some(&caller_hash), |steps| {
+        owned.run_recorded(conn, scope, key, bound, Some(&caller_hash), |steps| {
             body(steps, bound.request())
         })
     })
@@ -345,10 +345,10 @@ where
         &phased.config,
         key,
         request,
-        async |conn: &mut P::Connection, bound: &Bound<Q>| {
+        async |conn: &mut P::Connection, bound: &BoundRequest<Q>| {
             let caller_hash = key.caller_hash();
             phased
-                .run_expiring_async(
+                .run_recorded_async(
                     conn,
                     key.scope(),
                     key.key(),
@@ -373,7 +373,7 @@ async fn lent_call<A, P, Q, R, E>(
     config: &Config,
     key: &IdempotencyKey<A>,
     request: Q,
-    call: impl AsyncFnOnce(&mut P::Connection, &Bound<Q>) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>,
+    call: impl AsyncFnOnce(&mut P::Connection, &BoundRequest<Q>) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>,
 ) -> Result<Answer<R>, Failure<E>>
 where
     P: super::AsyncConnectionPool,
@@ -390,7 +390,7 @@ where
         .lend()
         .await
         .map_err(|cause| Failure::unavailable(problems, cause))?;
-    let bound = Bound::new(key.endpoint().cloned(), key.principal_beside_scope(), request);
+    let bound = BoundRequest::new(key.endpoint().cloned(), key.principal_beside_scope(), request);
     match crate::backend::catch_unwind(call(&mut *conn, &bound)).await {
         Ok(Ok((outcome, expires_at))) => Ok(Answer::new(outcome, expires_at, key.expiry_header().clone())),
         Ok(Err(error)) => Err(Failure::of(error, problems)),
@@ -418,11 +418,11 @@ where
     Q: Serialize + Send + 'static,
     R: Send + 'static,
     E: Send + 'static,
-    F: FnOnce(&mut P::Connection, &str, &str, &Bound<Q>) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>
+    F: FnOnce(&mut P::Connection, &str, &str, &BoundRequest<Q>) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>
         + Send
         + 'static,
 {
-    let bound = Bound::new(key.endpoint().cloned(), key.principal_beside_scope(), request);
+    let bound = BoundRequest::new(key.endpoint().cloned(), key.principal_beside_scope(), request);
     let (outcome, expires_at) = blocking(pool, config, config.in_flight, key, move |conn, scope, key| {
         call(conn, scope, key, &bound)
     })

@@ -99,7 +99,7 @@ pub(super) fn caller_hash(principal: &str, endpoint: Option<Route<'_>>) -> Strin
 /// sent to unless the key spans endpoints, and the principal where it is
 /// not the scope. Without an endpoint and a principal it is the request
 /// value itself, so the fingerprint is the one the request alone has.
-pub(super) struct Bound<Q> {
+pub(super) struct BoundRequest<Q> {
     endpoint: Option<Endpoint>,
     /// The caller's principal, where it differs from the scope: two users
     /// of one tenant's scope never share a fingerprint. Left out where the
@@ -110,9 +110,9 @@ pub(super) struct Bound<Q> {
     request: Q,
 }
 
-impl<Q> Bound<Q> {
+impl<Q> BoundRequest<Q> {
     pub(super) fn new(endpoint: Option<Endpoint>, principal: Option<String>, request: Q) -> Self {
-        Bound {
+        BoundRequest {
             endpoint,
             principal,
             request,
@@ -125,12 +125,12 @@ impl<Q> Bound<Q> {
     }
 }
 
-impl<Q: Serialize> Serialize for Bound<Q> {
+impl<Q: Serialize> Serialize for BoundRequest<Q> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         if self.endpoint.is_none() && self.principal.is_none() {
             return self.request.serialize(serializer);
         }
-        let mut bound = serializer.serialize_struct("Bound", 3)?;
+        let mut bound = serializer.serialize_struct("BoundRequest", 3)?;
         if let Some(endpoint) = &self.endpoint {
             bound.serialize_field("endpoint", endpoint)?;
         }

@@ -30,10 +30,10 @@ static TURNS: LazyLock<Mutex<HashMap<Id, Arc<TurnLock<()>>>>> = LazyLock::new(Mu
 /// The turn of one request with its key: the others with the key wait
 /// until it is dropped. None under `InFlight::Reject`.
 pub(crate) struct Turn {
-    _held: Option<Held>,
+    _held: Option<TurnGuard>,
 }
 
-struct Held {
+struct TurnGuard {
     // Dropped before the interest, which may then remove the entry.
     _held: OwnedMutexGuard<()>,
     _interest: Interest,
@@ -67,7 +67,7 @@ pub(crate) async fn turn<C: 'static>(scope: &str, key: &str, in_flight: InFlight
         }
     };
     Ok(Turn {
-        _held: Some(Held {
+        _held: Some(TurnGuard {
             _held: held,
             _interest: interest,
         }),

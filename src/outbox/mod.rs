@@ -284,7 +284,7 @@ where
     C: OutboxDriver,
     P: Serialize + ?Sized,
 {
-    crate::key::validate_scope(topic, MAX_TOPIC_LEN).map_err(Error::InvalidTopic)?;
+    crate::key::validate_topic(topic, MAX_TOPIC_LEN).map_err(Error::InvalidTopic)?;
     let payload = crate::codec::to_readable_json(payload).map_err(Error::Codec)?;
     let id = crate::id::new();
     let scope = crate::executing::scope_on(&*conn).unwrap_or_default();

@@ -7,7 +7,7 @@ use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 
 use super::{DeadLetter, Deliveries, Error, Message, Stats, WRITE_LOCK_WAIT, backlog, workers};
-use crate::backend::outbox::{Claim, Claimed, MessageId, Settlement};
+use crate::backend::outbox::{BatchClaim, Claimed, MessageId, Settlement};
 use crate::backend::{RawConnection, StoreConnection};
 use crate::clock::{Clock, Reading, assert_duration};
 use crate::id;
@@ -454,7 +454,7 @@ impl Relay {
             until: clock.at() + self.lease,
         };
         let mut claimed = conn.write(WRITE_LOCK_WAIT, |tx| {
-            tx.claim_batch(&Claim {
+            tx.claim_batch(&BatchClaim {
                 now: clock.at(),
                 lease_until: lease.until,
                 lease_token: &lease.token,

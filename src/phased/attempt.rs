@@ -26,7 +26,7 @@ use crate::row_status::OperationStatus;
 use crate::{codec, id, key, telemetry};
 
 /// How this attempt holds the operation.
-pub(super) enum Held {
+pub(super) enum OperationHold {
     /// Nothing committed yet: the first commit claims the key (replacing a
     /// completed operation whose retention ended).
     Unclaimed { replace: bool },
@@ -36,9 +36,9 @@ pub(super) enum Held {
     Done,
 }
 
-impl Held {
-    pub(super) fn resumed(row: OperationRow) -> Result<Held, serde_json::Error> {
-        Ok(Held::Leased {
+impl OperationHold {
+    pub(super) fn resumed(row: OperationRow) -> Result<OperationHold, serde_json::Error> {
+        Ok(OperationHold::Leased {
             op_id: row.op_id,
             points: serde_json::from_str(&row.points)?,
         })
@@ -91,7 +91,7 @@ pub(super) struct Attempt<'a, C> {
     request: Option<&'a str>,
     caller_hash: Option<&'a str>,
     clock: Reading,
-    held: Held,
+    held: OperationHold,
     /// When the stored response's retention ends, once `finish` stored it.
     expires_at: Option<NaiveDateTime>,
     position: usize,
@@ -112,7 +112,7 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
         conn: &'a mut C,
         lease: Lease<'a>,
         admitted: &'a Admitted,
-        held: Held,
+        held: OperationHold,
         clock: Reading,
     ) -> Self {
         Attempt {
@@ -139,7 +139,7 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
     ) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>> {
         match ended {
             Ok(Ok(Finished(response))) => match (&self.held, self.expires_at) {
-                (Held::Done, Some(expires_at)) => Ok((Outcome::Executed(response), expires_at.and_utc())),
+                (OperationHold::Done, Some(expires_at)) => Ok((Outcome::Executed(response), expires_at.and_utc())),
                 _ => {
                     // Kept from another operation's `finish`: this operation
                     // stored no response, so it must not answer with one.
@@ -264,7 +264,7 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
 
     /// [`Steps::provider_key`](super::Steps::provider_key).
     pub(super) fn provider_key(&self, name: &str) -> Option<String> {
-        let Held::Leased { op_id, points, .. } = &self.held else {
+        let OperationHold::Leased { op_id, points, .. } = &self.held else {
             return None;
         };
         // Only calls record when they started, phases never do.
@@ -305,7 +305,7 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
                 Ok((value, expires_at))
             })
             .await?;
-        self.held = Held::Done;
+        self.held = OperationHold::Done;
         self.expires_at = Some(expires_at);
         Ok(Finished(value))
     }
@@ -313,7 +313,7 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
     /// The point recorded at this position, if any, after checking that it
     /// has this step's name.
     fn recorded<E>(&self, name: &str) -> Result<Option<Point>, Error<E>> {
-        let Held::Leased { points, .. } = &self.held else {
+        let OperationHold::Leased { points, .. } = &self.held else {
             return Ok(None);
         };
         match points.get(self.position) {
@@ -363,9 +363,9 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
     ) -> Result<T, Error<E>> {
         let now = self.clock.now();
         let (claim, mut points) = match &self.held {
-            Held::Unclaimed { replace } => (Some((*replace, id::new())), Vec::new()),
-            Held::Leased { points, .. } => (None, points.clone()),
-            Held::Done => return Err(fenced()),
+            OperationHold::Unclaimed { replace } => (Some((*replace, id::new())), Vec::new()),
+            OperationHold::Leased { points, .. } => (None, points.clone()),
+            OperationHold::Done => return Err(fenced()),
         };
         let new_operation = claim.as_ref().map(|(_, op_id)| NewOperation {
             scope: self.lease.scope,
@@ -415,9 +415,9 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
         )
         .await?;
         match (&mut self.held, claim) {
-            (Held::Leased { points: held, .. }, None) => *held = points,
-            (held, Some((_, op_id))) => *held = Held::Leased { op_id, points },
-            (Held::Done | Held::Unclaimed { .. }, None) => {}
+            (OperationHold::Leased { points: held, .. }, None) => *held = points,
+            (held, Some((_, op_id))) => *held = OperationHold::Leased { op_id, points },
+            (OperationHold::Done | OperationHold::Unclaimed { .. }, None) => {}
         }
         Ok(result)
     }
@@ -435,7 +435,7 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
         match parked {
             Ok(true) => {
                 tracing::warn!(target: telemetry::TARGET, reason, "operation parked for a person");
-                self.held = Held::Done;
+                self.held = OperationHold::Done;
                 Error::Parked
             }
             Ok(false) => fenced(),
@@ -446,7 +446,7 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
     /// Frees the lease after a failed attempt, so that a retry resumes at
     /// once; the failure is noted for operators.
     async fn release(&mut self, why: &str) {
-        if !matches!(self.held, Held::Leased { .. }) {
+        if !matches!(self.held, OperationHold::Leased { .. }) {
             return;
         }
         let now = self.clock.now();

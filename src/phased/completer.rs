@@ -31,7 +31,7 @@ const WRITE_LOCK_WAIT: InFlight = InFlight::Wait(Duration::seconds(5));
 enum Resumed {
     Completed,
     /// A client's retry holds it: left alone.
-    Held,
+    OperationHold,
     Parked,
     Failed,
 }
@@ -218,8 +218,8 @@ where
                 .map_err(|error| format!("the stored request does not decode ({:?})", error.classify()))?;
             Ok(match finish(conn, scope, key, request) {
                 Ok(Outcome::Executed(_)) => Resumed::Completed,
-                Ok(Outcome::Replayed(_)) => Resumed::Held,
-                Err(Error::InProgress) => Resumed::Held,
+                Ok(Outcome::Replayed(_)) => Resumed::OperationHold,
+                Err(Error::InProgress) => Resumed::OperationHold,
                 Err(Error::Parked) => Resumed::Parked,
                 Err(_) => Resumed::Failed,
             })
@@ -363,7 +363,7 @@ where
             };
             match resumed {
                 Ok(Resumed::Completed) => report.completed += 1,
-                Ok(Resumed::Held) => report.skipped += 1,
+                Ok(Resumed::OperationHold) => report.skipped += 1,
                 Ok(Resumed::Parked) => report.parked += 1,
                 Ok(Resumed::Failed) => report.failed += 1,
                 Err(reason) => {

@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 
 #[cfg(feature = "diesel-async")]
 use super::AsyncSteps;
-use super::attempt::{Attempt, Finished, Held, write_failed};
+use super::attempt::{Attempt, Finished, OperationHold, write_failed};
 use super::steps::Steps;
 #[cfg(feature = "diesel-async")]
 use crate::backend::AsyncStoreConnection;
@@ -167,14 +167,14 @@ impl Phased {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut Steps<'_, C::Raw>) -> Result<Finished<R>, Error<E>>,
     {
-        self.run_expiring(conn, scope, key, request, None, body)
+        self.run_recorded(conn, scope, key, request, None, body)
             .map(|(outcome, _)| outcome)
     }
 
     /// [`run`](Phased::run), also telling when the operation's retention
     /// ends: the HTTP layer sends it to the client. The operation is
     /// answered to the lookups of `caller_hash` alone.
-    pub(crate) fn run_expiring<C, Q, R, E, F>(
+    pub(crate) fn run_recorded<C, Q, R, E, F>(
         &self,
         conn: &mut C,
         scope: &str,
@@ -267,7 +267,7 @@ impl Phased {
         R: Serialize + DeserializeOwned,
         F: AsyncFnOnce(&mut AsyncSteps<'_, C>) -> Result<Finished<R>, Error<E>>,
     {
-        self.run_expiring_async(conn, scope, key, request, None, body)
+        self.run_recorded_async(conn, scope, key, request, None, body)
             .await
             .map(|(outcome, _)| outcome)
     }
@@ -275,7 +275,7 @@ impl Phased {
     /// [`run_async`](Phased::run_async), also telling when the operation's
     /// retention ends; answered to the lookups of `caller_hash` alone.
     #[cfg(feature = "diesel-async")]
-    pub(crate) async fn run_expiring_async<C, Q, R, E, F>(
+    pub(crate) async fn run_recorded_async<C, Q, R, E, F>(
         &self,
         conn: &mut C,
         scope: &str,
@@ -420,10 +420,10 @@ impl Phased {
             let now = self.config.clock.or_database(database_now);
             let clock = Reading::new(&self.config.clock, now);
             let Some(row) = row else {
-                return Ok(attempt(conn, Held::Unclaimed { replace: false }, clock));
+                return Ok(attempt(conn, OperationHold::Unclaimed { replace: false }, clock));
             };
             if row.status == OperationStatus::Completed && row.expires_at.is_some_and(|expires_at| expires_at <= now) {
-                return Ok(attempt(conn, Held::Unclaimed { replace: true }, clock));
+                return Ok(attempt(conn, OperationHold::Unclaimed { replace: true }, clock));
             }
             // The key is bound to the operation as well as to the request:
             // another operation's response is not this one's, nor are its
@@ -461,7 +461,7 @@ impl Phased {
                     .map_err(write_failed::<C, E>)?;
                 if let Some(row) = taken {
                     tracing::info!(target: telemetry::TARGET, "resuming from the last recovery point");
-                    let held = Held::resumed(row).map_err(Error::Codec)?;
+                    let held = OperationHold::resumed(row).map_err(Error::Codec)?;
                     return Ok(attempt(conn, held, clock));
                 }
             } else if Instant::now() >= deadline {

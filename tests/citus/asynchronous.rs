@@ -44,6 +44,7 @@ async fn status_seen(tx: &mut AsyncPgConnection, account: &str, key: &str) -> Qu
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 async fn an_async_call_is_one_single_shard_transaction() {
     let (db, mut check) = Db::with_session();
     let mut admin = db.coordinator();
@@ -111,6 +112,7 @@ async fn an_async_call_is_one_single_shard_transaction() {
 /// claims it: elsewhere the record would be read and replaced after the
 /// operation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 async fn an_async_call_claims_a_key_found_with_a_record_before_its_operation_runs() {
     let (db, mut check) = Db::with_session();
     let mut conn = connect(&db).await;
@@ -153,6 +155,7 @@ async fn an_async_call_claims_a_key_found_with_a_record_before_its_operation_run
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 async fn racing_async_calls_execute_once() {
     const TASKS: usize = 8;
     let db = Db::new();
@@ -192,6 +195,7 @@ async fn racing_async_calls_execute_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 async fn an_async_phased_operation_runs_each_step_once() {
     let (db, mut check) = Db::with_session();
     let mut conn = connect(&db).await;

@@ -585,6 +585,7 @@ fn assert_told_what_committed_without_two_phase_commit(
 }
 
 #[test]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn killed_coordinator_and_worker_sessions_leave_every_call_told_what_committed() {
     let db = Db::new();
     let mut coordinator = db.coordinator();
@@ -622,7 +623,7 @@ fn citus_dir() -> String {
     std::env::var("CITUS_DIR").expect(
         "the Citus fault tests need CITUS_DIR, the directory of the running cluster named by \
          CITUS_DATABASE_URL, to restart a worker: .ci/citus start DIR && \
-         CITUS_DATABASE_URL=$(.ci/citus url DIR) CITUS_DIR=DIR cargo test --features citus-tests --test citus",
+         CITUS_DATABASE_URL=$(.ci/citus url DIR) CITUS_DIR=DIR cargo test --features postgres --test citus -- --include-ignored",
     )
 }
 
@@ -664,6 +665,7 @@ fn postmaster_started(worker: &mut Worker) -> String {
 }
 
 #[test]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn a_worker_restarted_mid_traffic_leaves_every_call_told_what_committed() {
     let dir = citus_dir();
     let db = Db::new();
@@ -751,6 +753,7 @@ impl Drop for CommitsAwaitingAStandby<'_> {
 }
 
 #[test]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn a_commit_whose_answer_a_worker_loses_is_told_outcome_unknown() {
     let db = Db::new();
     let mut coordinator = db.coordinator();

@@ -65,6 +65,7 @@ fn messages_by_status(conn: &mut PgConnection) -> BTreeMap<String, i64> {
 }
 
 #[test]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn the_relay_service_delivers_every_tenants_messages_once_without_notify() {
     const BEFORE: usize = 24;
     const DURING: usize = 24;
@@ -139,6 +140,7 @@ fn the_relay_service_delivers_every_tenants_messages_once_without_notify() {
 }
 
 #[test]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn dead_messages_are_listed_requeued_delivered_and_purged() {
     let (_db, mut conn, tenants) = with_tenants(6);
     for tenant in &tenants {
@@ -177,6 +179,7 @@ fn dead_messages_are_listed_requeued_delivered_and_purged() {
 }
 
 #[test]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn purges_remove_every_tenants_expired_records_beside_live_calls() {
     const LIVE_THREADS: usize = 4;
     const LIVE_CALLS: usize = 20;
@@ -249,6 +252,7 @@ fn purges_remove_every_tenants_expired_records_beside_live_calls() {
 }
 
 #[test]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn the_completer_finishes_every_tenants_abandoned_operation_once() {
     const OPERATION: &str = "place-order";
     let (db, mut conn, tenants) = with_tenants(8);
@@ -328,6 +332,7 @@ fn the_completer_finishes_every_tenants_abandoned_operation_once() {
 }
 
 #[test]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn calls_through_a_worker_and_the_coordinator_execute_one_key_once() {
     const THREADS: usize = 16;
     let db = Db::new();
@@ -372,6 +377,7 @@ fn calls_through_a_worker_and_the_coordinator_execute_one_key_once() {
 }
 
 #[test]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn a_tenants_batch_job_reruns_replaying_what_finished() {
     let db = Db::new();
     let tenants = tenants(4);

@@ -32,7 +32,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 const HOW_TO_START: &str = "the failover tests need a pg_auto_failover formation: \
     `.ci/ha-formation start DIR`, then run them with \
     HA_DATABASE_URL=\"$(.ci/ha-formation url DIR)\" HA_FORMATION_DIR=DIR \
-    cargo test --features failover-tests --test failover (`.ci/run` does all of it)";
+    cargo test --features postgres --test failover -- --include-ignored (`.ci/run` does all of it)";
 
 fn required_env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is not set; {HOW_TO_START}"))

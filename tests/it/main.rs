@@ -3,8 +3,8 @@
 //! a layer of the crate is compiled only with its feature; the tests of every
 //! backend it serves run with it. The failover suite (`tests/failover.rs`)
 //! and the Citus suite (`tests/citus/`) are binaries of their own: each
-//! needs a feature of its own (`failover-tests`, `citus-tests`) and a
-//! cluster started for it.
+//! needs a cluster started for it, and runs its tests, ignored otherwise,
+//! with `-- --include-ignored`.
 
 mod common;
 

@@ -564,7 +564,7 @@ fn distribute_without_citus_is_refused_and_changes_nothing() {
         .expect("count the outbox's triggers")
     };
     assert_eq!(triggers(&mut conn), 2);
-    let refused = idempotency::backend::citus::distribute(&mut conn, "orders");
+    let refused = idempotency::citus::distribute(&mut conn, "orders");
     assert!(matches!(refused, Err(Error::Storage(_))), "{refused:?}");
     assert_eq!(triggers(&mut conn), 2, "the triggers are still there");
     let primary_key: String = diesel::dsl::sql::<diesel::sql_types::Text>(

@@ -64,7 +64,7 @@ pub struct Read {
 
 /// What a guarded claim of a key did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Claim {
+pub enum ClaimOutcome {
     /// There was no record: the claim is inserted.
     Inserted,
     /// There was an expired record: the claim replaced it.
@@ -73,13 +73,13 @@ pub enum Claim {
     Refused,
 }
 
-impl Claim {
+impl ClaimOutcome {
     /// The hold a successful claim gives.
     pub(crate) fn hold(self) -> Option<Hold> {
         match self {
-            Claim::Inserted => Some(Hold::Claimed { took_over: false }),
-            Claim::TookOver => Some(Hold::Claimed { took_over: true }),
-            Claim::Refused => None,
+            ClaimOutcome::Inserted => Some(Hold::Claimed { took_over: false }),
+            ClaimOutcome::TookOver => Some(Hold::Claimed { took_over: true }),
+            ClaimOutcome::Refused => None,
         }
     }
 }
@@ -194,7 +194,7 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
 
     /// Inserts `record` as a claim, or takes over an expired record with its
     /// key.
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim>;
+    fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome>;
 
     /// Writes the completed `record` as `hold` requires.
     fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()>;

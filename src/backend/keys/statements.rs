@@ -39,9 +39,9 @@ macro_rules! key_statements {
         }
     };
     (@claim $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
-        $($async)? fn claim(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<$crate::backend::Claim> {
+        $($async)? fn claim(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<$crate::backend::ClaimOutcome> {
             use $schema::idempotency_keys as k;
-            use $crate::backend::Claim;
+            use $crate::backend::ClaimOutcome;
             use diesel::{ExpressionMethods, QueryDsl};
             use $($run)* as _;
             // DO NOTHING, not DO UPDATE: the claim then knows whether it
@@ -54,7 +54,7 @@ macro_rules! key_statements {
                 .execute(self)
                 $($await)*?;
             if inserted == 1 {
-                return Ok(Claim::Inserted);
+                return Ok(ClaimOutcome::Inserted);
             }
             let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
                 .filter(k::expires_at.le(record.created_at))
@@ -62,9 +62,9 @@ macro_rules! key_statements {
                 .execute(self)
                 $($await)*?;
             Ok(if taken_over == 1 {
-                Claim::TookOver
+                ClaimOutcome::TookOver
             } else {
-                Claim::Refused
+                ClaimOutcome::Refused
             })
         }
     };

@@ -65,7 +65,7 @@ impl Driver for AsyncMysqlConnection {
         super::hold(self, record).await
     }
 
-    async fn claim(&mut self, record: &Record<'_>) -> QueryResult<crate::backend::Claim> {
+    async fn claim(&mut self, record: &Record<'_>) -> QueryResult<crate::backend::ClaimOutcome> {
         super::claim(self, record).await
     }
 

@@ -52,6 +52,7 @@
 
 #[cfg(feature = "mysql-async")]
 mod asynchronous;
+mod lock;
 mod outbox;
 mod phases;
 mod session;
@@ -64,16 +65,19 @@ use diesel::dsl::Eq;
 use diesel::expression::{AppearsOnTable, Expression, SelectableExpression, ValidGrouping, is_aggregate};
 use diesel::mysql::{Mysql, MysqlConnection};
 use diesel::prelude::*;
-use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{BigInt, Datetime, Double, Nullable, Text};
+use diesel::sql_types::{BigInt, Datetime};
 use diesel_migrations::EmbeddedMigrations;
 
 use super::migrate::{self, Count, History};
 
+use self::lock::{GetLock, IdleBound, IdleStatement, ReleaseLock};
 use self::session::{Session, TakenSession};
 use super::row_with::Head;
-use super::{Claim, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, at_once, catch_unwind, transaction_depth};
+use super::{
+    ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, at_once, catch_unwind, transaction_depth,
+};
 use crate::in_flight::InFlight;
 use crate::row_status::RecordStatus;
 use crate::telemetry;
@@ -163,124 +167,6 @@ pub(crate) fn read_committed<T>(
 fn lock_key(scope: &str, key: &str) -> String {
     crate::key::derive(&[scope, key])
 }
-
-/// `SELECT name, GET_LOCK(name, seconds)`: takes the named lock of a key,
-/// waiting up to `seconds`, and returns its name with 1 (taken), 0 (the wait
-/// ran out) or NULL (an error, such as the session being killed).
-///
-/// Lock names are one name space for the whole server, so the name also
-/// hashes the current database: two databases on one server keep their keys
-/// apart. MySQL takes names of at most 64 characters: `idempotency:` and 52
-/// hex digits. A query type of its own, so that diesel prepares it once per
-/// connection.
-struct GetLock<'a> {
-    key: &'a str,
-    seconds: f64,
-}
-
-impl QueryId for GetLock<'_> {
-    type QueryId = GetLock<'static>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl Query for GetLock<'_> {
-    type SqlType = (Text, Nullable<BigInt>);
-}
-
-impl QueryFragment<Mysql> for GetLock<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
-        out.push_sql("SELECT name, GET_LOCK(name, ");
-        out.push_bind_param::<Double, _>(&self.seconds)?;
-        out.push_sql(") FROM (SELECT CONCAT('idempotency:', LEFT(SHA2(CONCAT(");
-        out.push_bind_param::<Text, _>(self.key)?;
-        out.push_sql(", ':', COALESCE(DATABASE(), '')), 256), 52)) AS name) AS lock_name");
-        Ok(())
-    }
-}
-
-impl RunQueryDsl<MysqlConnection> for GetLock<'_> {}
-#[cfg(feature = "mysql-async")]
-impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for GetLock<'_> {}
-
-/// `SELECT RELEASE_LOCK(name)`.
-struct ReleaseLock<'a>(&'a str);
-
-impl QueryId for ReleaseLock<'_> {
-    type QueryId = ReleaseLock<'static>;
-    const HAS_STATIC_QUERY_ID: bool = true;
-}
-
-impl Query for ReleaseLock<'_> {
-    type SqlType = Nullable<BigInt>;
-}
-
-impl QueryFragment<Mysql> for ReleaseLock<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
-        out.push_sql("SELECT RELEASE_LOCK(");
-        out.push_bind_param::<Text, _>(self.0)?;
-        out.push_sql(")");
-        Ok(())
-    }
-}
-
-impl RunQueryDsl<MysqlConnection> for ReleaseLock<'_> {}
-#[cfg(feature = "mysql-async")]
-impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for ReleaseLock<'_> {}
-
-/// The statements that bound how long the server waits for the client of
-/// a call that holds its key: the session's `wait_timeout`, lowered from
-/// before the key's lock is taken until after it is released, and then put
-/// back. The caller's value waits in a user variable per nesting depth, so
-/// that a nested call puts back its caller's bound, not the session's.
-/// Lock and restore share one statement, the release, so a call sends one
-/// statement more than without the bound. One text per depth, which diesel
-/// prepares once per connection.
-enum IdleBound<'a> {
-    /// Keeps the session's `wait_timeout` and lowers it to this many
-    /// seconds, unless it is lower already.
-    Set(i64),
-    /// Releases the named lock and puts the kept value back.
-    ReleaseAndRestore(&'a str),
-    /// Puts the kept value back (a lock that was never taken).
-    Restore,
-}
-
-/// An [`IdleBound`] statement of the call at transaction depth `depth`.
-struct IdleStatement<'a> {
-    depth: u32,
-    bound: IdleBound<'a>,
-}
-
-impl QueryId for IdleStatement<'_> {
-    type QueryId = ();
-    const HAS_STATIC_QUERY_ID: bool = false;
-}
-
-impl QueryFragment<Mysql> for IdleStatement<'_> {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
-        let kept = format!("@idempotency_wait_timeout_{}", self.depth);
-        match &self.bound {
-            IdleBound::Set(seconds) => {
-                out.push_sql(&format!(
-                    "SET {kept} = @@SESSION.wait_timeout, SESSION wait_timeout = LEAST("
-                ));
-                out.push_bind_param::<BigInt, _>(seconds)?;
-                out.push_sql(", @@SESSION.wait_timeout)");
-            }
-            IdleBound::ReleaseAndRestore(name) => {
-                out.push_sql("SET @idempotency_released = RELEASE_LOCK(");
-                out.push_bind_param::<Text, _>(*name)?;
-                out.push_sql(&format!("), SESSION wait_timeout = {kept}"));
-            }
-            IdleBound::Restore => out.push_sql(&format!("SET SESSION wait_timeout = {kept}")),
-        }
-        Ok(())
-    }
-}
-
-impl RunQueryDsl<MysqlConnection> for IdleStatement<'_> {}
-#[cfg(feature = "mysql-async")]
-impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for IdleStatement<'_> {}
 
 /// The longest `wait_timeout` the server takes, in seconds (a year).
 const MAX_WAIT_TIMEOUT: i64 = 31_536_000;
@@ -466,16 +352,16 @@ async fn hold<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold
 }
 
 /// Claims `record`'s key, on either kind of connection.
-async fn claim<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<Claim> {
+async fn claim<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
     if insert_claim(conn, record).await? {
-        return Ok(Claim::Inserted);
+        return Ok(ClaimOutcome::Inserted);
     }
     // An existing record is taken over by a second, guarded statement only
     // if its retention has ended.
     Ok(if conn.take_over(record).await? == 1 {
-        Claim::TookOver
+        ClaimOutcome::TookOver
     } else {
-        Claim::Refused
+        ClaimOutcome::Refused
     })
 }
 
@@ -534,7 +420,7 @@ impl KeyStore for MysqlConnection {
         at_once(hold(self, record))
     }
 
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<Claim> {
+    fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
         at_once(claim(self, record))
     }
 

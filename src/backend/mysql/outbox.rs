@@ -25,12 +25,12 @@ use diesel::sql_types::{BigInt, Datetime, Text};
 
 use crate::backend::mysql::schema::{self, idempotency_outbox as o};
 use crate::backend::mysql::{UtcNow, read_committed};
-use crate::backend::outbox::{Claim, Claimed, OutboxStore, outbox_statements};
+use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, outbox_statements};
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
 
 impl OutboxStore for MysqlConnection {
-    fn claim_batch(&mut self, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>> {
+    fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
         read_committed(self, |tx| {
             let mut due: Vec<Claimed> = diesel::sql_query(
                 "SELECT id, scope, topic, payload, attempts \

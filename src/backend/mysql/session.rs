@@ -12,7 +12,7 @@ use diesel::mysql::MysqlConnection;
 use diesel::prelude::*;
 use diesel::result::Error as DieselError;
 
-use super::{GetLock, IdleStatement, ReleaseLock};
+use super::lock::{GetLock, IdleStatement, ReleaseLock};
 use crate::backend::{Driver, Record, Stored, at_once};
 
 /// How MySQL's statements are sent on either kind of connection, so that
@@ -85,17 +85,17 @@ macro_rules! sends {
             Ok((now, stored_of(row)))
         }
 
-        async fn get_lock(&mut self, lock: $crate::backend::mysql::GetLock<'_>) -> diesel::QueryResult<(String, Option<i64>)> {
+        async fn get_lock(&mut self, lock: $crate::backend::mysql::lock::GetLock<'_>) -> diesel::QueryResult<(String, Option<i64>)> {
             use $($run)* as _;
             lock.get_result(self)$($await)*
         }
 
-        async fn idle(&mut self, statement: $crate::backend::mysql::IdleStatement<'_>) -> diesel::QueryResult<()> {
+        async fn idle(&mut self, statement: $crate::backend::mysql::lock::IdleStatement<'_>) -> diesel::QueryResult<()> {
             use $($run)* as _;
             statement.execute(self)$($await)*.map(drop)
         }
 
-        async fn release(&mut self, lock: $crate::backend::mysql::ReleaseLock<'_>) -> diesel::QueryResult<()> {
+        async fn release(&mut self, lock: $crate::backend::mysql::lock::ReleaseLock<'_>) -> diesel::QueryResult<()> {
             use $($run)* as _;
             lock.execute(self)$($await)*.map(drop)
         }

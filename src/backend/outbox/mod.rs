@@ -51,7 +51,7 @@ pub struct NewMessage<'a> {
 /// What a relay claims: up to `limit` pending messages due at `now`,
 /// leased until `lease_until` with `lease_token`.
 #[derive(Debug, Clone, Copy)]
-pub struct Claim<'a> {
+pub struct BatchClaim<'a> {
     pub(crate) now: NaiveDateTime,
     pub(crate) lease_until: NaiveDateTime,
     pub(crate) lease_token: &'a str,
@@ -64,7 +64,7 @@ pub struct Claim<'a> {
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) fn claim_in_one_statement<'a, DB>(
     claim_sql: &str,
-    claim: &Claim<'a>,
+    claim: &BatchClaim<'a>,
 ) -> diesel::query_builder::BoxedSqlQuery<'a, DB, diesel::query_builder::SqlQuery>
 where
     DB: diesel::backend::Backend
@@ -153,7 +153,7 @@ pub trait OutboxStore: KeyStore {
     /// Leases the pending messages `claim` asks for, oldest first: each
     /// gets one more attempt, the claim's `lease_token` and `available_at =
     /// lease_until`, so no other relay claims it before the lease runs out.
-    fn claim_batch(&mut self, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>>;
+    fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>>;
 
     /// Writes a new message, created at the database's time.
     fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()>;

@@ -37,6 +37,8 @@
 
 #[cfg(feature = "postgres-async")]
 mod asynchronous;
+pub mod citus;
+mod expired;
 mod outbox;
 mod phases;
 
@@ -44,14 +46,15 @@ use chrono::{Datelike, Duration, NaiveDateTime};
 use diesel::connection::{AnsiTransactionManager, SimpleConnection, TransactionManager};
 use diesel::pg::{Pg, PgConnection};
 use diesel::prelude::*;
-use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Bool, Text, Timestamp, Timestamptz};
 use diesel_migrations::EmbeddedMigrations;
 
 use super::migrate::{self, Count, History};
 
-use super::citus;
+use citus::distributed;
+use expired::Expired;
+
 use super::keys::{claiming, hold_of};
 use super::row_with::{Head, record_with};
 use super::{Driver, HeldKey, Hold, KeyStore, Read, Record, Stored, at_once, transaction_depth, transaction_with};
@@ -227,34 +230,12 @@ fn lock_key(scope: &str, key: &str) -> (i32, i32) {
     (int(&digest[..4]), int(&digest[4..8]))
 }
 
-/// Rows a purge deletes: those of `table` that `condition` selects, its
-/// parameters (`$1` onwards, each once) bound by `bind`.
-pub(crate) struct Expired<'a> {
-    pub(crate) table: &'static str,
-    /// The column that, with `scope`, is the table's primary key.
-    pub(crate) key: &'static str,
-    pub(crate) condition: &'static str,
-    pub(crate) bind: &'a dyn Fn(BoxedSqlQuery<'a, Pg, SqlQuery>) -> BoxedSqlQuery<'a, Pg, SqlQuery>,
-}
-
-impl<'a> Expired<'a> {
-    /// `sql` with the condition's parameters bound.
-    pub(crate) fn query(&self, sql: String) -> BoxedSqlQuery<'a, Pg, SqlQuery> {
-        (self.bind)(diesel::sql_query(sql).into_boxed())
-    }
-
-    /// The number of the first parameter after the condition's.
-    pub(crate) fn next_parameter(&self) -> usize {
-        self.condition.matches('$').count() + 1
-    }
-}
-
 /// Deletes at most `limit` of the `expired` rows, passing over those a live
 /// transaction holds: a record that a live request is taking over right now
 /// is not worth waiting for, and it is no longer expired once that commits.
 /// Citus refuses this statement on a distributed table, and takes its own.
 pub(crate) fn purge(conn: &mut PgConnection, expired: &Expired<'_>, limit: usize) -> QueryResult<usize> {
-    if citus::distributed(conn, expired.table)? {
+    if distributed(conn, expired.table)? {
         return citus::purge(conn, expired, limit);
     }
     let Expired { table, condition, .. } = expired;
@@ -581,9 +562,9 @@ mod tests {
     use diesel::pg::PgConnection;
     use diesel::result::{DatabaseErrorKind, Error as DieselError};
 
+    use super::citus::CLAIM_FIRST;
     use super::{HoldBy, lock_key, lock_key_sql, lock_wait_ended};
     use crate::backend::KeyStore;
-    use crate::backend::citus::CLAIM_FIRST;
     use crate::backend::row_with::Head;
     use crate::in_flight::InFlight;
 

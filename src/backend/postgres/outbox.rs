@@ -15,9 +15,10 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{Text, Timestamp};
 
-use crate::backend::citus;
-use crate::backend::outbox::{Claim, Claimed, OutboxStore, claim_in_one_statement, outbox_statements};
-use crate::backend::postgres::{Expired, database_time, purge};
+use super::citus;
+use super::expired::Expired;
+use super::{database_time, purge};
+use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, claim_in_one_statement, outbox_statements};
 use crate::row_status::MessageStatus;
 use crate::schema;
 
@@ -27,7 +28,7 @@ const CHANNEL: &str = "idempotency_outbox";
 impl OutboxStore for PgConnection {
     const ANNOUNCES: bool = true;
 
-    fn claim_batch(&mut self, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>> {
+    fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
         if citus::distributed(self, "idempotency_outbox")? {
             return citus::outbox::claim_batch(self, claim);
         }

@@ -5,8 +5,9 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{Text, Timestamp};
 
+use super::expired::Expired;
+use super::{DatabaseNow, purge};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
-use crate::backend::postgres::{DatabaseNow, Expired, purge};
 use crate::backend::row_with::operation_with;
 use crate::row_status::OperationStatus;
 use crate::schema;

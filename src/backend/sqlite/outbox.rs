@@ -7,13 +7,13 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use crate::backend::outbox::{Claim, Claimed, OutboxStore, claim_in_one_statement, outbox_statements};
+use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, claim_in_one_statement, outbox_statements};
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
 use crate::schema;
 
 impl OutboxStore for SqliteConnection {
-    fn claim_batch(&mut self, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>> {
+    fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
         claim_in_one_statement(
             "UPDATE idempotency_outbox SET attempts = attempts + 1, available_at = ?, lease_token = ? \
              WHERE id IN (SELECT id FROM idempotency_outbox \

@@ -7,7 +7,7 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Text, Timestamp};
 
-use crate::backend::outbox::{Claim, Claimed};
+use crate::backend::outbox::{BatchClaim, Claimed};
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
 
@@ -16,7 +16,7 @@ use crate::row_status::MessageStatus;
 /// is leased by one statement on its shard, which passes over messages
 /// another relay is claiming and leases only those still due, so two relays
 /// never lease one message at once.
-pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &Claim<'_>) -> QueryResult<Vec<Claimed>> {
+pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
     #[derive(QueryableByName)]
     struct Due {
         #[diesel(sql_type = Text)]

@@ -27,7 +27,7 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Bool, Text};
 
-use crate::backend::postgres::Expired;
+use super::expired::Expired;
 use crate::backend::sql_limit;
 use crate::error::Error;
 
@@ -77,7 +77,7 @@ pub(crate) const CLAIM_FIRST: &str = "idempotency.claim_first";
 ///     "CREATE TABLE orders (account TEXT NOT NULL, id BIGSERIAL, PRIMARY KEY (account, id));
 ///      SELECT create_distributed_table('orders', 'account');",
 /// )?;
-/// idempotency::backend::citus::distribute(&mut conn, "orders")?;
+/// idempotency::citus::distribute(&mut conn, "orders")?;
 /// # Ok(())
 /// # }
 /// ```
