@@ -14,7 +14,6 @@ use tokio::sync::mpsc;
 
 use crate::common::TestDb;
 use crate::common::http::*;
-use crate::http_orders::Settings;
 
 const BODY: &str = r#"{"item": "book", "quantity": 2}"#;
 
