@@ -1007,17 +1007,8 @@ mod library {
         }
     }
 
-    type SqlitePool = Pool<ConnectionManager<SqliteConnection>>;
-
     fn notes_app(db: &idempotency::testing::SqliteFile, pool_size: u32, config: Config) -> (Router, SqlitePool) {
-        db.conn()
-            .batch_execute("CREATE TABLE IF NOT EXISTS notes (id INTEGER PRIMARY KEY)")
-            .expect("create notes");
-        let pool = Pool::builder()
-            .max_size(pool_size)
-            .connection_timeout(Duration::from_millis(200))
-            .build(ConnectionManager::new(db.path().to_str().expect("utf-8 path")))
-            .expect("a pool");
+        let pool = notes_pool(db, pool_size);
         let app = Router::new().route("/notes", post(post_note)).with_state(Notes {
             pool: pool.clone(),
             config,
@@ -1399,16 +1390,27 @@ mod library {
         Ok(StoredResponse::new(StatusCode::CREATED, moved))
     }
 
+    /// Records a move of `kind` for `account` under `key`.
+    async fn moved(
+        ledger: Ledger,
+        key: &IdempotencyKey<Anyone>,
+        body: Value,
+        kind: &'static str,
+        account: i64,
+    ) -> MoveResponse {
+        http::run(&ledger.pool, &ledger.config, key, body, move |conn, body| {
+            record(conn, kind, account, body)
+        })
+        .await
+    }
+
     async fn transfer(
         State(ledger): State<Ledger>,
         Path(account): Path<i64>,
         key: IdempotencyKey<Anyone>,
         Json(body): Json<Value>,
     ) -> MoveResponse {
-        http::run(&ledger.pool, &ledger.config, &key, body, move |conn, body| {
-            record(conn, "transfer", account, body)
-        })
-        .await
+        moved(ledger, &key, body, "transfer", account).await
     }
 
     async fn charge(
@@ -1416,10 +1418,7 @@ mod library {
         key: IdempotencyKey<Anyone>,
         Json(body): Json<Value>,
     ) -> MoveResponse {
-        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
-            record(conn, "charge", 0, body)
-        })
-        .await
+        moved(ledger, &key, body, "charge", 0).await
     }
 
     async fn refund(
@@ -1427,10 +1426,7 @@ mod library {
         key: IdempotencyKey<Anyone>,
         Json(body): Json<Value>,
     ) -> MoveResponse {
-        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
-            record(conn, "refund", 0, body)
-        })
-        .await
+        moved(ledger, &key, body, "refund", 0).await
     }
 
     /// A charge whose keys span endpoints.
@@ -1439,11 +1435,7 @@ mod library {
         key: IdempotencyKey<Anyone>,
         Json(body): Json<Value>,
     ) -> MoveResponse {
-        let key = key.across_endpoints();
-        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
-            record(conn, "charge", 0, body)
-        })
-        .await
+        moved(ledger, &key.across_endpoints(), body, "charge", 0).await
     }
 
     async fn shared_refund(
@@ -1451,11 +1443,7 @@ mod library {
         key: IdempotencyKey<Anyone>,
         Json(body): Json<Value>,
     ) -> MoveResponse {
-        let key = key.across_endpoints();
-        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
-            record(conn, "refund", 0, body)
-        })
-        .await
+        moved(ledger, &key.across_endpoints(), body, "refund", 0).await
     }
 
     async fn phased_transfer(

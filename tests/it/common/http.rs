@@ -40,6 +40,25 @@ impl idempotency::http::Caller for Anyone {
     }
 }
 
+/// A pool of SQLite connections, as the routers of the tests that need no
+/// backend of their own use.
+pub type SqlitePool = diesel::r2d2::Pool<diesel::r2d2::ConnectionManager<diesel::SqliteConnection>>;
+
+/// A pool of `size` connections to `db`, with a `notes` table, which a
+/// request waits 200 ms for at most.
+pub fn notes_pool(db: &idempotency::testing::SqliteFile, size: u32) -> SqlitePool {
+    db.conn()
+        .batch_execute("CREATE TABLE IF NOT EXISTS notes (id INTEGER PRIMARY KEY)")
+        .expect("create notes");
+    diesel::r2d2::Pool::builder()
+        .max_size(size)
+        .connection_timeout(Duration::from_millis(200))
+        .build(diesel::r2d2::ConnectionManager::new(
+            db.path().to_str().expect("utf-8 path"),
+        ))
+        .expect("a pool")
+}
+
 /// A database of the test's own on backend `D`, empty: the service sets it
 /// up.
 pub async fn database<D: TestDb>() -> D {

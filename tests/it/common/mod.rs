@@ -45,10 +45,10 @@ pub mod child;
 pub mod global_subscriber;
 #[cfg(feature = "axum")]
 pub mod http;
-#[cfg(feature = "axum")]
-pub mod orders_service;
 #[cfg(feature = "mysql")]
 pub mod mysql;
+#[cfg(feature = "axum")]
+pub mod orders_service;
 pub mod outbox;
 pub mod own;
 #[cfg(feature = "postgres")]

@@ -18,7 +18,9 @@ use axum::routing::get;
 use axum::{Extension, Json, Router};
 use diesel::connection::SimpleConnection;
 use diesel::r2d2::{ConnectionManager, Pool};
-use idempotency::http::{self, Answer, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse};
+use idempotency::http::{
+    self, Answer, Caller, Failure, IdempotencyKey, Problem, ProblemKind, Problems, StoredResponse,
+};
 use idempotency::{Config, InFlight};
 use serde::{Deserialize, Serialize};
 
@@ -282,25 +284,29 @@ async fn get_order<D: TestDb>(
     let not_found = || problem(StatusCode::NOT_FOUND, "order-not-found", "Order not found");
     let id: i64 = id.parse().map_err(|_| not_found())?;
     let orders = orders_of(&app, account).await?;
-    orders.into_iter().find(|order| order.id == id).map(Json).ok_or_else(not_found)
+    orders
+        .into_iter()
+        .find(|order| order.id == id)
+        .map(Json)
+        .ok_or_else(not_found)
 }
 
 async fn list_orders<D: TestDb>(State(app): State<App<D>>, account: Account) -> Result<Json<Vec<Order>>, Problem> {
     orders_of(&app, account).await.map(Json)
 }
 
-/// The pool the service opens on `db`.
+/// The pool the service opens on `db`. SQLite connections wait for the
+/// write lock outside idempotent calls and make every commit durable.
 pub(super) fn pool<D: TestDb>(db: &D, settings: &Settings) -> Pool<ConnectionManager<D::Conn>> {
-    let sqlite = D::BACKEND == "sqlite";
-    let setup = if sqlite {
-        "PRAGMA busy_timeout = 5000; PRAGMA synchronous = FULL;"
+    let builder = Pool::builder().connection_timeout(settings.checkout_timeout);
+    let builder = if D::BACKEND == "sqlite" {
+        builder.max_size(8).connection_customizer(Box::new(Setup(
+            "PRAGMA busy_timeout = 5000; PRAGMA synchronous = FULL;",
+        )))
     } else {
-        ""
+        builder.max_size(16)
     };
-    Pool::builder()
-        .max_size(if sqlite { 8 } else { 16 })
-        .connection_timeout(settings.checkout_timeout)
-        .connection_customizer(Box::new(Setup(setup)))
+    builder
         .build(ConnectionManager::new(db.url()))
         .expect("open the service's database")
 }
