@@ -51,11 +51,11 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     #[test]
     fn in_flight_wait_zero_rejects_at_once() {
-        let args = |list: &[&str]| parse(list.iter().map(|arg| arg.to_string()));
+        use idempotency::InFlight;
+
+        let args = |list: &[&str]| super::parse(list.iter().map(|arg| arg.to_string()));
         assert_eq!(
             args(&["--in-flight-wait", "0"]).expect("parse").in_flight,
             InFlight::Reject

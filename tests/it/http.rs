@@ -826,7 +826,6 @@ async fn a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout<D: TestDb
     let limits = Limits {
         header_read_timeout: Duration::from_millis(300),
         body_read_timeout: Duration::from_millis(300),
-        ..Limits::default()
     };
     let server = Server::start_limited(&db, limits).await;
 
