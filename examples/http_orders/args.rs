@@ -48,3 +48,31 @@ pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Args, String> {
     }
     Ok(parsed)
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn in_flight_wait_zero_rejects_at_once() {
+        use idempotency::InFlight;
+
+        let args = |list: &[&str]| super::parse(list.iter().map(|arg| arg.to_string()));
+        assert_eq!(
+            args(&["--in-flight-wait", "0"]).expect("parse").in_flight,
+            InFlight::Reject
+        );
+        assert_eq!(
+            args(&[]).expect("parse").in_flight,
+            InFlight::Wait(chrono::Duration::seconds(5))
+        );
+        let negative = args(&["--in-flight-wait", "-1"]);
+        assert!(
+            matches!(&negative, Err(message) if message.starts_with("--in-flight-wait: invalid digit")),
+            "{negative:?}"
+        );
+        let unknown = args(&["--port", "80"]);
+        assert!(
+            matches!(&unknown, Err(message) if message.starts_with("unknown argument --port\nusage: http_orders")),
+            "{unknown:?}"
+        );
+    }
+}

@@ -24,8 +24,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use crate::common::TestDb;
-use crate::common::http::{PATIENCE, Server, read_response, turn_waits};
-use crate::http_orders::server::Limits;
+use crate::common::http::{Limits, PATIENCE, Server, read_response, turn_waits};
 
 crate::common::backend_tests!(
     async: requests_abandoned_while_they_wait_for_a_connection_never_take_one_and_a_fresh_client_is_served
@@ -112,7 +111,7 @@ async fn requests_abandoned_while_they_wait_for_a_connection_never_take_one_and_
             placed.into_response()
         }
     };
-    let server = Server::serve(Router::new().route("/orders", post(handler)), Limits::of_this_process()).await;
+    let server = Server::serve(Router::new().route("/orders", post(handler)), Limits::default()).await;
     let scope = format!("abandoned-{}", D::BACKEND);
     let held = tokio::task::block_in_place(|| pool.get().expect("the pool's one connection"));
 

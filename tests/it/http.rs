@@ -16,8 +16,6 @@ use std::time::Duration;
 
 use crate::common::TestDb;
 use crate::common::http::*;
-use crate::http_orders::server::Limits;
-use crate::http_orders::{self, Settings};
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::{Request, StatusCode, request::Parts};
 use axum::middleware::Next;
@@ -74,6 +72,10 @@ const AT_ONCE: Duration = Duration::from_secs(1);
 
 /// The checkout timeout of the pools that tests hold empty.
 const EXHAUSTED_CHECKOUT: Duration = Duration::from_secs(5);
+
+/// How long the example gives a client to send a request's head, as its
+/// `server` module documents.
+const EXAMPLE_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a request may wait for a connection in the example as it is
 /// configured: the wait of a web request, not r2d2's default of 30 s.
@@ -679,13 +681,13 @@ async fn items_no_backend_can_store_are_422_on_every_backend<D: TestDb>() {
     let server = Server::start(&db, Settings::default()).await;
     let client = client();
     let order = |item: &str| serde_json::to_string(&json!({"item": item, "quantity": 1})).expect("JSON");
-    let longest = "\u{1f4e6}".repeat(http_orders::orders::MAX_ITEM_CHARS);
+    let longest = "\u{1f4e6}".repeat(MAX_ITEM_CHARS);
     let refused = [
         ("an item with NUL", order("a\u{0}b"), "U+0000"),
         ("an item of 65,536 bytes", order(&"x".repeat(65_536)), "1000 characters"),
         (
             "an item one character too long",
-            order(&"x".repeat(http_orders::orders::MAX_ITEM_CHARS + 1)),
+            order(&"x".repeat(MAX_ITEM_CHARS + 1)),
             "1000 characters",
         ),
     ];
@@ -727,7 +729,7 @@ async fn idle_sockets_do_not_keep_a_new_client_from_being_served<D: TestDb>() {
     /// Below the example's header read timeout: the new client is served
     /// because an idle socket made room, not because one timed out.
     const SERVED_WITHIN: Duration = Duration::from_secs(5);
-    assert!(SERVED_WITHIN < http_orders::server::HEADER_READ_TIMEOUT);
+    assert!(SERVED_WITHIN < EXAMPLE_HEADER_READ_TIMEOUT);
     let db = database::<D>().await;
     let args = ["--addr", "127.0.0.1:0", "--database", db.url()];
     let launch = Launch {
@@ -824,7 +826,6 @@ async fn a_stalled_request_head_or_body_is_cut_off_by_its_read_timeout<D: TestDb
     let limits = Limits {
         header_read_timeout: Duration::from_millis(300),
         body_read_timeout: Duration::from_millis(300),
-        ..Limits::of_this_process()
     };
     let server = Server::start_limited(&db, limits).await;
 
@@ -871,7 +872,7 @@ async fn scope_of(token: &str) -> String {
         .body(())
         .expect("a request")
         .into_parts();
-    match http_orders::account::Account::from_request_parts(&mut parts, &()).await {
+    match Account::from_request_parts(&mut parts, &()).await {
         Ok(account) => account.scope().into_owned(),
         Err(_) => panic!("{token} is no account"),
     }
@@ -966,29 +967,6 @@ async fn example_binary_answers_a_key_reused_at_another_endpoint_with_422<D: Tes
     assert_eq!(order_count(&db).await, 1);
 }
 
-#[test]
-fn in_flight_wait_zero_rejects_at_once() {
-    let args = |list: &[&str]| http_orders::args::parse(list.iter().map(|arg| arg.to_string()));
-    assert_eq!(
-        args(&["--in-flight-wait", "0"]).expect("parse").in_flight,
-        InFlight::Reject
-    );
-    assert_eq!(
-        args(&[]).expect("parse").in_flight,
-        InFlight::Wait(chrono::Duration::seconds(5))
-    );
-    let negative = args(&["--in-flight-wait", "-1"]);
-    assert!(
-        matches!(&negative, Err(message) if message.starts_with("--in-flight-wait: invalid digit")),
-        "{negative:?}"
-    );
-    let unknown = args(&["--port", "80"]);
-    assert!(
-        matches!(&unknown, Err(message) if message.starts_with("unknown argument --port\nusage: http_orders")),
-        "{unknown:?}"
-    );
-}
-
 /// The parts of `idempotency::http` that the service leaves out, on a
 /// small router of their own.
 mod library {
@@ -1028,17 +1006,8 @@ mod library {
         }
     }
 
-    type SqlitePool = Pool<ConnectionManager<SqliteConnection>>;
-
     fn notes_app(db: &idempotency::testing::SqliteFile, pool_size: u32, config: Config) -> (Router, SqlitePool) {
-        db.conn()
-            .batch_execute("CREATE TABLE IF NOT EXISTS notes (id INTEGER PRIMARY KEY)")
-            .expect("create notes");
-        let pool = Pool::builder()
-            .max_size(pool_size)
-            .connection_timeout(Duration::from_millis(200))
-            .build(ConnectionManager::new(db.path().to_str().expect("utf-8 path")))
-            .expect("a pool");
+        let pool = notes_pool(db, pool_size);
         let app = Router::new().route("/notes", post(post_note)).with_state(Notes {
             pool: pool.clone(),
             config,
@@ -1420,16 +1389,27 @@ mod library {
         Ok(StoredResponse::new(StatusCode::CREATED, moved))
     }
 
+    /// Records a move of `kind` for `account` under `key`.
+    async fn moved(
+        ledger: Ledger,
+        key: &IdempotencyKey<Anyone>,
+        body: Value,
+        kind: &'static str,
+        account: i64,
+    ) -> MoveResponse {
+        http::run(&ledger.pool, &ledger.config, key, body, move |conn, body| {
+            record(conn, kind, account, body)
+        })
+        .await
+    }
+
     async fn transfer(
         State(ledger): State<Ledger>,
         Path(account): Path<i64>,
         key: IdempotencyKey<Anyone>,
         Json(body): Json<Value>,
     ) -> MoveResponse {
-        http::run(&ledger.pool, &ledger.config, &key, body, move |conn, body| {
-            record(conn, "transfer", account, body)
-        })
-        .await
+        moved(ledger, &key, body, "transfer", account).await
     }
 
     async fn charge(
@@ -1437,10 +1417,7 @@ mod library {
         key: IdempotencyKey<Anyone>,
         Json(body): Json<Value>,
     ) -> MoveResponse {
-        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
-            record(conn, "charge", 0, body)
-        })
-        .await
+        moved(ledger, &key, body, "charge", 0).await
     }
 
     async fn refund(
@@ -1448,10 +1425,7 @@ mod library {
         key: IdempotencyKey<Anyone>,
         Json(body): Json<Value>,
     ) -> MoveResponse {
-        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
-            record(conn, "refund", 0, body)
-        })
-        .await
+        moved(ledger, &key, body, "refund", 0).await
     }
 
     /// A charge whose keys span endpoints.
@@ -1460,11 +1434,7 @@ mod library {
         key: IdempotencyKey<Anyone>,
         Json(body): Json<Value>,
     ) -> MoveResponse {
-        let key = key.across_endpoints();
-        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
-            record(conn, "charge", 0, body)
-        })
-        .await
+        moved(ledger, &key.across_endpoints(), body, "charge", 0).await
     }
 
     async fn shared_refund(
@@ -1472,11 +1442,7 @@ mod library {
         key: IdempotencyKey<Anyone>,
         Json(body): Json<Value>,
     ) -> MoveResponse {
-        let key = key.across_endpoints();
-        http::run(&ledger.pool, &ledger.config, &key, body, |conn, body| {
-            record(conn, "refund", 0, body)
-        })
-        .await
+        moved(ledger, &key.across_endpoints(), body, "refund", 0).await
     }
 
     async fn phased_transfer(

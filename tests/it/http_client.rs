@@ -3,7 +3,6 @@
 //! status of a key.
 
 use std::collections::HashSet;
-use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
@@ -12,15 +11,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
-use diesel::r2d2::{ConnectionManager, Pool};
 use idempotency::http::{self, Answer, Failure, IdempotencyKey, Problem, Problems, StoredResponse};
 use idempotency::{Config, InFlight};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-use crate::common::http::Anyone;
-
-type SqlitePool = Pool<ConnectionManager<SqliteConnection>>;
+use crate::common::http::{Anyone, SqlitePool, notes_pool};
 
 #[derive(Clone)]
 struct Notes {
@@ -50,14 +46,7 @@ async fn post_note(State(notes): State<Notes>, key: IdempotencyKey<Anyone>, body
 }
 
 fn notes_app(db: &idempotency::testing::SqliteFile, pool_size: u32, config: Config) -> (Router, SqlitePool) {
-    db.conn()
-        .batch_execute("CREATE TABLE IF NOT EXISTS notes (id INTEGER PRIMARY KEY)")
-        .expect("create notes");
-    let pool = Pool::builder()
-        .max_size(pool_size)
-        .connection_timeout(Duration::from_millis(200))
-        .build(ConnectionManager::new(db.path().to_str().expect("utf-8 path")))
-        .expect("a pool");
+    let pool = notes_pool(db, pool_size);
     let app = Router::new().route("/notes", post(post_note)).with_state(Notes {
         pool: pool.clone(),
         config,

@@ -8,13 +8,6 @@
 
 mod common;
 
-// The example the HTTP tests serve. Its `main` and command line are unused
-// here but for one test.
-#[cfg(feature = "axum")]
-#[allow(dead_code)]
-#[path = "../../examples/http_orders/main.rs"]
-mod http_orders;
-
 // The OpenAPI example, whose document the tests check. Its `main` is unused.
 #[cfg(feature = "openapi")]
 #[allow(dead_code)]

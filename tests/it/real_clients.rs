@@ -14,7 +14,6 @@ use tokio::sync::mpsc;
 
 use crate::common::TestDb;
 use crate::common::http::*;
-use crate::http_orders::Settings;
 
 const BODY: &str = r#"{"item": "book", "quantity": 2}"#;
 
@@ -73,11 +72,19 @@ async fn proxy_losing_the_first_response(
     (addr, lost, connections)
 }
 
-/// Runs `command` on a blocking thread and returns what it printed.
-async fn output_of(mut command: Command) -> Output {
-    tokio::task::spawn_blocking(move || command.output().expect("start the client"))
+/// Runs `command` on a blocking thread and returns what it printed, once
+/// it has exited with success.
+async fn output_of(mut command: Command) -> String {
+    let output: Output = tokio::task::spawn_blocking(move || command.output().expect("start the client"))
         .await
-        .expect("the client's thread")
+        .expect("the client's thread");
+    let printed = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{printed}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    printed
 }
 
 /// Checks that the client's retry got the replay of the lost first
@@ -115,13 +122,7 @@ async fn curl_retrying_a_lost_response_gets_the_first_answer_and_one_order<D: Te
         ])
         .args(["-H", "Content-Type: application/json", "--data-binary", BODY])
         .arg(format!("http://{proxy}/orders"));
-    let output = output_of(curl).await;
-    let printed = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{printed}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let printed = output_of(curl).await;
     let (head, body) = printed.split_once("\r\n\r\n").expect("a head and a body");
     let status = head
         .split(' ')
@@ -144,13 +145,7 @@ async fn urllib3_retrying_a_lost_response_gets_the_first_answer_and_one_order<D:
 
     let mut python = Command::new("python3");
     python.args(["-c", URLLIB3_CLIENT, &format!("http://{proxy}/orders"), BODY]);
-    let output = output_of(python).await;
-    let printed = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "{printed}{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let printed = output_of(python).await;
     let mut lines = printed.lines();
     let status = lines.next().and_then(|s| s.parse().ok()).expect("the status");
     let replayed = lines.next().filter(|marker| *marker != "None").map(str::to_owned);

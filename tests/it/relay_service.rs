@@ -511,6 +511,28 @@ fn relay_with_a_clock_behind_the_database_delivers_at_once<D: TestDb>() {
     assert_eq!((summary.work.delivered, summary.errors), (1, 0));
 }
 
+/// Enqueues a `webhooks` message of `payload`, then `others` more; returns
+/// the id of the first.
+fn enqueue_one_among<D: TestDb>(conn: &mut D::Conn, payload: &str, others: usize) -> String {
+    let id = outbox::enqueue(conn, "webhooks", &payload).expect("enqueue");
+    for n in 0..others {
+        outbox::enqueue(conn, "webhooks", &n).expect("enqueue");
+    }
+    id
+}
+
+/// A relay of two workers with a lease of 1 s, which gives a message up
+/// after `max_attempts`, soon backed off and polling often.
+fn two_workers_giving_up_after(max_attempts: u32) -> Relay {
+    Relay::default()
+        .workers(2)
+        .batch_size(5)
+        .lease(Duration::seconds(1))
+        .max_attempts(max_attempts)
+        .backoff(Duration::milliseconds(10), Duration::milliseconds(40))
+        .poll_interval(Duration::milliseconds(10))
+}
+
 /// A message whose handler panics is a poison message: each panic is a
 /// failed attempt of that message alone, counted and backed off until it
 /// is dead, while both workers go on delivering the rest.
@@ -520,17 +542,8 @@ fn panicking_handler_fails_its_message_while_the_others_are_delivered<D: TestDb>
     let db = D::new();
     let pool = db.pool(3);
     let mut conn = db.conn();
-    let poison = outbox::enqueue(&mut conn, "webhooks", &"poison").expect("enqueue");
-    for n in 0..OTHERS {
-        outbox::enqueue(&mut conn, "webhooks", &n).expect("enqueue");
-    }
-    let relay = Relay::default()
-        .workers(2)
-        .batch_size(5)
-        .lease(Duration::seconds(1))
-        .max_attempts(MAX_ATTEMPTS)
-        .backoff(Duration::milliseconds(10), Duration::milliseconds(40))
-        .poll_interval(Duration::milliseconds(10));
+    let poison = enqueue_one_among::<D>(&mut conn, "poison", OTHERS);
+    let relay = two_workers_giving_up_after(MAX_ATTEMPTS);
     let shutdown = Shutdown::new();
     let (delivered, poisoned) = (AtomicUsize::new(0), AtomicUsize::new(0));
     let handler = |message: &Message| {
@@ -590,17 +603,8 @@ fn hanging_handler_is_given_up_within_its_lease_while_the_others_are_delivered<D
     let db = D::new();
     let pool = db.pool(3);
     let mut conn = db.conn();
-    let hanging = outbox::enqueue(&mut conn, "webhooks", &"hangs").expect("enqueue");
-    for n in 0..OTHERS {
-        outbox::enqueue(&mut conn, "webhooks", &n).expect("enqueue");
-    }
-    let relay = Relay::default()
-        .workers(2)
-        .batch_size(5)
-        .lease(Duration::seconds(1))
-        .max_attempts(MAX_ATTEMPTS)
-        .backoff(Duration::milliseconds(10), Duration::milliseconds(40))
-        .poll_interval(Duration::milliseconds(10));
+    let hanging = enqueue_one_among::<D>(&mut conn, "hangs", OTHERS);
+    let relay = two_workers_giving_up_after(MAX_ATTEMPTS);
     let shutdown = Shutdown::new();
     let (delivered, hangs, returned) = (AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0));
     // Never sent on: the handler blocks until the test drops the sender.

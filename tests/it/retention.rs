@@ -4,7 +4,7 @@
 use chrono::{Duration, TimeZone, Utc};
 use diesel::prelude::*;
 use idempotency::testing::ManualClock;
-use idempotency::{Config, Error};
+use idempotency::{Config, Error, Outcome};
 
 use crate::common::TestDb;
 use crate::common::kept_an_hour;
@@ -26,13 +26,9 @@ fn key_replays_until_retention_ends<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
     let (clock, config) = kept_an_hour();
-    let first = config
-        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
-        .expect("first");
+    let first = place_book::<D>(&config, &mut conn, "first");
     clock.advance(Duration::minutes(59) + Duration::seconds(59));
-    let retry = config
-        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
-        .expect("retry");
+    let retry = place_book::<D>(&config, &mut conn, "retry");
     assert!(retry.is_replayed());
     assert_eq!(retry.into_inner(), first.into_inner());
     assert_eq!(D::order_count(&mut conn), 1);
@@ -42,13 +38,9 @@ fn expired_key_executes_again_as_new<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
     let (clock, config) = kept_an_hour();
-    config
-        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
-        .expect("first");
+    place_book::<D>(&config, &mut conn, "first");
     clock.advance(Duration::hours(1));
-    let again = config
-        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
-        .expect("after expiry");
+    let again = place_book::<D>(&config, &mut conn, "after expiry");
     assert!(!again.is_replayed(), "expires_at <= now is expired");
     assert_eq!(D::order_count(&mut conn), 2);
     assert_eq!(
@@ -58,9 +50,7 @@ fn expired_key_executes_again_as_new<D: TestDb>() {
     );
     // The new record starts a new retention window.
     clock.advance(Duration::minutes(30));
-    let retry = config
-        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
-        .expect("retry");
+    let retry = place_book::<D>(&config, &mut conn, "retry");
     assert!(retry.is_replayed());
 }
 
@@ -68,9 +58,7 @@ fn expired_key_accepts_a_different_request<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
     let (clock, config) = kept_an_hour();
-    config
-        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
-        .expect("first");
+    place_book::<D>(&config, &mut conn, "first");
     let early = config.run(&mut conn, "shop", "k", &2, |tx| D::place_order(tx, "book", 2));
     assert!(matches!(early, Err(Error::Mismatch)));
     clock.advance(Duration::hours(2));
@@ -84,9 +72,7 @@ fn failed_takeover_of_an_expired_key_keeps_the_old_record_until_purged<D: TestDb
     let db = D::new();
     let mut conn = db.conn();
     let (clock, config) = kept_an_hour();
-    config
-        .run(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
-        .expect("first");
+    place_book::<D>(&config, &mut conn, "first");
     clock.advance(Duration::hours(2));
     let failed = config.run(&mut conn, "shop", "k", &1, |_| Err::<i64, _>("declined by validation"));
     assert!(matches!(failed, Err(Error::Operation("declined by validation"))));
@@ -96,6 +82,13 @@ fn failed_takeover_of_an_expired_key_keeps_the_old_record_until_purged<D: TestDb
 
 /// `n` calls in the scope `shop`, keys `{prefix}-0` onwards, each
 /// returning its number.
+/// The call of key `k` in scope `shop`: an order of one book.
+fn place_book<D: TestDb>(config: &Config, conn: &mut D::Conn, what: &str) -> Outcome<i64> {
+    config
+        .run(conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
+        .expect(what)
+}
+
 fn calls<C: idempotency::StoreConnection>(config: &idempotency::Config, conn: &mut C, prefix: &str, n: i32) {
     for i in 0..n {
         config

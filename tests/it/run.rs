@@ -374,26 +374,22 @@ fn sql_metacharacters_in_scope_key_and_request_are_inert<D: TestDb>() {
     assert_eq!(D::key_count(&mut conn), 1);
 }
 
+/// Whether `error` refuses a key of 9 characters where 8 are the most.
+fn nine_chars_over_eight<E>(error: Option<&Error<E>>) -> bool {
+    matches!(
+        error,
+        Some(Error::InvalidKey(idempotency::KeyError::TooLong { len: 9, max: 8 }))
+    )
+}
+
 fn config_run_uses_its_own_policy<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
     let config = Config::default().max_key_len(8);
     let long = config.run(&mut conn, "shop", "123456789", &1, |tx| D::place_order(tx, "book", 1));
-    assert!(
-        matches!(
-            long,
-            Err(Error::InvalidKey(idempotency::KeyError::TooLong { len: 9, max: 8 }))
-        ),
-        "{long:?}"
-    );
+    assert!(nine_chars_over_eight(long.as_ref().err()), "{long:?}");
     let fits = config.run(&mut conn, "shop", "12345678x", &1, |tx| D::place_order(tx, "book", 1));
-    assert!(
-        matches!(
-            fits,
-            Err(Error::InvalidKey(idempotency::KeyError::TooLong { len: 9, max: 8 }))
-        ),
-        "{fits:?}"
-    );
+    assert!(nine_chars_over_eight(fits.as_ref().err()), "{fits:?}");
     assert!(
         config
             .run(&mut conn, "shop", "1234567x", &1, |tx| D::place_order(tx, "book", 1))

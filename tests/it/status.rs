@@ -8,7 +8,7 @@ use std::thread;
 
 use chrono::Duration;
 use idempotency::phased::Phased;
-use idempotency::{Error, KeyError, KeyStatus};
+use idempotency::{Config, Error, KeyError, KeyStatus, Recorded};
 
 use crate::common::TestDb;
 use crate::common::kept_an_hour;
@@ -39,9 +39,7 @@ fn a_completed_key_gives_its_stored_result_and_times_until_it_expires<D: TestDb>
     let db = D::new();
     let mut conn = db.conn();
     let (clock, config) = kept_an_hour();
-    let first = config
-        .run_recorded(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
-        .expect("first");
+    let first = recorded_book::<D>(&config, &mut conn);
     let id = first.outcome.into_inner();
 
     clock.advance(Duration::minutes(59));
@@ -138,9 +136,7 @@ fn a_record_of_another_request_is_no_record<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
     let (clock, config) = kept_an_hour();
-    let first = config
-        .run_recorded(&mut conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
-        .expect("first");
+    let first = recorded_book::<D>(&config, &mut conn);
     assert_eq!(
         config.status::<_, i64>(&mut conn, "shop", "k", &2).expect("status"),
         KeyStatus::NoRecord,
@@ -229,4 +225,12 @@ fn a_parked_phased_operation_is_parked<D: TestDb>() {
             .expect("status"),
         KeyStatus::NoRecord
     );
+}
+
+/// The first call of key `k` in scope `shop`, recorded: an order of one
+/// book.
+fn recorded_book<D: TestDb>(config: &Config, conn: &mut D::Conn) -> Recorded<i64> {
+    config
+        .run_recorded(conn, "shop", "k", &1, |tx| D::place_order(tx, "book", 1))
+        .expect("first")
 }

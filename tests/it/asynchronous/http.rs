@@ -506,55 +506,46 @@ where
 
 type SqliteConn = diesel_async::sync_connection_wrapper::SyncConnectionWrapper<diesel::SqliteConnection>;
 
-async_http_tests!(
+/// The tests on backend `$db` over its async connection `$conn`, once on a
+/// bb8 pool (module `$bb8`) and once on a deadpool pool (`$deadpool`).
+macro_rules! async_http_tests_on_both_pools {
+    ($bb8:ident, $deadpool:ident, $db:ty, $conn:ty) => {
+        async_http_tests!(
+            $bb8,
+            $db,
+            $conn,
+            diesel_async::pooled_connection::bb8::Pool<$conn>,
+            super::bb8_pool,
+            |pool: &diesel_async::pooled_connection::bb8::Pool<_>| pool.state().connections
+        );
+        async_http_tests!(
+            $deadpool,
+            $db,
+            $conn,
+            diesel_async::pooled_connection::deadpool::Pool<$conn>,
+            super::deadpool_pool,
+            |pool: &diesel_async::pooled_connection::deadpool::Pool<_>| pool.status().size
+        );
+    };
+}
+
+async_http_tests_on_both_pools!(
     sqlite_bb8,
-    crate::common::sqlite::Db,
-    super::SqliteConn,
-    diesel_async::pooled_connection::bb8::Pool<super::SqliteConn>,
-    super::bb8_pool,
-    |pool: &diesel_async::pooled_connection::bb8::Pool<_>| pool.state().connections
-);
-async_http_tests!(
     sqlite_deadpool,
     crate::common::sqlite::Db,
-    super::SqliteConn,
-    diesel_async::pooled_connection::deadpool::Pool<super::SqliteConn>,
-    super::deadpool_pool,
-    |pool: &diesel_async::pooled_connection::deadpool::Pool<_>| pool.status().size
+    super::SqliteConn
 );
 #[cfg(feature = "postgres")]
-async_http_tests!(
+async_http_tests_on_both_pools!(
     postgres_bb8,
-    crate::common::pg::Db,
-    diesel_async::AsyncPgConnection,
-    diesel_async::pooled_connection::bb8::Pool<diesel_async::AsyncPgConnection>,
-    super::bb8_pool,
-    |pool: &diesel_async::pooled_connection::bb8::Pool<_>| pool.state().connections
-);
-#[cfg(feature = "postgres")]
-async_http_tests!(
     postgres_deadpool,
     crate::common::pg::Db,
-    diesel_async::AsyncPgConnection,
-    diesel_async::pooled_connection::deadpool::Pool<diesel_async::AsyncPgConnection>,
-    super::deadpool_pool,
-    |pool: &diesel_async::pooled_connection::deadpool::Pool<_>| pool.status().size
+    diesel_async::AsyncPgConnection
 );
 #[cfg(feature = "mysql")]
-async_http_tests!(
+async_http_tests_on_both_pools!(
     mysql_bb8,
-    crate::common::mysql::Db,
-    diesel_async::AsyncMysqlConnection,
-    diesel_async::pooled_connection::bb8::Pool<diesel_async::AsyncMysqlConnection>,
-    super::bb8_pool,
-    |pool: &diesel_async::pooled_connection::bb8::Pool<_>| pool.state().connections
-);
-#[cfg(feature = "mysql")]
-async_http_tests!(
     mysql_deadpool,
     crate::common::mysql::Db,
-    diesel_async::AsyncMysqlConnection,
-    diesel_async::pooled_connection::deadpool::Pool<diesel_async::AsyncMysqlConnection>,
-    super::deadpool_pool,
-    |pool: &diesel_async::pooled_connection::deadpool::Pool<_>| pool.status().size
+    diesel_async::AsyncMysqlConnection
 );

@@ -143,10 +143,7 @@ async fn an_async_phased_operation_runs_each_step_once_and_replays_its_response<
     let mut check = db.conn();
     assert_eq!(D::order_items(&mut check), ["book"]);
     assert_eq!(provider.charges(), 1);
-    assert_eq!(
-        recovery_points::<D>(&mut check, "order-1"),
-        Some(vec!["completed".to_owned()])
-    );
+    assert_completed::<D>(&mut check, "order-1");
 }
 
 async fn an_async_phased_operation_resumes_after_a_failed_call_without_running_its_phase_again<D: AsyncDb + RideDb>() {
@@ -181,10 +178,7 @@ async fn an_async_phased_operation_resumes_after_a_failed_call_without_running_i
     assert_eq!(provider.requests.load(Ordering::SeqCst), 2);
     assert_eq!(provider.charges(), 1, "both requests carried one provider key");
     assert_eq!(D::order_items(&mut check), ["book"]);
-    assert_eq!(
-        recovery_points::<D>(&mut check, "order-1"),
-        Some(vec!["completed".to_owned()])
-    );
+    assert_completed::<D>(&mut check, "order-1");
 }
 
 async fn a_panicking_async_step_rolls_back_frees_the_lease_and_the_retry_finishes<D: AsyncDb + RideDb>() {
@@ -237,10 +231,7 @@ async fn a_panicking_async_step_rolls_back_frees_the_lease_and_the_retry_finishe
         1,
         "the call was not made again"
     );
-    assert_eq!(
-        recovery_points::<D>(&mut check, "order-1"),
-        Some(vec!["completed".to_owned()])
-    );
+    assert_completed::<D>(&mut check, "order-1");
 }
 
 async fn an_async_phased_operation_with_another_request_is_a_mismatch_and_runs_nothing<D: AsyncDb + RideDb>() {
@@ -396,10 +387,7 @@ async fn an_abandoned_async_operation_is_finished_by_a_completer_on_a_thread<D: 
         .expect("the completer's thread");
     let report = report.expect("a pass");
     assert_eq!((report.picked, report.completed), (1, 1), "{report:?}");
-    assert_eq!(
-        recovery_points::<D>(&mut sync, "order-1"),
-        Some(vec!["completed".to_owned()])
-    );
+    assert_completed::<D>(&mut sync, "order-1");
     assert_eq!(phases.load(Ordering::SeqCst), 1, "the phase ran once");
     assert_eq!(
         (provider.requests.load(Ordering::SeqCst), provider.charges()),
@@ -547,10 +535,7 @@ async fn an_async_attempt_gone_silent_mid_step_loses_its_key_within_the_idle_bou
     assert!(!answered.expect("the waiter is served").is_replayed());
     let mut check = db.conn();
     assert_eq!(D::order_items(&mut check), ["book"], "nothing of the silent step stays");
-    assert_eq!(
-        recovery_points::<D>(&mut check, "order-1"),
-        Some(vec!["completed".to_owned()])
-    );
+    assert_completed::<D>(&mut check, "order-1");
 }
 
 /// As with the sync steps (`phased::call_results`): the call was made, so
@@ -604,4 +589,11 @@ async fn an_async_call_result_beyond_the_response_bound_is_recorded_and_the_call
             "the call was made once (at most once: {at_most_once})"
         );
     }
+}
+
+/// Asserts that the operation of `key` is completed: its only recovery
+/// point says so.
+#[track_caller]
+fn assert_completed<D: RideDb>(conn: &mut D::Conn, key: &str) {
+    assert_eq!(recovery_points::<D>(conn, key), Some(vec!["completed".to_owned()]));
 }

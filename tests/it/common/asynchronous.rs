@@ -55,41 +55,48 @@ pub trait AsyncServerDb: AsyncDb<Async: PoolableConnection> + ServerDb {
     fn idle_bound(conn: &mut Self::Async) -> impl Future<Output = String> + Send;
 }
 
-impl AsyncDb for super::sqlite::Db {
-    type Async = SyncConnectionWrapper<SqliteConnection>;
+/// The [`AsyncDb`] of backend `$db`, whose diesel-async connection is
+/// `$conn`.
+macro_rules! async_db {
+    ($db:ty, $conn:ty) => {
+        impl AsyncDb for $db {
+            type Async = $conn;
 
-    async fn connect(&self) -> Self::Async {
-        SyncConnectionWrapper::<SqliteConnection>::establish(self.url())
-            .await
-            .expect("an async connection to the test's database")
-    }
+            async fn connect(&self) -> $conn {
+                <$conn>::establish(self.url())
+                    .await
+                    .expect("an async connection to the test's database")
+            }
 
-    async fn insert_order(conn: &mut Self::Async, item: &str) -> QueryResult<()> {
-        diesel::insert_into(orders::table)
-            .values((orders::item.eq(item), orders::quantity.eq(1)))
-            .execute(conn)
-            .await
-            .map(drop)
-    }
+            async fn insert_order(conn: &mut $conn, item: &str) -> QueryResult<()> {
+                diesel::insert_into(orders::table)
+                    .values((orders::item.eq(item), orders::quantity.eq(1)))
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            }
+        }
+    };
 }
 
+async_db!(super::sqlite::Db, SyncConnectionWrapper<SqliteConnection>);
 #[cfg(feature = "postgres")]
-impl AsyncDb for super::pg::Db {
-    type Async = AsyncPgConnection;
+async_db!(super::pg::Db, AsyncPgConnection);
+#[cfg(feature = "mysql")]
+async_db!(super::mysql::Db, AsyncMysqlConnection);
 
-    async fn connect(&self) -> AsyncPgConnection {
-        AsyncPgConnection::establish(self.url())
-            .await
-            .expect("an async connection to the test's schema")
-    }
-
-    async fn insert_order(conn: &mut AsyncPgConnection, item: &str) -> QueryResult<()> {
-        diesel::insert_into(orders::table)
-            .values((orders::item.eq(item), orders::quantity.eq(1)))
-            .execute(conn)
-            .await
-            .map(drop)
-    }
+/// A bb8 pool of at most `size` async connections to `url`.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+async fn bb8_pool<C>(url: &str, size: u32) -> bb8::Pool<AsyncDieselConnectionManager<C>>
+where
+    C: PoolableConnection + 'static,
+    AsyncDieselConnectionManager<C>: bb8::ManageConnection,
+{
+    bb8::Pool::builder()
+        .max_size(size)
+        .build(AsyncDieselConnectionManager::new(url))
+        .await
+        .expect("a pool of async connections")
 }
 
 #[cfg(feature = "postgres")]
@@ -98,11 +105,7 @@ impl AsyncServerDb for super::pg::Db {
     const CUT_STATEMENT_DISCARDS_THE_CONNECTION: bool = false;
 
     async fn async_pool(&self, size: u32) -> bb8::Pool<Self::Manager> {
-        bb8::Pool::builder()
-            .max_size(size)
-            .build(AsyncDieselConnectionManager::new(self.url()))
-            .await
-            .expect("a pool of async connections")
+        bb8_pool(self.url(), size).await
     }
 
     async fn session_of(conn: &mut AsyncPgConnection) -> i64 {
@@ -124,35 +127,12 @@ impl AsyncServerDb for super::pg::Db {
 }
 
 #[cfg(feature = "mysql")]
-impl AsyncDb for super::mysql::Db {
-    type Async = AsyncMysqlConnection;
-
-    async fn connect(&self) -> AsyncMysqlConnection {
-        AsyncMysqlConnection::establish(self.url())
-            .await
-            .expect("an async connection to the test's database")
-    }
-
-    async fn insert_order(conn: &mut AsyncMysqlConnection, item: &str) -> QueryResult<()> {
-        diesel::insert_into(orders::table)
-            .values((orders::item.eq(item), orders::quantity.eq(1)))
-            .execute(conn)
-            .await
-            .map(drop)
-    }
-}
-
-#[cfg(feature = "mysql")]
 impl AsyncServerDb for super::mysql::Db {
     type Manager = AsyncDieselConnectionManager<AsyncMysqlConnection>;
     const CUT_STATEMENT_DISCARDS_THE_CONNECTION: bool = true;
 
     async fn async_pool(&self, size: u32) -> bb8::Pool<Self::Manager> {
-        bb8::Pool::builder()
-            .max_size(size)
-            .build(AsyncDieselConnectionManager::new(self.url()))
-            .await
-            .expect("a pool of async connections")
+        bb8_pool(self.url(), size).await
     }
 
     async fn session_of(conn: &mut AsyncMysqlConnection) -> i64 {

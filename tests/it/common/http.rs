@@ -1,5 +1,5 @@
 //! What the HTTP tests stand on, beside the databases of [`TestDb`]: the
-//! order service served on 127.0.0.1, a client, a proxy that loses
+//! test order service served on 127.0.0.1, a client, a proxy that loses
 //! responses, the compiled example binary, and a gate that holds an order's
 //! transaction open.
 
@@ -17,10 +17,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
 use super::TestDb;
-use crate::http_orders::database::{self, Database};
-use crate::http_orders::orders::OrderStore;
-use crate::http_orders::server::{self, Limits};
-use crate::http_orders::{self, Service, Settings};
+use super::orders_service;
+pub use super::orders_service::{Account, Limits, MAX_ITEM_CHARS, Settings};
 
 pub use super::wait::PATIENCE;
 
@@ -40,6 +38,25 @@ impl idempotency::http::Caller for Anyone {
     fn scope(&self) -> std::borrow::Cow<'_, str> {
         std::borrow::Cow::Borrowed("public")
     }
+}
+
+/// A pool of SQLite connections, as the routers of the tests that need no
+/// backend of their own use.
+pub type SqlitePool = diesel::r2d2::Pool<diesel::r2d2::ConnectionManager<diesel::SqliteConnection>>;
+
+/// A pool of `size` connections to `db`, with a `notes` table, which a
+/// request waits 200 ms for at most.
+pub fn notes_pool(db: &idempotency::testing::SqliteFile, size: u32) -> SqlitePool {
+    db.conn()
+        .batch_execute("CREATE TABLE IF NOT EXISTS notes (id INTEGER PRIMARY KEY)")
+        .expect("create notes");
+    diesel::r2d2::Pool::builder()
+        .max_size(size)
+        .connection_timeout(Duration::from_millis(200))
+        .build(diesel::r2d2::ConnectionManager::new(
+            db.path().to_str().expect("utf-8 path"),
+        ))
+        .expect("a pool")
 }
 
 /// A database of the test's own on backend `D`, empty: the service sets it
@@ -69,51 +86,53 @@ pub async fn drop_table<D: TestDb>(db: &D, table: &str) {
     });
 }
 
-/// The order service, served in this process on 127.0.0.1 on a free port.
+/// The order service of [`orders_service`], served in this process on
+/// 127.0.0.1 on a free port.
 pub struct Server {
     addr: SocketAddr,
     _stop: oneshot::Sender<()>,
 }
 
 impl Server {
-    pub async fn start(db: &impl TestDb, settings: Settings) -> Server {
+    pub async fn start<D: TestDb>(db: &D, settings: Settings) -> Server {
         Server::start_with(db, settings, |router| router).await
     }
 
     /// Serves the service's routes as `wrap` changes them.
-    pub async fn start_with(db: &impl TestDb, settings: Settings, wrap: impl FnOnce(Router) -> Router) -> Server {
-        let database = db.url().to_owned();
-        let service = tokio::task::spawn_blocking(move || http_orders::service(&database, settings))
+    pub async fn start_with<D: TestDb>(db: &D, settings: Settings, wrap: impl FnOnce(Router) -> Router) -> Server {
+        let pool = orders_service::pool(db, &settings);
+        let router = tokio::task::spawn_blocking(move || orders_service::router::<D>(pool, settings))
             .await
-            .expect("start the service")
-            .expect("open the service's database");
-        Server::serve(wrap(service.router), Limits::of_this_process()).await
+            .expect("start the service");
+        Server::serve(wrap(router), Limits::default()).await
     }
 
     /// The service with every connection of its pool checked out and held
     /// by the second value, until it is dropped.
-    pub async fn start_exhausted(db: &impl TestDb, settings: Settings) -> (Server, HeldPool) {
-        let database = db.url().to_owned();
-        let (service, held) = tokio::task::spawn_blocking(move || {
-            match database::open(&database, settings.checkout_timeout).expect("open the service's database") {
-                Database::Sqlite(pool) => exhaust(pool, settings),
-                #[cfg(feature = "postgres")]
-                Database::Postgres(pool) => exhaust(pool, settings),
-                #[cfg(feature = "mysql")]
-                Database::Mysql(pool) => exhaust(pool, settings),
-            }
+    pub async fn start_exhausted<D: TestDb>(db: &D, settings: Settings) -> (Server, HeldPool) {
+        let pool = orders_service::pool(db, &settings);
+        let (router, held) = tokio::task::spawn_blocking(move || {
+            let router = orders_service::router::<D>(pool.clone(), settings);
+            let connections: Vec<_> = (0..pool.max_size())
+                .map(|_| pool.get().expect("check out a connection of the pool"))
+                .collect();
+            assert_eq!(pool.state().idle_connections, 0, "every connection of the pool is held");
+            let held = HeldPool {
+                _connections: Box::new(connections),
+            };
+            (router, held)
         })
         .await
         .expect("start the service");
-        (Server::serve(service.router, Limits::of_this_process()).await, held)
+        (Server::serve(router, Limits::default()).await, held)
     }
 
-    /// Serves `router` as the example does, on a free port, until dropped.
+    /// Serves `router` within `limits` on a free port, until dropped.
     pub async fn serve(router: Router, limits: Limits) -> Server {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("listen on a free port");
         let addr = listener.local_addr().expect("the listening address");
         let (stop, stopped) = oneshot::channel::<()>();
-        tokio::spawn(server::serve(listener, router, limits, async {
+        tokio::spawn(orders_service::serve(listener, router, limits, async {
             let _ = stopped.await;
         }));
         Server { addr, _stop: stop }
@@ -125,13 +144,13 @@ impl Server {
 
     /// The service on `db` with the default settings, served within
     /// `limits`.
-    pub async fn start_limited(db: &impl TestDb, limits: Limits) -> Server {
-        let database = db.url().to_owned();
-        let service = tokio::task::spawn_blocking(move || http_orders::service(&database, Settings::default()))
+    pub async fn start_limited<D: TestDb>(db: &D, limits: Limits) -> Server {
+        let settings = Settings::default();
+        let pool = orders_service::pool(db, &settings);
+        let router = tokio::task::spawn_blocking(move || orders_service::router::<D>(pool, settings))
             .await
-            .expect("start the service")
-            .expect("open the service's database");
-        Server::serve(service.router, limits).await
+            .expect("start the service");
+        Server::serve(router, limits).await
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -142,22 +161,6 @@ impl Server {
 /// Connections of a service's pool, checked out and held.
 pub struct HeldPool {
     _connections: Box<dyn std::any::Any + Send>,
-}
-
-/// The service on `pool`, and every connection of the pool.
-fn exhaust<C: OrderStore>(
-    pool: diesel::r2d2::Pool<diesel::r2d2::ConnectionManager<C>>,
-    settings: Settings,
-) -> (Service, HeldPool) {
-    let service = http_orders::service_on(pool.clone(), settings).expect("prepare the service's database");
-    let connections: Vec<_> = (0..pool.max_size())
-        .map(|_| pool.get().expect("check out a connection of the pool"))
-        .collect();
-    assert_eq!(pool.state().idle_connections, 0, "every connection of the pool is held");
-    let held = HeldPool {
-        _connections: Box::new(connections),
-    };
-    (service, held)
 }
 
 /// A client over keep-alive connections, without proxies from the

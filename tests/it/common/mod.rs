@@ -47,6 +47,8 @@ pub mod global_subscriber;
 pub mod http;
 #[cfg(feature = "mysql")]
 pub mod mysql;
+#[cfg(feature = "axum")]
+pub mod orders_service;
 pub mod outbox;
 pub mod own;
 #[cfg(feature = "postgres")]
@@ -107,6 +109,18 @@ diesel::table! {
     /// The domain table of the tests.
     orders (id) {
         id -> BigInt,
+        item -> Text,
+        quantity -> Integer,
+    }
+}
+
+diesel::table! {
+    /// The `orders` table as the order service of [`http`] makes it, with
+    /// the account that owns each order.
+    #[sql_name = "orders"]
+    account_orders (id) {
+        id -> BigInt,
+        account -> Text,
         item -> Text,
         quantity -> Integer,
     }
@@ -206,6 +220,19 @@ pub trait TestDb: Sized + Send + Sync + 'static {
             .expect("build a pool")
     }
 
+    /// What the order service of [`http`] runs on an empty database before
+    /// the crate's migrations: an `orders` table whose orders belong to
+    /// accounts, with room for items of 1,000 characters.
+    const SERVICE_SETUP: &'static str;
+
+    /// Inserts an order of `account` into the order service's table and
+    /// returns its id.
+    fn place_account_order(conn: &mut Self::Conn, account: &str, item: &str, quantity: i32) -> QueryResult<i64>;
+
+    /// The orders of `account` in the order service's table, oldest first,
+    /// as (id, item, quantity).
+    fn account_orders(conn: &mut Self::Conn, account: &str) -> QueryResult<Vec<(i64, String, i32)>>;
+
     /// Inserts an order and returns its id.
     fn place_order(conn: &mut Self::Conn, item: &str, quantity: i32) -> QueryResult<i64>;
 
@@ -254,6 +281,14 @@ pub trait TestDb: Sized + Send + Sync + 'static {
 /// not have.
 macro_rules! same_on_every_backend {
     ($conn:ty, with_returning) => {
+        fn place_account_order(conn: &mut $conn, account: &str, item: &str, quantity: i32) -> QueryResult<i64> {
+            use $crate::common::account_orders as o;
+            diesel::insert_into(o::table)
+                .values((o::account.eq(account), o::item.eq(item), o::quantity.eq(quantity)))
+                .returning(o::id)
+                .get_result(conn)
+        }
+
         fn place_order(conn: &mut $conn, item: &str, quantity: i32) -> QueryResult<i64> {
             use $crate::common::orders;
             diesel::insert_into(orders::table)
@@ -274,6 +309,15 @@ macro_rules! same_on_every_backend {
         $crate::common::same_on_every_backend!($conn);
     };
     ($conn:ty) => {
+        fn account_orders(conn: &mut $conn, account: &str) -> QueryResult<Vec<(i64, String, i32)>> {
+            use $crate::common::account_orders as o;
+            o::table
+                .filter(o::account.eq(account))
+                .order(o::id)
+                .select((o::id, o::item, o::quantity))
+                .load(conn)
+        }
+
         fn order_count(conn: &mut $conn) -> i64 {
             $crate::common::orders::table
                 .count()

@@ -48,6 +48,9 @@ impl TestDb for Db {
     const BACKEND: &'static str = "mysql";
     const SETUP: &'static str = "CREATE TABLE orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, \
         item VARCHAR(255) NOT NULL, quantity INTEGER NOT NULL)";
+    const SERVICE_SETUP: &'static str = "CREATE TABLE IF NOT EXISTS orders (id BIGINT AUTO_INCREMENT PRIMARY KEY, \
+        account VARCHAR(255) CHARACTER SET ascii COLLATE ascii_bin NOT NULL, \
+        item TEXT CHARACTER SET utf8mb4 NOT NULL, quantity INTEGER NOT NULL)";
     const WRITES_KEY_RECORD_ONCE: bool = false;
 
     fn empty() -> Db {
@@ -71,6 +74,15 @@ impl TestDb for Db {
     fn place_order(conn: &mut MysqlConnection, item: &str, quantity: i32) -> QueryResult<i64> {
         diesel::insert_into(orders::table)
             .values((orders::item.eq(item), orders::quantity.eq(quantity)))
+            .execute(conn)?;
+        let id: u64 = diesel::select(last_insert_id()).get_result(conn)?;
+        Ok(i64::try_from(id).expect("an order id within i64"))
+    }
+
+    fn place_account_order(conn: &mut MysqlConnection, account: &str, item: &str, quantity: i32) -> QueryResult<i64> {
+        use super::account_orders as o;
+        diesel::insert_into(o::table)
+            .values((o::account.eq(account), o::item.eq(item), o::quantity.eq(quantity)))
             .execute(conn)?;
         let id: u64 = diesel::select(last_insert_id()).get_result(conn)?;
         Ok(i64::try_from(id).expect("an order id within i64"))

@@ -25,6 +25,8 @@ impl TestDb for Db {
     const BACKEND: &'static str = "postgres";
     const SETUP: &'static str =
         "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, item TEXT NOT NULL, quantity INTEGER NOT NULL)";
+    const SERVICE_SETUP: &'static str = "CREATE TABLE IF NOT EXISTS orders (id BIGSERIAL PRIMARY KEY, \
+        account TEXT NOT NULL, item TEXT NOT NULL, quantity INTEGER NOT NULL)";
     const WRITES_KEY_RECORD_ONCE: bool = false;
 
     fn empty() -> Db {

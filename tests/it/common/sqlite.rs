@@ -28,6 +28,9 @@ impl TestDb for Db {
     const BACKEND: &'static str = "sqlite";
     const SETUP: &'static str = "PRAGMA journal_mode = WAL;
         CREATE TABLE orders (id INTEGER PRIMARY KEY AUTOINCREMENT, item TEXT NOT NULL, quantity INTEGER NOT NULL);";
+    const SERVICE_SETUP: &'static str = "PRAGMA journal_mode = WAL;
+        CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY AUTOINCREMENT, account TEXT NOT NULL, \
+        item TEXT NOT NULL, quantity INTEGER NOT NULL);";
 
     fn empty() -> Db {
         let dir = tempfile::tempdir().expect("create a temporary directory");
