@@ -418,10 +418,14 @@ async fn an_async_attempt_cut_at_any_wait_keeps_whole_steps_and_is_resumed_after
         .config(Config::default().clock(clock.source()).in_flight(InFlight::Reject));
     let mut admin = db.conn();
     let (mut cut_inside, mut cut_between) = (0, 0);
+    // Keys no other test uses: PostgreSQL's advisory locks are the
+    // database's, not the schema's, so a test in another schema holding
+    // the same scope and key (`order-1`) would hold this retry off.
+    let keys = crate::common::unique_name("cut-order");
     let mut waits = 0;
     loop {
         assert!(waits < 2_000, "an attempt never finished within {waits} waits");
-        let key = format!("order-{waits}");
+        let key = format!("{keys}-{waits}");
         let (provider, phases) = (Provider::default(), AtomicUsize::new(0));
         let mut conn = pool.get().await.expect("a connection from the pool");
         let session = D::session_of(&mut conn).await;
