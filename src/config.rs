@@ -794,13 +794,7 @@ impl Config {
         C: StoreConnection,
         R: DeserializeOwned,
     {
-        self.check_rules::<C::Raw, Infallible>(scope, key, None)?;
-        let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
-        let reader = Reader::Request {
-            request_hash: &request_hash,
-            operation: None,
-        };
-        status::look_up(self, conn.raw(), scope, key, &reader)
+        self.request_status(conn, scope, key, None, request)
     }
 
     /// [`status`](Config::status) as a reader that has no request: of
@@ -822,14 +816,14 @@ impl Config {
         status::look_up(self, conn.raw(), scope, key, &Reader::Callers(callers))
     }
 
-    /// [`status`](Config::status) of an operation in phases named
-    /// `operation`, for `request`.
-    pub(crate) fn operation_status<C, R>(
+    /// [`status`](Config::status) for `request`: of a single call's record,
+    /// or with `operation`, of an operation in phases of that name.
+    pub(crate) fn request_status<C, R>(
         &self,
         conn: &mut C,
         scope: &str,
         key: &str,
-        operation: &str,
+        operation: Option<&str>,
         request: &(impl Serialize + ?Sized),
     ) -> Result<KeyStatus<R>, Error>
     where
@@ -840,7 +834,7 @@ impl Config {
         let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
         let reader = Reader::Request {
             request_hash: &request_hash,
-            operation: Some(operation),
+            operation,
         };
         status::look_up(self, conn.raw(), scope, key, &reader)
     }

@@ -363,7 +363,7 @@ impl Phased {
         C: StoreConnection,
         R: DeserializeOwned,
     {
-        self.config.operation_status(conn, scope, key, &self.name, request)
+        self.config.request_status(conn, scope, key, Some(&self.name), request)
     }
 
     /// What every attempt does before it reads: the key rules, the
