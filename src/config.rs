@@ -581,7 +581,7 @@ impl Config {
         let result = trace.span().in_scope(|| {
             let request_hash = self.admit::<C::Raw, Q, E>(scope, key, request, &trace)?;
             let op = async |tx: &mut C::Raw| op(tx);
-            backend::at_once(call::recorded(
+            backend::block_on(call::recorded(
                 self,
                 conn,
                 scope,

@@ -4,7 +4,7 @@
 //!
 //! Every synchronous diesel connection of the crate is a [`Driver`]: its
 //! futures are complete when they are made, and a synchronous call drives
-//! the protocol to its end in a single poll ([`at_once`]). The diesel-async
+//! the protocol to its end in a single poll ([`block_on`]). The diesel-async
 //! connections (feature `diesel-async`) are the other drivers, each in its
 //! backend's folder: they await their statements, and what those with
 //! diesel-async's own transaction manager share is here as well
@@ -15,7 +15,9 @@
 use std::future::{Future, poll_fn, ready};
 use std::panic::{self, AssertUnwindSafe};
 use std::pin::pin;
-use std::task::{Context, Poll, Waker};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread;
 
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
@@ -108,7 +110,7 @@ impl<C: KeyStore> Driver for C {
         E: From<diesel::result::Error>,
     {
         ready(KeyStore::key_transaction(self, held, |tx, claimed| {
-            at_once(work(tx, claimed))
+            block_on(work(tx, claimed))
         }))
     }
 
@@ -133,18 +135,39 @@ impl<C: KeyStore> Driver for C {
     }
 }
 
-/// The output of `future`, which a synchronous connection's statements
-/// complete before it is first polled: the protocol run on a synchronous
-/// driver, or an operation that is a plain closure.
+/// The output of `future`, driven on this thread: the protocol run on a
+/// synchronous driver, or an operation that is a plain closure.
 ///
-/// # Panics
-///
-/// If `future` waits, which only a future of an asynchronous driver does:
-/// a call mixes the two kinds only by a bug of the crate.
-pub(crate) fn at_once<F: Future>(future: F) -> F::Output {
-    match pin!(future).poll(&mut Context::from_waker(Waker::noop())) {
-        Poll::Ready(output) => output,
-        Poll::Pending => unreachable!("a synchronous connection's statements complete as they are sent"),
+/// A synchronous connection's statements complete as they are sent, so
+/// such a future is ready at its first poll and this costs one poll. Should
+/// one ever wait, the thread parks until it is woken, as any executor's
+/// `block_on` does, rather than fail.
+pub(crate) fn block_on<F: Future>(future: F) -> F::Output {
+    /// Wakes the thread that polls.
+    struct Unpark(thread::Thread);
+
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+
+    let mut future = pin!(future);
+    // The first poll needs no waker of its own: a future that is ready at
+    // once, as a synchronous connection's is, never wakes one.
+    if let Poll::Ready(output) = future.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        return output;
+    }
+    let waker = Waker::from(Arc::new(Unpark(thread::current())));
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        if let Poll::Ready(output) = future.as_mut().poll(&mut cx) {
+            return output;
+        }
+        thread::park();
     }
 }
 

@@ -71,7 +71,7 @@ mod transaction;
 
 #[cfg(any(feature = "postgres-async", feature = "mysql-async"))]
 pub(crate) use driver::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
-pub(crate) use driver::{Driver, Panic, at_once, catch_unwind};
+pub(crate) use driver::{Driver, Panic, block_on, catch_unwind};
 pub(crate) use keys::{ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, Stored};
 pub(crate) use migrate::History;
 pub(crate) use outbox::OutboxStore;

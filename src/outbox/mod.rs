@@ -105,7 +105,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::backend;
-use crate::backend::{KeyStore, StoreConnection, at_once};
+use crate::backend::{KeyStore, StoreConnection, block_on};
 use crate::clock::Clock;
 use crate::error::KeyError;
 use crate::in_flight::InFlight;
@@ -178,7 +178,7 @@ where
     C: StoreConnection,
     P: Serialize + ?Sized,
 {
-    at_once(write(conn.raw(), topic, payload, None))
+    block_on(write(conn.raw(), topic, payload, None))
 }
 
 /// [`enqueue`]s a message that no relay delivers before `not_before`: a
@@ -217,7 +217,7 @@ where
     P: Serialize + ?Sized,
 {
     let not_before = <C::Raw as KeyStore>::storable_time(not_before.naive_utc());
-    at_once(write(conn.raw(), topic, payload, Some(not_before)))
+    block_on(write(conn.raw(), topic, payload, Some(not_before)))
 }
 
 /// [`enqueue`] on a diesel-async connection (feature `diesel-async`),

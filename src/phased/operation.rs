@@ -16,7 +16,7 @@ use super::steps::Steps;
 #[cfg(feature = "diesel-async")]
 use crate::backend::AsyncStoreConnection;
 use crate::backend::phases::{Lease, PhaseDriver};
-use crate::backend::{KeyStore, StoreConnection, at_once};
+use crate::backend::{KeyStore, StoreConnection, block_on};
 use crate::clock::{Reading, assert_duration};
 use crate::config::{Config, KeyStatus};
 use crate::error::Error;
@@ -195,7 +195,7 @@ impl Phased {
         // scope, the key and the backend.
         let result = trace.span().in_scope(|| {
             let admitted = self.admit::<C::Raw, Q, E>(scope, key, request, caller_hash, &trace)?;
-            match at_once(self.start(conn, scope, key, &admitted))? {
+            match block_on(self.start(conn, scope, key, &admitted))? {
                 Begin::Replay(outcome, expires_at) => Ok((outcome, expires_at.and_utc())),
                 Begin::Attempt(attempt) => Steps::attempt(*attempt, body),
             }

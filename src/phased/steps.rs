@@ -12,7 +12,7 @@ use serde::de::DeserializeOwned;
 #[cfg(doc)]
 use super::Phased;
 use super::attempt::{Attempt, Finished, Repeat};
-use crate::backend::at_once;
+use crate::backend::block_on;
 use crate::backend::phases::PhaseStore;
 use crate::error::Error;
 use crate::outcome::Outcome;
@@ -43,7 +43,7 @@ impl<'a, C: PhaseStore> Steps<'a, C> {
     ) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>> {
         let mut steps = Steps { attempt };
         let ended = panic::catch_unwind(AssertUnwindSafe(|| body(&mut steps)));
-        at_once(steps.attempt.end(ended))
+        block_on(steps.attempt.end(ended))
     }
 
     /// Runs `f` in a transaction of its own and commits its output with the
@@ -61,7 +61,7 @@ impl<'a, C: PhaseStore> Steps<'a, C> {
         T: Serialize + DeserializeOwned,
         F: FnOnce(&mut C) -> Result<T, E>,
     {
-        at_once(self.attempt.phase(name, async |tx: &mut C| f(tx)))
+        block_on(self.attempt.phase(name, async |tx: &mut C| f(tx)))
     }
 
     /// Calls a provider outside any transaction, with a provider key it
@@ -85,7 +85,7 @@ impl<'a, C: PhaseStore> Steps<'a, C> {
         T: Serialize + DeserializeOwned,
         F: FnOnce(&str) -> Result<T, E>,
     {
-        at_once(self.attempt.call(name, async |key: &str| f(key), Repeat::UntilHorizon))
+        block_on(self.attempt.call(name, async |key: &str| f(key), Repeat::UntilHorizon))
     }
 
     /// [`call`](Steps::call) for a provider that does not deduplicate: a
@@ -101,7 +101,7 @@ impl<'a, C: PhaseStore> Steps<'a, C> {
         T: Serialize + DeserializeOwned,
         F: FnOnce(&str) -> Result<T, E>,
     {
-        at_once(self.attempt.call(name, async |key: &str| f(key), Repeat::Never))
+        block_on(self.attempt.call(name, async |key: &str| f(key), Repeat::Never))
     }
 
     /// The provider key of the next call named `name`: derived from the id
@@ -125,6 +125,6 @@ impl<'a, C: PhaseStore> Steps<'a, C> {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut C) -> Result<R, E>,
     {
-        at_once(self.attempt.finish(async |tx: &mut C| f(tx)))
+        block_on(self.attempt.finish(async |tx: &mut C| f(tx)))
     }
 }

@@ -76,7 +76,7 @@ use self::lock::{GetLock, IdleBound, IdleStatement, ReleaseLock};
 use self::session::{Session, TakenSession};
 use super::row_with::Head;
 use super::{
-    ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, at_once, catch_unwind, transaction_depth,
+    ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, block_on, catch_unwind, transaction_depth,
 };
 use crate::in_flight::InFlight;
 use crate::row_status::RecordStatus;
@@ -387,7 +387,7 @@ impl KeyStore for MysqlConnection {
     const STORABLE_YEARS: Option<RangeInclusive<i32>> = Some(1000..=9999);
 
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
-        at_once(read(self, scope, key))
+        block_on(read(self, scope, key))
     }
 
     fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
@@ -402,7 +402,7 @@ impl KeyStore for MysqlConnection {
     where
         E: From<DieselError>,
     {
-        at_once(key_transaction(self, held, async |tx: &mut Self, claimed| {
+        block_on(key_transaction(self, held, async |tx: &mut Self, claimed| {
             f(tx, claimed)
         }))
     }
@@ -417,11 +417,11 @@ impl KeyStore for MysqlConnection {
     }
 
     fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
-        at_once(hold(self, record))
+        block_on(hold(self, record))
     }
 
     fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
-        at_once(claim(self, record))
+        block_on(claim(self, record))
     }
 
     fn await_replication(&mut self) -> QueryResult<()> {
@@ -475,7 +475,7 @@ impl KeyStore for MysqlConnection {
     }
 
     fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
-        at_once(store(self, hold, record))
+        block_on(store(self, hold, record))
     }
 
     super::keys::key_statements!(schema: find);

@@ -13,7 +13,7 @@ use diesel::prelude::*;
 use diesel::result::Error as DieselError;
 
 use super::lock::{GetLock, IdleStatement, ReleaseLock};
-use crate::backend::{Driver, Record, Stored, at_once};
+use crate::backend::{Driver, Record, Stored, block_on};
 
 /// How MySQL's statements are sent on either kind of connection, so that
 /// the rules that decide which to send (`mod.rs`: the key transaction,
@@ -158,7 +158,7 @@ impl Session for MysqlConnection {
     where
         E: From<DieselError>,
     {
-        self.transaction(|conn| at_once(work(conn)))
+        self.transaction(|conn| block_on(work(conn)))
     }
 
     fn mark_broken(&mut self) {

@@ -15,7 +15,7 @@ use chrono::NaiveDateTime;
 use diesel::QueryResult;
 
 use super::{Lease, NewOperation, OperationRow, PhaseStore};
-use crate::backend::{Driver, KeyStore, at_once};
+use crate::backend::{Driver, KeyStore, block_on};
 use crate::in_flight::InFlight;
 
 /// The statements of one attempt of a phased operation, sent and awaited as
@@ -115,7 +115,7 @@ impl<C: PhaseStore> PhaseDriver for C {
     where
         E: From<diesel::result::Error>,
     {
-        ready(KeyStore::write(self, in_flight, |tx| at_once(work(tx))))
+        ready(KeyStore::write(self, in_flight, |tx| block_on(work(tx))))
     }
 
     fn pause(&mut self, duration: Duration) -> impl Future<Output = ()> {

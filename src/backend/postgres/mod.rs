@@ -57,7 +57,7 @@ use expired::Expired;
 
 use super::keys::{claiming, hold_of};
 use super::row_with::{Head, record_with};
-use super::{Driver, HeldKey, Hold, KeyStore, Read, Record, Stored, at_once, transaction_depth, transaction_with};
+use super::{Driver, HeldKey, Hold, KeyStore, Read, Record, Stored, block_on, transaction_depth, transaction_with};
 use crate::error::is_connection_lost;
 use crate::in_flight::InFlight;
 use crate::schema;
@@ -371,7 +371,7 @@ impl Levels for PgConnection {
     where
         E: From<DieselError>,
     {
-        std::future::ready(transaction_with(self, |_| Ok(()), |conn| at_once(work(conn))))
+        std::future::ready(transaction_with(self, |_| Ok(()), |conn| block_on(work(conn))))
     }
 }
 
@@ -475,7 +475,7 @@ impl KeyStore for PgConnection {
     where
         E: From<DieselError>,
     {
-        at_once(key_transaction(self, held, async |tx: &mut Self, claimed| {
+        block_on(key_transaction(self, held, async |tx: &mut Self, claimed| {
             f(tx, claimed)
         }))
     }
@@ -490,7 +490,7 @@ impl KeyStore for PgConnection {
     }
 
     fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
-        at_once(hold(self, record, claims_first))
+        block_on(hold(self, record, claims_first))
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {

@@ -34,7 +34,7 @@ use diesel_migrations::EmbeddedMigrations;
 use super::migrate::{self, Count, History};
 
 use super::keys::{claiming, hold_of};
-use super::{Driver, Hold, KeyStore, Read, Record, at_once, transaction_depth};
+use super::{Driver, Hold, KeyStore, Read, Record, block_on, transaction_depth};
 use crate::in_flight::InFlight;
 use crate::schema;
 
@@ -219,7 +219,7 @@ impl KeyStore for SqliteConnection {
     }
 
     fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
-        at_once(hold(self, record))
+        block_on(hold(self, record))
     }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {
