@@ -301,7 +301,7 @@ impl Drop for StopOnPanic<'_> {
 
 /// The longest scope that the calls of a run accept on connections `C`.
 fn scope_len_limit<C: StoreConnection>(config: &Config) -> usize {
-    config.key_len_limit::<C::Raw>()
+    config.key_len_limit::<crate::backend::RulesOf<C::Raw>>()
 }
 
 impl<C> Runner<C>

@@ -10,7 +10,7 @@ use chrono::{DateTime, Duration, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::backend::{self, KeyStore, PhaseStore, StoreConnection};
+use crate::backend::{self, BackendRules, KeyStore, PhaseStore, RulesOf, StoreConnection};
 use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
 use crate::in_flight::InFlight;
@@ -385,23 +385,23 @@ impl Config {
         self.retention
     }
 
-    /// The longest key or scope accepted on backend `C`: the configured
+    /// The longest key or scope accepted on backend `R`: the configured
     /// [`max_key_len`](Config::max_key_len), or less where the backend's key
     /// table holds less.
-    pub(crate) fn key_len_limit<C: KeyStore>(&self) -> usize {
-        C::MAX_KEY_LEN.map_or(self.max_key_len, |limit| limit.min(self.max_key_len))
+    pub(crate) fn key_len_limit<R: BackendRules>(&self) -> usize {
+        R::MAX_KEY_LEN.map_or(self.max_key_len, |limit| limit.min(self.max_key_len))
     }
 
-    /// The key rules of this policy on backend `C`: the scope's, then the
+    /// The key rules of this policy on backend `R`: the scope's, then the
     /// key's. With a `trace`, each value is recorded on the call's span
     /// once it passed (a refused value never reaches the span).
-    pub(crate) fn check_rules<C: KeyStore, E>(
+    pub(crate) fn check_rules<R: BackendRules, E>(
         &self,
         scope: &str,
         key: &str,
         trace: Option<&CallTrace>,
     ) -> Result<(), Error<E>> {
-        let max_len = self.key_len_limit::<C>();
+        let max_len = self.key_len_limit::<R>();
         key::validate_scope(scope, max_len).map_err(Error::InvalidScope)?;
         if let Some(trace) = trace {
             trace.scope(scope);
@@ -415,14 +415,14 @@ impl Config {
 
     /// What every call does first, a single call and a phased operation
     /// alike: the key rules, then the request's fingerprint.
-    pub(crate) fn admit<C: KeyStore, Q: Serialize + ?Sized, E>(
+    pub(crate) fn admit<R: BackendRules, Q: Serialize + ?Sized, E>(
         &self,
         scope: &str,
         key: &str,
         request: &Q,
         trace: &CallTrace,
     ) -> Result<String, Error<E>> {
-        self.check_rules::<C, E>(scope, key, Some(trace))?;
+        self.check_rules::<R, E>(scope, key, Some(trace))?;
         fingerprint::of(request).map_err(Error::Codec)
     }
 
@@ -574,12 +574,12 @@ impl Config {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut C::Raw) -> Result<R, E>,
     {
-        let trace = CallTrace::start(C::Raw::BACKEND);
+        let trace = CallTrace::start(RulesOf::<C::Raw>::NAME);
         let conn = conn.raw();
         // In the call's span, so that its events carry the scope, the key
         // and the backend.
         let result = trace.span().in_scope(|| {
-            let request_hash = self.admit::<C::Raw, Q, E>(scope, key, request, &trace)?;
+            let request_hash = self.admit::<RulesOf<C::Raw>, Q, E>(scope, key, request, &trace)?;
             let op = async |tx: &mut C::Raw| op(tx);
             backend::block_on(call::recorded(
                 self,
@@ -709,7 +709,7 @@ impl Config {
     {
         use tracing::Instrument;
 
-        let trace = CallTrace::start(<C::Rules as KeyStore>::BACKEND);
+        let trace = CallTrace::start(C::Rules::NAME);
         let span = trace.span().clone();
         // Boxed: the call's future nests a future for each layer of the
         // protocol, and a caller's future that holds it whole would be
@@ -812,7 +812,7 @@ impl Config {
         C: StoreConnection,
         R: DeserializeOwned,
     {
-        self.check_rules::<C::Raw, Infallible>(scope, key, None)?;
+        self.check_rules::<RulesOf<C::Raw>, Infallible>(scope, key, None)?;
         status::look_up(self, conn.raw(), scope, key, &Reader::Callers(callers))
     }
 
@@ -830,7 +830,7 @@ impl Config {
         C: StoreConnection,
         R: DeserializeOwned,
     {
-        self.check_rules::<C::Raw, Infallible>(scope, key, None)?;
+        self.check_rules::<RulesOf<C::Raw>, Infallible>(scope, key, None)?;
         let request_hash = fingerprint::of(request).map_err(Error::Codec)?;
         let reader = Reader::Request {
             request_hash: &request_hash,

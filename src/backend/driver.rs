@@ -22,6 +22,7 @@ use std::thread;
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
 
+use super::BackendRules;
 use super::keys::{ClaimOutcome, HeldKey, Hold, KeyStore, Read, Record, Stored};
 
 /// The statements of one call on one kind of connection, sent and awaited
@@ -31,9 +32,9 @@ use super::keys::{ClaimOutcome, HeldKey, Hold, KeyStore, Read, Record, Stored};
 ///
 /// Each method is the [`KeyStore`] method of the same name.
 pub trait Driver: Sized {
-    /// The synchronous connection to the same database: its limits and the
-    /// way it reads an error are the driver's as well.
-    type Rules: KeyStore;
+    /// The database's rules: diesel's backend type, which the synchronous
+    /// connection to the same database names as well.
+    type Rules: BackendRules;
 
     /// [`KeyStore::read`].
     fn read(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Read>>;
@@ -83,7 +84,7 @@ pub trait Driver: Sized {
 }
 
 impl<C: KeyStore> Driver for C {
-    type Rules = C;
+    type Rules = C::Backend;
 
     fn read(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Read>> {
         ready(KeyStore::read(self, scope, key))

@@ -65,6 +65,7 @@ pub(crate) mod postgres;
 mod purge;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) mod row_with;
+mod rules;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod transaction;
@@ -77,6 +78,10 @@ pub(crate) use migrate::History;
 pub(crate) use outbox::OutboxStore;
 pub(crate) use phases::PhaseStore;
 pub(crate) use purge::{purge_in_batches, sql_limit};
+pub(crate) use rules::BackendRules;
+
+/// The rules of the database that connection `C` reaches.
+pub(crate) type RulesOf<C> = <C as Driver>::Rules;
 #[cfg(feature = "postgres")]
 pub(crate) use transaction::transaction_with;
 pub(crate) use transaction::{transaction_depth, unwind_to_depth};

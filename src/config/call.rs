@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::Config;
-use crate::backend::{Driver, HeldKey, Hold, KeyStore, Panic, Read, Record, Stored, catch_unwind};
+use crate::backend::{BackendRules, Driver, HeldKey, Hold, Panic, Read, Record, Stored, catch_unwind};
 use crate::codec;
 use crate::error::Error;
 use crate::executing::Executing;
@@ -254,13 +254,13 @@ impl KeyWork {
 /// same for a single call, a phased step and a lookup. `committing`: the
 /// transaction that holds the key was committing when it failed. A commit
 /// that failed without the database refusing it
-/// ([`KeyStore::commit_rolled_back`]) may have committed:
+/// ([`BackendRules::commit_rolled_back`]) may have committed:
 /// [`Error::OutcomeUnknown`]. A wait for the key, or for SQLite's write
 /// lock, that ran out is [`Error::InProgress`].
-pub(crate) fn call_error<C: KeyStore, E>(error: Error<E>, committing: bool) -> Error<E> {
+pub(crate) fn call_error<R: BackendRules, E>(error: Error<E>, committing: bool) -> Error<E> {
     match error {
-        Error::Storage(error) if committing && !C::commit_rolled_back(&error) => Error::OutcomeUnknown(error),
-        Error::Storage(ref storage) if C::is_in_flight_timeout(storage) => Error::InProgress,
+        Error::Storage(error) if committing && !R::commit_rolled_back(&error) => Error::OutcomeUnknown(error),
+        Error::Storage(ref storage) if R::is_in_flight_timeout(storage) => Error::InProgress,
         other => other,
     }
 }

@@ -10,7 +10,7 @@ use serde::de::DeserializeOwned;
 use super::Config;
 use super::call::call_error;
 use crate::backend::phases::OperationRow;
-use crate::backend::{HeldKey, PhaseStore, Read, Stored};
+use crate::backend::{BackendRules, HeldKey, PhaseStore, Read, RulesOf, Stored};
 use crate::error::Error;
 use crate::in_flight::InFlight;
 use crate::row_status::{OperationStatus, RecordStatus};
@@ -137,7 +137,7 @@ pub(super) fn look_up<C: PhaseStore, R: DeserializeOwned>(
         } = match conn.read(scope, key) {
             Ok(read) => read,
             // A reader kept out by a writer (SQLite outside WAL mode).
-            Err(error) if C::is_in_flight_timeout(&error) => return Ok(KeyStatus::InProgress),
+            Err(error) if RulesOf::<C>::is_in_flight_timeout(&error) => return Ok(KeyStatus::InProgress),
             Err(error) => return Err(Error::Storage(error)),
         };
         let read_at = *now.insert(config.clock.or_database(read_at));
@@ -149,7 +149,7 @@ pub(super) fn look_up<C: PhaseStore, R: DeserializeOwned>(
     if reader.reads_operations() {
         let (row, read_at) = match conn.read_operation(scope, key) {
             Ok(read) => read,
-            Err(error) if C::is_in_flight_timeout(&error) => return Ok(KeyStatus::InProgress),
+            Err(error) if RulesOf::<C>::is_in_flight_timeout(&error) => return Ok(KeyStatus::InProgress),
             Err(error) => return Err(Error::Storage(error)),
         };
         let read_at = *now.get_or_insert(config.clock.or_database(read_at));
@@ -193,7 +193,7 @@ pub(super) fn look_up<C: PhaseStore, R: DeserializeOwned>(
         Ok((Some(_), _)) => Ok(KeyStatus::InProgress),
         Ok((None, Some(row))) => operation_status(row, now),
         Ok((None, None)) => Ok(KeyStatus::NoRecord),
-        Err(error) => match call_error::<C, Infallible>(error, false) {
+        Err(error) => match call_error::<RulesOf<C>, Infallible>(error, false) {
             Error::InProgress => Ok(KeyStatus::InProgress),
             other => Err(other),
         },

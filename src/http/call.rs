@@ -11,7 +11,7 @@ use super::endpoint::BoundRequest;
 use super::gate;
 use super::pool::sealed::Unavailable;
 use super::{Answer, ConnectionPool, Failure, IdempotencyKey};
-use crate::backend::KeyStore;
+use crate::backend::{BackendRules, RulesOf};
 use crate::outcome::Recorded;
 use crate::phased::{Finished, Phased, Steps};
 use crate::telemetry::CallTrace;
@@ -378,12 +378,10 @@ async fn lent_call<A, P, Q, R, E>(
 where
     P: super::AsyncConnectionPool,
 {
-    use crate::backend::Driver;
-
-    type Rules<P> = <<P as super::AsyncConnectionPool>::Connection as Driver>::Rules;
+    type Rules<P> = RulesOf<<P as super::AsyncConnectionPool>::Connection>;
     refuse_by_rules_of::<Rules<P>, A, E>(config, key)?;
     let problems = key.problems();
-    let Ok(_turn) = gate::turn::<Rules<P>>(key.scope(), key.key(), config.in_flight).await else {
+    let Ok(_turn) = gate::turn(Rules::<P>::NAME, key.scope(), key.key(), config.in_flight).await else {
         return Err(Failure::of(Error::InProgress, problems));
     };
     let mut conn = pool
@@ -449,7 +447,7 @@ where
     refuse_by_rule::<P::Connection, A, E>(config, key)?;
     let problems = key.problems();
     let (scope, idempotency_key) = (key.scope().to_owned(), key.key().to_owned());
-    let Ok(turn) = gate::turn::<P::Connection>(&scope, &idempotency_key, in_flight).await else {
+    let Ok(turn) = gate::turn(backend_name::<P::Connection>(), &scope, &idempotency_key, in_flight).await else {
         return Err(Failure::of(Error::InProgress, problems));
     };
     let called = pool
@@ -479,15 +477,20 @@ where
 /// retry (503 with `Retry-After`): it gets its answer at once, traced and
 /// counted as the call would have been.
 fn refuse_by_rule<C: StoreConnection, A, E>(config: &Config, key: &IdempotencyKey<A>) -> Result<(), Failure<E>> {
-    refuse_by_rules_of::<C::Raw, A, E>(config, key)
+    refuse_by_rules_of::<RulesOf<C::Raw>, A, E>(config, key)
+}
+
+/// The name of the backend of connections `C`.
+fn backend_name<C: StoreConnection>() -> &'static str {
+    RulesOf::<C::Raw>::NAME
 }
 
 /// [`refuse_by_rule`] by the rules of the backend of `C`.
-fn refuse_by_rules_of<C: KeyStore, A, E>(config: &Config, key: &IdempotencyKey<A>) -> Result<(), Failure<E>> {
-    let Err(broken) = config.check_rules::<C, E>(key.scope(), key.key(), None) else {
+fn refuse_by_rules_of<R: BackendRules, A, E>(config: &Config, key: &IdempotencyKey<A>) -> Result<(), Failure<E>> {
+    let Err(broken) = config.check_rules::<R, E>(key.scope(), key.key(), None) else {
         return Ok(());
     };
     let refused: Result<Recorded<()>, Error<E>> = Err(broken);
-    CallTrace::start(C::BACKEND).finish(&refused);
+    CallTrace::start(R::NAME).finish(&refused);
     refused.map(drop).map_err(|error| Failure::of(error, key.problems()))
 }

@@ -11,7 +11,6 @@
 //! `InFlight::Reject` no one waits, so there are no turns: the database
 //! answers at once, holding its connection only for that.
 
-use std::any::TypeId;
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, PoisonError};
 
@@ -21,7 +20,7 @@ use crate::InFlight;
 use crate::telemetry::TARGET;
 
 /// The connection type, a scope and a key.
-type Id = (TypeId, String, String);
+type Id = (&'static str, String, String);
 
 /// The lock of every key that someone holds or waits for in this process;
 /// an entry leaves with the last of them, so the map holds no idle key.
@@ -43,18 +42,24 @@ struct TurnGuard {
 #[derive(Debug)]
 pub(crate) struct StillInProgress;
 
-/// Waits for the turn of `key` in `scope` on connections `C`, as long as
+/// Waits for the turn of `key` in `scope` on the backend named `backend`
+/// (the same for sync and async connections to it), as long as
 /// `in_flight` allows.
 ///
 /// # Errors
 ///
 /// [`StillInProgress`] when another request of this process held the key
 /// throughout the wait.
-pub(crate) async fn turn<C: 'static>(scope: &str, key: &str, in_flight: InFlight) -> Result<Turn, StillInProgress> {
+pub(crate) async fn turn(
+    backend: &'static str,
+    scope: &str,
+    key: &str,
+    in_flight: InFlight,
+) -> Result<Turn, StillInProgress> {
     let InFlight::Wait(wait) = in_flight else {
         return Ok(Turn { _held: None });
     };
-    let interest = Interest::in_key((TypeId::of::<C>(), scope.to_owned(), key.to_owned()));
+    let interest = Interest::in_key((backend, scope.to_owned(), key.to_owned()));
     let lock = interest.lock.clone();
     let held = match lock.clone().try_lock_owned() {
         Ok(held) => held,
@@ -113,24 +118,24 @@ mod tests {
     #[tokio::test]
     async fn a_key_leaves_the_map_with_its_last_request() {
         let wait = |ms| InFlight::Wait(Duration::milliseconds(ms));
-        let id = (TypeId::of::<u8>(), "gate-test".to_owned(), "k-1".to_owned());
-        let first = turn::<u8>(&id.1, &id.2, wait(0)).await.expect("a free key");
-        let waited = turn::<u8>(&id.1, &id.2, wait(10)).await;
+        let id = ("a", "gate-test".to_owned(), "k-1".to_owned());
+        let first = turn("a", &id.1, &id.2, wait(0)).await.expect("a free key");
+        let waited = turn("a", &id.1, &id.2, wait(10)).await;
         assert!(matches!(waited, Err(StillInProgress)));
         assert!(turns().contains_key(&id));
         // Another connection type, another database.
-        let elsewhere = turn::<u16>(&id.1, &id.2, wait(0)).await.expect("a free key elsewhere");
+        let elsewhere = turn("b", &id.1, &id.2, wait(0)).await.expect("a free key elsewhere");
         drop(first);
         assert!(!turns().contains_key(&id), "no one holds or waits for the key");
-        let again = turn::<u8>(&id.1, &id.2, wait(0)).await.expect("a free key");
+        let again = turn("a", &id.1, &id.2, wait(0)).await.expect("a free key");
         drop((again, elsewhere));
         assert!(!turns().contains_key(&id));
     }
 
     #[tokio::test]
     async fn no_one_takes_turns_when_no_one_waits() {
-        let first = turn::<u8>("gate-test", "k-2", InFlight::Reject).await.expect("no turn");
-        let second = turn::<u8>("gate-test", "k-2", InFlight::Reject).await.expect("no turn");
+        let first = turn("a", "gate-test", "k-2", InFlight::Reject).await.expect("no turn");
+        let second = turn("a", "gate-test", "k-2", InFlight::Reject).await.expect("no turn");
         assert!(
             !turns()
                 .keys()

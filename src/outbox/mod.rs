@@ -105,7 +105,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::backend;
-use crate::backend::{KeyStore, StoreConnection, block_on};
+use crate::backend::{BackendRules, KeyStore, RulesOf, StoreConnection, block_on};
 use crate::clock::Clock;
 use crate::error::KeyError;
 use crate::in_flight::InFlight;
@@ -216,7 +216,7 @@ where
     C: StoreConnection,
     P: Serialize + ?Sized,
 {
-    let not_before = <C::Raw as KeyStore>::storable_time(not_before.naive_utc());
+    let not_before = RulesOf::<C::Raw>::storable_time(not_before.naive_utc());
     block_on(write(conn.raw(), topic, payload, Some(not_before)))
 }
 
@@ -273,7 +273,7 @@ where
     C: crate::AsyncStoreConnection,
     P: Serialize + ?Sized,
 {
-    let not_before = <C::Rules as KeyStore>::storable_time(not_before.naive_utc());
+    let not_before = C::Rules::storable_time(not_before.naive_utc());
     write(conn, topic, payload, Some(not_before)).await
 }
 

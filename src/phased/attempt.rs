@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use super::Phased;
 use super::operation::Admitted;
 use crate::backend::phases::{Lease, NewOperation, OperationRow, PhaseDriver};
-use crate::backend::{Driver, KeyStore, Panic};
+use crate::backend::{BackendRules, Driver, Panic};
 use crate::clock::Reading;
 use crate::config::call::{call_error, stored_json, within_key};
 use crate::error::Error;
@@ -289,7 +289,7 @@ impl<'a, C: PhaseDriver> Attempt<'a, C> {
     {
         let phased = self.phased;
         let lease = self.lease;
-        let expires_at = |now: NaiveDateTime| <C::Rules as KeyStore>::storable_time(now + phased.config.retention);
+        let expires_at = |now: NaiveDateTime| C::Rules::storable_time(now + phased.config.retention);
         let (value, expires_at) = self
             .transaction(async |tx, points, now| {
                 let value = f(tx).await.map_err(Error::Operation)?;

@@ -16,7 +16,7 @@ use super::steps::Steps;
 #[cfg(feature = "diesel-async")]
 use crate::backend::AsyncStoreConnection;
 use crate::backend::phases::{Lease, PhaseDriver};
-use crate::backend::{KeyStore, StoreConnection, block_on};
+use crate::backend::{BackendRules, RulesOf, StoreConnection, block_on};
 use crate::clock::{Reading, assert_duration};
 use crate::config::{Config, KeyStatus};
 use crate::error::Error;
@@ -189,12 +189,12 @@ impl Phased {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut Steps<'_, C::Raw>) -> Result<Finished<R>, Error<E>>,
     {
-        let trace = CallTrace::phased(<C::Raw as KeyStore>::BACKEND, &self.name);
+        let trace = CallTrace::phased(RulesOf::<C::Raw>::NAME, &self.name);
         let conn = conn.raw();
         // In the attempt's span, so that its events carry the operation, the
         // scope, the key and the backend.
         let result = trace.span().in_scope(|| {
-            let admitted = self.admit::<C::Raw, Q, E>(scope, key, request, caller_hash, &trace)?;
+            let admitted = self.admit::<RulesOf<C::Raw>, Q, E>(scope, key, request, caller_hash, &trace)?;
             match block_on(self.start(conn, scope, key, &admitted))? {
                 Begin::Replay(outcome, expires_at) => Ok((outcome, expires_at.and_utc())),
                 Begin::Attempt(attempt) => Steps::attempt(*attempt, body),
@@ -292,7 +292,7 @@ impl Phased {
     {
         use tracing::Instrument;
 
-        let trace = CallTrace::phased(<C::Rules as KeyStore>::BACKEND, &self.name);
+        let trace = CallTrace::phased(C::Rules::NAME, &self.name);
         let span = trace.span().clone();
         // Boxed, as `Config::run_recorded_async` is: a caller's future that
         // held the attempt whole would be deeper than rustc lays out.
@@ -369,7 +369,7 @@ impl Phased {
     /// What every attempt does before it reads: the key rules, the
     /// request's fingerprint, the request to store, the token of the lease
     /// it may take, and whom its lookups answer.
-    fn admit<C: KeyStore, Q: Serialize + ?Sized, E>(
+    fn admit<R: BackendRules, Q: Serialize + ?Sized, E>(
         &self,
         scope: &str,
         key: &str,
@@ -377,7 +377,7 @@ impl Phased {
         caller_hash: Option<&str>,
         trace: &CallTrace,
     ) -> Result<Admitted, Error<E>> {
-        let request_hash = self.config.admit::<C, Q, E>(scope, key, request, trace)?;
+        let request_hash = self.config.admit::<R, Q, E>(scope, key, request, trace)?;
         let request = match self.store_requests {
             true => Some(codec::to_readable_json(request).map_err(Error::Codec)?),
             false => None,

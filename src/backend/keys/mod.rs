@@ -1,13 +1,12 @@
 //! Key records: the statements every backend implements for them, the rows
 //! they read and write, and how a write transaction holds its key.
 
-use std::ops::RangeInclusive;
-
 use chrono::NaiveDateTime;
 use diesel::connection::AnsiTransactionManager;
 use diesel::prelude::*;
 use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind};
 
+use super::rules::BackendRules;
 use super::sealed::Sealed;
 use crate::in_flight::InFlight;
 use crate::row_status::RecordStatus;
@@ -108,17 +107,6 @@ pub enum Hold {
     ClaimedElsewhere,
 }
 
-/// `at`, moved into the years `years`.
-fn within_years(at: NaiveDateTime, years: &RangeInclusive<i32>) -> NaiveDateTime {
-    use chrono::{NaiveDate, NaiveTime};
-    let day = |year, month, date| NaiveDate::from_ymd_opt(year, month, date).expect("a calendar date");
-    let earliest = day(*years.start(), 1, 1).and_time(NaiveTime::MIN);
-    let latest = day(*years.end(), 12, 31)
-        .and_hms_micro_opt(23, 59, 59, 999_999)
-        .expect("a time of day");
-    at.clamp(earliest, latest)
-}
-
 /// The key records' statements, one implementation per backend: a
 /// supertrait of [`RawConnection`](crate::RawConnection), in this private
 /// module, so only the crate implements and calls it.
@@ -126,30 +114,9 @@ fn within_years(at: NaiveDateTime, years: &RangeInclusive<i32>) -> NaiveDateTime
 /// SQLite and PostgreSQL share the DSL of `find`, `claim` and `store`
 /// (`key_statements!`); MySQL, whose calls always claim first, shares
 /// `find` and writes its own claim and store.
-pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Sized + Sealed {
-    /// The backend's name, as events and metrics report it.
-    const BACKEND: &'static str;
-
-    /// The longest key or scope, in bytes, that the key table holds, where
-    /// that is less than any configured limit: keys are refused beyond it,
-    /// never cut.
-    const MAX_KEY_LEN: Option<usize> = None;
-
-    /// The years the backend's time columns hold, where they hold fewer
-    /// than chrono does.
-    const STORABLE_YEARS: Option<RangeInclusive<i32>> = None;
-
-    /// `at` within [`STORABLE_YEARS`](KeyStore::STORABLE_YEARS). For a time a
-    /// caller chooses (a message's `not_before`): a backend that stores a
-    /// time beyond its range as a zero date would make a message meant for
-    /// the far future due at once.
-    fn storable_time(at: NaiveDateTime) -> NaiveDateTime {
-        match &Self::STORABLE_YEARS {
-            Some(years) => within_years(at, years),
-            None => at,
-        }
-    }
-
+pub trait KeyStore:
+    Connection<TransactionManager = AnsiTransactionManager, Backend: BackendRules> + Sized + Sealed
+{
     /// The record for `(scope, key)` and the database's time, in one
     /// statement outside any write transaction.
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read>;
@@ -198,16 +165,6 @@ pub trait KeyStore: Connection<TransactionManager = AnsiTransactionManager> + Si
 
     /// Writes the completed `record` as `hold` requires.
     fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()>;
-
-    /// Whether `error` means a wait for a lock ran out.
-    fn is_in_flight_timeout(error: &diesel::result::Error) -> bool;
-
-    /// Whether `error`, returned by the commit of a top-level transaction,
-    /// proves that the transaction rolled back: the server answered the
-    /// `COMMIT` with a refusal. Any other failure of a commit (the
-    /// connection lost on the way, an answer that never came, a text that
-    /// proves nothing) leaves the outcome unknown.
-    fn commit_rolled_back(error: &diesel::result::Error) -> bool;
 
     /// Returns once everything this connection has seen is safe on the
     /// database's synchronous standbys: outside a transaction by a commit

@@ -11,7 +11,6 @@
 
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
-use diesel::mysql::MysqlConnection;
 use diesel::result::Error as DieselError;
 use diesel::sql_types::Datetime;
 use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, TransactionManager};
@@ -32,7 +31,7 @@ impl sealed::Sealed for AsyncMysqlConnection {}
 impl AsyncStoreConnection for AsyncMysqlConnection {}
 
 impl Driver for AsyncMysqlConnection {
-    type Rules = MysqlConnection;
+    type Rules = diesel::mysql::Mysql;
 
     async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         super::read(self, scope, key).await

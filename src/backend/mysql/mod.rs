@@ -76,7 +76,8 @@ use self::lock::{GetLock, IdleBound, IdleStatement, ReleaseLock};
 use self::session::{Session, TakenSession};
 use super::row_with::Head;
 use super::{
-    ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, block_on, catch_unwind, transaction_depth,
+    BackendRules, ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, block_on, catch_unwind,
+    transaction_depth,
 };
 use crate::in_flight::InFlight;
 use crate::row_status::RecordStatus;
@@ -379,13 +380,38 @@ async fn store<C: Session>(conn: &mut C, hold: Hold, record: &Record<'_>) -> Que
     KeyRecordChanged::check(stored)
 }
 
-impl KeyStore for MysqlConnection {
-    const BACKEND: &'static str = "mysql";
+impl BackendRules for Mysql {
+    const NAME: &'static str = "mysql";
     const MAX_KEY_LEN: Option<usize> = Some(255);
     // `DATETIME` holds the years 1000 to 9999; beyond them the server
     // stores `0000-00-00`, even in strict mode, which sorts before now.
     const STORABLE_YEARS: Option<RangeInclusive<i32>> = Some(1000..=9999);
 
+    fn is_in_flight_timeout(error: &DieselError) -> bool {
+        // diesel does not expose MySQL's error numbers (1205 here) but as
+        // their kinds, and this one has none: only the server's message,
+        // which is English unless the server's lc_messages says otherwise.
+        matches!(error, DieselError::DatabaseError(DatabaseErrorKind::Unknown, info)
+            if info.message().to_ascii_lowercase().starts_with(LOCK_WAIT_TIMEOUT))
+    }
+
+    fn commit_rolled_back(error: &DieselError) -> bool {
+        // Only the kinds diesel derives from the server's error numbers
+        // prove that the server answered (a deadlock or a constraint that
+        // refused the commit). Everything else arrives as `Unknown` with the
+        // client library's text, connection losses among them, spelled
+        // differently by libmysqlclient and libmariadb: no text is trusted
+        // to say that nothing committed.
+        match error {
+            DieselError::DatabaseError(DatabaseErrorKind::Unknown, _) => false,
+            DieselError::DatabaseError(..) => true,
+            DieselError::RollbackErrorOnCommit { commit_error, .. } => Self::commit_rolled_back(commit_error),
+            _ => false,
+        }
+    }
+}
+
+impl KeyStore for MysqlConnection {
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         block_on(read(self, scope, key))
     }
@@ -431,29 +457,6 @@ impl KeyStore for MysqlConnection {
         Ok(())
     }
 
-    fn commit_rolled_back(error: &DieselError) -> bool {
-        // Only the kinds diesel derives from the server's error numbers
-        // prove that the server answered (a deadlock or a constraint that
-        // refused the commit). Everything else arrives as `Unknown` with the
-        // client library's text, connection losses among them, spelled
-        // differently by libmysqlclient and libmariadb: no text is trusted
-        // to say that nothing committed.
-        match error {
-            DieselError::DatabaseError(DatabaseErrorKind::Unknown, _) => false,
-            DieselError::DatabaseError(..) => true,
-            DieselError::RollbackErrorOnCommit { commit_error, .. } => Self::commit_rolled_back(commit_error),
-            _ => false,
-        }
-    }
-
-    fn is_in_flight_timeout(error: &DieselError) -> bool {
-        // diesel does not expose MySQL's error numbers (1205 here) but as
-        // their kinds, and this one has none: only the server's message,
-        // which is English unless the server's lc_messages says otherwise.
-        matches!(error, DieselError::DatabaseError(DatabaseErrorKind::Unknown, info)
-            if info.message().to_ascii_lowercase().starts_with(LOCK_WAIT_TIMEOUT))
-    }
-
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
         // SKIP LOCKED: a record that a live request is taking over right now
         // is not worth waiting for; it is no longer expired once that
@@ -484,11 +487,11 @@ impl KeyStore for MysqlConnection {
 #[cfg(test)]
 mod tests {
     use chrono::Duration;
-    use diesel::mysql::MysqlConnection;
+    use diesel::mysql::Mysql;
     use diesel::result::{DatabaseErrorKind, Error as DieselError};
 
     use super::{MAX_WAIT_TIMEOUT, lock_key, wait_timeout_seconds};
-    use crate::backend::KeyStore;
+    use crate::backend::BackendRules;
     use crate::error::is_connection_lost;
 
     fn error(kind: DatabaseErrorKind, message: &str) -> DieselError {
@@ -505,26 +508,26 @@ mod tests {
             "Input/output error: Input/output error: connection closed",
         );
         assert!(is_connection_lost(&lost));
-        assert!(!MysqlConnection::commit_rolled_back(&lost));
+        assert!(!Mysql::commit_rolled_back(&lost));
         let closed = error(
             DatabaseErrorKind::Unknown,
             "Driver error: `Connection to the server is closed.'",
         );
         assert!(is_connection_lost(&closed));
-        assert!(!MysqlConnection::commit_rolled_back(&closed));
+        assert!(!Mysql::commit_rolled_back(&closed));
         // The server's own errors arrive by their message, with the kinds
         // diesel-async derives from their numbers.
         let waited = error(
             DatabaseErrorKind::Unknown,
             "Lock wait timeout exceeded; try restarting transaction",
         );
-        assert!(MysqlConnection::is_in_flight_timeout(&waited));
+        assert!(Mysql::is_in_flight_timeout(&waited));
         assert!(!is_connection_lost(&waited));
         let refused = error(
             DatabaseErrorKind::UniqueViolation,
             "Duplicate entry 'a' for key 'PRIMARY'",
         );
-        assert!(MysqlConnection::commit_rolled_back(&refused));
+        assert!(Mysql::commit_rolled_back(&refused));
     }
 
     #[test]

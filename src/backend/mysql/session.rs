@@ -8,7 +8,7 @@ use std::ops::{Deref, DerefMut};
 
 use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
-use diesel::mysql::MysqlConnection;
+use diesel::mysql::{Mysql, MysqlConnection};
 use diesel::prelude::*;
 use diesel::result::Error as DieselError;
 
@@ -19,7 +19,7 @@ use crate::backend::{Driver, Record, Stored, block_on};
 /// the rules that decide which to send (`mod.rs`: the key transaction,
 /// the hold, the claim, the store, the read) are written once. The
 /// statements themselves are written once as well, in [`sends!`].
-pub(super) trait Session: Driver<Rules = MysqlConnection> {
+pub(super) trait Session: Driver<Rules = Mysql> {
     /// The database's time and the record of `(scope, key)`, in one
     /// statement.
     fn now_and_record(

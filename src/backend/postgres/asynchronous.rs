@@ -13,7 +13,6 @@
 
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
-use diesel::pg::PgConnection;
 use diesel::result::Error as DieselError;
 use diesel::sql_types::Timestamp;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
@@ -36,7 +35,7 @@ impl sealed::Sealed for AsyncPgConnection {}
 impl AsyncStoreConnection for AsyncPgConnection {}
 
 impl Driver for AsyncPgConnection {
-    type Rules = PgConnection;
+    type Rules = diesel::pg::Pg;
 
     async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         let ((now, claims_first), row) = RowWith::<NowAndClaimFirst, KeyRecord<Timestamp>>::new(scope, key)

@@ -57,7 +57,9 @@ use expired::Expired;
 
 use super::keys::{claiming, hold_of};
 use super::row_with::{Head, record_with};
-use super::{Driver, HeldKey, Hold, KeyStore, Read, Record, Stored, block_on, transaction_depth, transaction_with};
+use super::{
+    BackendRules, Driver, HeldKey, Hold, KeyStore, Read, Record, Stored, block_on, transaction_depth, transaction_with,
+};
 use crate::error::is_connection_lost;
 use crate::in_flight::InFlight;
 use crate::schema;
@@ -446,52 +448,12 @@ where
     conn.within(async |tx: &mut C| work(tx, false).await).await
 }
 
-impl KeyStore for PgConnection {
-    const BACKEND: &'static str = "postgres";
+impl BackendRules for Pg {
+    const NAME: &'static str = "postgres";
     // A B-tree entry holds at most 2704 bytes, and the primary keys hold the
     // scope and the key side by side: 1300 bytes each fit with their headers
     // even when the values do not compress.
     const MAX_KEY_LEN: Option<usize> = Some(1300);
-
-    fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
-        let ((now, claims_first), record) =
-            record_with::<NowAndClaimFirst, Timestamp, _, (NaiveDateTime, bool)>(self, scope, key)?;
-        Ok(Read {
-            record,
-            now,
-            claims_first,
-        })
-    }
-
-    fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
-        diesel::select(database_time()).get_result(self)
-    }
-
-    fn key_transaction<T, E>(
-        &mut self,
-        held: HeldKey<'_>,
-        f: impl FnOnce(&mut Self, bool) -> Result<T, E>,
-    ) -> Result<T, E>
-    where
-        E: From<DieselError>,
-    {
-        block_on(key_transaction(self, held, async |tx: &mut Self, claimed| {
-            f(tx, claimed)
-        }))
-    }
-
-    fn write<T, E>(&mut self, _in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
-    where
-        E: From<DieselError>,
-    {
-        // Writers wait for the rows they touch, not for the database: each
-        // statement runs as it is (its own transaction outside a caller's).
-        f(self)
-    }
-
-    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
-        block_on(hold(self, record, claims_first))
-    }
 
     fn is_in_flight_timeout(error: &DieselError) -> bool {
         // The key's lock statement marks its own failures, in any language.
@@ -534,6 +496,48 @@ impl KeyStore for PgConnection {
             _ => false,
         }
     }
+}
+
+impl KeyStore for PgConnection {
+    fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
+        let ((now, claims_first), record) =
+            record_with::<NowAndClaimFirst, Timestamp, _, (NaiveDateTime, bool)>(self, scope, key)?;
+        Ok(Read {
+            record,
+            now,
+            claims_first,
+        })
+    }
+
+    fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
+        diesel::select(database_time()).get_result(self)
+    }
+
+    fn key_transaction<T, E>(
+        &mut self,
+        held: HeldKey<'_>,
+        f: impl FnOnce(&mut Self, bool) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        block_on(key_transaction(self, held, async |tx: &mut Self, claimed| {
+            f(tx, claimed)
+        }))
+    }
+
+    fn write<T, E>(&mut self, _in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        // Writers wait for the rows they touch, not for the database: each
+        // statement runs as it is (its own transaction outside a caller's).
+        f(self)
+    }
+
+    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
+        block_on(hold(self, record, claims_first))
+    }
 
     fn await_replication(&mut self) -> QueryResult<()> {
         let emit = DURABLE_REPLAY;
@@ -559,12 +563,12 @@ impl KeyStore for PgConnection {
 
 #[cfg(test)]
 mod tests {
-    use diesel::pg::PgConnection;
+    use diesel::pg::Pg;
     use diesel::result::{DatabaseErrorKind, Error as DieselError};
 
     use super::citus::CLAIM_FIRST;
     use super::{HoldBy, lock_key, lock_key_sql, lock_wait_ended};
-    use crate::backend::KeyStore;
+    use crate::backend::BackendRules;
     use crate::backend::row_with::Head;
     use crate::in_flight::InFlight;
 
@@ -572,12 +576,9 @@ mod tests {
     fn a_failed_lock_statement_is_the_end_of_the_wait_in_any_language() {
         const GERMAN: &str = "Abbruch des Befehls wegen Zeitüberschreitung einer Sperre";
         let german = DieselError::DatabaseError(DatabaseErrorKind::Unknown, Box::new(GERMAN.to_owned()));
-        assert!(
-            !PgConnection::is_in_flight_timeout(&german),
-            "the text alone says nothing"
-        );
+        assert!(!Pg::is_in_flight_timeout(&german), "the text alone says nothing");
         let marked = lock_wait_ended(german);
-        assert!(PgConnection::is_in_flight_timeout(&marked));
+        assert!(Pg::is_in_flight_timeout(&marked));
         let DieselError::DatabaseError(_, info) = &marked else {
             panic!("still the server's error: {marked:?}")
         };
@@ -588,7 +589,7 @@ mod tests {
             Box::new(String::from("terminating connection due to administrator command")),
         );
         assert!(
-            !PgConnection::is_in_flight_timeout(&lock_wait_ended(lost)),
+            !Pg::is_in_flight_timeout(&lock_wait_ended(lost)),
             "a lost connection stays lost"
         );
     }
@@ -625,20 +626,20 @@ mod tests {
 
     #[test]
     fn a_commit_rolled_back_only_when_the_sqlstate_says_the_server_refused_it() {
-        assert!(PgConnection::commit_rolled_back(&refused(
+        assert!(Pg::commit_rolled_back(&refused(
             DatabaseErrorKind::SerializationFailure,
             "could not serialize access due to read/write dependencies among transactions"
         )));
-        assert!(PgConnection::commit_rolled_back(&refused(
+        assert!(Pg::commit_rolled_back(&refused(
             DatabaseErrorKind::UniqueViolation,
             "duplicate key value violates unique constraint"
         )));
         // Citus's coordinator, when a worker's answer to its COMMIT was lost.
-        assert!(!PgConnection::commit_rolled_back(&refused(
+        assert!(!Pg::commit_rolled_back(&refused(
             DatabaseErrorKind::Unknown,
             "could not commit transaction for shard 102008 on at least one active node"
         )));
-        assert!(!PgConnection::commit_rolled_back(&refused(
+        assert!(!Pg::commit_rolled_back(&refused(
             DatabaseErrorKind::ClosedConnection,
             "server closed the connection unexpectedly"
         )));

@@ -84,7 +84,7 @@ impl Drop for Writing<'_> {
 impl AsyncStoreConnection for Wrapped {}
 
 impl Driver for Wrapped {
-    type Rules = SqliteConnection;
+    type Rules = diesel::sqlite::Sqlite;
 
     async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         blocking_allowed()?;

@@ -34,7 +34,7 @@ use diesel_migrations::EmbeddedMigrations;
 use super::migrate::{self, Count, History};
 
 use super::keys::{claiming, hold_of};
-use super::{Driver, Hold, KeyStore, Read, Record, block_on, transaction_depth};
+use super::{BackendRules, Driver, Hold, KeyStore, Read, Record, block_on, transaction_depth};
 use crate::in_flight::InFlight;
 use crate::schema;
 
@@ -165,7 +165,7 @@ fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight, current: i3
     let mut poll = WRITE_LOCK_FIRST_POLL;
     loop {
         match AnsiTransactionManager::begin_transaction_sql(conn, "BEGIN IMMEDIATE") {
-            Err(error) if SqliteConnection::is_in_flight_timeout(&error) && Instant::now() < deadline => {
+            Err(error) if Sqlite::is_in_flight_timeout(&error) && Instant::now() < deadline => {
                 std::thread::sleep(poll);
                 poll = (poll * 2).min(WRITE_LOCK_MAX_POLL);
             }
@@ -189,12 +189,34 @@ async fn hold<C: Driver>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold>
     }
 }
 
-impl KeyStore for SqliteConnection {
-    const BACKEND: &'static str = "sqlite";
+impl BackendRules for Sqlite {
+    const NAME: &'static str = "sqlite";
     // Times are text compared as text, which orders them only while the
     // year has four digits: `+10021-01-01` sorts before `2026-01-01`.
     const STORABLE_YEARS: Option<RangeInclusive<i32>> = Some(1..=9999);
 
+    fn is_in_flight_timeout(error: &DieselError) -> bool {
+        // SQLITE_BUSY reaches diesel as an unknown database error whose text
+        // SQLite fixes: "database is locked".
+        matches!(error, DieselError::DatabaseError(DatabaseErrorKind::Unknown, info)
+            if info.message().contains("database is locked"))
+    }
+
+    fn commit_rolled_back(error: &DieselError) -> bool {
+        // A constraint checked at the commit, or the write lock not had in
+        // time (the transaction stays open for the rollback that follows),
+        // refuses it. An I/O error does not prove as much: in WAL mode the
+        // frames that commit may be written when the sync after them fails.
+        match error {
+            DieselError::DatabaseError(DatabaseErrorKind::Unknown, _) => Self::is_in_flight_timeout(error),
+            DieselError::DatabaseError(..) => true,
+            DieselError::RollbackErrorOnCommit { commit_error, .. } => Self::commit_rolled_back(commit_error),
+            _ => false,
+        }
+    }
+}
+
+impl KeyStore for SqliteConnection {
     fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         Ok(Read {
             record: KeyStore::find(self, scope, key)?,
@@ -220,26 +242,6 @@ impl KeyStore for SqliteConnection {
 
     fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
         block_on(hold(self, record))
-    }
-
-    fn is_in_flight_timeout(error: &DieselError) -> bool {
-        // SQLITE_BUSY reaches diesel as an unknown database error whose text
-        // SQLite fixes: "database is locked".
-        matches!(error, DieselError::DatabaseError(DatabaseErrorKind::Unknown, info)
-            if info.message().contains("database is locked"))
-    }
-
-    fn commit_rolled_back(error: &DieselError) -> bool {
-        // A constraint checked at the commit, or the write lock not had in
-        // time (the transaction stays open for the rollback that follows),
-        // refuses it. An I/O error does not prove as much: in WAL mode the
-        // frames that commit may be written when the sync after them fails.
-        match error {
-            DieselError::DatabaseError(DatabaseErrorKind::Unknown, _) => Self::is_in_flight_timeout(error),
-            DieselError::DatabaseError(..) => true,
-            DieselError::RollbackErrorOnCommit { commit_error, .. } => Self::commit_rolled_back(commit_error),
-            _ => false,
-        }
     }
 
     fn await_replication(&mut self) -> QueryResult<()> {
