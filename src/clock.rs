@@ -14,7 +14,7 @@ use std::time::Instant;
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use diesel::QueryResult;
 
-use crate::backend::KeyStore;
+use crate::backend::{KeyStore, block_on};
 
 /// A time source injected with `Config::clock` or `Relay::clock`.
 pub(crate) type Source = Arc<dyn Fn() -> DateTime<Utc> + Send + Sync>;
@@ -43,7 +43,7 @@ impl Clock {
     /// The time, asking the database when its clock is the one in use.
     pub(crate) fn now<C: KeyStore>(&self, conn: &mut C) -> QueryResult<NaiveDateTime> {
         match self {
-            Clock::Database => conn.database_now(),
+            Clock::Database => block_on(conn.database_now()),
             Clock::Injected(source) => Ok(source().naive_utc()),
         }
     }

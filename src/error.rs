@@ -295,7 +295,7 @@ impl<E> Error<E> {
 /// closed "Driver error: `Connection to the server is closed.'". They are
 /// matched without regard to case, as fragments the spellings share. No
 /// decision about what committed rests on this: a failed commit is read by
-/// each backend's `KeyStore::commit_rolled_back`.
+/// each backend's `BlockingStore::commit_rolled_back`.
 pub(crate) fn is_connection_lost(error: &diesel::result::Error) -> bool {
     use diesel::result::{DatabaseErrorKind, Error};
     const LOST: [&str; 8] = [

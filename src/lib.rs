@@ -125,6 +125,7 @@ mod property;
 mod purging;
 mod repository;
 mod row_status;
+mod run;
 mod schema;
 mod service;
 mod telemetry;
@@ -137,9 +138,7 @@ pub use backend::migrate::{MIGRATIONS, Migrations, SchemaError, SchemaHistory, c
 #[cfg(feature = "postgres")]
 pub use backend::postgres::citus;
 pub use backend::{RawConnection, StoreConnection};
-#[cfg(feature = "diesel-async")]
-pub use config::run_idempotent_async;
-pub use config::{Config, KeyStatus, run_idempotent};
+pub use config::Config;
 #[cfg(all(feature = "sqlite", feature = "diesel-async"))]
 pub use error::UnsupportedRuntime;
 pub use error::{Error, KeyError};
@@ -147,6 +146,9 @@ pub use in_flight::InFlight;
 pub use outcome::{Outcome, Recorded};
 pub use purging::{Purged, Purger};
 pub use repository::Idempotent;
+#[cfg(feature = "diesel-async")]
+pub use run::run_idempotent_async;
+pub use run::{KeyStatus, run_idempotent};
 pub use service::{Shutdown, Stopped};
 #[cfg(feature = "metrics")]
 pub use telemetry::describe_metrics;

@@ -22,7 +22,7 @@ use diesel::migration::{self, Migration, MigrationSource, MigrationVersion};
 use diesel::prelude::*;
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
-use crate::backend::{KeyStore, RawConnection, StoreConnection};
+use crate::backend::{BlockingStore, RawConnection, StoreConnection};
 
 #[cfg(feature = "sqlite")]
 pub(crate) const SQLITE: EmbeddedMigrations = embed_migrations!("migrations/sqlite");
@@ -278,7 +278,7 @@ where
 /// A backend's side of the crate's schema history: its migrations, how it
 /// finds a table, and the harness's statements, which
 /// [`schema_history!`] writes once for every backend.
-pub trait History: KeyStore {
+pub trait History: BlockingStore {
     /// The backend's set of the crate's migrations.
     const MIGRATIONS: EmbeddedMigrations;
 

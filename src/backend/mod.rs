@@ -5,9 +5,15 @@
 //! [`StoreConnection`] (a plain diesel connection or a pooled one) or
 //! [`RawConnection`] (the plain connection an operation receives). Both are
 //! sealed, the way diesel seals `Connection`: the statements each database
-//! needs are the methods of supertraits in a private module (the key
-//! records', the outbox's and the phases'), which only the crate implements
-//! and calls.
+//! needs are the methods of supertraits in a private module, which only
+//! the crate implements and calls. Each table has one store trait, the same
+//! for both kinds of connection ([`KeyStore`], `PhaseStore`, `OutboxStore`):
+//! async-shaped, so that the protocol written against it exists once; a
+//! synchronous connection's methods complete as they are sent, and a
+//! synchronous entry point drives them with [`block_on`]. What only the
+//! services on threads run is in the `Blocking*` traits beside them. A
+//! database's rules (its name, limits and error classifiers) are
+//! [`BackendRules`] on diesel's backend type.
 //!
 //! Everything one database does lives in its own folder of the source
 //! (`sqlite/`, `postgres/`, `mysql/`: its connection impls, how it holds a
@@ -53,7 +59,7 @@ macro_rules! raw_connection {
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 use raw_connection;
 
-mod driver;
+mod future;
 mod keys;
 pub(crate) mod migrate;
 #[cfg(feature = "mysql")]
@@ -71,17 +77,17 @@ mod sqlite;
 mod transaction;
 
 #[cfg(any(feature = "postgres-async", feature = "mysql-async"))]
-pub(crate) use driver::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
-pub(crate) use driver::{Driver, Panic, block_on, catch_unwind};
-pub(crate) use keys::{ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, Stored};
+pub(crate) use future::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
+pub(crate) use future::{Panic, block_on, catch_unwind};
+pub(crate) use keys::{BlockingStore, ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, Stored};
 pub(crate) use migrate::History;
-pub(crate) use outbox::OutboxStore;
-pub(crate) use phases::PhaseStore;
+pub(crate) use outbox::BlockingOutboxStore;
+pub(crate) use phases::BlockingPhaseStore;
 pub(crate) use purge::{purge_in_batches, sql_limit};
 pub(crate) use rules::BackendRules;
 
 /// The rules of the database that connection `C` reaches.
-pub(crate) type RulesOf<C> = <C as Driver>::Rules;
+pub(crate) type RulesOf<C> = <C as KeyStore>::Rules;
 #[cfg(feature = "postgres")]
 pub(crate) use transaction::transaction_with;
 pub(crate) use transaction::{transaction_depth, unwind_to_depth};
@@ -145,7 +151,10 @@ pub trait StoreConnection: sealed::Sealed {
 /// implements it. Its supertraits besides `StoreConnection` hold the
 /// crate's statements (key records, outbox, phases); they are private, and
 /// `RawConnection` is the one bound that brings them all.
-pub trait RawConnection: StoreConnection<Raw = Self> + KeyStore + OutboxStore + PhaseStore + History {}
+pub trait RawConnection:
+    StoreConnection<Raw = Self> + BlockingStore + BlockingOutboxStore + BlockingPhaseStore + History
+{
+}
 
 impl<C> StoreConnection for PooledConnection<ConnectionManager<C>>
 where
@@ -193,7 +202,7 @@ impl<C> sealed::Sealed for PooledConnection<ConnectionManager<C>> where
 /// # }
 /// ```
 #[cfg(feature = "diesel-async")]
-pub trait AsyncStoreConnection: Driver + phases::PhaseDriver + outbox::OutboxDriver + Send + sealed::Sealed {}
+pub trait AsyncStoreConnection: KeyStore + phases::PhaseStore + outbox::OutboxStore + Send + sealed::Sealed {}
 
 pub(crate) mod sealed {
     pub trait Sealed {}

@@ -5,17 +5,17 @@
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
 
-use super::KeyStore;
+use super::BlockingStore;
 
 /// How deep the connection's open transactions are nested; 0 outside one.
-pub(crate) fn transaction_depth<C: KeyStore>(conn: &mut C) -> QueryResult<u32> {
+pub(crate) fn transaction_depth<C: BlockingStore>(conn: &mut C) -> QueryResult<u32> {
     let depth = AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth()?;
     Ok(depth.map_or(0, |depth| depth.get()))
 }
 
 /// Rolls back the levels an operation opened and left open when it panicked,
 /// so that the caller's own level can be rolled back as usual.
-pub(crate) fn unwind_to_depth<C: KeyStore>(conn: &mut C, depth: u32) -> QueryResult<()> {
+pub(crate) fn unwind_to_depth<C: BlockingStore>(conn: &mut C, depth: u32) -> QueryResult<()> {
     while transaction_depth(conn)? > depth {
         AnsiTransactionManager::rollback_transaction(conn)?;
     }
@@ -32,7 +32,7 @@ pub(crate) fn transaction_with<C, T, E>(
     f: impl FnOnce(&mut C) -> Result<T, E>,
 ) -> Result<T, E>
 where
-    C: KeyStore,
+    C: BlockingStore,
     E: From<diesel::result::Error>,
 {
     begin(conn)?;

@@ -4,8 +4,8 @@
 use chrono::{Duration, NaiveDateTime};
 
 use super::{Error, WRITE_LOCK_WAIT};
-use crate::backend::outbox::OutboxStore;
-use crate::backend::{KeyStore, StoreConnection};
+use crate::backend::outbox::BlockingOutboxStore;
+use crate::backend::{BlockingStore, StoreConnection};
 use crate::clock::Clock;
 use crate::telemetry;
 
@@ -87,5 +87,5 @@ pub(super) fn dead_letters<C: StoreConnection>(conn: &mut C, limit: usize) -> Re
 /// Makes dead message `id` pending again, due at once with fresh attempts;
 /// `false` when `id` names no dead message.
 pub(super) fn requeue<C: StoreConnection>(conn: &mut C, id: &str) -> Result<bool, Error> {
-    Ok(conn.raw().write(WRITE_LOCK_WAIT, |tx| tx.requeue(id))?)
+    Ok(conn.raw().write_now(WRITE_LOCK_WAIT, |tx| tx.requeue(id))?)
 }

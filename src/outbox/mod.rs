@@ -105,7 +105,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::backend;
-use crate::backend::{BackendRules, KeyStore, RulesOf, StoreConnection, block_on};
+use crate::backend::{BackendRules, BlockingStore, RulesOf, StoreConnection, block_on};
 use crate::clock::Clock;
 use crate::error::KeyError;
 use crate::in_flight::InFlight;
@@ -115,7 +115,7 @@ mod handler;
 mod relay;
 mod workers;
 
-use crate::backend::outbox::{NewMessage, OutboxDriver, OutboxStore, Settlement};
+use crate::backend::outbox::{BlockingOutboxStore, NewMessage, OutboxStore, Settlement};
 pub use backlog::{DeadLetter, Stats};
 pub use relay::Relay;
 
@@ -281,7 +281,7 @@ where
 /// and a payload, and the scope of the call executing on `conn`, once.
 async fn write<C, P>(conn: &mut C, topic: &str, payload: &P, not_before: Option<NaiveDateTime>) -> Result<String, Error>
 where
-    C: OutboxDriver,
+    C: OutboxStore,
     P: Serialize + ?Sized,
 {
     crate::key::validate_topic(topic, MAX_TOPIC_LEN).map_err(Error::InvalidTopic)?;
@@ -368,7 +368,7 @@ pub(crate) fn purge_delivered<C: StoreConnection>(
     // One fixed cut-off, so the loop ends while deliveries go on.
     let cutoff = clock.now(conn)? - retention;
     let purged = backend::purge_in_batches("idempotency_outbox", batch_size, stop, |limit| {
-        conn.write(WRITE_LOCK_WAIT, |tx| tx.purge_delivered_batch(cutoff, limit))
+        conn.write_now(WRITE_LOCK_WAIT, |tx| tx.purge_delivered_batch(cutoff, limit))
     })?;
     Ok(purged)
 }

@@ -453,7 +453,7 @@ impl Relay {
             token: id::new(),
             until: clock.at() + self.lease,
         };
-        let mut claimed = conn.write(WRITE_LOCK_WAIT, |tx| {
+        let mut claimed = conn.write_now(WRITE_LOCK_WAIT, |tx| {
             tx.claim_batch(&BatchClaim {
                 now: clock.at(),
                 lease_until: lease.until,
@@ -470,7 +470,7 @@ impl Relay {
             let (id, scope) = (row.id.clone(), row.scope.clone());
             let message = MessageId { scope: &scope, id: &id };
             if stop() {
-                if conn.write(WRITE_LOCK_WAIT, |tx| tx.release(message, &lease.token))? {
+                if conn.write_now(WRITE_LOCK_WAIT, |tx| tx.release(message, &lease.token))? {
                     report.released += 1;
                 }
                 continue;
@@ -482,7 +482,7 @@ impl Relay {
                 report.lost += 1;
                 continue;
             };
-            if conn.write(WRITE_LOCK_WAIT, |tx| tx.settle(message, &lease.token, &settlement))? {
+            if conn.write_now(WRITE_LOCK_WAIT, |tx| tx.settle(message, &lease.token, &settlement))? {
                 match &settlement {
                     Settlement::Delivered { .. } => telemetry::relay::delivered(&id, &topic, attempt),
                     Settlement::Retry { due, .. } => telemetry::relay::retrying(&id, &topic, attempt, *due),

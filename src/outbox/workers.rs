@@ -14,7 +14,7 @@ use tracing::{Dispatch, Span};
 use super::handler::{Attempts, traced};
 use super::{Deliveries, Error, Message, Relay};
 use crate::backend::StoreConnection;
-use crate::backend::outbox::{Due, OutboxStore};
+use crate::backend::outbox::{BlockingOutboxStore, Due};
 use crate::service::{Next, Shutdown, Stopped, serve};
 use crate::telemetry;
 
@@ -211,5 +211,5 @@ impl Drop for Leaving<'_> {
 /// (Generic over any `StoreConnection`, where `C::Raw` stays a projection
 /// whose bounds the compiler knows.)
 fn announces<C: StoreConnection>() -> bool {
-    <C::Raw as OutboxStore>::ANNOUNCES
+    <C::Raw as BlockingOutboxStore>::ANNOUNCES
 }

@@ -3,7 +3,7 @@
 //! (its lease freed after a failure).
 //!
 //! Written once for both kinds of connection, as the single call's
-//! protocol is: an [`Attempt`] is async over a [`PhaseDriver`], whose
+//! protocol is: an [`Attempt`] is async over a [`PhaseStore`], whose
 //! statements on a synchronous connection complete as they are sent, so
 //! [`Steps`](super::Steps) drives it in one poll and
 //! [`AsyncSteps`](super::AsyncSteps) awaits it.
@@ -16,13 +16,13 @@ use serde::{Deserialize, Serialize};
 
 use super::Phased;
 use super::operation::Admitted;
-use crate::backend::phases::{Lease, NewOperation, OperationRow, PhaseDriver};
-use crate::backend::{BackendRules, Driver, Panic};
+use crate::backend::phases::{Lease, NewOperation, OperationRow, PhaseStore};
+use crate::backend::{BackendRules, KeyStore, Panic};
 use crate::clock::Reading;
-use crate::config::call::{call_error, stored_json, within_key};
 use crate::error::Error;
 use crate::outcome::Outcome;
 use crate::row_status::OperationStatus;
+use crate::run::call::{call_error, stored_json, within_key};
 use crate::{codec, id, key, telemetry};
 
 /// How this attempt holds the operation.
@@ -104,7 +104,7 @@ impl<C> Attempt<'_, C> {
     }
 }
 
-impl<'a, C: PhaseDriver> Attempt<'a, C> {
+impl<'a, C: PhaseStore> Attempt<'a, C> {
     /// The attempt that [`Phased`]'s start began: `held` as the start found
     /// the operation, `clock` read then.
     pub(super) fn new(
@@ -471,7 +471,7 @@ fn fenced<E>() -> Error<E> {
 
 /// A write of an attempt that failed: a wait for the write lock that ran
 /// out under the in-flight policy is a 409, as for the steps' transactions.
-pub(super) fn write_failed<C: Driver, E>(error: diesel::result::Error) -> Error<E> {
+pub(super) fn write_failed<C: KeyStore, E>(error: diesel::result::Error) -> Error<E> {
     call_error::<C::Rules, E>(Error::Storage(error), false)
 }
 

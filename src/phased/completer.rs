@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 
 use super::attempt::without_unfinished_call;
 use crate::backend::phases::{ParkedRow, PickedRow};
-use crate::backend::{RawConnection, StoreConnection, transaction_depth, unwind_to_depth};
+use crate::backend::{RawConnection, StoreConnection, block_on, transaction_depth, unwind_to_depth};
 use crate::clock::{Clock, assert_duration};
 use crate::error::Error;
 use crate::in_flight::InFlight;
@@ -344,7 +344,7 @@ where
         let idle_since = now - self.grace;
         let max_attempts = i32::try_from(self.max_attempts).unwrap_or(i32::MAX);
         let mut report = Completions {
-            parked: conn.write(WRITE_LOCK_WAIT, |tx| {
+            parked: conn.write_now(WRITE_LOCK_WAIT, |tx| {
                 tx.park_exhausted(&names, max_attempts, now, idle_since)
             })?,
             ..Completions::default()
@@ -352,7 +352,7 @@ where
         if report.parked > 0 {
             tracing::warn!(target: telemetry::TARGET, count = report.parked, "operations parked after their last attempt");
         }
-        let picked = conn.write(WRITE_LOCK_WAIT, |tx| {
+        let picked = conn.write_now(WRITE_LOCK_WAIT, |tx| {
             tx.pick_abandoned(&names, now, idle_since, now + PICK_HOLD, self.batch_size)
         })?;
         report.picked = picked.len();
@@ -368,7 +368,7 @@ where
                 Ok(Resumed::Failed) => report.failed += 1,
                 Err(reason) => {
                     let now = self.clock.now(conn)?;
-                    if conn.write(WRITE_LOCK_WAIT, |tx| {
+                    if conn.write_now(WRITE_LOCK_WAIT, |tx| {
                         tx.park_unheld(&row.scope, &row.idempotency_key, &reason, now)
                     })? {
                         tracing::warn!(target: telemetry::TARGET, scope = %row.scope, key_digest = %telemetry::key_digest(&row.idempotency_key), %reason, "operation parked");
@@ -449,9 +449,10 @@ where
     {
         let conn = conn.raw();
         let now = self.clock.now(conn)?;
-        conn.write(WRITE_LOCK_WAIT, |tx| {
+        block_on(conn.write(WRITE_LOCK_WAIT, async |tx: &mut C| {
             let Some(row) = tx
-                .read_operation(scope, key)?
+                .read_operation(scope, key)
+                .await?
                 .0
                 .filter(|row| row.status == OperationStatus::Parked)
             else {
@@ -459,7 +460,7 @@ where
             };
             let points = without_unfinished_call(&row.points).map_err(Error::Codec)?;
             Ok(tx.requeue_operation(scope, key, &points, now)?)
-        })
+        }))
     }
 }
 

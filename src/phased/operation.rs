@@ -15,13 +15,14 @@ use super::attempt::{Attempt, Finished, OperationHold, write_failed};
 use super::steps::Steps;
 #[cfg(feature = "diesel-async")]
 use crate::backend::AsyncStoreConnection;
-use crate::backend::phases::{Lease, PhaseDriver};
+use crate::backend::phases::{Lease, PhaseStore};
 use crate::backend::{BackendRules, RulesOf, StoreConnection, block_on};
 use crate::clock::{Reading, assert_duration};
-use crate::config::{Config, KeyStatus};
+use crate::config::Config;
 use crate::error::Error;
 use crate::outcome::Outcome;
 use crate::row_status::OperationStatus;
+use crate::run::KeyStatus;
 use crate::telemetry::CallTrace;
 use crate::{codec, id, telemetry};
 
@@ -393,7 +394,7 @@ impl Phased {
     /// Reads the operation and decides: replay it, or attempt it (fresh, or
     /// taken over from an attempt whose lease ran out), waiting for a live
     /// lease as the in-flight policy allows.
-    async fn start<'a, C: PhaseDriver, R: DeserializeOwned, E>(
+    async fn start<'a, C: PhaseStore, R: DeserializeOwned, E>(
         &'a self,
         conn: &'a mut C,
         scope: &'a str,

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 use super::Phased;
 use super::attempt::{Attempt, Finished, Repeat};
 use crate::backend::block_on;
-use crate::backend::phases::PhaseStore;
+use crate::backend::phases::BlockingPhaseStore;
 use crate::error::Error;
 use crate::outcome::Outcome;
 
@@ -33,7 +33,7 @@ impl<C> fmt::Debug for Steps<'_, C> {
     }
 }
 
-impl<'a, C: PhaseStore> Steps<'a, C> {
+impl<'a, C: BlockingPhaseStore> Steps<'a, C> {
     /// Runs `body` on the steps of `attempt` to its end: the response it
     /// finished with and when its retention ends. A failure or a panic
     /// frees the lease first, so that a retry resumes at once.

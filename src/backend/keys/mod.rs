@@ -1,11 +1,14 @@
 //! Key records: the statements every backend implements for them, the rows
 //! they read and write, and how a write transaction holds its key.
 
+use std::future::Future;
+
 use chrono::NaiveDateTime;
 use diesel::connection::AnsiTransactionManager;
 use diesel::prelude::*;
 use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind};
 
+use super::block_on;
 use super::rules::BackendRules;
 use super::sealed::Sealed;
 use crate::in_flight::InFlight;
@@ -107,76 +110,118 @@ pub enum Hold {
     ClaimedElsewhere,
 }
 
-/// The key records' statements, one implementation per backend: a
-/// supertrait of [`RawConnection`](crate::RawConnection), in this private
-/// module, so only the crate implements and calls it.
+/// The key records' statements, one implementation per kind of
+/// connection: a supertrait of the crate's public connection traits
+/// ([`RawConnection`](crate::RawConnection),
+/// [`AsyncStoreConnection`](crate::AsyncStoreConnection)), in this private
+/// module, so only the crate implements and calls it. The call's protocol
+/// (`run::call`) is written against it once.
+///
+/// Async-shaped for both kinds of connection: a synchronous connection's
+/// methods are `async fn`s whose statements complete as they are sent, so
+/// its futures are ready at their first poll, and a synchronous entry point
+/// drives the call with [`block_on`](super::block_on); a diesel-async
+/// connection awaits its statements.
 ///
 /// SQLite and PostgreSQL share the DSL of `find`, `claim` and `store`
 /// (`key_statements!`); MySQL, whose calls always claim first, shares
 /// `find` and writes its own claim and store.
-pub trait KeyStore:
-    Connection<TransactionManager = AnsiTransactionManager, Backend: BackendRules> + Sized + Sealed
-{
+pub trait KeyStore: Sized {
+    /// The database's rules: diesel's backend type, which both kinds of
+    /// connection to it name.
+    type Rules: BackendRules;
+
     /// The record for `(scope, key)` and the database's time, in one
     /// statement outside any write transaction.
-    fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read>;
+    fn read(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Read>>;
 
     /// The database's time (UTC).
-    fn database_now(&mut self) -> QueryResult<NaiveDateTime>;
+    fn database_now(&mut self) -> impl Future<Output = QueryResult<NaiveDateTime>>;
 
-    /// Runs `f` in a write transaction (a savepoint when a transaction is
+    /// How deep the connection's open transactions are nested; 0 outside
+    /// one.
+    fn transaction_depth(&mut self) -> QueryResult<u32>;
+
+    /// Rolls back the levels above `depth`, which an operation that
+    /// panicked left open.
+    fn unwind_to_depth(&mut self, depth: u32) -> impl Future<Output = QueryResult<()>>;
+
+    /// Runs `work` in a write transaction (a savepoint when a transaction is
     /// open) that holds the key `(held.scope, held.key)` against every
     /// other call, waiting for a holder as `held.in_flight` allows. Commits
-    /// if `f` succeeds and rolls back otherwise. `f` learns whether the
-    /// transaction already holds the key by [`held.claim`](HeldKey::claim),
-    /// written while it took the key; otherwise it decides with
-    /// [`hold`](KeyStore::hold).
-    ///
-    /// By default, the transaction of [`write`](KeyStore::write): enough
-    /// where the database's write lock holds every key (SQLite). A backend
-    /// whose writers run side by side locks the key itself.
+    /// if `work` succeeds and rolls back otherwise. `work` learns whether
+    /// the transaction already holds the key by
+    /// [`held.claim`](HeldKey::claim), written while it took the key;
+    /// otherwise it decides with [`hold`](KeyStore::hold).
     fn key_transaction<T, E>(
         &mut self,
         held: HeldKey<'_>,
-        f: impl FnOnce(&mut Self, bool) -> Result<T, E>,
-    ) -> Result<T, E>
+        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
+    ) -> impl Future<Output = Result<T, E>>
+    where
+        E: From<diesel::result::Error>;
+
+    /// Runs `work` in a short write transaction (a savepoint when one is
+    /// open) that waits for the database's write lock as `in_flight`
+    /// allows, where the backend has one (SQLite).
+    ///
+    /// By default `work` runs as it is: where writers wait for the rows
+    /// they touch, not for the database, each statement is a transaction of
+    /// its own outside a caller's.
+    fn write<T, E>(
+        &mut self,
+        _in_flight: InFlight,
+        work: impl AsyncFnOnce(&mut Self) -> Result<T, E>,
+    ) -> impl Future<Output = Result<T, E>>
     where
         E: From<diesel::result::Error>,
     {
-        self.write(held.in_flight, |conn| f(conn, false))
+        async move { work(self).await }
     }
-
-    /// Runs `f` in a short write transaction (a savepoint when one is open)
-    /// that waits for the database's write lock as `in_flight` allows, where
-    /// the backend has one.
-    fn write<T, E>(&mut self, in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
-    where
-        E: From<diesel::result::Error>;
 
     /// Inside [`key_transaction`](KeyStore::key_transaction): how this
     /// transaction holds the key `record` is for, claiming it first where a
     /// read could miss a concurrent commit, or where the read before the
     /// transaction found that the database `claims_first`.
-    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold>;
+    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> impl Future<Output = QueryResult<Hold>>;
+
+    /// The stored record for `(scope, key)`.
+    fn find(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>>;
 
     /// Inserts `record` as a claim, or takes over an expired record with its
     /// key.
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome>;
+    fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<ClaimOutcome>>;
 
     /// Writes the completed `record` as `hold` requires.
-    fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()>;
+    fn store(&mut self, hold: Hold, record: &Record<'_>) -> impl Future<Output = QueryResult<()>>;
 
     /// Returns once everything this connection has seen is safe on the
     /// database's synchronous standbys: outside a transaction by a commit
     /// of its own that waits for them; inside one by making the enclosing
     /// commit such a commit. Nothing to do on a backend without standbys.
-    fn await_replication(&mut self) -> QueryResult<()>;
+    fn await_replication(&mut self) -> impl Future<Output = QueryResult<()>>;
+}
+
+/// What only a synchronous connection runs, for the services and the
+/// outbox on threads: short write transactions, and the purge of expired
+/// records.
+pub trait BlockingStore:
+    KeyStore<Rules = <Self as Connection>::Backend>
+    + Connection<TransactionManager = AnsiTransactionManager, Backend: BackendRules>
+    + Sealed
+{
+    /// [`write`](KeyStore::write) with work that does not wait, driven to
+    /// its end: the short writes of the services and the outbox on a
+    /// synchronous connection.
+    fn write_now<T, E>(&mut self, in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<diesel::result::Error>,
+    {
+        block_on(self.write(in_flight, async |tx: &mut Self| f(tx)))
+    }
 
     /// Deletes at most `limit` records expired at `cutoff`.
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
-
-    /// The stored record for `(scope, key)`.
-    fn find(&mut self, scope: &str, key: &str) -> QueryResult<Option<Stored>>;
 }
 
 /// The key a call holds, and how long it waits for another holder.
@@ -224,7 +269,7 @@ pub(crate) fn hold_of(stored: Option<Stored>, record: &Record<'_>) -> Hold {
 /// How a transaction whose reads may miss a concurrent commit holds its key:
 /// by a claim that the primary key guards, before the operation runs.
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-pub(crate) async fn claiming<C: super::Driver>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
+pub(crate) async fn claiming<C: KeyStore>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
     if let Some(hold) = conn.claim(record).await?.hold() {
         return Ok(hold);
     }

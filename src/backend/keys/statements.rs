@@ -7,21 +7,22 @@
 
 /// The methods `find`, `claim` and `store` of
 /// [`KeyStore`](super::KeyStore) for the tables of a schema module:
-/// `key_statements!(schema: find, claim, store);` inside the impl. (MySQL,
+/// `key_statements!(ready schema: find, claim, store);` inside the impl. (MySQL,
 /// whose calls always claim first, takes `find` only: it only ever
 /// completes a claimed record, with a statement it prepares once, and
 /// claims with statements of its own.)
 ///
-/// `key_statements!(async schema: ...)` writes the same statements as the
-/// methods of an async [`Driver`](crate::backend::Driver), each awaited:
-/// the statements exist once for both kinds of connection.
+/// Both write `async fn`s: `key_statements!(ready schema: ...)` for a
+/// synchronous connection, whose statements complete as they are sent;
+/// `key_statements!(async schema: ...)` for a diesel-async connection,
+/// each statement awaited. The statements exist once for both kinds.
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 macro_rules! key_statements {
     (async $schema:ident: $($method:ident),+ $(,)?) => {
         $($crate::backend::keys::key_statements!(@$method $schema [async] [.await] [diesel_async::RunQueryDsl]);)+
     };
-    ($schema:ident: $($method:ident),+ $(,)?) => {
-        $($crate::backend::keys::key_statements!(@$method $schema [] [] [diesel::RunQueryDsl]);)+
+    (ready $schema:ident: $($method:ident),+ $(,)?) => {
+        $($crate::backend::keys::key_statements!(@$method $schema [async] [] [diesel::RunQueryDsl]);)+
     };
     (@find $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
         $($async)? fn find(&mut self, scope: &str, key: &str) -> diesel::QueryResult<Option<$crate::backend::Stored>> {

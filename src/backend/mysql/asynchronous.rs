@@ -1,5 +1,5 @@
 //! MySQL and MariaDB on diesel-async's `AsyncMysqlConnection`: the
-//! statements of `MysqlConnection`'s [`KeyStore`](crate::backend::KeyStore),
+//! statements of `MysqlConnection`'s [`BlockingStore`](crate::backend::BlockingStore),
 //! the same SQL, the same named lock and the same idle bound, sent and
 //! awaited. The rules that decide which to send, and how a failure is read,
 //! are `MysqlConnection`'s, in `mod.rs`; only the sending is here.
@@ -17,20 +17,19 @@ use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, Tr
 
 use super::session::{Session, sends};
 use super::{DatabaseNow, UtcNow, schema};
-use crate::backend::outbox::{OutboxDriver, outbox_statements};
-use crate::backend::phases::{OperationRow, PhaseDriver, phase_statements};
+use crate::backend::outbox::{OutboxStore, outbox_statements};
+use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{OperationColumns, OperationColumnsRow, RowWith, operation_of};
 use crate::backend::{
-    AsyncStoreConnection, AsyncTransaction, Driver, HeldKey, Hold, Read, Record, async_transaction_depth,
+    AsyncStoreConnection, AsyncTransaction, HeldKey, Hold, KeyStore, Read, Record, async_transaction_depth,
     async_unwind_to_depth, end_transaction, sealed,
 };
-use crate::in_flight::InFlight;
 
 impl sealed::Sealed for AsyncMysqlConnection {}
 
 impl AsyncStoreConnection for AsyncMysqlConnection {}
 
-impl Driver for AsyncMysqlConnection {
+impl KeyStore for AsyncMysqlConnection {
     type Rules = diesel::mysql::Mysql;
 
     async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
@@ -98,24 +97,12 @@ impl Session for AsyncMysqlConnection {
     }
 }
 
-impl PhaseDriver for AsyncMysqlConnection {
+impl PhaseStore for AsyncMysqlConnection {
     async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
         let (now, columns) = RowWith::<DatabaseNow, OperationColumns<Datetime>>::new(scope, key)
             .get_result::<(NaiveDateTime, OperationColumnsRow)>(self)
             .await?;
         Ok((operation_of(columns), now))
-    }
-
-    async fn write<T, E>(
-        &mut self,
-        _in_flight: InFlight,
-        work: impl AsyncFnOnce(&mut Self) -> Result<T, E>,
-    ) -> Result<T, E>
-    where
-        E: From<DieselError>,
-    {
-        // As on `MysqlConnection`: each statement is a transaction of its own.
-        work(self).await
     }
 
     async fn pause(&mut self, duration: std::time::Duration) {
@@ -125,6 +112,6 @@ impl PhaseDriver for AsyncMysqlConnection {
     phase_statements!(async schema: insert_operation_strictly, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
 }
 
-impl OutboxDriver for AsyncMysqlConnection {
+impl OutboxStore for AsyncMysqlConnection {
     outbox_statements!(async schema, created_at = UtcNow; insert_message);
 }

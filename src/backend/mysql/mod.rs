@@ -76,8 +76,8 @@ use self::lock::{GetLock, IdleBound, IdleStatement, ReleaseLock};
 use self::session::{Session, TakenSession};
 use super::row_with::Head;
 use super::{
-    BackendRules, ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, block_on, catch_unwind,
-    transaction_depth,
+    BackendRules, BlockingStore, ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, catch_unwind,
+    transaction_depth, unwind_to_depth,
 };
 use crate::in_flight::InFlight;
 use crate::row_status::RecordStatus;
@@ -412,51 +412,58 @@ impl BackendRules for Mysql {
 }
 
 impl KeyStore for MysqlConnection {
-    fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
-        block_on(read(self, scope, key))
+    type Rules = Mysql;
+
+    async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
+        read(self, scope, key).await
     }
 
-    fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
+    async fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
         diesel::select(UtcNow).get_result(self)
     }
 
-    fn key_transaction<T, E>(
+    fn transaction_depth(&mut self) -> QueryResult<u32> {
+        transaction_depth(self)
+    }
+
+    async fn unwind_to_depth(&mut self, depth: u32) -> QueryResult<()> {
+        unwind_to_depth(self, depth)
+    }
+
+    async fn key_transaction<T, E>(
         &mut self,
         held: HeldKey<'_>,
-        f: impl FnOnce(&mut Self, bool) -> Result<T, E>,
+        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
     ) -> Result<T, E>
     where
         E: From<DieselError>,
     {
-        block_on(key_transaction(self, held, async |tx: &mut Self, claimed| {
-            f(tx, claimed)
-        }))
+        key_transaction(self, held, work).await
     }
 
-    fn write<T, E>(&mut self, _in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
-    where
-        E: From<DieselError>,
-    {
-        // Writers wait for the rows they touch, not for the database: each
-        // statement runs as it is (its own transaction outside a caller's).
-        f(self)
+    async fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
+        hold(self, record).await
     }
 
-    fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
-        block_on(hold(self, record))
+    async fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
+        claim(self, record).await
     }
 
-    fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
-        block_on(claim(self, record))
+    async fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
+        store(self, hold, record).await
     }
 
-    fn await_replication(&mut self) -> QueryResult<()> {
+    async fn await_replication(&mut self) -> QueryResult<()> {
         // Semi-synchronous replication waits for a replica's acknowledgement
         // before the commit returns, but not before other sessions see it;
         // the crate offers no durable replays on MySQL.
         Ok(())
     }
 
+    super::keys::key_statements!(ready schema: find);
+}
+
+impl BlockingStore for MysqlConnection {
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
         // SKIP LOCKED: a record that a live request is taking over right now
         // is not worth waiting for; it is no longer expired once that
@@ -476,12 +483,6 @@ impl KeyStore for MysqlConnection {
             .execute(tx)
         })
     }
-
-    fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
-        block_on(store(self, hold, record))
-    }
-
-    super::keys::key_statements!(schema: find);
 }
 
 #[cfg(test)]

@@ -25,11 +25,15 @@ use diesel::sql_types::{BigInt, Datetime, Text};
 
 use crate::backend::mysql::schema::{self, idempotency_outbox as o};
 use crate::backend::mysql::{UtcNow, read_committed};
-use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, outbox_statements};
+use crate::backend::outbox::{BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, outbox_statements};
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
 
 impl OutboxStore for MysqlConnection {
+    outbox_statements!(ready schema, created_at = UtcNow; insert_message);
+}
+
+impl BlockingOutboxStore for MysqlConnection {
     fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
         read_committed(self, |tx| {
             let mut due: Vec<Claimed> = diesel::sql_query(
@@ -76,5 +80,5 @@ impl OutboxStore for MysqlConnection {
         })
     }
 
-    outbox_statements!(schema, created_at = UtcNow; insert_message, settle, dead_messages, release, next_due, backlog, requeue);
+    outbox_statements!(blocking schema; settle, dead_messages, release, next_due, backlog, requeue);
 }

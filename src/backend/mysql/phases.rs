@@ -3,22 +3,32 @@
 //! key is taken (`INSERT IGNORE` would also store a value that does not fit
 //! cut short).
 
+use std::time::Duration;
+
 use chrono::NaiveDateTime;
 use diesel::mysql::MysqlConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Datetime, Text};
 
 use crate::backend::mysql::{DatabaseNow, read_committed, schema};
-use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
+use crate::backend::phases::{BlockingPhaseStore, OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::operation_with;
 use crate::backend::sql_limit;
 use crate::row_status::OperationStatus;
 
 impl PhaseStore for MysqlConnection {
-    fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
+    async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
         operation_with::<DatabaseNow, Datetime, _>(self, scope, key)
     }
 
+    async fn pause(&mut self, duration: Duration) {
+        std::thread::sleep(duration);
+    }
+
+    phase_statements!(ready schema: insert_operation_strictly, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+}
+
+impl BlockingPhaseStore for MysqlConnection {
     fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
         // SKIP LOCKED: an expired operation that a live request is starting
         // anew is not worth waiting for. The pick walks the `expires_at`
@@ -39,5 +49,5 @@ impl PhaseStore for MysqlConnection {
         })
     }
 
-    phase_statements!(schema: pick_abandoned, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation, park_unheld, park_exhausted, parked_operations, requeue_operation, insert_operation_strictly);
+    phase_statements!(blocking schema: pick_abandoned, park_unheld, park_exhausted, parked_operations, requeue_operation);
 }

@@ -13,13 +13,13 @@ use diesel::prelude::*;
 use diesel::result::Error as DieselError;
 
 use super::lock::{GetLock, IdleStatement, ReleaseLock};
-use crate::backend::{Driver, Record, Stored, block_on};
+use crate::backend::{KeyStore, Record, Stored, block_on};
 
 /// How MySQL's statements are sent on either kind of connection, so that
 /// the rules that decide which to send (`mod.rs`: the key transaction,
 /// the hold, the claim, the store, the read) are written once. The
 /// statements themselves are written once as well, in [`sends!`].
-pub(super) trait Session: Driver<Rules = Mysql> {
+pub(super) trait Session: KeyStore<Rules = Mysql> {
     /// The database's time and the record of `(scope, key)`, in one
     /// statement.
     fn now_and_record(

@@ -13,7 +13,7 @@ use chrono::NaiveDateTime;
 use diesel::QueryResult;
 use diesel::prelude::*;
 
-use crate::backend::{Driver, KeyStore};
+use crate::backend::{BlockingStore, KeyStore};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 use crate::row_status::MessageStatus;
 use crate::schema::idempotency_outbox;
@@ -22,20 +22,14 @@ mod statements;
 
 pub(crate) use statements::outbox_statements;
 
-/// How a message is written inside a call's operation, sent and awaited as
-/// the connection does: every synchronous connection through its
-/// [`OutboxStore`], whose future is complete when made; the diesel-async
-/// connections in their backend's folder, with
-/// `outbox_statements!(async ...)`. So `enqueue` is written once for both.
-pub trait OutboxDriver: Driver {
-    /// [`OutboxStore::insert_message`].
+/// The statements of the outbox that a call's operation sends, one
+/// implementation per kind of connection, async-shaped as
+/// [`KeyStore`](crate::backend::KeyStore) is, so `enqueue` is written once
+/// for both. A supertrait of the crate's public connection traits, in a
+/// private module.
+pub trait OutboxStore: KeyStore {
+    /// Writes a new message, created at the database's time.
     fn insert_message(&mut self, message: &NewMessage<'_>) -> impl Future<Output = QueryResult<()>>;
-}
-
-impl<C: OutboxStore> OutboxDriver for C {
-    fn insert_message(&mut self, message: &NewMessage<'_>) -> impl Future<Output = QueryResult<()>> {
-        std::future::ready(OutboxStore::insert_message(self, message))
-    }
 }
 
 /// A message as `enqueue` writes it: pending, never attempted, due at once
@@ -144,19 +138,17 @@ pub enum Settlement {
     Dead { error: String, attempts: i32 },
 }
 
-/// The outbox's statements, one implementation per backend: a supertrait
-/// of [`RawConnection`](crate::RawConnection), in a private module, so only
+/// The outbox's statements that only a synchronous connection runs, for
+/// the relay and its services on threads: a supertrait of
+/// [`RawConnection`](crate::RawConnection), in a private module, so only
 /// the crate implements and calls it; the relay is written against this
 /// trait alone. Each backend writes `claim_batch` and
-/// `purge_delivered_batch`; the rest is `outbox_statements!`.
-pub trait OutboxStore: KeyStore {
+/// `purge_delivered_batch`; the rest is `outbox_statements!(blocking ...)`.
+pub trait BlockingOutboxStore: OutboxStore + BlockingStore {
     /// Leases the pending messages `claim` asks for, oldest first: each
     /// gets one more attempt, the claim's `lease_token` and `available_at =
     /// lease_until`, so no other relay claims it before the lease runs out.
     fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>>;
-
-    /// Writes a new message, created at the database's time.
-    fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()>;
 
     /// Records how an attempt ended; `false` when the lease was taken over
     /// (or the message requeued) and nothing was written. The message is

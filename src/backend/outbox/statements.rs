@@ -1,25 +1,28 @@
 //! The outbox statements whose DSL is the same on every backend (see
 //! `keys/statements.rs` for why a macro rather than generic functions).
 
-/// The methods `insert_message`, `settle`, `dead_messages`, `release`,
-/// `next_due`, `backlog` and `requeue` of
-/// [`OutboxStore`](super::OutboxStore) for the tables of a schema module,
-/// given the backend's expression for the database's time:
-/// `outbox_statements!(schema, created_at = now; insert_message, ...);`
-/// inside the impl, naming each method it takes.
+/// The outbox's statements for the tables of a schema module, naming
+/// each method it takes:
 ///
-/// `outbox_statements!(async schema, created_at = now; insert_message);`
-/// writes `insert_message` as the method of an async
-/// [`OutboxDriver`](super::OutboxDriver), awaited.
+/// - `outbox_statements!(ready schema, created_at = now; insert_message)`:
+///   [`OutboxStore::insert_message`](super::OutboxStore::insert_message)
+///   as the `async fn` of a synchronous connection, whose statement
+///   completes as it is sent, given the backend's expression for the
+///   database's time;
+/// - `outbox_statements!(async schema, created_at = now; insert_message)`:
+///   the same, awaited, for a diesel-async connection;
+/// - `outbox_statements!(blocking schema; settle, ...)`: the methods
+///   `settle`, `dead_messages`, `release`, `next_due`, `backlog` and
+///   `requeue` of [`BlockingOutboxStore`](super::BlockingOutboxStore).
 macro_rules! outbox_statements {
     (async $schema:ident, created_at = $now:expr; insert_message) => {
         $crate::backend::outbox::outbox_statements!(@insert_message $schema, $now, [async] [.await] [diesel_async::RunQueryDsl]);
     };
-    ($schema:ident, created_at = $now:expr; $($method:ident),+ $(,)?) => {
-        $($crate::backend::outbox::outbox_statements!(@$method $schema, $now);)+
+    (ready $schema:ident, created_at = $now:expr; insert_message) => {
+        $crate::backend::outbox::outbox_statements!(@insert_message $schema, $now, [async] [] [diesel::RunQueryDsl]);
     };
-    (@insert_message $schema:ident, $now:expr) => {
-        $crate::backend::outbox::outbox_statements!(@insert_message $schema, $now, [] [] [diesel::RunQueryDsl]);
+    (blocking $schema:ident; $($method:ident),+ $(,)?) => {
+        $($crate::backend::outbox::outbox_statements!(@$method $schema, ());)+
     };
     (@insert_message $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
         $($async)? fn insert_message(&mut self, message: &$crate::backend::outbox::NewMessage<'_>) -> diesel::QueryResult<()> {

@@ -1,10 +1,11 @@
 //! Where operations in phases live: the statements every backend
-//! implements.
+//! implements, an attempt's ([`PhaseStore`], on both kinds of connection)
+//! and the services' ([`BlockingPhaseStore`], on synchronous ones).
 //!
 //! Every write of an attempt is guarded by its lease token, so an attempt
 //! whose lease was taken over changes nothing. The statements are the same
-//! DSL on every backend (`phase_statements!`, in `statements.rs`), except the read that brings
-//! the database's time along and the purge.
+//! DSL on every backend (`phase_statements!`, in `statements.rs`), except
+//! the read that brings the database's time along and the purge.
 //!
 //! A completer picks abandoned operations without locking what it reads:
 //! each pick is a guarded update of one operation, which another
@@ -13,18 +14,19 @@
 //! database refuses it on a table spread over several nodes, and the guarded
 //! update runs on the node of the operation alone.
 
+use std::future::Future;
+use std::time::Duration;
+
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
 use diesel::prelude::*;
 
-use crate::backend::KeyStore;
+use crate::backend::{BlockingStore, KeyStore};
 use crate::row_status::OperationStatus;
 use crate::schema::idempotency_phases;
 
-mod driver;
 mod statements;
 
-pub(crate) use driver::PhaseDriver;
 pub(crate) use statements::{operation_values, phase_statements, update_held};
 
 /// An operation as its first commit writes it.
@@ -91,27 +93,47 @@ pub struct ParkedRow {
     pub(crate) updated_at: NaiveDateTime,
 }
 
-/// The statements of phased operations, one implementation per backend: a
-/// supertrait of [`RawConnection`](crate::RawConnection), in a private
-/// module, so only the crate implements and calls it. Each backend writes
-/// `read_operation` and `purge_operations_batch`; the rest is
-/// `phase_statements!`.
+/// The statements of one attempt of a phased operation, one implementation
+/// per kind of connection, async-shaped as [`KeyStore`] is: the trait the
+/// steps of a phased operation (`phased::attempt`) are written against, so
+/// that the rules of an attempt exist once for both kinds. Every write of
+/// an attempt is guarded by its lease token. A supertrait of the crate's
+/// public connection traits, in a private module.
 pub trait PhaseStore: KeyStore {
     /// The operation for `(scope, key)` and the database's time, in one
     /// statement.
-    fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)>;
+    fn read_operation(
+        &mut self,
+        scope: &str,
+        key: &str,
+    ) -> impl Future<Output = QueryResult<(Option<OperationRow>, NaiveDateTime)>>;
+
+    /// Waits `duration` before another attempt's lease is looked at again:
+    /// the thread sleeps on a synchronous connection, the task on an async
+    /// one.
+    fn pause(&mut self, duration: Duration) -> impl Future<Output = ()>;
 
     /// Writes a new operation; `false` when one with its key exists.
-    fn insert_operation(&mut self, operation: &NewOperation<'_>) -> QueryResult<bool>;
+    fn insert_operation(&mut self, operation: &NewOperation<'_>) -> impl Future<Output = QueryResult<bool>>;
 
     /// Deletes the completed operation of `(scope, key)` if its retention
     /// ended at `now`, so that the key can start anew.
-    fn delete_expired_operation(&mut self, scope: &str, key: &str, now: NaiveDateTime) -> QueryResult<usize>;
+    fn delete_expired_operation(
+        &mut self,
+        scope: &str,
+        key: &str,
+        now: NaiveDateTime,
+    ) -> impl Future<Output = QueryResult<usize>>;
 
     /// Gives the lease of a running operation whose lease is free at `now`
     /// to `lease`, counting an attempt; `false` when another attempt holds
     /// it or it is no longer running.
-    fn take_over(&mut self, lease: Lease<'_>, until: NaiveDateTime, now: NaiveDateTime) -> QueryResult<bool>;
+    fn take_over(
+        &mut self,
+        lease: Lease<'_>,
+        until: NaiveDateTime,
+        now: NaiveDateTime,
+    ) -> impl Future<Output = QueryResult<bool>>;
 
     /// Stores the recovery points and renews the lease.
     fn save_points(
@@ -120,7 +142,7 @@ pub trait PhaseStore: KeyStore {
         points: &str,
         until: NaiveDateTime,
         now: NaiveDateTime,
-    ) -> QueryResult<bool>;
+    ) -> impl Future<Output = QueryResult<bool>>;
 
     /// Completes the operation with its response.
     fn complete_operation(
@@ -130,16 +152,32 @@ pub trait PhaseStore: KeyStore {
         response: &str,
         expires_at: NaiveDateTime,
         now: NaiveDateTime,
-    ) -> QueryResult<bool>;
+    ) -> impl Future<Output = QueryResult<bool>>;
 
     /// Frees the lease at once after a failed attempt, noting why, and the
     /// completer's pick if a completer made it: the attempt is over, and the
     /// next waits only for the grace period.
-    fn release_operation(&mut self, lease: Lease<'_>, error: &str, now: NaiveDateTime) -> QueryResult<bool>;
+    fn release_operation(
+        &mut self,
+        lease: Lease<'_>,
+        error: &str,
+        now: NaiveDateTime,
+    ) -> impl Future<Output = QueryResult<bool>>;
 
     /// Parks a running operation for a person, noting why.
-    fn park_operation(&mut self, lease: Lease<'_>, reason: &str, now: NaiveDateTime) -> QueryResult<bool>;
+    fn park_operation(
+        &mut self,
+        lease: Lease<'_>,
+        reason: &str,
+        now: NaiveDateTime,
+    ) -> impl Future<Output = QueryResult<bool>>;
+}
 
+/// What only a synchronous connection runs on operations in phases: the
+/// completer's picks, the lists and requeues of parked operations, and
+/// the purge. Each backend writes `purge_operations_batch`; the rest is
+/// `phase_statements!(blocking ...)`.
+pub trait BlockingPhaseStore: PhaseStore + BlockingStore {
     /// Picks up to `limit` running operations of `operations` whose lease
     /// is free at `now`, idle since `idle_since` and not taken by another
     /// completer, oldest first, and marks them this completer's until

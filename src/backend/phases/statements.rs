@@ -1,23 +1,30 @@
 //! The phase statements whose DSL is the same on every backend (see
 //! `keys/statements.rs` for why a macro rather than generic functions).
 
-/// The methods of [`PhaseStore`](super::PhaseStore) but `read_operation`
-/// and `purge_operations_batch`, for the tables of a schema module:
-/// `pick_abandoned`, `delete_expired_operation`, `take_over`,
-/// `save_points`, `complete_operation`, `release_operation`,
-/// `park_operation`, `park_unheld`, `park_exhausted`, `parked_operations`,
-/// `requeue_operation`, and `insert_operation` (on conflict, nothing) or
-/// `insert_operation_strictly` (a duplicate key fails the insert, for
-/// MySQL). `phase_statements!(schema: take_over, ...);` inside the impl,
-/// naming each method it takes.
+/// The methods of [`PhaseStore`](super::PhaseStore) but `read_operation`,
+/// `write` and `pause`, and of [`BlockingPhaseStore`](super::BlockingPhaseStore)
+/// but `purge_operations_batch`, for the tables of a schema module:
+/// `insert_operation` (on conflict, nothing) or `insert_operation_strictly`
+/// (a duplicate key fails the insert, for MySQL), `delete_expired_operation`,
+/// `take_over`, `save_points`, `complete_operation`, `release_operation` and
+/// `park_operation` of the first; `pick_abandoned`, `park_unheld`,
+/// `park_exhausted`, `parked_operations` and `requeue_operation` of the
+/// second. Inside the impl, naming each method it takes:
 ///
-/// `phase_statements!(async schema: ...)` writes the same statements as the
-/// methods of an async [`PhaseDriver`](super::PhaseDriver), each awaited.
+/// - `phase_statements!(ready schema: take_over, ...)`: `async fn`s of a
+///   synchronous connection, whose statements complete as they are sent;
+/// - `phase_statements!(async schema: ...)`: the same, each statement
+///   awaited, for a diesel-async connection;
+/// - `phase_statements!(blocking schema: ...)`: plain `fn`s, for
+///   [`BlockingPhaseStore`](super::BlockingPhaseStore).
 macro_rules! phase_statements {
     (async $schema:ident: $($method:ident),+ $(,)?) => {
         $($crate::backend::phases::phase_statements!(@$method $schema [async] [.await] [diesel_async::RunQueryDsl]);)+
     };
-    ($schema:ident: $($method:ident),+ $(,)?) => {
+    (ready $schema:ident: $($method:ident),+ $(,)?) => {
+        $($crate::backend::phases::phase_statements!(@$method $schema [async] [] [diesel::RunQueryDsl]);)+
+    };
+    (blocking $schema:ident: $($method:ident),+ $(,)?) => {
         $($crate::backend::phases::phase_statements!(@$method $schema [] [] [diesel::RunQueryDsl]);)+
     };
     (@pick_abandoned $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {

@@ -1,5 +1,5 @@
 //! PostgreSQL on diesel-async's `AsyncPgConnection`: the statements of
-//! `PgConnection`'s [`KeyStore`], the same SQL and the same key lock, sent
+//! `PgConnection`'s [`BlockingStore`], the same SQL and the same key lock, sent
 //! and awaited. What a statement means and how a failure is read is
 //! `PgConnection`'s, in `mod.rs`; only the sending is here.
 //!
@@ -18,23 +18,22 @@ use diesel::sql_types::Timestamp;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 
 use super::{DatabaseNow, HoldBy, HoldByRead, Levels, NowAndClaimFirst, database_time};
-use crate::backend::outbox::{OutboxDriver, outbox_statements};
-use crate::backend::phases::{OperationRow, PhaseDriver, phase_statements};
+use crate::backend::outbox::{OutboxStore, outbox_statements};
+use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{
     KeyRecord, KeyRecordRow, OperationColumns, OperationColumnsRow, RowWith, operation_of, stored_of,
 };
 use crate::backend::{
-    AsyncStoreConnection, AsyncTransaction, Driver, HeldKey, Hold, Read, Record, Stored, async_transaction_depth,
+    AsyncStoreConnection, AsyncTransaction, HeldKey, Hold, KeyStore, Read, Record, Stored, async_transaction_depth,
     async_unwind_to_depth, end_transaction, sealed,
 };
-use crate::in_flight::InFlight;
 use crate::schema;
 
 impl sealed::Sealed for AsyncPgConnection {}
 
 impl AsyncStoreConnection for AsyncPgConnection {}
 
-impl Driver for AsyncPgConnection {
+impl KeyStore for AsyncPgConnection {
     type Rules = diesel::pg::Pg;
 
     async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
@@ -119,24 +118,12 @@ impl HoldByRead for AsyncPgConnection {
     }
 }
 
-impl PhaseDriver for AsyncPgConnection {
+impl PhaseStore for AsyncPgConnection {
     async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
         let (now, columns) = RowWith::<DatabaseNow, OperationColumns<Timestamp>>::new(scope, key)
             .get_result::<(NaiveDateTime, OperationColumnsRow)>(self)
             .await?;
         Ok((operation_of(columns), now))
-    }
-
-    async fn write<T, E>(
-        &mut self,
-        _in_flight: InFlight,
-        work: impl AsyncFnOnce(&mut Self) -> Result<T, E>,
-    ) -> Result<T, E>
-    where
-        E: From<DieselError>,
-    {
-        // As on `PgConnection`: each statement is a transaction of its own.
-        work(self).await
     }
 
     async fn pause(&mut self, duration: std::time::Duration) {
@@ -146,6 +133,6 @@ impl PhaseDriver for AsyncPgConnection {
     phase_statements!(async schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
 }
 
-impl OutboxDriver for AsyncPgConnection {
+impl OutboxStore for AsyncPgConnection {
     outbox_statements!(async schema, created_at = database_time(); insert_message);
 }

@@ -58,7 +58,8 @@ use expired::Expired;
 use super::keys::{claiming, hold_of};
 use super::row_with::{Head, record_with};
 use super::{
-    BackendRules, Driver, HeldKey, Hold, KeyStore, Read, Record, Stored, block_on, transaction_depth, transaction_with,
+    BackendRules, BlockingStore, HeldKey, Hold, KeyStore, Read, Record, Stored, block_on, transaction_depth,
+    transaction_with, unwind_to_depth,
 };
 use crate::error::is_connection_lost;
 use crate::in_flight::InFlight;
@@ -307,7 +308,7 @@ const DURABLE_REPLAY: &str = "SELECT pg_logical_emit_message(true, 'idempotency'
 
 /// The read after the key's lock, on either kind of connection: how the
 /// transaction holds its key ([`HoldBy`]) and the record.
-trait HoldByRead: Driver {
+trait HoldByRead: KeyStore {
     fn hold_by(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<(String, Option<Stored>)>>;
 }
 
@@ -499,7 +500,9 @@ impl BackendRules for Pg {
 }
 
 impl KeyStore for PgConnection {
-    fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
+    type Rules = Pg;
+
+    async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         let ((now, claims_first), record) =
             record_with::<NowAndClaimFirst, Timestamp, _, (NaiveDateTime, bool)>(self, scope, key)?;
         Ok(Read {
@@ -509,37 +512,34 @@ impl KeyStore for PgConnection {
         })
     }
 
-    fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
+    async fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
         diesel::select(database_time()).get_result(self)
     }
 
-    fn key_transaction<T, E>(
+    fn transaction_depth(&mut self) -> QueryResult<u32> {
+        transaction_depth(self)
+    }
+
+    async fn unwind_to_depth(&mut self, depth: u32) -> QueryResult<()> {
+        unwind_to_depth(self, depth)
+    }
+
+    async fn key_transaction<T, E>(
         &mut self,
         held: HeldKey<'_>,
-        f: impl FnOnce(&mut Self, bool) -> Result<T, E>,
+        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
     ) -> Result<T, E>
     where
         E: From<DieselError>,
     {
-        block_on(key_transaction(self, held, async |tx: &mut Self, claimed| {
-            f(tx, claimed)
-        }))
+        key_transaction(self, held, work).await
     }
 
-    fn write<T, E>(&mut self, _in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
-    where
-        E: From<DieselError>,
-    {
-        // Writers wait for the rows they touch, not for the database: each
-        // statement runs as it is (its own transaction outside a caller's).
-        f(self)
+    async fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
+        hold(self, record, claims_first).await
     }
 
-    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
-        block_on(hold(self, record, claims_first))
-    }
-
-    fn await_replication(&mut self) -> QueryResult<()> {
+    async fn await_replication(&mut self) -> QueryResult<()> {
         let emit = DURABLE_REPLAY;
         if transaction_depth(self)? == 0 {
             self.batch_execute(&format!("BEGIN; {emit}; COMMIT"))
@@ -548,6 +548,10 @@ impl KeyStore for PgConnection {
         }
     }
 
+    super::keys::key_statements!(ready schema: find, claim, store);
+}
+
+impl BlockingStore for PgConnection {
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
         let expired = Expired {
             table: "idempotency_keys",
@@ -557,8 +561,6 @@ impl KeyStore for PgConnection {
         };
         purge(self, &expired, limit)
     }
-
-    super::keys::key_statements!(schema: find, claim, store);
 }
 
 #[cfg(test)]

@@ -18,7 +18,9 @@ use diesel::sql_types::{Text, Timestamp};
 use super::citus;
 use super::expired::Expired;
 use super::{database_time, purge};
-use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, claim_in_one_statement, outbox_statements};
+use crate::backend::outbox::{
+    BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, claim_in_one_statement, outbox_statements,
+};
 use crate::row_status::MessageStatus;
 use crate::schema;
 
@@ -26,6 +28,10 @@ use crate::schema;
 const CHANNEL: &str = "idempotency_outbox";
 
 impl OutboxStore for PgConnection {
+    outbox_statements!(ready schema, created_at = database_time(); insert_message);
+}
+
+impl BlockingOutboxStore for PgConnection {
     const ANNOUNCES: bool = true;
 
     fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
@@ -76,5 +82,5 @@ impl OutboxStore for PgConnection {
         self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
     }
 
-    outbox_statements!(schema, created_at = database_time(); insert_message, settle, dead_messages, release, next_due, backlog, requeue);
+    outbox_statements!(blocking schema; settle, dead_messages, release, next_due, backlog, requeue);
 }

@@ -1,5 +1,7 @@
 //! PostgreSQL: the read brings the server's time along.
 
+use std::time::Duration;
+
 use chrono::NaiveDateTime;
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
@@ -7,16 +9,24 @@ use diesel::sql_types::{Text, Timestamp};
 
 use super::expired::Expired;
 use super::{DatabaseNow, purge};
-use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
+use crate::backend::phases::{BlockingPhaseStore, OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::operation_with;
 use crate::row_status::OperationStatus;
 use crate::schema;
 
 impl PhaseStore for PgConnection {
-    fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
+    async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
         operation_with::<DatabaseNow, Timestamp, _>(self, scope, key)
     }
 
+    async fn pause(&mut self, duration: Duration) {
+        std::thread::sleep(duration);
+    }
+
+    phase_statements!(ready schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+}
+
+impl BlockingPhaseStore for PgConnection {
     fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
         let expired = Expired {
             table: "idempotency_phases",
@@ -30,5 +40,5 @@ impl PhaseStore for PgConnection {
         purge(self, &expired, limit)
     }
 
-    phase_statements!(schema: pick_abandoned, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation, park_unheld, park_exhausted, parked_operations, requeue_operation, insert_operation);
+    phase_statements!(blocking schema: pick_abandoned, park_unheld, park_exhausted, parked_operations, requeue_operation);
 }

@@ -28,9 +28,9 @@ use diesel_async::{AsyncConnection, TransactionManager};
 use tokio::runtime::{Handle, RuntimeFlavor};
 
 use super::{close_write, hold, open_write, settle};
-use crate::backend::outbox::{NewMessage, OutboxDriver, OutboxStore};
-use crate::backend::phases::{OperationRow, PhaseDriver, PhaseStore, phase_statements};
-use crate::backend::{AsyncStoreConnection, Driver, HeldKey, Hold, KeyStore, Read, Record, sealed, unwind_to_depth};
+use crate::backend::outbox::{NewMessage, OutboxStore};
+use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
+use crate::backend::{AsyncStoreConnection, HeldKey, Hold, KeyStore, Read, Record, block_on, sealed, unwind_to_depth};
 use crate::error::UnsupportedRuntime;
 use crate::in_flight::InFlight;
 use crate::schema;
@@ -83,62 +83,8 @@ impl Drop for Writing<'_> {
 
 impl AsyncStoreConnection for Wrapped {}
 
-impl Driver for Wrapped {
+impl KeyStore for Wrapped {
     type Rules = diesel::sqlite::Sqlite;
-
-    async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
-        blocking_allowed()?;
-        // A connection whose transaction a dropped call left open answers
-        // nothing, not even from what that transaction wrote.
-        self.transaction_depth()?;
-        let (scope, key) = (scope.to_owned(), key.to_owned());
-        self.spawn_blocking(move |conn| KeyStore::read(conn, &scope, &key))
-            .await
-    }
-
-    async fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
-        Ok(Utc::now().naive_utc())
-    }
-
-    fn transaction_depth(&mut self) -> QueryResult<u32> {
-        let depth = status(self).transaction_depth()?;
-        Ok(depth.map_or(0, |depth| depth.get()))
-    }
-
-    async fn unwind_to_depth(&mut self, depth: u32) -> QueryResult<()> {
-        self.spawn_blocking(move |conn| unwind_to_depth(conn, depth)).await
-    }
-
-    async fn key_transaction<T, E>(
-        &mut self,
-        held: HeldKey<'_>,
-        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
-    ) -> Result<T, E>
-    where
-        E: From<DieselError>,
-    {
-        PhaseDriver::write(self, held.in_flight, async |tx| work(tx, false).await).await
-    }
-
-    async fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
-        hold(self, record).await
-    }
-
-    async fn await_replication(&mut self) -> QueryResult<()> {
-        Ok(())
-    }
-
-    crate::backend::keys::key_statements!(async schema: find, claim, store);
-}
-
-impl PhaseDriver for Wrapped {
-    async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
-        blocking_allowed()?;
-        self.transaction_depth()?;
-        let (scope, key) = (scope.to_owned(), key.to_owned());
-        self.spawn_blocking(move |conn| PhaseStore::read_operation(conn, &scope, &key))
-            .await
-    }
 
     async fn write<T, E>(
         &mut self,
@@ -166,6 +112,61 @@ impl PhaseDriver for Wrapped {
         settle(result, closed)
     }
 
+    async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
+        blocking_allowed()?;
+        // A connection whose transaction a dropped call left open answers
+        // nothing, not even from what that transaction wrote.
+        self.transaction_depth()?;
+        let (scope, key) = (scope.to_owned(), key.to_owned());
+        self.spawn_blocking(move |conn| block_on(KeyStore::read(conn, &scope, &key)))
+            .await
+    }
+
+    async fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
+        Ok(Utc::now().naive_utc())
+    }
+
+    fn transaction_depth(&mut self) -> QueryResult<u32> {
+        let depth = status(self).transaction_depth()?;
+        Ok(depth.map_or(0, |depth| depth.get()))
+    }
+
+    async fn unwind_to_depth(&mut self, depth: u32) -> QueryResult<()> {
+        self.spawn_blocking(move |conn| unwind_to_depth(conn, depth)).await
+    }
+
+    async fn key_transaction<T, E>(
+        &mut self,
+        held: HeldKey<'_>,
+        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        self.write(held.in_flight, async |tx: &mut Self| work(tx, false).await)
+            .await
+    }
+
+    async fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
+        hold(self, record).await
+    }
+
+    async fn await_replication(&mut self) -> QueryResult<()> {
+        Ok(())
+    }
+
+    crate::backend::keys::key_statements!(async schema: find, claim, store);
+}
+
+impl PhaseStore for Wrapped {
+    async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
+        blocking_allowed()?;
+        self.transaction_depth()?;
+        let (scope, key) = (scope.to_owned(), key.to_owned());
+        self.spawn_blocking(move |conn| block_on(PhaseStore::read_operation(conn, &scope, &key)))
+            .await
+    }
+
     async fn pause(&mut self, duration: std::time::Duration) {
         tokio::time::sleep(duration).await;
     }
@@ -173,7 +174,7 @@ impl PhaseDriver for Wrapped {
     phase_statements!(async schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
 }
 
-impl OutboxDriver for Wrapped {
+impl OutboxStore for Wrapped {
     async fn insert_message(&mut self, message: &NewMessage<'_>) -> QueryResult<()> {
         // Also outside a call, so the runtime is checked here as well.
         blocking_allowed()?;
@@ -185,7 +186,7 @@ impl OutboxDriver for Wrapped {
             message.not_before,
         );
         self.spawn_blocking(move |conn| {
-            OutboxStore::insert_message(
+            block_on(OutboxStore::insert_message(
                 conn,
                 &NewMessage {
                     id: &id,
@@ -194,7 +195,7 @@ impl OutboxDriver for Wrapped {
                     payload: &payload,
                     not_before,
                 },
-            )
+            ))
         })
         .await
     }

@@ -34,7 +34,7 @@ use diesel_migrations::EmbeddedMigrations;
 use super::migrate::{self, Count, History};
 
 use super::keys::{claiming, hold_of};
-use super::{BackendRules, Driver, Hold, KeyStore, Read, Record, block_on, transaction_depth};
+use super::{BackendRules, BlockingStore, HeldKey, Hold, KeyStore, Read, Record, transaction_depth, unwind_to_depth};
 use crate::in_flight::InFlight;
 use crate::schema;
 
@@ -181,7 +181,7 @@ fn begin_immediate(conn: &mut SqliteConnection, in_flight: InFlight, current: i3
 /// transaction of its own holds the write lock, which holds every key, so
 /// the record read under it decides; a savepoint in a caller's transaction
 /// cannot know whether that holds the lock yet, and claims the key.
-async fn hold<C: Driver>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
+async fn hold<C: KeyStore>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
     if conn.transaction_depth()? == 1 {
         Ok(hold_of(conn.find(record.scope, record.idempotency_key).await?, record))
     } else {
@@ -217,37 +217,68 @@ impl BackendRules for Sqlite {
 }
 
 impl KeyStore for SqliteConnection {
-    fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
+    type Rules = Sqlite;
+
+    async fn write<T, E>(
+        &mut self,
+        in_flight: InFlight,
+        work: impl AsyncFnOnce(&mut Self) -> Result<T, E>,
+    ) -> Result<T, E>
+    where
+        E: From<diesel::result::Error>,
+    {
+        let previous = open_write(self, in_flight)?;
+        let result = work(self).await;
+        let closed = close_write(self, previous, result.is_ok());
+        settle(result, closed)
+    }
+
+    async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
         Ok(Read {
-            record: KeyStore::find(self, scope, key)?,
+            record: self.find(scope, key).await?,
             // SQLite's clock is the application host's: the database runs in-process.
             now: Utc::now().naive_utc(),
             claims_first: false,
         })
     }
 
-    fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
+    async fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
         Ok(Utc::now().naive_utc())
     }
 
-    fn write<T, E>(&mut self, in_flight: InFlight, f: impl FnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    fn transaction_depth(&mut self) -> QueryResult<u32> {
+        transaction_depth(self)
+    }
+
+    async fn unwind_to_depth(&mut self, depth: u32) -> QueryResult<()> {
+        unwind_to_depth(self, depth)
+    }
+
+    // The database's write lock holds every key.
+    async fn key_transaction<T, E>(
+        &mut self,
+        held: HeldKey<'_>,
+        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
+    ) -> Result<T, E>
     where
         E: From<DieselError>,
     {
-        let previous = open_write(self, in_flight)?;
-        let result = f(self);
-        let closed = close_write(self, previous, result.is_ok());
-        settle(result, closed)
+        self.write(held.in_flight, async |tx: &mut Self| work(tx, false).await)
+            .await
     }
 
-    fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
-        block_on(hold(self, record))
+    async fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
+        hold(self, record).await
     }
 
-    fn await_replication(&mut self) -> QueryResult<()> {
+    async fn await_replication(&mut self) -> QueryResult<()> {
         Ok(())
     }
 
+    super::keys::key_statements!(ready schema: find, claim, store);
+}
+
+impl BlockingStore for SqliteConnection {
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
         // diesel's DSL cannot delete through a limited subquery.
         diesel::sql_query(
@@ -258,6 +289,4 @@ impl KeyStore for SqliteConnection {
         .bind::<BigInt, _>(super::sql_limit(limit))
         .execute(self)
     }
-
-    super::keys::key_statements!(schema: find, claim, store);
 }

@@ -7,12 +7,18 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, claim_in_one_statement, outbox_statements};
+use crate::backend::outbox::{
+    BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, claim_in_one_statement, outbox_statements,
+};
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
 use crate::schema;
 
 impl OutboxStore for SqliteConnection {
+    outbox_statements!(ready schema, created_at = Utc::now().naive_utc(); insert_message);
+}
+
+impl BlockingOutboxStore for SqliteConnection {
     fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
         claim_in_one_statement(
             "UPDATE idempotency_outbox SET attempts = attempts + 1, available_at = ?, lease_token = ? \
@@ -37,5 +43,5 @@ impl OutboxStore for SqliteConnection {
     }
 
     // SQLite's clock is the application host's.
-    outbox_statements!(schema, created_at = Utc::now().naive_utc(); insert_message, settle, dead_messages, release, next_due, backlog, requeue);
+    outbox_statements!(blocking schema; settle, dead_messages, release, next_due, backlog, requeue);
 }

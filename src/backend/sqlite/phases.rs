@@ -1,18 +1,20 @@
 //! SQLite: every write of an operation takes the database's write lock, so
 //! a completer's pick needs no row locking.
 
+use std::time::Duration;
+
 use chrono::{NaiveDateTime, Utc};
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
+use crate::backend::phases::{BlockingPhaseStore, OperationRow, PhaseStore, phase_statements};
 use crate::backend::sql_limit;
 use crate::row_status::OperationStatus;
 use crate::schema::{self, idempotency_phases as p};
 
 impl PhaseStore for SqliteConnection {
-    fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
+    async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
         let row = p::table
             .find((scope, key))
             .select(OperationRow::as_select())
@@ -22,6 +24,14 @@ impl PhaseStore for SqliteConnection {
         Ok((row, Utc::now().naive_utc()))
     }
 
+    async fn pause(&mut self, duration: Duration) {
+        std::thread::sleep(duration);
+    }
+
+    phase_statements!(ready schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+}
+
+impl BlockingPhaseStore for SqliteConnection {
     fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
         // diesel's DSL cannot delete through a limited subquery.
         diesel::sql_query(
@@ -35,5 +45,5 @@ impl PhaseStore for SqliteConnection {
         .execute(self)
     }
 
-    phase_statements!(schema: pick_abandoned, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation, park_unheld, park_exhausted, parked_operations, requeue_operation, insert_operation);
+    phase_statements!(blocking schema: pick_abandoned, park_unheld, park_exhausted, parked_operations, requeue_operation);
 }

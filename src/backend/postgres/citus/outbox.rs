@@ -11,7 +11,7 @@ use crate::backend::outbox::{BatchClaim, Claimed};
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
 
-/// `OutboxStore::claim_batch` on a distributed outbox: the oldest due
+/// `BlockingOutboxStore::claim_batch` on a distributed outbox: the oldest due
 /// messages are read across shards without locks; then each scope's share
 /// is leased by one statement on its shard, which passes over messages
 /// another relay is claiming and leases only those still due, so two relays

@@ -1,143 +1,22 @@
-//! How a call's statements are sent and awaited: the one trait the call's
-//! protocol (`config::call`) is written against, so that the protocol's
-//! rules exist once for every kind of connection.
-//!
-//! Every synchronous diesel connection of the crate is a [`Driver`]: its
-//! futures are complete when they are made, and a synchronous call drives
-//! the protocol to its end in a single poll ([`block_on`]). The diesel-async
-//! connections (feature `diesel-async`) are the other drivers, each in its
-//! backend's folder: they await their statements, and what those with
-//! diesel-async's own transaction manager share is here as well
-//! (`AsyncTransaction`, `end_transaction`). So is [`catch_unwind`], which
-//! catches a panic across `await`s for the code that must end what the
+//! How the statements' futures are driven. Each table's store trait
+//! (`keys`, `phases`, `outbox`) is async-shaped: a synchronous connection's
+//! methods are `async fn`s whose statements complete as they are sent, a
+//! diesel-async connection's await theirs. A synchronous entry point of the
+//! crate drives its call to the end with [`block_on`]. What the diesel-async
+//! connections with diesel-async's own transaction manager share is here as
+//! well (`AsyncTransaction`, `end_transaction`), and so is [`catch_unwind`],
+//! which catches a panic across `await`s for the code that must end what the
 //! panic left open whichever kind of connection it runs on.
 
-use std::future::{Future, poll_fn, ready};
+use std::future::{Future, poll_fn};
 use std::panic::{self, AssertUnwindSafe};
 use std::pin::pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread;
 
-use chrono::NaiveDateTime;
-use diesel::QueryResult;
-
-use super::BackendRules;
-use super::keys::{ClaimOutcome, HeldKey, Hold, KeyStore, Read, Record, Stored};
-
-/// The statements of one call on one kind of connection, sent and awaited
-/// as that connection does. A supertrait of the crate's public connection
-/// traits, in a private module, like [`KeyStore`]; the synchronous
-/// connections implement it through their `KeyStore`.
-///
-/// Each method is the [`KeyStore`] method of the same name.
-pub trait Driver: Sized {
-    /// The database's rules: diesel's backend type, which the synchronous
-    /// connection to the same database names as well.
-    type Rules: BackendRules;
-
-    /// [`KeyStore::read`].
-    fn read(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Read>>;
-
-    /// [`KeyStore::database_now`].
-    fn database_now(&mut self) -> impl Future<Output = QueryResult<NaiveDateTime>>;
-
-    /// How deep the connection's open transactions are nested; 0 outside
-    /// one.
-    fn transaction_depth(&mut self) -> QueryResult<u32>;
-
-    /// Rolls back the levels above `depth`, which an operation that
-    /// panicked left open.
-    fn unwind_to_depth(&mut self, depth: u32) -> impl Future<Output = QueryResult<()>>;
-
-    /// [`KeyStore::key_transaction`], with `work` awaited inside it.
-    fn key_transaction<T, E>(
-        &mut self,
-        held: HeldKey<'_>,
-        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
-    ) -> impl Future<Output = Result<T, E>>
-    where
-        E: From<diesel::result::Error>;
-
-    /// [`KeyStore::hold`].
-    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> impl Future<Output = QueryResult<Hold>>;
-
-    /// [`KeyStore::find`].
-    #[cfg_attr(
-        not(any(feature = "sqlite", feature = "postgres", feature = "mysql-async")),
-        expect(dead_code, reason = "MySQL's sync calls read by statements of their own")
-    )]
-    fn find(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>>;
-
-    /// [`KeyStore::claim`].
-    #[cfg_attr(
-        not(any(feature = "sqlite", feature = "postgres", feature = "mysql-async")),
-        expect(dead_code, reason = "MySQL's sync calls claim by statements of their own")
-    )]
-    fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<ClaimOutcome>>;
-
-    /// [`KeyStore::store`].
-    fn store(&mut self, hold: Hold, record: &Record<'_>) -> impl Future<Output = QueryResult<()>>;
-
-    /// [`KeyStore::await_replication`].
-    fn await_replication(&mut self) -> impl Future<Output = QueryResult<()>>;
-}
-
-impl<C: KeyStore> Driver for C {
-    type Rules = C::Backend;
-
-    fn read(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Read>> {
-        ready(KeyStore::read(self, scope, key))
-    }
-
-    fn database_now(&mut self) -> impl Future<Output = QueryResult<NaiveDateTime>> {
-        ready(KeyStore::database_now(self))
-    }
-
-    fn transaction_depth(&mut self) -> QueryResult<u32> {
-        super::transaction_depth(self)
-    }
-
-    fn unwind_to_depth(&mut self, depth: u32) -> impl Future<Output = QueryResult<()>> {
-        ready(super::unwind_to_depth(self, depth))
-    }
-
-    fn key_transaction<T, E>(
-        &mut self,
-        held: HeldKey<'_>,
-        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
-    ) -> impl Future<Output = Result<T, E>>
-    where
-        E: From<diesel::result::Error>,
-    {
-        ready(KeyStore::key_transaction(self, held, |tx, claimed| {
-            block_on(work(tx, claimed))
-        }))
-    }
-
-    fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> impl Future<Output = QueryResult<Hold>> {
-        ready(KeyStore::hold(self, record, claims_first))
-    }
-
-    fn find(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>> {
-        ready(KeyStore::find(self, scope, key))
-    }
-
-    fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<ClaimOutcome>> {
-        ready(KeyStore::claim(self, record))
-    }
-
-    fn store(&mut self, hold: Hold, record: &Record<'_>) -> impl Future<Output = QueryResult<()>> {
-        ready(KeyStore::store(self, hold, record))
-    }
-
-    fn await_replication(&mut self) -> impl Future<Output = QueryResult<()>> {
-        ready(KeyStore::await_replication(self))
-    }
-}
-
-/// The output of `future`, driven on this thread: the protocol run on a
-/// synchronous driver, or an operation that is a plain closure.
+/// The output of `future`, driven on this thread: a call on a synchronous
+/// connection, or an operation that is a plain closure.
 ///
 /// A synchronous connection's statements complete as they are sent, so
 /// such a future is ready at its first poll and this costs one poll. Should

@@ -7,10 +7,11 @@ use std::convert::Infallible;
 use chrono::{DateTime, NaiveDateTime, Utc};
 use serde::de::DeserializeOwned;
 
-use super::Config;
 use super::call::call_error;
 use crate::backend::phases::OperationRow;
-use crate::backend::{BackendRules, HeldKey, PhaseStore, Read, RulesOf, Stored};
+use crate::backend::phases::PhaseStore;
+use crate::backend::{BackendRules, HeldKey, Read, RulesOf, Stored};
+use crate::config::Config;
 use crate::error::Error;
 use crate::in_flight::InFlight;
 use crate::row_status::{OperationStatus, RecordStatus};
@@ -122,7 +123,7 @@ fn is_among(caller_hash: Option<&str>, callers: &[String]) -> bool {
 /// the operation in phases, if any; otherwise the key is held without
 /// waiting and both are read again, so a call that committed meanwhile is
 /// seen and a call that holds the key is in progress.
-pub(super) fn look_up<C: PhaseStore, R: DeserializeOwned>(
+pub(super) async fn look_up<C: PhaseStore, R: DeserializeOwned>(
     config: &Config,
     conn: &mut C,
     scope: &str,
@@ -134,7 +135,7 @@ pub(super) fn look_up<C: PhaseStore, R: DeserializeOwned>(
     if reader.reads_records() {
         let Read {
             record, now: read_at, ..
-        } = match conn.read(scope, key) {
+        } = match conn.read(scope, key).await {
             Ok(read) => read,
             // A reader kept out by a writer (SQLite outside WAL mode).
             Err(error) if RulesOf::<C>::is_in_flight_timeout(&error) => return Ok(KeyStatus::InProgress),
@@ -147,7 +148,7 @@ pub(super) fn look_up<C: PhaseStore, R: DeserializeOwned>(
         }
     }
     if reader.reads_operations() {
-        let (row, read_at) = match conn.read_operation(scope, key) {
+        let (row, read_at) = match conn.read_operation(scope, key).await {
             Ok(read) => read,
             Err(error) if RulesOf::<C>::is_in_flight_timeout(&error) => return Ok(KeyStatus::InProgress),
             Err(error) => return Err(Error::Storage(error)),
@@ -159,7 +160,7 @@ pub(super) fn look_up<C: PhaseStore, R: DeserializeOwned>(
     }
     let now = match now {
         Some(now) => now,
-        None => config.clock.or_database(conn.database_now()?),
+        None => config.clock.or_database(conn.database_now().await?),
     };
     let held = HeldKey {
         scope,
@@ -170,20 +171,26 @@ pub(super) fn look_up<C: PhaseStore, R: DeserializeOwned>(
     };
     // Holding the key proves no call holds it; the transaction writes
     // nothing, so its commit changes nothing.
-    let found = conn.key_transaction(held, |tx, _| {
-        let record = match reader.reads_records() {
-            true => tx.find(scope, key)?.filter(|stored| reader.answers_record(stored)),
-            false => None,
-        };
-        let operation = match reader.reads_operations() {
-            true => tx
-                .read_operation(scope, key)?
-                .0
-                .filter(|row| reader.answers_operation(row)),
-            false => None,
-        };
-        Ok::<_, Error>((record, operation))
-    });
+    let found = conn
+        .key_transaction(held, async |tx: &mut C, _| {
+            let record = match reader.reads_records() {
+                true => tx
+                    .find(scope, key)
+                    .await?
+                    .filter(|stored| reader.answers_record(stored)),
+                false => None,
+            };
+            let operation = match reader.reads_operations() {
+                true => tx
+                    .read_operation(scope, key)
+                    .await?
+                    .0
+                    .filter(|row| reader.answers_operation(row)),
+                false => None,
+            };
+            Ok::<_, Error>((record, operation))
+        })
+        .await;
     match found {
         Ok((Some(stored), _)) if is_answered(&stored, now) => completed(&stored),
         Ok((Some(stored), _)) if stored.status == RecordStatus::Completed => Ok(KeyStatus::Expired {

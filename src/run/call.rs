@@ -11,9 +11,9 @@ use diesel::QueryResult;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::Config;
-use crate::backend::{BackendRules, Driver, HeldKey, Hold, Panic, Read, Record, Stored, catch_unwind};
+use crate::backend::{BackendRules, HeldKey, Hold, KeyStore, Panic, Read, Record, Stored, catch_unwind};
 use crate::codec;
+use crate::config::Config;
 use crate::error::Error;
 use crate::executing::Executing;
 use crate::outcome::{Outcome, Recorded};
@@ -31,7 +31,7 @@ use crate::telemetry::CallTrace;
 /// runs `op` and stores its result.
 ///
 /// Written once for both kinds of connection: a synchronous one completes
-/// every statement as it is sent (see [`Driver`]), an async one awaits it.
+/// every statement as it is sent (see [`KeyStore`]), an async one awaits it.
 pub(super) async fn recorded<C, R, E, F>(
     config: &Config,
     conn: &mut C,
@@ -42,7 +42,7 @@ pub(super) async fn recorded<C, R, E, F>(
     op: F,
 ) -> Result<Recorded<R>, Error<E>>
 where
-    C: Driver,
+    C: KeyStore,
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut C) -> Result<R, E>,
 {
@@ -167,7 +167,7 @@ pub(crate) async fn within_key<C, T, E>(
     work: impl AsyncFnOnce(&mut C, &mut KeyWork, bool) -> Result<T, Error<E>>,
 ) -> Result<T, Error<E>>
 where
-    C: Driver,
+    C: KeyStore,
 {
     // An enclosing call on this connection that executes the same key has
     // written nothing yet for a nested call to find; and what the work
@@ -227,7 +227,7 @@ impl KeyWork {
     /// transaction has ended, so the connection is left out of it. (A
     /// connection that cannot roll back is left marked broken, which makes
     /// its pool discard it.)
-    pub(crate) async fn catching_panic<C: Driver, T>(
+    pub(crate) async fn catching_panic<C: KeyStore, T>(
         &mut self,
         tx: &mut C,
         f: impl AsyncFnOnce(&mut C) -> T,
