@@ -15,6 +15,20 @@ use crate::in_flight::InFlight;
 use crate::telemetry::CallTrace;
 use crate::{fingerprint, key};
 
+/// What a call answers when the request of a key has already completed and
+/// the same request comes again: [`Config::on_completed`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnCompleted {
+    /// The stored result, as [`Outcome::Replayed`](crate::Outcome::Replayed):
+    /// the contract's answer to a retry.
+    #[default]
+    Replay,
+    /// [`Error::AlreadyCompleted`](crate::Error::AlreadyCompleted): the key
+    /// was spent, and its result is not handed out again.
+    Reject,
+}
+
 /// The policy for idempotent calls, built with consuming builder methods.
 ///
 /// | setting | default |
@@ -26,6 +40,7 @@ use crate::{fingerprint, key};
 /// | [`max_response_len`](Config::max_response_len) | 64 KiB |
 /// | [`clock`](Config::clock) | the database's clock |
 /// | [`durable_replays`](Config::durable_replays) | `false` |
+/// | [`on_completed`](Config::on_completed) | [`OnCompleted::Replay`] |
 ///
 /// A `Config` is cheap to clone and can be shared between threads; build it
 /// once at start-up.
@@ -49,6 +64,7 @@ pub struct Config {
     pub(crate) max_response_len: usize,
     pub(crate) clock: Clock,
     pub(crate) durable_replays: bool,
+    pub(crate) on_completed: OnCompleted,
 }
 
 impl Default for Config {
@@ -61,6 +77,7 @@ impl Default for Config {
             max_response_len: Config::DEFAULT_MAX_RESPONSE_LEN,
             clock: Clock::Database,
             durable_replays: false,
+            on_completed: OnCompleted::Replay,
         }
     }
 }
@@ -74,6 +91,7 @@ impl fmt::Debug for Config {
             .field("max_key_len", &self.max_key_len)
             .field("max_response_len", &self.max_response_len)
             .field("durable_replays", &self.durable_replays)
+            .field("on_completed", &self.on_completed)
             .finish_non_exhaustive()
     }
 }
@@ -275,6 +293,40 @@ impl Config {
     /// ```
     pub fn durable_replays(mut self, durable: bool) -> Self {
         self.durable_replays = durable;
+        self
+    }
+
+    /// What a call answers when the request of a key has already completed
+    /// and the same request comes again (default
+    /// [`OnCompleted::Replay`]: the stored result, as the contract says).
+    ///
+    /// [`OnCompleted::Reject`] answers it with
+    /// [`Error::AlreadyCompleted`](crate::Error::AlreadyCompleted) instead,
+    /// for callers that treat a second use of a key as a bug of their own
+    /// and want to hear of it rather than get the first result again. It
+    /// changes nothing else: the operation still runs at most once, a key
+    /// used with another request is still
+    /// [`Error::Mismatch`](crate::Error::Mismatch), a key in progress still
+    /// [`Error::InProgress`](crate::Error::InProgress), and once the
+    /// retention has ended the key executes anew. A
+    /// [lookup](Config::status) still answers the stored result. The same
+    /// holds for [phased operations](crate::phased) run under this `Config`.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use idempotency::{Config, Error, OnCompleted};
+    ///
+    /// let config = Config::default().on_completed(OnCompleted::Reject);
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// let charge = |conn: &mut _| config.run(conn, "payments", "charge-1", &500, |_| Ok::<_, std::convert::Infallible>(500));
+    ///
+    /// assert!(charge(&mut conn)?.is_executed());
+    /// assert!(matches!(charge(&mut conn), Err(Error::AlreadyCompleted)));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn on_completed(mut self, on_completed: OnCompleted) -> Self {
+        self.on_completed = on_completed;
         self
     }
 

@@ -72,6 +72,11 @@ pub enum Error<E = Infallible> {
     /// Another transaction holds the key and the [`InFlight`](crate::InFlight)
     /// policy ran out (or rejects at once); nothing was written. HTTP 409.
     InProgress,
+    /// The same request with this key has already completed, and the
+    /// [`Config`](crate::Config) answers that with an error rather than the
+    /// stored result ([`OnCompleted::Reject`](crate::OnCompleted::Reject));
+    /// nothing was run or written. HTTP 409.
+    AlreadyCompleted,
     /// The operation returned this error; its writes and the key record were
     /// rolled back and the key is not spent. HTTP 500 unless the application
     /// maps its own errors.
@@ -155,7 +160,7 @@ impl<E> Error<E> {
         match self {
             Error::InvalidKey(_) | Error::InvalidScope(_) => 400,
             Error::Mismatch => 422,
-            Error::InProgress => 409,
+            Error::InProgress | Error::AlreadyCompleted => 409,
             Error::OutcomeUnknown(_) => 503,
             Error::Operation(_)
             | Error::Storage(_)
@@ -230,6 +235,7 @@ impl<E> Error<E> {
             Error::InvalidScope(reason) => Error::InvalidScope(reason),
             Error::Mismatch => Error::Mismatch,
             Error::InProgress => Error::InProgress,
+            Error::AlreadyCompleted => Error::AlreadyCompleted,
             Error::Storage(error) => Error::Storage(error),
             Error::OutcomeUnknown(error) => Error::OutcomeUnknown(error),
             Error::Codec(error) => Error::Codec(error),
@@ -352,6 +358,7 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             Error::InvalidScope(reason) => write!(f, "invalid idempotency scope: {reason}"),
             Error::Mismatch => f.write_str("idempotency key was already used with a different request"),
             Error::InProgress => f.write_str("a request with this idempotency key is in progress"),
+            Error::AlreadyCompleted => f.write_str("the request with this idempotency key has already completed"),
             Error::Operation(error) => error.fmt(f),
             Error::Storage(_) => f.write_str("idempotency storage failed"),
             Error::OutcomeUnknown(_) => f.write_str(
@@ -392,6 +399,7 @@ where
             | Error::InvalidScope(_)
             | Error::Mismatch
             | Error::InProgress
+            | Error::AlreadyCompleted
             | Error::ResponseTooLarge { .. }
             | Error::Parked
             | Error::PhaseRenamed { .. } => None,

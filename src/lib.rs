@@ -138,7 +138,7 @@ pub use backend::migrate::{MIGRATIONS, Migrations, SchemaError, SchemaHistory, c
 #[cfg(feature = "postgres")]
 pub use backend::postgres::citus;
 pub use backend::{RawConnection, StoreConnection};
-pub use config::Config;
+pub use config::{Config, OnCompleted};
 #[cfg(all(feature = "sqlite", feature = "diesel-async"))]
 pub use error::UnsupportedRuntime;
 pub use error::{Error, KeyError};

@@ -98,6 +98,12 @@ impl<E> Failure<E> {
                     .with_detail("this idempotency key was first used with a different request");
                 return Failure::Refused(problem);
             }
+            Error::AlreadyCompleted => {
+                let problem = problems.problem(ProblemKind::KeyCompleted).with_detail(
+                    "the request with this idempotency key has already completed; a new request takes a new key",
+                );
+                return Failure::Refused(problem);
+            }
             Error::InProgress => {
                 let problem = problems
                     .problem(ProblemKind::InProgress)

@@ -188,6 +188,10 @@ pub enum ProblemKind {
     /// 409: a request with the same key is still being processed (draft
     /// §2.7); answered with `Retry-After`.
     InProgress,
+    /// 409: the same request with this key has already completed, and the
+    /// API answers that with a problem rather than the stored response
+    /// ([`OnCompleted::Reject`](crate::OnCompleted::Reject)). Nothing ran.
+    KeyCompleted,
     /// 503: no database connection was free in time; nothing ran. Answered
     /// with `Retry-After`.
     Unavailable,
@@ -220,7 +224,7 @@ impl ProblemKind {
         match self {
             ProblemKind::MissingKey | ProblemKind::InvalidKey => StatusCode::BAD_REQUEST,
             ProblemKind::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            ProblemKind::InProgress => StatusCode::CONFLICT,
+            ProblemKind::InProgress | ProblemKind::KeyCompleted => StatusCode::CONFLICT,
             ProblemKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             ProblemKind::KeyUnknown => StatusCode::NOT_FOUND,
             ProblemKind::KeyExpired => StatusCode::GONE,
@@ -231,9 +235,10 @@ impl ProblemKind {
     }
 
     /// Whether the same request, with the same key, may succeed when sent
-    /// again: a 409 (the other request finishes, then the retry replays it)
-    /// and a 503 may; a missing or invalid key and a key reused with another
-    /// request need a changed request; a lookup's 404 and 410 do not change
+    /// again: a 409 of a key in progress (the other request finishes, then
+    /// the retry replays it) and a 503 may; a missing or invalid key, a key
+    /// reused with another request and a key whose request completed
+    /// (where the API rejects those) need a changed request; a lookup's 404 and 410 do not change
     /// by asking again; a 500 may only when its cause was of
     /// the moment ([`Error::is_retryable`](crate::Error::is_retryable)),
     /// which [`run`](super::run) tells per failure.
@@ -248,6 +253,7 @@ impl ProblemKind {
             ProblemKind::InvalidKey => "idempotency-key-invalid",
             ProblemKind::KeyReused => "idempotency-key-reused",
             ProblemKind::InProgress => "idempotency-key-in-progress",
+            ProblemKind::KeyCompleted => "idempotency-key-completed",
             ProblemKind::Unavailable => "service-unavailable",
             ProblemKind::KeyUnknown => "idempotency-key-unknown",
             ProblemKind::KeyExpired => "idempotency-key-expired",
@@ -264,6 +270,7 @@ impl ProblemKind {
             ProblemKind::InvalidKey => "Invalid Idempotency-Key header",
             ProblemKind::KeyReused => "Idempotency key reused with a different request",
             ProblemKind::InProgress => "Request with this idempotency key in progress",
+            ProblemKind::KeyCompleted => "Request with this idempotency key already completed",
             ProblemKind::Unavailable => "Service unavailable",
             ProblemKind::KeyUnknown => "No request with this idempotency key",
             ProblemKind::KeyExpired => "Idempotency key expired",
@@ -298,6 +305,7 @@ struct Settings {
 ///
 /// The names are `idempotency-key-missing`, `idempotency-key-invalid`,
 /// `idempotency-key-reused`, `idempotency-key-in-progress`,
+/// `idempotency-key-completed`,
 /// `service-unavailable`, `idempotency-key-unknown`,
 /// `idempotency-key-expired`, `idempotency-key-parked`, `response-too-large`
 /// and `internal-error`;

@@ -18,7 +18,7 @@ use crate::backend::AsyncStoreConnection;
 use crate::backend::phases::{Lease, PhaseStore};
 use crate::backend::{BackendRules, RulesOf, StoreConnection, block_on};
 use crate::clock::{Reading, assert_duration};
-use crate::config::Config;
+use crate::config::{Config, OnCompleted};
 use crate::error::Error;
 use crate::outcome::Outcome;
 use crate::row_status::OperationStatus;
@@ -436,6 +436,9 @@ impl Phased {
             }
             match row.status {
                 OperationStatus::Completed => {
+                    if self.config.on_completed == OnCompleted::Reject {
+                        return Err(Error::AlreadyCompleted);
+                    }
                     let response = row.response.unwrap_or_default();
                     let value = serde_json::from_str(&response).map_err(Error::Codec)?;
                     if self.config.durable_replays {

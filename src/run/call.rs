@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 
 use crate::backend::{BackendRules, HeldKey, Hold, KeyStore, Panic, Read, Record, Stored, catch_unwind};
 use crate::codec;
-use crate::config::Config;
+use crate::config::{Config, OnCompleted};
 use crate::error::Error;
 use crate::executing::Executing;
 use crate::outcome::{Outcome, Recorded};
@@ -60,7 +60,7 @@ where
                     if config.durable_replays {
                         conn.await_replication().await?;
                     }
-                    return replay(stored, request_hash);
+                    return replay(config, stored, request_hash);
                 }
                 record => (now, claims_first, record.is_none()),
             }
@@ -100,7 +100,7 @@ where
                 if config.durable_replays {
                     tx.await_replication().await?;
                 }
-                return replay(stored, request_hash);
+                return replay(config, stored, request_hash);
             }
             Hold::ClaimedElsewhere => return Err(Error::InProgress),
             hold @ (Hold::Expired | Hold::Claimed { took_over: true }) => {
@@ -128,12 +128,20 @@ where
     within_key(conn, config, (scope, key), Some(trace), claim, work).await
 }
 
-/// The answer from a stored record: its response when the request matches.
-fn replay<R: DeserializeOwned, E>(stored: Stored, request_hash: &str) -> Result<Recorded<R>, Error<E>> {
+/// The answer from a stored record: its response when the request matches
+/// and the policy replays ([`Config::on_completed`]).
+fn replay<R: DeserializeOwned, E>(
+    config: &Config,
+    stored: Stored,
+    request_hash: &str,
+) -> Result<Recorded<R>, Error<E>> {
     if stored.request_hash != request_hash {
         return Err(Error::Mismatch);
     }
     match stored.response {
+        Some(_) if stored.status == RecordStatus::Completed && config.on_completed == OnCompleted::Reject => {
+            Err(Error::AlreadyCompleted)
+        }
         Some(response) if stored.status == RecordStatus::Completed => serde_json::from_str(&response)
             .map(|value| Recorded::new(Outcome::Replayed(value), stored.created_at, stored.expires_at))
             .map_err(Error::Codec),

@@ -48,6 +48,7 @@ mod metrics;
 mod migrations;
 #[cfg(feature = "mysql")]
 mod mysql;
+mod on_completed;
 #[cfg(feature = "openapi")]
 mod openapi;
 mod outbox;
