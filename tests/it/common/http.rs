@@ -695,11 +695,7 @@ pub mod turn_waits {
         fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
             // Spans too: a layer's `never` would veto the global
             // subscriber's interest in them (see `global_subscriber`).
-            if metadata.target() == "idempotency" {
-                Interest::always()
-            } else {
-                Interest::never()
-            }
+            crate::common::global_subscriber::crate_interest(metadata)
         }
 
         fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
