@@ -19,7 +19,7 @@ use diesel_async::pooled_connection::{AsyncDieselConnectionManager, PoolableConn
 use idempotency::{Config, Error, InFlight, KeyStatus, Outcome};
 
 use crate::common::TestDb;
-use crate::common::asynchronous::{AsyncDb, AsyncServerDb, async_backend_tests};
+use crate::common::asynchronous::{AsyncDb, AsyncServerDb, async_backend_tests, lent_outside_a_transaction};
 use crate::common::wait::{PATIENCE, wait_for};
 
 async_backend_tests!(
@@ -106,13 +106,7 @@ async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<
             "cut at wait {waits}: no session holds the key's lock"
         );
 
-        let mut conn = pool.get().await.expect("a connection from the pool");
-        assert!(!conn.is_broken(), "the pool lends no connection inside a transaction");
-        let lent = D::session_of(&mut conn).await;
-        assert!(
-            D::session_is_idle(&mut admin, lent),
-            "the lent session is in no transaction"
-        );
+        let mut conn = lent_outside_a_transaction::<D>(&pool, &mut admin).await;
         assert_eq!(
             D::idle_bound(&mut conn).await,
             own_bound,
