@@ -22,6 +22,7 @@ use serde_json::{Value, json};
 use tower::ServiceExt;
 
 use crate::common::TestDb;
+use crate::common::http::bearer_token;
 use crate::common::wait::Barrier;
 
 crate::common::backend_tests!(
@@ -47,11 +48,7 @@ impl<S: Sync> FromRequestParts<S> for User {
     type Rejection = StatusCode;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
-        let token = parts
-            .headers
-            .get("authorization")
-            .and_then(|value| value.to_str().ok()?.strip_prefix("Bearer "))
-            .ok_or(StatusCode::UNAUTHORIZED)?;
+        let token = bearer_token(parts).ok_or(StatusCode::UNAUTHORIZED)?;
         let (tenant, user) = token.split_once(':').ok_or(StatusCode::UNAUTHORIZED)?;
         Ok(User {
             tenant: tenant.to_owned(),
