@@ -1122,7 +1122,7 @@ mod library {
         let (app, _) = notes_app(&db, 2, Config::default().max_response_len(8));
         let (status, _, body) = answer(&app, note(Some("n-large"))).await;
         assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
-        assert_eq!(body["type"], format!("{}response-too-large", Problems::DEFAULT_BASE));
+        assert_eq!(body["type"], problem_type("response-too-large"));
         assert_eq!(body["retryable"], json!(false));
         let detail = body["detail"].as_str().expect("a detail");
         assert!(detail.contains("8 bytes"), "{detail}");
@@ -1170,7 +1170,7 @@ mod library {
         drop(held);
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(retry_after.as_deref(), Some("1"));
-        assert_eq!(body["type"], format!("{}service-unavailable", Problems::DEFAULT_BASE));
+        assert_eq!(body["type"], problem_type("service-unavailable"));
         assert_eq!(body["title"], "Service unavailable");
         assert_eq!(answer(&app, note(Some("n-3"))).await.0, StatusCode::CREATED);
     }
@@ -1679,7 +1679,7 @@ mod library {
         let app = required_and_optional_notes(&db);
         let problem = |slug: &str, title: &str, detail: &str| {
             let body = json!({
-                "type": format!("{}{slug}", Problems::DEFAULT_BASE),
+                "type": problem_type(slug),
                 "title": title,
                 "status": 400,
                 "detail": detail,
@@ -1778,10 +1778,7 @@ mod library {
 
         let (status, _, body) = answer(&app, private_note("/notes", Some("t-1"), &["a b"])).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-invalid", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-invalid"));
 
         let (status, _, _) = answer(&app, private_note("/notes", Some("t-1"), &["n-1"])).await;
         assert_eq!(status, StatusCode::CREATED);

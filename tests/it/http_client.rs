@@ -16,7 +16,7 @@ use idempotency::{Config, InFlight};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-use crate::common::http::{Anyone, Notes, SqlitePool, answer_of};
+use crate::common::http::{Anyone, Notes, SqlitePool, answer_of, problem_type};
 
 /// Adds a note and answers with the count; a body of `"taken"` is the
 /// application's own 409, as an already-refunded order would be.
@@ -97,7 +97,7 @@ mod problems {
         for ((status, content_type, body), (expected_status, name, retryable)) in problems.iter().zip(expected) {
             assert_eq!(*status, expected_status, "{body}");
             assert_eq!(content_type.as_deref(), Some("application/problem+json"));
-            assert_eq!(body["type"], format!("{}{name}", Problems::DEFAULT_BASE), "{body}");
+            assert_eq!(body["type"], problem_type(name), "{body}");
             assert_eq!(body["retryable"], json!(retryable), "{body}");
             assert_eq!(body["status"], json!(expected_status.as_u16()));
         }
@@ -169,10 +169,7 @@ mod syntax {
         let (status, content_type, body) = answer(&strict, note(&[("idempotency-key", "k-2")], "a")).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert_eq!(content_type.as_deref(), Some("application/problem+json"));
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-invalid", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-invalid"));
         assert_eq!(
             body["detail"],
             "the Idempotency-Key header must be a structured field string: the key in double quotes"
@@ -232,10 +229,7 @@ mod names {
         ] {
             let (status, _, body) = answer(&app, note(&headers, "a")).await;
             assert_eq!(status, StatusCode::BAD_REQUEST, "{case}: {body}");
-            assert_eq!(
-                body["type"],
-                format!("{}idempotency-key-invalid", Problems::DEFAULT_BASE)
-            );
+            assert_eq!(body["type"], problem_type("idempotency-key-invalid"));
             assert_eq!(body["detail"], "the request has more than one idempotency key header");
         }
         assert_eq!(count_notes(&db), 0, "nothing ran");
@@ -249,10 +243,7 @@ mod names {
 
         let (status, _, body) = answer(&app, note(&[("x-idempotency-key", "k-4")], "a")).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-missing", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-missing"));
         assert_eq!(count_notes(&db), 0);
     }
 }
@@ -320,10 +311,7 @@ mod lookup {
 
         let (code, _, body) = answer(&app, status()).await;
         assert_eq!(code, StatusCode::NOT_FOUND);
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-unknown", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-unknown"));
         assert_eq!(body["retryable"], json!(false));
 
         let first = answer(&app, request("POST", "/charges", Some("acct-1"), "c-1")).await;
@@ -335,10 +323,7 @@ mod lookup {
         clock.advance(Retention::hours(1));
         let (code, _, body) = answer(&app, status()).await;
         assert_eq!(code, StatusCode::GONE);
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-expired", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-expired"));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -361,10 +346,7 @@ mod lookup {
             .await
             .expect("a body");
         let body: Value = serde_json::from_slice(&body).expect("JSON");
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-in-progress", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-in-progress"));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -53,6 +53,11 @@ pub fn bearer_token(parts: &axum::http::request::Parts) -> Option<&str> {
         .and_then(|value| value.to_str().ok()?.strip_prefix("Bearer "))
 }
 
+/// The `type` of the crate's problem `name`, under the default base.
+pub fn problem_type(name: &str) -> String {
+    format!("{}{name}", idempotency::http::Problems::DEFAULT_BASE)
+}
+
 /// A caller who must show a bearer token, 401 without one; the token is
 /// its scope.
 pub struct Bearer(pub String);
