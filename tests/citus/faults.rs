@@ -284,6 +284,15 @@ fn under(db: &Db, tenants: Vec<String>, fault: impl FnOnce(&Traffic)) -> Traffic
     traffic
 }
 
+/// A database of the test's own on the cluster, a connection to its
+/// coordinator, and the workers the coordinator lists.
+fn cluster() -> (Db, PgConnection, Vec<Worker>) {
+    let db = Db::new();
+    let mut coordinator = db.coordinator();
+    let workers = workers(&mut coordinator);
+    (db, coordinator, workers)
+}
+
 /// `TENANTS` tenants, half of them with their shard on each worker.
 fn tenants_on_both_workers(coordinator: &mut PgConnection, workers: &[Worker]) -> Vec<String> {
     let mut per_worker: BTreeMap<String, usize> = workers.iter().map(|w| (w.name.clone(), 0)).collect();
@@ -587,9 +596,7 @@ fn assert_told_what_committed_without_two_phase_commit(
 #[test]
 #[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn killed_coordinator_and_worker_sessions_leave_every_call_told_what_committed() {
-    let db = Db::new();
-    let mut coordinator = db.coordinator();
-    let mut workers = workers(&mut coordinator);
+    let (db, mut coordinator, mut workers) = cluster();
     assert_eq!(workers.len(), 2, "a cluster of two workers");
     let tenants = tenants_on_both_workers(&mut db.conn(), &workers);
 
@@ -668,9 +675,7 @@ fn postmaster_started(worker: &mut Worker) -> String {
 #[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn a_worker_restarted_mid_traffic_leaves_every_call_told_what_committed() {
     let dir = citus_dir();
-    let db = Db::new();
-    let mut coordinator = db.coordinator();
-    let mut listed = workers(&mut coordinator);
+    let (db, mut coordinator, mut listed) = cluster();
     assert_eq!(listed.len(), 2, "a cluster of two workers");
     let tenants = tenants_on_both_workers(&mut db.conn(), &listed);
     // `.ci/citus` numbers the workers by port, as `workers` lists them.
@@ -755,9 +760,7 @@ impl Drop for CommitsAwaitingAStandby<'_> {
 #[test]
 #[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
 fn a_commit_whose_answer_a_worker_loses_is_told_outcome_unknown() {
-    let db = Db::new();
-    let mut coordinator = db.coordinator();
-    let mut listed = workers(&mut coordinator);
+    let (db, _coordinator, mut listed) = cluster();
     let tenant = "acct-lost-answer";
     let mut conn = db.conn();
     let home = placement_of(&mut conn, tenant);

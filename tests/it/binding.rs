@@ -3,8 +3,6 @@
 //! request type holds, and two requests the application reads apart never
 //! replay each other, however their queries are spelled.
 
-use std::collections::{HashMap, HashSet};
-
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{Request, StatusCode};
 use axum::routing::post;
@@ -14,12 +12,12 @@ use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
 use idempotency::Config;
 use idempotency::http::{self, Answer, Failure, IdempotencyKey, Problem, StoredResponse};
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tower::ServiceExt;
 
 use crate::common::http::Anyone;
 use crate::common::property::{Prng, cases};
+use crate::common::{Tagged, percent_decode, tagged_body};
 
 type SqlitePool = Pool<ConnectionManager<SqliteConnection>>;
 
@@ -36,15 +34,6 @@ fn call(conn: &mut SqliteConnection, read: Value) -> Result<StoredResponse<Value
     conn.batch_execute("INSERT INTO calls DEFAULT VALUES")
         .map_err(|_| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"))?;
     Ok(StoredResponse::new(StatusCode::CREATED, read))
-}
-
-/// A request type with hash sets at the top and nested.
-#[derive(Serialize, Deserialize)]
-struct Tagged {
-    tags: HashSet<String>,
-    groups: Vec<HashSet<u32>>,
-    by_owner: HashMap<String, HashSet<String>>,
-    optional: Option<HashSet<String>>,
 }
 
 async fn tag(State(app): State<App>, key: IdempotencyKey<Anyone>, Json(tagged): Json<Tagged>) -> Response {
@@ -116,11 +105,7 @@ async fn send(app: &Router, uri: &str, key: &str, body: &str) -> (StatusCode, bo
 async fn a_body_with_hash_sets_sent_again_byte_for_byte_is_replayed_never_422() {
     let db = idempotency::testing::SqliteFile::new();
     let app = app(&db);
-    let tags: Vec<String> = (0..16).map(|i| format!("\"tag-{i}\"")).collect();
-    let tags = format!("[{}]", tags.join(","));
-    let body = format!(
-        r#"{{"tags": {tags}, "groups": [[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16], [0]], "by_owner": {{"ann": {tags}}}, "optional": {tags}}}"#
-    );
+    let body = tagged_body();
     let first = send(&app, "/tags", "sets-1", &body).await;
     assert_eq!((first.0, first.1), (StatusCode::CREATED, false), "{}", first.2);
     for attempt in 1..10 {
@@ -141,33 +126,12 @@ fn form(query: &str) -> Vec<(String, String)> {
 /// The pairs an application that percent-decodes the raw query sees, `+`
 /// a plus, sorted stably by name.
 fn percent_decoded(query: &str) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
-    let decode = |text: &str| {
-        let bytes = text.as_bytes();
-        let mut out = Vec::new();
-        let mut at = 0;
-        while at < bytes.len() {
-            let escape = bytes
-                .get(at + 1..at + 3)
-                .filter(|hex| bytes[at] == b'%' && hex.iter().all(u8::is_ascii_hexdigit));
-            match escape.and_then(|hex| u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()) {
-                Some(byte) => {
-                    out.push(byte);
-                    at += 3;
-                }
-                None => {
-                    out.push(bytes[at]);
-                    at += 1;
-                }
-            }
-        }
-        out
-    };
     let mut pairs: Vec<_> = query
         .split('&')
         .filter(|parameter| !parameter.is_empty())
         .map(|parameter| match parameter.split_once('=') {
-            Some((name, value)) => (decode(name), Some(decode(value))),
-            None => (decode(parameter), None),
+            Some((name, value)) => (percent_decode(name), Some(percent_decode(value))),
+            None => (percent_decode(parameter), None),
         })
         .collect();
     pairs.sort_by(|a, b| a.0.cmp(&b.0));

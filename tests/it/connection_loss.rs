@@ -25,9 +25,9 @@ use idempotency::outbox::{Message, Relay};
 use idempotency::phased::Completer;
 use idempotency::{Error, Outcome, Purger, Shutdown, run_idempotent};
 
-use crate::common::TestDb;
 use crate::common::pg::{Db, database_url};
 use crate::common::wait::{self, PATIENCE};
+use crate::common::{TestDb, percent_decode};
 
 /// Whether the proxy passes the statement it cuts at on to the server.
 #[derive(Clone, Copy)]
@@ -120,26 +120,7 @@ impl Server {
 
 /// `text` with its `%XX` escapes decoded.
 fn percent_decoded(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut decoded = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let escaped = (bytes[i] == b'%')
-            .then(|| text.get(i + 1..i + 3))
-            .flatten()
-            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
-        match escaped {
-            Some(byte) => {
-                decoded.push(byte);
-                i += 3;
-            }
-            None => {
-                decoded.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(decoded).expect("a url in UTF-8")
+    String::from_utf8(percent_decode(text)).expect("a url in UTF-8")
 }
 
 /// One end of a proxied session: the client's, or the server's over TCP or

@@ -1,11 +1,11 @@
 //! The request fingerprint: independent of map order, sensitive to content.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use idempotency::{Error, run_idempotent};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::common::TestDb;
+use crate::common::{Tagged, TestDb, tagged_body};
 
 #[derive(Serialize)]
 struct Order {
@@ -146,20 +146,9 @@ fn numbers_the_fingerprint_cannot_tell_apart_are_refused_and_nothing_is_written<
 /// from the same body for each call: every call sees the sets in another
 /// order, and every retry is still the same request.
 fn a_request_with_hash_sets_read_twice_from_the_same_body_is_replayed<D: TestDb>() {
-    #[derive(Deserialize, Serialize)]
-    struct Tagged {
-        tags: HashSet<String>,
-        groups: Vec<HashSet<String>>,
-        by_owner: HashMap<String, HashSet<u32>>,
-        optional: Option<HashSet<String>>,
-    }
     let db = D::new();
     let mut conn = db.conn();
-    let tags: Vec<String> = (0..16).map(|i| format!("\"tag-{i}\"")).collect();
-    let tags = format!("[{}]", tags.join(","));
-    let body = format!(
-        r#"{{"tags": {tags}, "groups": [{tags}, ["x"]], "by_owner": {{"ann": [1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]}}, "optional": {tags}}}"#
-    );
+    let body = tagged_body();
     for attempt in 0..10 {
         let request: Tagged = serde_json::from_str(&body).expect("json");
         let outcome = run_idempotent(&mut conn, "shop", "k-sets", &request, |tx| {

@@ -972,12 +972,6 @@ async fn example_binary_answers_a_key_reused_at_another_endpoint_with_422<D: Tes
 mod library {
     use super::*;
 
-    #[derive(Clone)]
-    struct Notes {
-        pool: SqlitePool,
-        config: Config,
-    }
-
     type NoteResponse = Result<http::Answer<StoredResponse<i64>>, Failure<Problem>>;
 
     fn add_note(conn: &mut SqliteConnection) -> Result<StoredResponse<i64>, Problem> {
@@ -1007,12 +1001,9 @@ mod library {
     }
 
     fn notes_app(db: &idempotency::testing::SqliteFile, pool_size: u32, config: Config) -> (Router, SqlitePool) {
-        let pool = notes_pool(db, pool_size);
-        let app = Router::new().route("/notes", post(post_note)).with_state(Notes {
-            pool: pool.clone(),
-            config,
-        });
-        (app, pool)
+        let notes = Notes::new(db, pool_size, config);
+        let pool = notes.pool.clone();
+        (Router::new().route("/notes", post(post_note)).with_state(notes), pool)
     }
 
     fn note(key: Option<&str>) -> Request<axum::body::Body> {
@@ -1131,7 +1122,7 @@ mod library {
         let (app, _) = notes_app(&db, 2, Config::default().max_response_len(8));
         let (status, _, body) = answer(&app, note(Some("n-large"))).await;
         assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
-        assert_eq!(body["type"], format!("{}response-too-large", Problems::DEFAULT_BASE));
+        assert_eq!(body["type"], problem_type("response-too-large"));
         assert_eq!(body["retryable"], json!(false));
         let detail = body["detail"].as_str().expect("a detail");
         assert!(detail.contains("8 bytes"), "{detail}");
@@ -1179,7 +1170,7 @@ mod library {
         drop(held);
         assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(retry_after.as_deref(), Some("1"));
-        assert_eq!(body["type"], format!("{}service-unavailable", Problems::DEFAULT_BASE));
+        assert_eq!(body["type"], problem_type("service-unavailable"));
         assert_eq!(body["title"], "Service unavailable");
         assert_eq!(answer(&app, note(Some("n-3"))).await.0, StatusCode::CREATED);
     }
@@ -1320,7 +1311,7 @@ mod library {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn phased_operation_resumes_and_replays_over_http() {
         let db = idempotency::testing::SqliteFile::new();
-        let (_, pool) = notes_app(&db, 2, Config::default());
+        let pool = notes_pool(&db, 2);
         let provider = Provider::default();
         provider.fail_first.store(true, Ordering::SeqCst);
         let app = Router::new().route("/charges", post(post_charge)).with_state(Charges {
@@ -1598,29 +1589,6 @@ mod library {
         assert_eq!(retry, (StatusCode::CREATED, Some("true".to_owned()), first.2));
     }
 
-    /// A caller who must show a bearer token: 401 without one.
-    struct Bearer(String);
-
-    impl<S: Sync> FromRequestParts<S> for Bearer {
-        type Rejection = StatusCode;
-
-        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
-            let token = parts
-                .headers
-                .get("authorization")
-                .and_then(|v| v.to_str().ok()?.strip_prefix("Bearer "));
-            token
-                .map(|token| Bearer(token.to_owned()))
-                .ok_or(StatusCode::UNAUTHORIZED)
-        }
-    }
-
-    impl Caller for Bearer {
-        fn scope(&self) -> Cow<'_, str> {
-            Cow::Owned(format!("bearer-{}", self.0))
-        }
-    }
-
     /// Idempotent with a key, plain without one; authenticated either way.
     async fn post_private_note(
         State(notes): State<Notes>,
@@ -1643,13 +1611,9 @@ mod library {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn optional_key_authenticates_with_or_without_the_header() {
         let db = idempotency::testing::SqliteFile::new();
-        let (_, pool) = notes_app(&db, 2, Config::default());
         let app = Router::new()
             .route("/notes", post(post_private_note))
-            .with_state(Notes {
-                pool,
-                config: Config::default(),
-            });
+            .with_state(Notes::new(&db, 2, Config::default()));
         let request = |key: Option<&str>, token: Option<&str>| {
             let mut request = Request::post("/notes");
             if let Some(key) = key {
@@ -1676,15 +1640,7 @@ mod library {
 
     /// A request to `app` and what came back: status, `Content-Type`, body.
     async fn raw_answer(app: &Router, request: Request<axum::body::Body>) -> (StatusCode, Option<String>, String) {
-        let response = app.clone().oneshot(request).await.expect("infallible");
-        let status = response.status();
-        let content_type = response
-            .headers()
-            .get("content-type")
-            .map(|v| v.to_str().expect("ascii").to_owned());
-        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-            .await
-            .expect("a body");
+        let (status, content_type, body) = answer_of(app, request).await;
         (status, content_type, String::from_utf8(body.to_vec()).expect("UTF-8"))
     }
 
@@ -1711,14 +1667,10 @@ mod library {
     }
 
     fn required_and_optional_notes(db: &idempotency::testing::SqliteFile) -> Router {
-        let (_, pool) = notes_app(db, 2, Config::default());
         Router::new()
             .route("/notes/{book}", post(post_required_note))
             .route("/notes", post(post_private_note))
-            .with_state(Notes {
-                pool,
-                config: Config::default(),
-            })
+            .with_state(Notes::new(db, 2, Config::default()))
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1727,7 +1679,7 @@ mod library {
         let app = required_and_optional_notes(&db);
         let problem = |slug: &str, title: &str, detail: &str| {
             let body = json!({
-                "type": format!("{}{slug}", Problems::DEFAULT_BASE),
+                "type": problem_type(slug),
                 "title": title,
                 "status": 400,
                 "detail": detail,
@@ -1808,13 +1760,9 @@ mod library {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_handler_answers_each_rejection_of_the_key_its_own_way() {
         let db = idempotency::testing::SqliteFile::new();
-        let (_, pool) = notes_app(&db, 2, Config::default());
         let app = Router::new()
             .route("/notes", post(post_note_or_explain))
-            .with_state(Notes {
-                pool,
-                config: Config::default(),
-            });
+            .with_state(Notes::new(&db, 2, Config::default()));
 
         let (status, _, body) = answer(&app, private_note("/notes", Some("t-1"), &[])).await;
         assert_eq!(status, StatusCode::PRECONDITION_REQUIRED);
@@ -1830,10 +1778,7 @@ mod library {
 
         let (status, _, body) = answer(&app, private_note("/notes", Some("t-1"), &["a b"])).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-invalid", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-invalid"));
 
         let (status, _, _) = answer(&app, private_note("/notes", Some("t-1"), &["n-1"])).await;
         assert_eq!(status, StatusCode::CREATED);
@@ -1864,13 +1809,9 @@ mod library {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn per_connection_headers_and_unchosen_cookies_are_not_stored_and_leave_the_key_free() {
         let db = idempotency::testing::SqliteFile::new();
-        let (_, pool) = notes_app(&db, 2, Config::default());
         let app = Router::new()
             .route("/notes", post(post_note_with_header))
-            .with_state(Notes {
-                pool,
-                config: Config::default(),
-            });
+            .with_state(Notes::new(&db, 2, Config::default()));
         let request = |key: &str, store: Option<&str>| {
             let mut request = Request::post("/notes").header("idempotency-key", key);
             if let Some(store) = store {

@@ -16,13 +16,7 @@ use idempotency::{Config, InFlight};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-use crate::common::http::{Anyone, SqlitePool, notes_pool};
-
-#[derive(Clone)]
-struct Notes {
-    pool: SqlitePool,
-    config: Config,
-}
+use crate::common::http::{Anyone, Notes, SqlitePool, answer_of, problem_type};
 
 /// Adds a note and answers with the count; a body of `"taken"` is the
 /// application's own 409, as an already-refunded order would be.
@@ -46,12 +40,9 @@ async fn post_note(State(notes): State<Notes>, key: IdempotencyKey<Anyone>, body
 }
 
 fn notes_app(db: &idempotency::testing::SqliteFile, pool_size: u32, config: Config) -> (Router, SqlitePool) {
-    let pool = notes_pool(db, pool_size);
-    let app = Router::new().route("/notes", post(post_note)).with_state(Notes {
-        pool: pool.clone(),
-        config,
-    });
-    (app, pool)
+    let notes = Notes::new(db, pool_size, config);
+    let pool = notes.pool.clone();
+    (Router::new().route("/notes", post(post_note)).with_state(notes), pool)
 }
 
 fn note(headers: &[(&str, &str)], body: &'static str) -> Request<axum::body::Body> {
@@ -64,15 +55,7 @@ fn note(headers: &[(&str, &str)], body: &'static str) -> Request<axum::body::Bod
 
 /// The status, the content type and the body, JSON or `null`.
 async fn answer(app: &Router, request: Request<axum::body::Body>) -> (StatusCode, Option<String>, Value) {
-    let response = app.clone().oneshot(request).await.expect("infallible");
-    let status = response.status();
-    let content_type = response
-        .headers()
-        .get("content-type")
-        .map(|value| value.to_str().expect("ascii").to_owned());
-    let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-        .await
-        .expect("a body");
+    let (status, content_type, body) = answer_of(app, request).await;
     (
         status,
         content_type,
@@ -114,7 +97,7 @@ mod problems {
         for ((status, content_type, body), (expected_status, name, retryable)) in problems.iter().zip(expected) {
             assert_eq!(*status, expected_status, "{body}");
             assert_eq!(content_type.as_deref(), Some("application/problem+json"));
-            assert_eq!(body["type"], format!("{}{name}", Problems::DEFAULT_BASE), "{body}");
+            assert_eq!(body["type"], problem_type(name), "{body}");
             assert_eq!(body["retryable"], json!(retryable), "{body}");
             assert_eq!(body["status"], json!(expected_status.as_u16()));
         }
@@ -186,10 +169,7 @@ mod syntax {
         let (status, content_type, body) = answer(&strict, note(&[("idempotency-key", "k-2")], "a")).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert_eq!(content_type.as_deref(), Some("application/problem+json"));
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-invalid", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-invalid"));
         assert_eq!(
             body["detail"],
             "the Idempotency-Key header must be a structured field string: the key in double quotes"
@@ -249,10 +229,7 @@ mod names {
         ] {
             let (status, _, body) = answer(&app, note(&headers, "a")).await;
             assert_eq!(status, StatusCode::BAD_REQUEST, "{case}: {body}");
-            assert_eq!(
-                body["type"],
-                format!("{}idempotency-key-invalid", Problems::DEFAULT_BASE)
-            );
+            assert_eq!(body["type"], problem_type("idempotency-key-invalid"));
             assert_eq!(body["detail"], "the request has more than one idempotency key header");
         }
         assert_eq!(count_notes(&db), 0, "nothing ran");
@@ -266,51 +243,23 @@ mod names {
 
         let (status, _, body) = answer(&app, note(&[("x-idempotency-key", "k-4")], "a")).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-missing", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-missing"));
         assert_eq!(count_notes(&db), 0);
     }
 }
 
 mod lookup {
-    use std::borrow::Cow;
     use std::convert::Infallible;
 
-    use axum::extract::FromRequestParts;
     use axum::http::Method;
-    use axum::http::request::Parts;
     use axum::routing::get;
     use chrono::Duration as Retention;
-    use idempotency::http::Caller;
     use idempotency::testing::ManualClock;
 
     use super::*;
+    use crate::common::http::Bearer;
 
-    /// The caller named by the bearer token; none is a 401.
-    struct Token(String);
-
-    impl<S: Sync> FromRequestParts<S> for Token {
-        type Rejection = StatusCode;
-
-        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
-            parts
-                .headers
-                .get("authorization")
-                .and_then(|value| value.to_str().ok()?.strip_prefix("Bearer "))
-                .map(|token| Token(token.to_owned()))
-                .ok_or(StatusCode::UNAUTHORIZED)
-        }
-    }
-
-    impl Caller for Token {
-        fn scope(&self) -> Cow<'_, str> {
-            Cow::Borrowed(&self.0)
-        }
-    }
-
-    async fn post_charge(State(notes): State<Notes>, key: IdempotencyKey<Token>) -> Response {
+    async fn post_charge(State(notes): State<Notes>, key: IdempotencyKey<Bearer>) -> Response {
         let outcome: Result<Answer<StoredResponse<i64>>, Failure<Problem>> =
             http::run(&notes.pool, &notes.config, &key, (), |_, ()| {
                 Ok(StoredResponse::new(StatusCode::CREATED, 42))
@@ -321,17 +270,16 @@ mod lookup {
 
     async fn charge_status(
         State(notes): State<Notes>,
-        key: IdempotencyKey<Token>,
+        key: IdempotencyKey<Bearer>,
     ) -> Result<Answer<StoredResponse<i64>>, Failure<Infallible>> {
         http::lookup(&notes.pool, &notes.config, &key, &[(Method::POST, "/charges")]).await
     }
 
     fn charges_app(db: &idempotency::testing::SqliteFile, config: Config) -> Router {
-        let (_, pool) = notes_app(db, 2, config.clone());
         Router::new()
             .route("/charges", post(post_charge))
             .route("/charges/status", get(charge_status))
-            .with_state(Notes { pool, config })
+            .with_state(Notes::new(db, 2, config))
     }
 
     fn request(method: &str, path: &str, token: Option<&str>, key: &str) -> Request<axum::body::Body> {
@@ -363,10 +311,7 @@ mod lookup {
 
         let (code, _, body) = answer(&app, status()).await;
         assert_eq!(code, StatusCode::NOT_FOUND);
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-unknown", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-unknown"));
         assert_eq!(body["retryable"], json!(false));
 
         let first = answer(&app, request("POST", "/charges", Some("acct-1"), "c-1")).await;
@@ -378,10 +323,7 @@ mod lookup {
         clock.advance(Retention::hours(1));
         let (code, _, body) = answer(&app, status()).await;
         assert_eq!(code, StatusCode::GONE);
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-expired", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-expired"));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -404,10 +346,7 @@ mod lookup {
             .await
             .expect("a body");
         let body: Value = serde_json::from_slice(&body).expect("JSON");
-        assert_eq!(
-            body["type"],
-            format!("{}idempotency-key-in-progress", Problems::DEFAULT_BASE)
-        );
+        assert_eq!(body["type"], problem_type("idempotency-key-in-progress"));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

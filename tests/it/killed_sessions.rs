@@ -87,6 +87,92 @@ impl Jitter {
     }
 }
 
+/// What the workers of a load under kills and its killer share: the
+/// session each worker is on, the answers, and the counts that end the load.
+pub struct UnderKills {
+    /// Each worker's session; 0 while it has none to kill.
+    sessions: Vec<AtomicI64>,
+    answers: Mutex<Vec<(String, Told)>>,
+    unknown: AtomicUsize,
+    nothing: AtomicUsize,
+    stop: AtomicBool,
+    kills: AtomicUsize,
+}
+
+impl UnderKills {
+    pub fn new() -> Self {
+        UnderKills {
+            sessions: (0..WORKERS).map(|_| AtomicI64::new(0)).collect(),
+            answers: Mutex::new(Vec::new()),
+            unknown: AtomicUsize::new(0),
+            nothing: AtomicUsize::new(0),
+            stop: AtomicBool::new(false),
+            kills: AtomicUsize::new(0),
+        }
+    }
+
+    /// Worker `worker` is now on session `id`, which the killer may end.
+    pub fn on_session(&self, worker: usize, id: i64) {
+        self.sessions[worker].store(id, Ordering::SeqCst);
+    }
+
+    /// Whether the workers are to stop.
+    pub fn stopped(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    /// Notes that call `key` of `worker` was told `answer`. Whether the
+    /// worker goes on on a new connection, as after any error; until it
+    /// names its new session, the killer leaves it alone.
+    pub fn told(&self, worker: usize, key: String, answer: Told) -> bool {
+        self.answers.lock().expect("answers").push((key, answer));
+        if answer == Told::Committed {
+            return false;
+        }
+        match answer {
+            Told::Unknown => self.unknown.fetch_add(1, Ordering::SeqCst),
+            _ => self.nothing.fetch_add(1, Ordering::SeqCst),
+        };
+        self.sessions[worker].store(0, Ordering::SeqCst);
+        true
+    }
+
+    /// The killer, on `admin`: ends the session of a worker drawn at random
+    /// every 2 to 10 ms once `ready`, for at least [`LEAST`], then until the
+    /// faults have hit enough calls, the workers are `finished` or
+    /// [`MOST`] has passed; then tells the workers to stop.
+    pub fn kill<D: ServerDb>(&self, admin: &mut D::Conn, ready: impl Fn() -> bool, finished: impl Fn() -> bool) {
+        let mut jitter = Jitter::new();
+        let started = Instant::now();
+        loop {
+            let elapsed = started.elapsed();
+            let enough = self.unknown.load(Ordering::SeqCst) >= ENOUGH && self.nothing.load(Ordering::SeqCst) >= ENOUGH;
+            if elapsed >= MOST || (elapsed >= LEAST && enough) || finished() {
+                break;
+            }
+            // A kill every 2 to 10 ms lands at every moment of a call: the
+            // moments themselves are what the test draws at random.
+            thread::sleep(Duration::from_micros(2_000 + jitter.below(8_000)));
+            if !ready() {
+                continue;
+            }
+            let victim = usize::try_from(jitter.below(WORKERS as u64)).expect("a worker index");
+            let id = self.sessions[victim].load(Ordering::SeqCst);
+            if id != 0 {
+                D::kill_session(admin, id);
+                self.kills.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        self.stop.store(true, Ordering::SeqCst);
+    }
+
+    /// Every call's key with what it was told, in no order, and how many
+    /// sessions were killed.
+    pub fn into_answers(self) -> (Vec<(String, Told)>, usize) {
+        (self.answers.into_inner().expect("answers"), self.kills.into_inner())
+    }
+}
+
 /// Runs `call` on `WORKERS` threads while a killer ends their sessions, and
 /// returns every call's key with what it was told, in no order, and how
 /// many sessions were killed. A worker's `call(conn, worker, n)` makes its
@@ -95,62 +181,51 @@ fn under_kills<D: ServerDb>(
     db: &D,
     call: impl Fn(&mut D::Conn, usize, usize) -> (String, Told) + Sync,
 ) -> (Vec<(String, Told)>, usize) {
-    let sessions: Vec<AtomicI64> = (0..WORKERS).map(|_| AtomicI64::new(0)).collect();
-    let answers = Mutex::new(Vec::new());
-    let (unknown, nothing) = (AtomicUsize::new(0), AtomicUsize::new(0));
-    let (stop, kills) = (AtomicBool::new(false), AtomicUsize::new(0));
+    let race = UnderKills::new();
     let start = Barrier::new(WORKERS + 1);
     thread::scope(|s| {
         let mut workers = Vec::new();
         for worker in 0..WORKERS {
-            let (sessions, answers, start) = (&sessions, &answers, &start);
-            let (unknown, nothing, stop, call) = (&unknown, &nothing, &stop, &call);
+            let (race, start, call) = (&race, &start, &call);
             workers.push(s.spawn(move || {
                 let mut conn = db.conn();
-                sessions[worker].store(D::session_id(&mut conn), Ordering::SeqCst);
+                race.on_session(worker, D::session_id(&mut conn));
                 start.wait();
                 for n in 0..MOST_CALLS_PER_WORKER {
-                    if stop.load(Ordering::SeqCst) {
+                    if race.stopped() {
                         break;
                     }
                     let (key, answer) = call(&mut conn, worker, n);
-                    answers.lock().expect("answers").push((key, answer));
-                    if answer == Told::Committed {
-                        continue;
+                    if race.told(worker, key, answer) {
+                        conn = db.conn();
+                        race.on_session(worker, D::session_id(&mut conn));
                     }
-                    match answer {
-                        Told::Unknown => unknown.fetch_add(1, Ordering::SeqCst),
-                        _ => nothing.fetch_add(1, Ordering::SeqCst),
-                    };
-                    sessions[worker].store(0, Ordering::SeqCst);
-                    conn = db.conn();
-                    sessions[worker].store(D::session_id(&mut conn), Ordering::SeqCst);
                 }
             }));
         }
         let mut admin = db.conn();
-        let mut jitter = Jitter::new();
         start.wait();
-        let started = Instant::now();
-        loop {
-            let elapsed = started.elapsed();
-            let enough = unknown.load(Ordering::SeqCst) >= ENOUGH && nothing.load(Ordering::SeqCst) >= ENOUGH;
-            if elapsed >= MOST || (elapsed >= LEAST && enough) || workers.iter().all(|w| w.is_finished()) {
-                break;
-            }
-            // A kill every 2 to 10 ms lands at every moment of a call: the
-            // moments themselves are what the test draws at random.
-            thread::sleep(Duration::from_micros(2_000 + jitter.below(8_000)));
-            let victim = usize::try_from(jitter.below(WORKERS as u64)).expect("a worker index");
-            let id = sessions[victim].load(Ordering::SeqCst);
-            if id != 0 {
-                D::kill_session(&mut admin, id);
-                kills.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        stop.store(true, Ordering::SeqCst);
+        race.kill::<D>(&mut admin, || true, || workers.iter().all(|w| w.is_finished()));
     });
-    (answers.into_inner().expect("answers"), kills.into_inner())
+    race.into_answers()
+}
+
+/// Checks the retry of call `key`, which was told `answer`: it replays
+/// exactly when the call committed, as `committed` holds.
+pub fn assert_retry_replays_what_committed(key: &str, answer: Told, replayed: bool, committed: &HashSet<String>) {
+    assert_eq!(
+        replayed,
+        committed.contains(key),
+        "the retry of {key} ({answer:?}) replays exactly when the call committed"
+    );
+}
+
+/// After the retries of the `calls` calls: each order exists once.
+pub fn assert_every_order_once_after_the_retries<D: ServerDb>(conn: &mut D::Conn, calls: usize) {
+    let orders = orders_placed::<D>(conn);
+    let placed: HashSet<&String> = orders.iter().collect();
+    assert_eq!(placed.len(), orders.len(), "a retry placed an order again");
+    assert_eq!(orders.len(), calls, "every call's order exists once after the retries");
 }
 
 /// Counts the answers by what they told, for a failure message.
@@ -238,20 +313,9 @@ fn killed_sessions_leave_every_call_told_what_committed<D: ServerDb>() {
         let retry = config
             .run(&mut conn, SCOPE, key, key, |tx| D::place_order(tx, key, 1))
             .unwrap_or_else(|error| panic!("the retry of {key} ({answer:?}) failed: {error}"));
-        assert_eq!(
-            retry.is_replayed(),
-            records.contains(key),
-            "the retry of {key} ({answer:?}) replays exactly when the call committed"
-        );
+        assert_retry_replays_what_committed(key, *answer, retry.is_replayed(), &records);
     }
-    let orders = orders_placed::<D>(&mut conn);
-    let placed: HashSet<&String> = orders.iter().collect();
-    assert_eq!(placed.len(), orders.len(), "a retry placed an order again");
-    assert_eq!(
-        orders.len(),
-        answers.len(),
-        "every call's order exists once after the retries"
-    );
+    assert_every_order_once_after_the_retries::<D>(&mut conn, answers.len());
 }
 
 /// The steps of the phased operation of key `key`: two phases and the

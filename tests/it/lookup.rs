@@ -15,13 +15,14 @@ use axum::http::{HeaderMap, Method, Request, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use diesel::r2d2::{ConnectionManager, Pool};
-use idempotency::http::{self, Answer, Caller, Failure, IdempotencyKey, Problem, Problems, StoredResponse};
+use idempotency::http::{self, Answer, Caller, Failure, IdempotencyKey, Problem, StoredResponse};
 use idempotency::phased::Phased;
 use idempotency::{Config, InFlight};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
 use crate::common::TestDb;
+use crate::common::http::{bearer_token, problem_type};
 use crate::common::wait::Barrier;
 
 crate::common::backend_tests!(
@@ -47,11 +48,7 @@ impl<S: Sync> FromRequestParts<S> for User {
     type Rejection = StatusCode;
 
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, StatusCode> {
-        let token = parts
-            .headers
-            .get("authorization")
-            .and_then(|value| value.to_str().ok()?.strip_prefix("Bearer "))
-            .ok_or(StatusCode::UNAUTHORIZED)?;
+        let token = bearer_token(parts).ok_or(StatusCode::UNAUTHORIZED)?;
         let (tenant, user) = token.split_once(':').ok_or(StatusCode::UNAUTHORIZED)?;
         Ok(User {
             tenant: tenant.to_owned(),
@@ -213,6 +210,13 @@ async fn post_to(app: &Router, path: &str, token: &str, key: &str) -> Seen {
     send(app, Method::POST, path, token, key, "").await
 }
 
+/// A call through `app` that creates what it posts.
+async fn created(app: &Router, path: &str, token: &str, key: &str) -> Seen {
+    let seen = post_to(app, path, token, key).await;
+    assert_eq!(seen.status, StatusCode::CREATED, "{path} {key}");
+    seen
+}
+
 /// A lookup, whose every answer must say that it is not to be stored.
 async fn look_up(app: &Router, path: &str, token: &str, key: &str) -> Seen {
     let seen = send(app, Method::GET, path, token, key, "").await;
@@ -232,11 +236,19 @@ async fn look_up(app: &Router, path: &str, token: &str, key: &str) -> Seen {
 async fn unknown(app: &Router, path: &str, token: &str) -> Seen {
     let seen = look_up(app, path, token, "never-used").await;
     assert_eq!(seen.status, StatusCode::NOT_FOUND);
-    assert_eq!(
-        seen.json()["type"],
-        format!("{}idempotency-key-unknown", Problems::DEFAULT_BASE)
-    );
+    assert_eq!(seen.json()["type"], problem_type("idempotency-key-unknown"));
     seen
+}
+
+/// Asserts that `token`'s lookup of `key` at `path` is answered as the
+/// lookup of a key never used, byte for byte.
+async fn assert_answered_as_unknown(app: &Router, path: &str, token: &str, key: &str) {
+    let seen = look_up(app, path, token, key).await;
+    assert_eq!(
+        seen,
+        unknown(app, path, token).await,
+        "{token}'s lookup of {key} at {path}"
+    );
 }
 
 fn assert_replayed(seen: &Seen, body: Value) {
@@ -253,13 +265,11 @@ fn assert_replayed(seen: &Seen, body: Value) {
 async fn another_user_of_the_tenant_is_refused_the_call_and_told_the_key_is_unknown<D: TestDb>() {
     let db = D::new();
     let app = app(&db);
-    let first = post_to(&app, "/refunds", "acme:user-1", "refund-1").await;
-    assert_eq!(first.status, StatusCode::CREATED);
+    let first = created(&app, "/refunds", "acme:user-1", "refund-1").await;
 
     let reused = post_to(&app, "/refunds", "acme:user-2", "refund-1").await;
     assert_eq!(reused.status, StatusCode::UNPROCESSABLE_ENTITY, "never user-1's replay");
-    let foreign = look_up(&app, "/refunds/status", "acme:user-2", "refund-1").await;
-    assert_eq!(foreign, unknown(&app, "/refunds/status", "acme:user-2").await);
+    assert_answered_as_unknown(&app, "/refunds/status", "acme:user-2", "refund-1").await;
 
     let own = look_up(&app, "/refunds/status", "acme:user-1", "refund-1").await;
     assert_replayed(&own, json!({ "reference": "re_1" }));
@@ -269,41 +279,27 @@ async fn another_user_of_the_tenant_is_refused_the_call_and_told_the_key_is_unkn
 async fn a_lookup_does_not_answer_the_record_of_another_endpoint<D: TestDb>() {
     let db = D::new();
     let app = app(&db);
-    assert_eq!(
-        post_to(&app, "/payouts", "acme:user-1", "k-1").await.status,
-        StatusCode::CREATED
-    );
-    let elsewhere = look_up(&app, "/refunds/status", "acme:user-1", "k-1").await;
-    assert_eq!(elsewhere, unknown(&app, "/refunds/status", "acme:user-1").await);
+    created(&app, "/payouts", "acme:user-1", "k-1").await;
+    assert_answered_as_unknown(&app, "/refunds/status", "acme:user-1", "k-1").await;
 }
 
 async fn a_lookup_compares_its_own_path_parameters<D: TestDb>() {
     let db = D::new();
     let app = app(&db);
-    let first = post_to(&app, "/accounts/a-1/refunds", "acme:user-1", "k-2").await;
-    assert_eq!(first.status, StatusCode::CREATED);
+    created(&app, "/accounts/a-1/refunds", "acme:user-1", "k-2").await;
     let own = look_up(&app, "/accounts/a-1/refunds/status", "acme:user-1", "k-2").await;
     assert_replayed(&own, json!({ "reference": "re_1" }));
-    let other_account = look_up(&app, "/accounts/a-2/refunds/status", "acme:user-1", "k-2").await;
-    assert_eq!(
-        other_account,
-        unknown(&app, "/accounts/a-2/refunds/status", "acme:user-1").await
-    );
-    let other_route = look_up(&app, "/refunds/status", "acme:user-1", "k-2").await;
-    assert_eq!(other_route, unknown(&app, "/refunds/status", "acme:user-1").await);
+    assert_answered_as_unknown(&app, "/accounts/a-2/refunds/status", "acme:user-1", "k-2").await;
+    assert_answered_as_unknown(&app, "/refunds/status", "acme:user-1", "k-2").await;
 }
 
 async fn a_key_across_endpoints_is_answered_to_its_principal_at_any_lookup<D: TestDb>() {
     let db = D::new();
     let app = app(&db);
-    assert_eq!(
-        post_to(&app, "/transfers", "acme:user-1", "k-3").await.status,
-        StatusCode::CREATED
-    );
+    created(&app, "/transfers", "acme:user-1", "k-3").await;
     let own = look_up(&app, "/refunds/status", "acme:user-1", "k-3").await;
     assert_replayed(&own, json!({ "reference": "tr_1" }));
-    let foreign = look_up(&app, "/refunds/status", "acme:user-2", "k-3").await;
-    assert_eq!(foreign, unknown(&app, "/refunds/status", "acme:user-2").await);
+    assert_answered_as_unknown(&app, "/refunds/status", "acme:user-2", "k-3").await;
 }
 
 async fn a_record_written_outside_http_is_an_unknown_key_over_http<D: TestDb>() {
@@ -319,8 +315,7 @@ async fn a_record_written_outside_http_is_an_unknown_key_over_http<D: TestDb>() 
         })
     })
     .expect("a call outside HTTP");
-    let looked = look_up(&app, "/refunds/status", "acme:user-1", "k-4").await;
-    assert_eq!(looked, unknown(&app, "/refunds/status", "acme:user-1").await);
+    assert_answered_as_unknown(&app, "/refunds/status", "acme:user-1", "k-4").await;
 }
 
 async fn a_phased_operation_is_in_progress_while_it_runs_then_its_response<D: TestDb>() {
@@ -354,10 +349,7 @@ async fn a_phased_operation_is_in_progress_while_it_runs_then_its_response<D: Te
         "{:?}",
         String::from_utf8_lossy(&running.body)
     );
-    assert_eq!(
-        running.json()["type"],
-        format!("{}idempotency-key-in-progress", Problems::DEFAULT_BASE)
-    );
+    assert_eq!(running.json()["type"], problem_type("idempotency-key-in-progress"));
     assert!(running.headers.contains_key("retry-after"));
     assert_eq!(foreign, unknown(&app, "/rides/status", "acme:user-2").await);
 
@@ -368,8 +360,7 @@ async fn a_phased_operation_is_in_progress_while_it_runs_then_its_response<D: Te
         finished.headers["idempotency-expires"],
         first.headers["idempotency-expires"]
     );
-    let foreign = look_up(&app, "/rides/status", "acme:user-2", "ride-1").await;
-    assert_eq!(foreign, unknown(&app, "/rides/status", "acme:user-2").await);
+    assert_answered_as_unknown(&app, "/rides/status", "acme:user-2", "ride-1").await;
 }
 
 async fn a_parked_phased_operation_says_so<D: TestDb>() {
@@ -389,14 +380,10 @@ async fn a_parked_phased_operation_says_so<D: TestDb>() {
 
     let looked = look_up(&app, "/rides/status", "acme:user-1", "ride-2").await;
     assert_eq!(looked.status, parked.status);
-    assert_eq!(
-        looked.json()["type"],
-        format!("{}idempotency-key-parked", Problems::DEFAULT_BASE)
-    );
+    assert_eq!(looked.json()["type"], problem_type("idempotency-key-parked"));
     assert_eq!(looked.json()["type"], parked.json()["type"]);
     assert_eq!(looked.json()["retryable"], json!(false));
-    let foreign = look_up(&app, "/rides/status", "acme:user-2", "ride-2").await;
-    assert_eq!(foreign, unknown(&app, "/rides/status", "acme:user-2").await);
+    assert_answered_as_unknown(&app, "/rides/status", "acme:user-2", "ride-2").await;
 }
 
 async fn every_lookup_answer_is_not_to_be_stored<D: TestDb>() {
@@ -405,10 +392,7 @@ async fn every_lookup_answer_is_not_to_be_stored<D: TestDb>() {
     // `look_up` checks the header on each: the unknown key, the stored
     // response, a key the rules refuse.
     unknown(&app, "/refunds/status", "acme:user-1").await;
-    assert_eq!(
-        post_to(&app, "/refunds", "acme:user-1", "k-5").await.status,
-        StatusCode::CREATED
-    );
+    created(&app, "/refunds", "acme:user-1", "k-5").await;
     assert_eq!(
         look_up(&app, "/refunds/status", "acme:user-1", "k-5").await.status,
         StatusCode::CREATED

@@ -12,14 +12,13 @@ use std::thread;
 
 use chrono::Duration;
 use idempotency::outbox::{self, Message, Relay};
-use idempotency::testing::ManualClock;
 use idempotency::{Config, Error, InFlight};
 use metrics_util::MetricKind;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
-use crate::common::TestDb;
 use crate::common::outbox::FourWebhooks;
 use crate::common::wait;
+use crate::common::{TestDb, kept_an_hour};
 
 crate::common::backend_tests!(
     calls_count_by_outcome_and_time_their_duration_and_wait,
@@ -96,11 +95,18 @@ impl Taken {
     }
 }
 
-fn calls_count_by_outcome_and_time_their_duration_and_wait<D: TestDb>() {
+/// A database of the test's own, a connection to it, and a recorder with
+/// the snapshotter that reads it.
+fn recorded<D: TestDb>() -> (D, D::Conn, DebuggingRecorder, Snapshotter) {
     let db = D::new();
-    let mut conn = db.conn();
+    let conn = db.conn();
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
+    (db, conn, recorder, snapshotter)
+}
+
+fn calls_count_by_outcome_and_time_their_duration_and_wait<D: TestDb>() {
+    let (db, mut conn, recorder, snapshotter) = recorded::<D>();
     let backend = format!("backend={}", D::BACKEND);
     let backend = backend.as_str();
     let config = Config::default();
@@ -204,16 +210,16 @@ fn calls_count_by_outcome_and_time_their_duration_and_wait<D: TestDb>() {
 }
 
 fn relay_deliveries_backlog_and_purges_have_their_metrics<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let clock = ManualClock::new();
-    let config = Config::default().clock(clock.source()).retention(Duration::hours(1));
+    let (_db, mut conn, recorder, snapshotter) = recorded::<D>();
+    let (clock, config) = kept_an_hour();
     let webhooks = FourWebhooks::enqueue::<D, _>(&mut conn, &clock, |i| i);
     let (relay, handler) = (&webhooks.relay, webhooks.handler(&clock, "503"));
-    let deliveries = |taken: &Taken, result: &str| {
-        taken.counter("idempotency_outbox_deliveries_total", &[&format!("result={result}")])
+    // Delivered, retried, dead, lost.
+    let deliveries = |taken: &Taken| -> Vec<u64> {
+        ["delivered", "retried", "dead", "lost"]
+            .iter()
+            .map(|result| taken.counter("idempotency_outbox_deliveries_total", &[&format!("result={result}")]))
+            .collect()
     };
 
     metrics::with_local_recorder(&recorder, || {
@@ -223,12 +229,7 @@ fn relay_deliveries_backlog_and_purges_have_their_metrics<D: TestDb>() {
         Taken::of(&snapshotter);
 
         relay.run_once(&mut conn, &handler).expect("first pass");
-        let taken = Taken::of(&snapshotter);
-        let counts: Vec<u64> = ["delivered", "retried", "dead", "lost"]
-            .iter()
-            .map(|r| deliveries(&taken, r))
-            .collect();
-        assert_eq!(counts, [2, 1, 0, 1]);
+        assert_eq!(deliveries(&Taken::of(&snapshotter)), [2, 1, 0, 1]);
 
         let stats = relay.stats(&mut conn).expect("stats");
         let taken = Taken::of(&snapshotter);
@@ -251,12 +252,7 @@ fn relay_deliveries_backlog_and_purges_have_their_metrics<D: TestDb>() {
         );
 
         relay.run_once(&mut conn, &handler).expect("second pass");
-        let taken = Taken::of(&snapshotter);
-        let counts: Vec<u64> = ["delivered", "retried", "dead", "lost"]
-            .iter()
-            .map(|r| deliveries(&taken, r))
-            .collect();
-        assert_eq!(counts, [1, 0, 1, 0]);
+        assert_eq!(deliveries(&Taken::of(&snapshotter)), [1, 0, 1, 0]);
 
         relay.stats(&mut conn).expect("stats");
         let taken = Taken::of(&snapshotter);
@@ -287,12 +283,8 @@ fn relay_deliveries_backlog_and_purges_have_their_metrics<D: TestDb>() {
 /// gauges and a purge record carries its unit (seconds for the `_seconds`
 /// metrics, a count for the others) and a description.
 fn described_metrics_carry_their_units_and_descriptions<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let clock = ManualClock::new();
-    let config = Config::default().clock(clock.source()).retention(Duration::hours(1));
+    let (_db, mut conn, recorder, snapshotter) = recorded::<D>();
+    let (clock, config) = kept_an_hour();
     let relay = Relay::default().clock(clock.source());
     metrics::with_local_recorder(&recorder, || {
         idempotency::describe_metrics();
@@ -328,10 +320,7 @@ fn described_metrics_carry_their_units_and_descriptions<D: TestDb>() {
 /// Attempts of phased operations are calls too: counted by how they ended,
 /// the outcomes only they have (`phase_renamed`) included.
 fn phased_operations_count_by_outcome<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
+    let (_db, mut conn, recorder, snapshotter) = recorded::<D>();
     let phased = idempotency::phased::Phased::new("greet");
     let backend = format!("backend={}", D::BACKEND);
     let taken = metrics::with_local_recorder(&recorder, || {

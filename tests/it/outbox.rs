@@ -14,7 +14,9 @@ use idempotency::{Error, Outcome, run_idempotent};
 
 use crate::common::TestDb;
 use crate::common::child::{Child, parent_database, report_and_wait_for_the_kill};
-use crate::common::outbox::{deliver_receipts_and_a_poison, refusing_poison, relay_keeping_delivered_for};
+use crate::common::outbox::{
+    deliver_receipts_and_a_poison, enqueue_and_roll_back, refusing_poison, relay_keeping_delivered_for,
+};
 use crate::common::wait::{self, Barrier};
 
 /// What the child relay prints once its consumer has committed the effect.
@@ -48,6 +50,29 @@ crate::common::backend_tests!(
 
 fn status_count<D: TestDb>(conn: &mut D::Conn, status: &str) -> usize {
     D::outbox_messages(conn).iter().filter(|m| m.2 == status).count()
+}
+
+/// A database of the test's own, a connection to it, and a relay on a
+/// manual clock whose leases last `lease`, with the clock.
+fn leasing_for<D: TestDb>(lease: Duration) -> (D, D::Conn, ManualClock, Relay) {
+    let db = D::new();
+    let conn = db.conn();
+    let clock = ManualClock::new();
+    let relay = Relay::default().clock(clock.source()).lease(lease);
+    (db, conn, clock, relay)
+}
+
+/// One pass of `relay` that delivers every message it hands over: the key
+/// and the attempt of each, in the order handed.
+fn delivering_all<D: TestDb>(relay: &Relay, conn: &mut D::Conn, pass: &str) -> Vec<(String, u32)> {
+    let mut handed = Vec::new();
+    relay
+        .run_once(conn, |message| {
+            handed.push((message.key.clone(), message.attempt));
+            Ok::<_, String>(())
+        })
+        .expect(pass);
+    handed
 }
 
 fn item_count<D: TestDb>(conn: &mut D::Conn, item: &str) -> usize {
@@ -139,18 +164,10 @@ fn panicking_operation_leaves_no_message<D: TestDb>() {
 fn rolled_back_transaction_takes_its_messages_along<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
-    let rolled_back = conn.transaction(|tx| {
+    enqueue_and_roll_back(&mut conn, |tx| {
         outbox::enqueue(tx, "receipts", &1)?;
-        outbox::enqueue(tx, "invoices", &1)?;
-        Err::<(), _>(outbox::Error::Storage(diesel::result::Error::RollbackTransaction))
+        outbox::enqueue(tx, "invoices", &1)
     });
-    assert!(
-        matches!(
-            rolled_back,
-            Err(outbox::Error::Storage(diesel::result::Error::RollbackTransaction))
-        ),
-        "{rolled_back:?}"
-    );
     assert!(D::outbox_messages(&mut conn).is_empty());
 }
 
@@ -400,22 +417,15 @@ fn poison_message_goes_dead_after_max_attempts_while_the_rest_flow<D: TestDb>() 
             .requeue(&mut conn, "no-such-message")
             .expect("requeue an unknown id")
     );
-    let mut redelivered = Vec::new();
-    relay
-        .run_once(&mut conn, |message| {
-            redelivered.push((message.key.clone(), message.attempt));
-            Ok::<_, String>(())
-        })
-        .expect("relay after requeue");
-    assert_eq!(redelivered, [(ids[2].clone(), 1)]);
+    assert_eq!(
+        delivering_all::<D>(&relay, &mut conn, "relay after requeue"),
+        [(ids[2].clone(), 1)]
+    );
     assert!(relay.dead_letters(&mut conn, 10).expect("list").is_empty());
 }
 
 fn expired_lease_redelivers_with_the_same_key<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let relay = Relay::default().clock(clock.source()).lease(Duration::seconds(30));
+    let (db, mut conn, clock, relay) = leasing_for::<D>(Duration::seconds(30));
     let id = outbox::enqueue(&mut conn, "receipts", &1).expect("enqueue");
 
     // The first relay's handler panics mid-delivery, as a crash would
@@ -434,22 +444,15 @@ fn expired_lease_redelivers_with_the_same_key<D: TestDb>() {
     );
 
     clock.advance(Duration::seconds(1));
-    let mut seen = Vec::new();
-    relay
-        .run_once(&mut other, |message| {
-            seen.push((message.key.clone(), message.attempt));
-            Ok::<_, String>(())
-        })
-        .expect("relay after the lease");
-    assert_eq!(seen, [(id, 2)]);
+    assert_eq!(
+        delivering_all::<D>(&relay, &mut other, "relay after the lease"),
+        [(id, 2)]
+    );
     assert_eq!(status_count::<D>(&mut conn, "delivered"), 1);
 }
 
 fn messages_reached_after_the_lease_ran_out_are_not_handed_over<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let relay = Relay::default().clock(clock.source()).lease(Duration::seconds(10));
+    let (_db, mut conn, clock, relay) = leasing_for::<D>(Duration::seconds(10));
     let first = outbox::enqueue(&mut conn, "receipts", &1).expect("enqueue");
     let second = outbox::enqueue(&mut conn, "receipts", &2).expect("enqueue");
 
@@ -465,14 +468,7 @@ fn messages_reached_after_the_lease_ran_out_are_not_handed_over<D: TestDb>() {
     assert_eq!(handed, [first]);
     assert_eq!((batch.claimed, batch.delivered, batch.lost), (2, 1, 1));
 
-    let mut later = Vec::new();
-    relay
-        .run_once(&mut conn, |message| {
-            later.push((message.key.clone(), message.attempt));
-            Ok::<_, String>(())
-        })
-        .expect("next relay run");
-    assert_eq!(later, [(second, 2)]);
+    assert_eq!(delivering_all::<D>(&relay, &mut conn, "next relay run"), [(second, 2)]);
     assert_eq!(status_count::<D>(&mut conn, "delivered"), 2);
 }
 

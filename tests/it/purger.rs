@@ -8,6 +8,7 @@ use std::thread;
 use std::time::Duration as StdDuration;
 
 use chrono::Duration;
+use diesel::r2d2::{ConnectionManager, Pool};
 use idempotency::outbox;
 use idempotency::testing::ManualClock;
 use idempotency::{Config, Purged, Purger, Shutdown, Stopped};
@@ -130,11 +131,17 @@ fn purger_beside_live_traffic_fails_no_call_and_purges_only_expired_records<D: T
     );
 }
 
-fn purger_deletes_delivered_messages_after_retention_and_stops_at_once<D: TestDb>() {
+/// A database of the test's own, the pool of one connection a purger
+/// serves from, the test's own connection, and a manual clock.
+fn one_purger_connection<D: TestDb>() -> (D, Pool<ConnectionManager<D::Conn>>, D::Conn, ManualClock) {
     let db = D::new();
     let pool = db.pool(1);
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
+    let conn = db.conn();
+    (db, pool, conn, ManualClock::new())
+}
+
+fn purger_deletes_delivered_messages_after_retention_and_stops_at_once<D: TestDb>() {
+    let (_db, pool, mut conn, clock) = one_purger_connection::<D>();
     let relay = relay_keeping_delivered_for(&clock, Duration::days(7));
     let report = deliver_receipts_and_a_poison::<D>(&mut conn, &relay, 25);
     assert_eq!((report.delivered, report.dead), (25, 1));
@@ -176,10 +183,7 @@ fn purger_deletes_delivered_messages_after_retention_and_stops_at_once<D: TestDb
 }
 
 fn purger_stops_between_batches_once_shutdown_is_triggered<D: TestDb>() {
-    let db = D::new();
-    let pool = db.pool(1);
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
+    let (_db, pool, mut conn, clock) = one_purger_connection::<D>();
     let config = Config::default().clock(clock.source());
     for key in ["k1", "k2", "k3", "k4", "k5"] {
         config

@@ -23,6 +23,7 @@ use idempotency::outbox::{self, Message, Relay};
 use idempotency::{Purger, Shutdown};
 
 use crate::common::TestDb;
+use crate::common::outbox::enqueue_and_roll_back;
 use crate::common::pg::{Db, backend_pid};
 use crate::common::pg_cluster::Cluster;
 use crate::common::wait::{self, PATIENCE, StopOnDrop, wait_for};
@@ -158,17 +159,7 @@ fn enqueue_notifies_at_commit_and_never_for_a_rollback() {
     let writer_pid = backend_pid(&mut writer);
     let from_writer = |seen: &[PgNotification]| seen.iter().filter(|n| n.process_id == writer_pid).count();
 
-    let rolled_back = writer.transaction(|tx| {
-        outbox::enqueue(tx, "receipts", &"rolled back")?;
-        Err::<(), _>(outbox::Error::Storage(diesel::result::Error::RollbackTransaction))
-    });
-    assert!(
-        matches!(
-            rolled_back,
-            Err(outbox::Error::Storage(diesel::result::Error::RollbackTransaction))
-        ),
-        "{rolled_back:?}"
-    );
+    enqueue_and_roll_back(&mut writer, |tx| outbox::enqueue(tx, "receipts", &"rolled back"));
     writer
         .transaction(|tx| {
             outbox::enqueue(tx, "receipts", &"committed")?;

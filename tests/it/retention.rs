@@ -23,9 +23,7 @@ crate::common::backend_tests!(
 );
 
 fn key_replays_until_retention_ends<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let (clock, config) = kept_an_hour();
+    let (_db, mut conn, clock, config) = kept_an_hour_on::<D>();
     let first = place_book::<D>(&config, &mut conn, "first");
     clock.advance(Duration::minutes(59) + Duration::seconds(59));
     let retry = place_book::<D>(&config, &mut conn, "retry");
@@ -35,9 +33,7 @@ fn key_replays_until_retention_ends<D: TestDb>() {
 }
 
 fn expired_key_executes_again_as_new<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let (clock, config) = kept_an_hour();
+    let (_db, mut conn, clock, config) = kept_an_hour_on::<D>();
     place_book::<D>(&config, &mut conn, "first");
     clock.advance(Duration::hours(1));
     let again = place_book::<D>(&config, &mut conn, "after expiry");
@@ -55,9 +51,7 @@ fn expired_key_executes_again_as_new<D: TestDb>() {
 }
 
 fn expired_key_accepts_a_different_request<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let (clock, config) = kept_an_hour();
+    let (_db, mut conn, clock, config) = kept_an_hour_on::<D>();
     place_book::<D>(&config, &mut conn, "first");
     let early = config.run(&mut conn, "shop", "k", &2, |tx| D::place_order(tx, "book", 2));
     assert!(matches!(early, Err(Error::Mismatch)));
@@ -69,9 +63,7 @@ fn expired_key_accepts_a_different_request<D: TestDb>() {
 }
 
 fn failed_takeover_of_an_expired_key_keeps_the_old_record_until_purged<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let (clock, config) = kept_an_hour();
+    let (_db, mut conn, clock, config) = kept_an_hour_on::<D>();
     place_book::<D>(&config, &mut conn, "first");
     clock.advance(Duration::hours(2));
     let failed = config.run(&mut conn, "shop", "k", &1, |_| Err::<i64, _>("declined by validation"));
@@ -80,8 +72,15 @@ fn failed_takeover_of_an_expired_key_keeps_the_old_record_until_purged<D: TestDb
     assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 1);
 }
 
-/// `n` calls in the scope `shop`, keys `{prefix}-0` onwards, each
-/// returning its number.
+/// A database of the test's own, a connection to it, and a policy that
+/// keeps records an hour by the clock returned with it.
+fn kept_an_hour_on<D: TestDb>() -> (D, D::Conn, ManualClock, Config) {
+    let db = D::new();
+    let conn = db.conn();
+    let (clock, config) = kept_an_hour();
+    (db, conn, clock, config)
+}
+
 /// The call of key `k` in scope `shop`: an order of one book.
 fn place_book<D: TestDb>(config: &Config, conn: &mut D::Conn, what: &str) -> Outcome<i64> {
     config
@@ -89,6 +88,8 @@ fn place_book<D: TestDb>(config: &Config, conn: &mut D::Conn, what: &str) -> Out
         .expect(what)
 }
 
+/// `n` calls in the scope `shop`, keys `{prefix}-0` onwards, each
+/// returning its number.
 fn calls<C: idempotency::StoreConnection>(config: &idempotency::Config, conn: &mut C, prefix: &str, n: i32) {
     for i in 0..n {
         config
@@ -98,9 +99,7 @@ fn calls<C: idempotency::StoreConnection>(config: &idempotency::Config, conn: &m
 }
 
 fn purge_deletes_only_expired_records_in_batches<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let (clock, config) = kept_an_hour();
+    let (_db, mut conn, clock, config) = kept_an_hour_on::<D>();
     calls(&config, &mut conn, "old", 25);
     clock.advance(Duration::minutes(30));
     calls(&config, &mut conn, "new", 5);
@@ -116,9 +115,7 @@ fn purge_deletes_only_expired_records_in_batches<D: TestDb>() {
 }
 
 fn purge_with_exact_multiple_of_batch_size_deletes_all<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let (clock, config) = kept_an_hour();
+    let (_db, mut conn, clock, config) = kept_an_hour_on::<D>();
     calls(&config, &mut conn, "k", 20);
     clock.advance(Duration::days(1));
     assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 20);
@@ -127,9 +124,7 @@ fn purge_with_exact_multiple_of_batch_size_deletes_all<D: TestDb>() {
 }
 
 fn purge_inside_a_caller_transaction_rolls_back_with_it<D: TestDb>() {
-    let db = D::new();
-    let mut conn = db.conn();
-    let (clock, config) = kept_an_hour();
+    let (_db, mut conn, clock, config) = kept_an_hour_on::<D>();
     config
         .run(&mut conn, "shop", "k", &1, |_| Ok::<_, Error>(1))
         .expect("call");

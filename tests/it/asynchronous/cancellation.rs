@@ -19,7 +19,7 @@ use diesel_async::pooled_connection::{AsyncDieselConnectionManager, PoolableConn
 use idempotency::{Config, Error, InFlight, KeyStatus, Outcome};
 
 use crate::common::TestDb;
-use crate::common::asynchronous::{AsyncDb, AsyncServerDb, async_backend_tests};
+use crate::common::asynchronous::{AsyncDb, AsyncServerDb, async_backend_tests, lent_outside_a_transaction};
 use crate::common::wait::{PATIENCE, wait_for};
 
 async_backend_tests!(
@@ -59,13 +59,9 @@ pub(super) async fn cut_after<F: Future>(waits: usize, future: F) -> Option<F::O
 
 async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<D: AsyncServerDb>() {
     let db = D::new();
-    let pool = db.async_pool(1).await;
+    let (pool, own_bound) = pool_of_one(&db).await;
     let config = Config::default().in_flight(InFlight::Wait(chrono::Duration::seconds(5)));
     let mut admin = db.conn();
-    let own_bound = {
-        let mut conn = pool.get().await.expect("a connection from the pool");
-        D::idle_bound(&mut conn).await
-    };
     let (mut dropped_inside, mut dropped_outside) = (0, 0);
     let mut waits = 0;
     for attempt in 0.. {
@@ -106,13 +102,7 @@ async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<
             "cut at wait {waits}: no session holds the key's lock"
         );
 
-        let mut conn = pool.get().await.expect("a connection from the pool");
-        assert!(!conn.is_broken(), "the pool lends no connection inside a transaction");
-        let lent = D::session_of(&mut conn).await;
-        assert!(
-            D::session_is_idle(&mut admin, lent),
-            "the lent session is in no transaction"
-        );
+        let mut conn = lent_outside_a_transaction::<D>(&pool, &mut admin).await;
         assert_eq!(
             D::idle_bound(&mut conn).await,
             own_bound,
@@ -166,6 +156,18 @@ fn orders_of<D: TestDb>(conn: &mut D::Conn, key: &str) -> usize {
     D::orders(conn).iter().filter(|(_, item)| item == key).count()
 }
 
+/// A pool of one async connection to `db`, and the bound its session puts
+/// on an idle client before any call lowers it, which every session the
+/// pool lends afterwards must have again.
+async fn pool_of_one<D: AsyncServerDb>(db: &D) -> (bb8::Pool<D::Manager>, String) {
+    let pool = db.async_pool(1).await;
+    let own_bound = {
+        let mut conn = pool.get().await.expect("a connection from the pool");
+        D::idle_bound(&mut conn).await
+    };
+    (pool, own_bound)
+}
+
 /// The one moment the cuts above may miss, made certain: a call dropped
 /// while the server shows it waiting for the lock of a key another call
 /// holds. On MySQL the session then holds the call's lowered idle bound and
@@ -173,13 +175,9 @@ fn orders_of<D: TestDb>(conn: &mut D::Conn, key: &str) -> usize {
 /// open: only the connection marked broken keeps the pool from lending it.
 async fn an_async_call_dropped_while_it_waits_for_its_key_leaves_its_connection_to_be_discarded<D: AsyncServerDb>() {
     let db = D::new();
-    let pool = db.async_pool(1).await;
+    let (pool, own_bound) = pool_of_one(&db).await;
     let config = Config::default().in_flight(InFlight::Wait(chrono::Duration::seconds(30)));
     let mut admin = db.conn();
-    let own_bound = {
-        let mut conn = pool.get().await.expect("a connection from the pool");
-        D::idle_bound(&mut conn).await
-    };
     let (inside_tx, inside) = tokio::sync::oneshot::channel();
     let (release, released) = tokio::sync::oneshot::channel::<()>();
     let mut holding = db.connect().await;

@@ -6,8 +6,9 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use idempotency::{Config, Error, Outcome, run_idempotent_async};
+use idempotency::{Config, Error, Outcome};
 
+use super::{order_a_book, orders_and_keys};
 use crate::common::asynchronous::{AsyncDb, async_backend_tests};
 
 async_backend_tests!(
@@ -29,20 +30,14 @@ async fn an_async_call_refuses_keys_and_scopes_the_rules_refuse_and_writes_nothi
         ("", "order-1"),
     ];
     for (scope, key) in cases {
-        let refused = run_idempotent_async(&mut conn, scope, key, &"book", async |tx: &mut D::Async| {
-            runs.fetch_add(1, Ordering::SeqCst);
-            D::insert_order(tx, "book").await?;
-            Ok::<_, diesel::result::Error>(1)
-        })
-        .await;
+        let refused = order_a_book::<D>(&mut conn, (scope, key), &runs, 1).await;
         match (scope.is_empty(), &refused) {
             (true, Err(Error::InvalidScope(_))) | (false, Err(Error::InvalidKey(_))) => {}
             _ => panic!("{scope:?} / {key:?}: {refused:?}"),
         }
     }
     assert_eq!(runs.load(Ordering::SeqCst), 0, "no refused call ran its operation");
-    let mut check = db.conn();
-    assert_eq!((D::order_count(&mut check), D::key_count(&mut check)), (0, 0));
+    assert_eq!(orders_and_keys(&db), (0, 0));
 }
 
 async fn an_async_result_beyond_the_response_limit_rolls_back_and_leaves_the_key_free<D: AsyncDb>() {
@@ -59,12 +54,7 @@ async fn an_async_result_beyond_the_response_limit_rolls_back_and_leaves_the_key
         matches!(too_large, Err(Error::ResponseTooLarge { max: 64, .. })),
         "{too_large:?}"
     );
-    let mut check = db.conn();
-    assert_eq!(
-        (D::order_count(&mut check), D::key_count(&mut check)),
-        (0, 0),
-        "rolled back"
-    );
+    assert_eq!(orders_and_keys(&db), (0, 0), "rolled back");
     let retried = config
         .run_async(&mut conn, "shop", "order-1", &"book", async |tx: &mut D::Async| {
             D::insert_order(tx, "book").await?;

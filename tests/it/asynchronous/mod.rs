@@ -39,18 +39,11 @@ async fn an_async_call_executes_once_and_replays_its_result<D: AsyncDb>() {
     let mut conn = db.connect().await;
     let calls = AtomicUsize::new(0);
     for expected in [Outcome::Executed(1), Outcome::Replayed(1)] {
-        let outcome = run_idempotent_async(&mut conn, "shop", "order-1", &"book", async |tx: &mut D::Async| {
-            calls.fetch_add(1, Ordering::SeqCst);
-            D::insert_order(tx, "book").await?;
-            Ok::<_, diesel::result::Error>(1)
-        })
-        .await
-        .expect("the call");
-        assert_eq!(outcome, expected);
+        let outcome = order_a_book::<D>(&mut conn, ("shop", "order-1"), &calls, 1).await;
+        assert_eq!(outcome.expect("the call"), expected);
     }
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the operation ran once");
-    let mut check = db.conn();
-    assert_eq!((D::order_count(&mut check), D::key_count(&mut check)), (1, 1));
+    assert_eq!(orders_and_keys(&db), (1, 1));
 }
 
 async fn an_async_call_with_another_request_is_a_mismatch_and_runs_nothing<D: AsyncDb>() {
@@ -87,21 +80,13 @@ async fn a_failed_async_operation_rolls_back_and_leaves_the_key_free<D: AsyncDb>
         ),
         "{failed:?}"
     );
-    let mut check = db.conn();
-    assert_eq!(
-        (D::order_count(&mut check), D::key_count(&mut check)),
-        (0, 0),
-        "nothing of it stays"
-    );
+    assert_eq!(orders_and_keys(&db), (0, 0), "nothing of it stays");
 
-    let retried = run_idempotent_async(&mut conn, "shop", "order-1", &"book", async |tx: &mut D::Async| {
-        D::insert_order(tx, "book").await?;
-        Ok::<_, diesel::result::Error>(2)
-    })
-    .await;
+    let runs = AtomicUsize::new(0);
+    let retried = order_a_book::<D>(&mut conn, ("shop", "order-1"), &runs, 2).await;
     assert_eq!(
-        retried.expect("the retry"),
-        Outcome::Executed(2),
+        (retried.expect("the retry"), runs.load(Ordering::SeqCst)),
+        (Outcome::Executed(2), 1),
         "the key was not spent"
     );
 }
@@ -118,20 +103,15 @@ async fn a_panicking_async_operation_rolls_back_and_leaves_its_connection_usable
     });
     let panicked = catch_unwind(call).await.is_err();
     assert!(panicked, "the panic went on to the caller");
-    let mut check = db.conn();
+    assert_eq!(orders_and_keys(&db), (0, 0), "rolled back");
+    let runs = AtomicUsize::new(0);
+    let retried = order_a_book::<D>(&mut conn, ("shop", "order-1"), &runs, 2).await;
     assert_eq!(
-        (D::order_count(&mut check), D::key_count(&mut check)),
-        (0, 0),
-        "rolled back"
-    );
-    let retried = run_idempotent_async(&mut conn, "shop", "order-1", &"book", async |tx: &mut D::Async| {
-        D::insert_order(tx, "book").await?;
-        Ok::<_, diesel::result::Error>(2)
-    })
-    .await;
-    assert_eq!(
-        retried.expect("the same connection serves the retry"),
-        Outcome::Executed(2)
+        (
+            retried.expect("the same connection serves the retry"),
+            runs.load(Ordering::SeqCst)
+        ),
+        (Outcome::Executed(2), 1)
     );
 }
 
@@ -168,12 +148,7 @@ async fn racing_async_calls_with_one_key_run_the_operation_once<D: AsyncDb>() {
         async move {
             let mut conn = db.connect().await;
             start.wait().await;
-            run_idempotent_async(&mut conn, "shop", "order-1", &"book", async |tx: &mut D::Async| {
-                executions.fetch_add(1, Ordering::SeqCst);
-                D::insert_order(tx, "book").await?;
-                Ok::<_, diesel::result::Error>(7)
-            })
-            .await
+            order_a_book::<D>(&mut conn, ("shop", "order-1"), executions, 7).await
         }
     });
     let mut executed = 0;
@@ -263,6 +238,29 @@ spawned_call!(
     crate::common::mysql::Db,
     diesel_async::AsyncMysqlConnection
 );
+
+/// The call most tests make: an order of one book under `(scope, key)`,
+/// answering `answer`, each run of the operation counted in `runs`.
+async fn order_a_book<D: AsyncDb>(
+    conn: &mut D::Async,
+    (scope, key): (&str, &str),
+    runs: &AtomicUsize,
+    answer: i32,
+) -> Result<Outcome<i32>, Error<diesel::result::Error>> {
+    run_idempotent_async(conn, scope, key, &"book", async |tx: &mut D::Async| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        D::insert_order(tx, "book").await?;
+        Ok::<_, diesel::result::Error>(answer)
+    })
+    .await
+}
+
+/// The orders and the key records the database holds, read through a
+/// synchronous connection of its own.
+fn orders_and_keys<D: TestDb>(db: &D) -> (i64, i64) {
+    let mut check = db.conn();
+    (D::order_count(&mut check), D::key_count(&mut check))
+}
 
 /// The output of `future`, or the panic raised while it was polled.
 async fn catch_unwind<F: std::future::Future>(future: F) -> std::thread::Result<F::Output> {

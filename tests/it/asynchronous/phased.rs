@@ -21,7 +21,7 @@ use idempotency::testing::ManualClock;
 use idempotency::{Config, Error, InFlight, Outcome};
 
 use super::cancellation::cut_after;
-use crate::common::asynchronous::{AsyncDb, AsyncServerDb, async_backend_tests};
+use crate::common::asynchronous::{AsyncDb, AsyncServerDb, async_backend_tests, lent_outside_a_transaction};
 use crate::common::wait::wait_for;
 use crate::phased::rides::RideDb;
 use crate::phased::{SCOPE, recovery_points};
@@ -458,13 +458,7 @@ async fn an_async_attempt_cut_at_any_wait_keeps_whole_steps_and_is_resumed_after
         );
         assert!(provider.charges() <= 1, "cut at wait {waits}");
 
-        let mut conn = pool.get().await.expect("a connection from the pool");
-        assert!(!conn.is_broken(), "the pool lends no connection inside a transaction");
-        let lent = D::session_of(&mut conn).await;
-        assert!(
-            D::session_is_idle(&mut admin, lent),
-            "the lent session is in no transaction"
-        );
+        let mut conn = lent_outside_a_transaction::<D>(&pool, &mut admin).await;
         let completed = points.as_deref() == Some(&["completed".to_owned()][..]);
         if points.is_some() && !completed && finished.is_none() {
             // The cut attempt's lease holds the operation until it runs out.

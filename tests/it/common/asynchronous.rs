@@ -55,6 +55,20 @@ pub trait AsyncServerDb: AsyncDb<Async: PoolableConnection> + ServerDb {
     fn idle_bound(conn: &mut Self::Async) -> impl Future<Output = String> + Send;
 }
 
+/// A connection from `pool`, checked as the pool must lend it after a call
+/// was cut: not marked broken, and its session in no transaction as
+/// `admin` sees it.
+pub async fn lent_outside_a_transaction<'a, D: AsyncServerDb>(
+    pool: &'a bb8::Pool<D::Manager>,
+    admin: &mut D::Conn,
+) -> bb8::PooledConnection<'a, D::Manager> {
+    let mut conn = pool.get().await.expect("a connection from the pool");
+    assert!(!conn.is_broken(), "the pool lends no connection inside a transaction");
+    let lent = D::session_of(&mut conn).await;
+    assert!(D::session_is_idle(admin, lent), "the lent session is in no transaction");
+    conn
+}
+
 /// The [`AsyncDb`] of backend `$db`, whose diesel-async connection is
 /// `$conn`.
 macro_rules! async_db {

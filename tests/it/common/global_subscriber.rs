@@ -32,10 +32,16 @@ struct CrateCallsites;
 
 impl<S: Subscriber> Layer<S> for CrateCallsites {
     fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
-        if metadata.target() == "idempotency" {
-            Interest::always()
-        } else {
-            Interest::never()
-        }
+        crate_interest(metadata)
+    }
+}
+
+/// The interest of a layer of the global subscriber in a callsite: always
+/// in the crate's, never in another's.
+pub fn crate_interest(metadata: &Metadata<'_>) -> Interest {
+    if metadata.target() == "idempotency" {
+        Interest::always()
+    } else {
+        Interest::never()
     }
 }

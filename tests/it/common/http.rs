@@ -44,6 +44,78 @@ impl idempotency::http::Caller for Anyone {
 /// backend of their own use.
 pub type SqlitePool = diesel::r2d2::Pool<diesel::r2d2::ConnectionManager<diesel::SqliteConnection>>;
 
+/// The token of the request's `Authorization: Bearer` header, where it
+/// has one.
+pub fn bearer_token(parts: &axum::http::request::Parts) -> Option<&str> {
+    parts
+        .headers
+        .get("authorization")
+        .and_then(|value| value.to_str().ok()?.strip_prefix("Bearer "))
+}
+
+/// The `type` of the crate's problem `name`, under the default base.
+pub fn problem_type(name: &str) -> String {
+    format!("{}{name}", idempotency::http::Problems::DEFAULT_BASE)
+}
+
+/// A caller who must show a bearer token, 401 without one; the token is
+/// its scope.
+pub struct Bearer(pub String);
+
+impl<S: Sync> axum::extract::FromRequestParts<S> for Bearer {
+    type Rejection = axum::http::StatusCode;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, _: &S) -> Result<Self, Self::Rejection> {
+        bearer_token(parts)
+            .map(|token| Bearer(token.to_owned()))
+            .ok_or(axum::http::StatusCode::UNAUTHORIZED)
+    }
+}
+
+impl idempotency::http::Caller for Bearer {
+    fn scope(&self) -> std::borrow::Cow<'_, str> {
+        std::borrow::Cow::Borrowed(&self.0)
+    }
+}
+
+/// The state of a router of notes: the pool its calls run on, and their
+/// policy.
+#[derive(Clone)]
+pub struct Notes {
+    pub pool: SqlitePool,
+    pub config: idempotency::Config,
+}
+
+impl Notes {
+    /// Notes in `db`, over a [`notes_pool`] of `pool_size` connections,
+    /// under `config`.
+    pub fn new(db: &idempotency::testing::SqliteFile, pool_size: u32, config: idempotency::Config) -> Self {
+        Notes {
+            pool: notes_pool(db, pool_size),
+            config,
+        }
+    }
+}
+
+/// What `app` answers `request`: the status, the `Content-Type` and the
+/// body.
+pub async fn answer_of(
+    app: &Router,
+    request: axum::http::Request<axum::body::Body>,
+) -> (axum::http::StatusCode, Option<String>, axum::body::Bytes) {
+    use tower::ServiceExt;
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    let status = response.status();
+    let content_type = response
+        .headers()
+        .get("content-type")
+        .map(|value| value.to_str().expect("ascii").to_owned());
+    let body = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .expect("a body");
+    (status, content_type, body)
+}
+
 /// A pool of `size` connections to `db`, with a `notes` table, which a
 /// request waits 200 ms for at most.
 pub fn notes_pool(db: &idempotency::testing::SqliteFile, size: u32) -> SqlitePool {
@@ -695,11 +767,7 @@ pub mod turn_waits {
         fn register_callsite(&self, metadata: &'static Metadata<'static>) -> Interest {
             // Spans too: a layer's `never` would veto the global
             // subscriber's interest in them (see `global_subscriber`).
-            if metadata.target() == "idempotency" {
-                Interest::always()
-            } else {
-                Interest::never()
-            }
+            crate::common::global_subscriber::crate_interest(metadata)
         }
 
         fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {

@@ -462,8 +462,6 @@ pub trait ServerDb: TestDb {
     }
 }
 
-/// A policy that keeps records an hour by a clock of the test's own, which
-/// the test advances past it: for the tests of expiry.
 /// The message of the panic that `caught`, what `std::panic::catch_unwind`
 /// returned, holds: a test tells the panic it raised from another.
 pub fn panic_message<T>(caught: std::thread::Result<T>) -> String {
@@ -477,12 +475,58 @@ pub fn panic_message<T>(caught: std::thread::Result<T>) -> String {
     }
 }
 
+/// A policy that keeps records an hour by a clock of the test's own, which
+/// the test advances past it: for the tests of expiry.
 pub fn kept_an_hour() -> (idempotency::testing::ManualClock, idempotency::Config) {
     let clock = idempotency::testing::ManualClock::new();
     let config = idempotency::Config::default()
         .retention(chrono::Duration::hours(1))
         .clock(clock.source());
     (clock, config)
+}
+
+/// A request type with hash sets, at the top and nested: each time it is
+/// read, its sets hold their members in another order.
+#[derive(serde::Deserialize, serde::Serialize)]
+pub struct Tagged {
+    pub tags: std::collections::HashSet<String>,
+    pub groups: Vec<std::collections::HashSet<u32>>,
+    pub by_owner: std::collections::HashMap<String, std::collections::HashSet<String>>,
+    pub optional: Option<std::collections::HashSet<String>>,
+}
+
+/// A [`Tagged`] as JSON, with sets of sixteen members: enough that two reads
+/// of it are all but sure to order a set differently.
+pub fn tagged_body() -> String {
+    let tags: Vec<String> = (0..16).map(|i| format!("\"tag-{i}\"")).collect();
+    let tags = format!("[{}]", tags.join(","));
+    format!(
+        r#"{{"tags": {tags}, "groups": [[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16], [0]], "by_owner": {{"ann": {tags}}}, "optional": {tags}}}"#
+    )
+}
+
+/// The bytes of `text` with its `%XX` escapes decoded; a `%` not followed by
+/// two hex digits stands for itself.
+pub fn percent_decode(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut at = 0;
+    while at < bytes.len() {
+        let escape = bytes
+            .get(at + 1..at + 3)
+            .filter(|hex| bytes[at] == b'%' && hex.iter().all(u8::is_ascii_hexdigit));
+        match escape.and_then(|hex| u8::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()) {
+            Some(byte) => {
+                out.push(byte);
+                at += 3;
+            }
+            None => {
+                out.push(bytes[at]);
+                at += 1;
+            }
+        }
+    }
+    out
 }
 
 /// The SHA-256 by which the crate locks `(scope, key)`: each part prefixed

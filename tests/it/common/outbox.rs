@@ -12,6 +12,26 @@ use super::TestDb;
 /// refuse.
 pub const POISON: &str = "poison";
 
+/// Runs `enqueue` in a transaction of `conn` that then fails, and checks
+/// that the failure is what the transaction returned: all `enqueue` wrote
+/// is rolled back.
+pub fn enqueue_and_roll_back<C: diesel::Connection, T>(
+    conn: &mut C,
+    enqueue: impl FnOnce(&mut C) -> Result<T, outbox::Error>,
+) {
+    let rolled_back = conn.transaction(|tx| {
+        enqueue(tx)?;
+        Err::<(), _>(outbox::Error::Storage(diesel::result::Error::RollbackTransaction))
+    });
+    assert!(
+        matches!(
+            rolled_back,
+            Err(outbox::Error::Storage(diesel::result::Error::RollbackTransaction))
+        ),
+        "{rolled_back:?}"
+    );
+}
+
 /// A relay on `clock` that keeps delivered messages for `retention` and
 /// parks a message at its first failure.
 pub fn relay_keeping_delivered_for(clock: &ManualClock, retention: Duration) -> Relay {

@@ -12,10 +12,7 @@ crate::common::backend_tests!(
 );
 
 fn completer_finishes_an_abandoned_operation<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let rides = Rides::new(&db, create_ride(&clock));
+    let (_db, mut conn, clock, rides) = clocked_rides::<D>(identity);
     rides.provider.then(Behaviour::FailBefore);
     assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
 
@@ -38,10 +35,7 @@ fn completer_finishes_an_abandoned_operation<D: RideDb>() {
 }
 
 fn completer_leaves_operations_without_a_stored_request_to_their_clients<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let rides = Rides::new(&db, create_ride(&clock).store_requests(false));
+    let (_db, mut conn, clock, rides) = clocked_rides::<D>(|ride| ride.store_requests(false));
     rides.provider.then(Behaviour::FailBefore);
     assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
 
@@ -162,22 +156,9 @@ fn completer_skips_operations_in_their_grace_period_or_under_lease<D: RideDb>() 
 }
 
 fn completer_parks_after_max_attempts_and_requeue_brings_it_back<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let rides = Rides::new(&db, create_ride(&clock));
+    let (_db, mut conn, clock, rides) = clocked_rides::<D>(identity);
     let completer = rides.completer().clock(clock.source()).max_attempts(2);
-    rides.provider.then(Behaviour::FailBefore).then(Behaviour::FailBefore);
-    assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
-
-    clock.advance(Duration::minutes(5));
-    let report = completer.run_once(&mut conn).expect("a pass");
-    assert_eq!(counts(&report), (1, 0, 1, 0, 0), "attempt 2 failed");
-    assert_eq!(
-        completer.run_once(&mut conn).expect("a pass"),
-        Completions::default(),
-        "in grace"
-    );
+    fail_the_client_and_then_the_completer(&mut conn, &rides, &completer, &clock, Duration::minutes(5));
     clock.advance(Duration::minutes(5));
     let report = completer.run_once(&mut conn).expect("a pass");
     assert_eq!(counts(&report), (0, 0, 0, 0, 1), "out of attempts");
@@ -213,24 +194,33 @@ fn completer_parks_after_max_attempts_and_requeue_brings_it_back<D: RideDb>() {
 }
 
 fn completer_retries_a_failed_operation_once_its_grace_ran_out<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let rides = Rides::new(&db, create_ride(&clock));
+    let (_db, mut conn, clock, rides) = clocked_rides::<D>(identity);
     let completer = rides.completer().clock(clock.source()).grace(Duration::minutes(1));
-    rides.provider.then(Behaviour::FailBefore).then(Behaviour::FailBefore);
-    assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
-
-    clock.advance(Duration::minutes(1));
-    let report = completer.run_once(&mut conn).expect("a pass");
-    assert_eq!(counts(&report), (1, 0, 1, 0, 0), "its attempt failed");
-    assert_eq!(
-        completer.run_once(&mut conn).expect("a pass"),
-        Completions::default(),
-        "in grace"
-    );
+    fail_the_client_and_then_the_completer(&mut conn, &rides, &completer, &clock, Duration::minutes(1));
     clock.advance(Duration::minutes(1));
     let report = completer.run_once(&mut conn).expect("a pass");
     assert_eq!(counts(&report), (1, 1, 0, 0, 0), "taken up again after the grace");
     assert_eq!(attempts::<D>(&mut conn, KEY), 3);
+}
+
+/// Fails the operation under `KEY` twice: the client's attempt, then, when
+/// `grace` has passed, the completer's, which leaves it alone for another
+/// grace period.
+fn fail_the_client_and_then_the_completer<D: RideDb>(
+    conn: &mut D::Conn,
+    rides: &Rides<D>,
+    completer: &Completer<D::Conn>,
+    clock: &ManualClock,
+    grace: Duration,
+) {
+    rides.provider.then(Behaviour::FailBefore).then(Behaviour::FailBefore);
+    assert_provider_unavailable(rides.create(conn, KEY, &ada()));
+    clock.advance(grace);
+    let report = completer.run_once(conn).expect("a pass");
+    assert_eq!(counts(&report), (1, 0, 1, 0, 0), "the completer's attempt failed");
+    assert_eq!(
+        completer.run_once(conn).expect("a pass"),
+        Completions::default(),
+        "in grace"
+    );
 }

@@ -144,18 +144,9 @@ fn result_kept_from_another_operation_is_refused<D: RideDb>() {
 }
 
 fn provider_failing_before_charging_is_called_again_with_the_same_key<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let rides = Rides::new(&db, Phased::new(OPERATION));
+    let (_db, mut conn, rides) = rides_on::<D>(Phased::new(OPERATION));
     rides.provider.then(Behaviour::FailBefore);
-    let failed = rides.create(&mut conn, KEY, &ada());
-    assert!(
-        matches!(
-            failed,
-            Err(Error::Operation(RideError::Provider(ProviderError::Unavailable)))
-        ),
-        "{failed:?}"
-    );
+    assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
     assert_eq!(
         recovery_points::<D>(&mut conn, KEY).expect("the key is spent"),
         ["ride_created", "charged (started)"]
@@ -169,9 +160,7 @@ fn provider_failing_before_charging_is_called_again_with_the_same_key<D: RideDb>
 }
 
 fn provider_timing_out_after_charging_gives_the_retry_the_same_charge<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let rides = Rides::new(&db, Phased::new(OPERATION));
+    let (_db, mut conn, rides) = rides_on::<D>(Phased::new(OPERATION));
     rides.provider.then(Behaviour::TimeOutAfter);
     let timed_out = rides.create(&mut conn, KEY, &ada());
     assert!(

@@ -6,13 +6,26 @@ use super::*;
 /// What the child prints once it stands at the boundary it is killed at.
 const CHILD_READY: &str = "phased-child-ready";
 
-crate::common::backend_tests!(
-    killed_inside_the_first_phase_leaves_the_key_free,
-    killed_after_the_first_phase_resumes_once,
-    killed_before_the_call_calls_the_provider_once,
-    killed_after_the_provider_applied_charges_once,
-    killed_inside_finish_sends_one_receipt,
-    killed_after_finish_replays_the_reply,
+/// A kill test per boundary, each a [`killed_at`] under its own name, the
+/// name its child process runs it by.
+macro_rules! killed_at_every_boundary {
+    ($($test:ident: $boundary:ident),+ $(,)?) => {
+        crate::common::backend_tests!($($test),+);
+        $(
+            fn $test<D: RideDb>() {
+                killed_at::<D>(Boundary::$boundary, stringify!($test));
+            }
+        )+
+    };
+}
+
+killed_at_every_boundary!(
+    killed_inside_the_first_phase_leaves_the_key_free: InsideFirstPhase,
+    killed_after_the_first_phase_resumes_once: AfterFirstPhase,
+    killed_before_the_call_calls_the_provider_once: BeforeCall,
+    killed_after_the_provider_applied_charges_once: AfterProviderApplied,
+    killed_inside_finish_sends_one_receipt: InsideFinish,
+    killed_after_finish_replays_the_reply: AfterFinish,
 );
 
 /// The operation of the kill tests: a lease short enough that the parent
@@ -147,34 +160,4 @@ fn killed_at<D: RideDb>(boundary: Boundary, test: &str) {
             "the killed attempt's and the resumer's"
         );
     }
-}
-
-fn killed_inside_the_first_phase_leaves_the_key_free<D: RideDb>() {
-    killed_at::<D>(
-        Boundary::InsideFirstPhase,
-        "killed_inside_the_first_phase_leaves_the_key_free",
-    );
-}
-
-fn killed_after_the_first_phase_resumes_once<D: RideDb>() {
-    killed_at::<D>(Boundary::AfterFirstPhase, "killed_after_the_first_phase_resumes_once");
-}
-
-fn killed_before_the_call_calls_the_provider_once<D: RideDb>() {
-    killed_at::<D>(Boundary::BeforeCall, "killed_before_the_call_calls_the_provider_once");
-}
-
-fn killed_after_the_provider_applied_charges_once<D: RideDb>() {
-    killed_at::<D>(
-        Boundary::AfterProviderApplied,
-        "killed_after_the_provider_applied_charges_once",
-    );
-}
-
-fn killed_inside_finish_sends_one_receipt<D: RideDb>() {
-    killed_at::<D>(Boundary::InsideFinish, "killed_inside_finish_sends_one_receipt");
-}
-
-fn killed_after_finish_replays_the_reply<D: RideDb>() {
-    killed_at::<D>(Boundary::AfterFinish, "killed_after_finish_replays_the_reply");
 }

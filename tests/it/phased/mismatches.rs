@@ -82,33 +82,26 @@ fn assert_renamed(result: Result<Outcome<Reply>, Error<RideError>>, (position, r
 }
 
 fn renamed_step_is_refused_and_runs_nothing<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let rides = Rides::new(&db, Phased::new(OPERATION));
+    let (_db, mut conn, rides) = rides_on::<D>(Phased::new(OPERATION));
     rides.provider.then(Behaviour::FailBefore);
     assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
     let ran = AtomicUsize::new(0);
+    let step = || {
+        ran.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, RideError>(String::new())
+    };
 
     // A deploy renamed the first phase.
     let renamed: Result<Outcome<Reply>, _> = rides.phased.run(&mut conn, SCOPE, KEY, &ada(), |s| {
-        s.phase("ride_booked", |_| {
-            ran.fetch_add(1, Ordering::SeqCst);
-            Ok::<_, RideError>(String::new())
-        })?;
+        s.phase("ride_booked", |_| step())?;
         unreachable!("the renamed phase is refused")
     });
     assert_renamed(renamed, (0, "ride_created", "ride_booked"));
 
     // And the call.
     let renamed: Result<Outcome<Reply>, _> = rides.phased.run(&mut conn, SCOPE, KEY, &ada(), |s| {
-        s.phase("ride_created", |_| {
-            ran.fetch_add(1, Ordering::SeqCst);
-            Ok::<_, RideError>(String::new())
-        })?;
-        s.call("card_charged", |_| {
-            ran.fetch_add(1, Ordering::SeqCst);
-            Ok::<_, RideError>(String::new())
-        })?;
+        s.phase("ride_created", |_| step())?;
+        s.call("card_charged", |_| step())?;
         unreachable!("the renamed call is refused")
     });
     assert_renamed(renamed, (1, "charged", "card_charged"));
@@ -124,9 +117,7 @@ fn renamed_step_is_refused_and_runs_nothing<D: RideDb>() {
 }
 
 fn another_request_under_the_same_key_is_a_mismatch<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let rides = Rides::new(&db, Phased::new(OPERATION));
+    let (_db, mut conn, rides) = rides_on::<D>(Phased::new(OPERATION));
     let dearer = NewRide { cents: 25_00, ..ada() };
     rides.provider.then(Behaviour::FailBefore);
     assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
@@ -158,9 +149,7 @@ fn refund<D: RideDb>(conn: &mut D::Conn, phased: &Phased, ran: &AtomicUsize) -> 
 }
 
 fn another_operation_under_a_spent_key_is_a_mismatch<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let rides = Rides::new(&db, Phased::new(OPERATION));
+    let (_db, mut conn, rides) = rides_on::<D>(Phased::new(OPERATION));
     let ran = AtomicUsize::new(0);
     rides.provider.then(Behaviour::FailBefore);
     assert!(matches!(

@@ -8,6 +8,7 @@
 //! counts every request it gets. Each charge it applied is a row, so "one
 //! charge" is a row count.
 
+use std::convert::identity;
 use std::os::unix::process::ExitStatusExt;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
@@ -148,6 +149,24 @@ impl<D: RideDb> Rides<D> {
             rides.create(conn, key, &request)
         })
     }
+}
+
+/// A database of the test's own with the ride tables, a connection to it,
+/// and the ride operation under `phased`. The test keeps the database for
+/// as long as it uses the connection.
+fn rides_on<D: RideDb>(phased: Phased) -> (D, D::Conn, Rides<D>) {
+    let db = ride_db::<D>();
+    let conn = db.conn();
+    let rides = Rides::new(&db, phased);
+    (db, conn, rides)
+}
+
+/// [`rides_on`] under a manual clock: the operation as [`create_ride`]
+/// makes it with `policy` applied, and the clock that drives it.
+fn clocked_rides<D: RideDb>(policy: impl FnOnce(Phased) -> Phased) -> (D, D::Conn, ManualClock, Rides<D>) {
+    let clock = ManualClock::new();
+    let (db, conn, rides) = rides_on::<D>(policy(create_ride(&clock)));
+    (db, conn, clock, rides)
 }
 
 fn config(clock: &ManualClock) -> Config {

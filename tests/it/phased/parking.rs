@@ -9,10 +9,7 @@ crate::common::backend_tests!(
 );
 
 fn provider_horizon_parks_the_operation_for_a_person<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let rides = Rides::new(&db, create_ride(&clock).provider_horizon(Duration::hours(1)));
+    let (_db, mut conn, clock, rides) = clocked_rides::<D>(|ride| ride.provider_horizon(Duration::hours(1)));
     rides.provider.then(Behaviour::FailBefore).then(Behaviour::FailBefore);
     assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
     clock.advance(Duration::minutes(59));
@@ -46,10 +43,7 @@ fn provider_horizon_parks_the_operation_for_a_person<D: RideDb>() {
 }
 
 fn requeued_operation_past_its_horizon_makes_the_call_again<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let rides = Rides::new(&db, create_ride(&clock).provider_horizon(Duration::hours(1)));
+    let (_db, mut conn, clock, rides) = clocked_rides::<D>(|ride| ride.provider_horizon(Duration::hours(1)));
     rides.provider.then(Behaviour::FailBefore);
     assert_provider_unavailable(rides.create(&mut conn, KEY, &ada()));
     clock.advance(Duration::hours(2));

@@ -8,10 +8,7 @@ crate::common::backend_tests!(
 );
 
 fn key_executing_again_after_retention_charges_under_a_new_provider_key<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let rides = Rides::new(&db, create_ride(&clock));
+    let (_db, mut conn, clock, rides) = clocked_rides::<D>(identity);
     let first = executed(rides.create(&mut conn, KEY, &ada()));
     clock.advance(Duration::hours(23));
     assert_eq!(
@@ -30,10 +27,7 @@ fn key_executing_again_after_retention_charges_under_a_new_provider_key<D: RideD
 }
 
 fn purge_deletes_finished_operations_only<D: RideDb>() {
-    let db = ride_db::<D>();
-    let mut conn = db.conn();
-    let clock = ManualClock::new();
-    let rides = Rides::new(&db, create_ride(&clock).provider_horizon(Duration::hours(1)));
+    let (_db, mut conn, clock, rides) = clocked_rides::<D>(|ride| ride.provider_horizon(Duration::hours(1)));
     executed(rides.create(&mut conn, "finished", &ada()));
     rides.provider.then(Behaviour::FailBefore).then(Behaviour::FailBefore);
     assert_provider_unavailable(rides.create(&mut conn, "running", &ada()));

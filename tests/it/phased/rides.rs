@@ -218,9 +218,12 @@ macro_rules! ride_queries {
     };
 }
 
-/// The provider's insert-or-count, where the backend has `ON CONFLICT`.
-macro_rules! apply_charge_on_conflict {
-    () => {
+/// The provider's insert-or-count: a new charge, or one more request for
+/// the charge under `provider_key`, the conflict found by `$conflict` (the
+/// key column where the backend has `ON CONFLICT`, any duplicated key on
+/// MySQL).
+macro_rules! apply_charge {
+    ($conflict:expr) => {
         fn apply_charge(conn: &mut Self::Conn, provider_key: &str, cents: i64) -> QueryResult<(String, i64)> {
             use schema::provider_charges as p;
             diesel::insert_into(p::table)
@@ -230,7 +233,7 @@ macro_rules! apply_charge_on_conflict {
                     p::cents.eq(cents),
                     p::requests.eq(1),
                 ))
-                .on_conflict(p::provider_key)
+                .on_conflict($conflict)
                 .do_update()
                 .set(p::requests.eq(p::requests + 1))
                 .execute(conn)?;
@@ -245,14 +248,14 @@ macro_rules! apply_charge_on_conflict {
 impl RideDb for crate::common::sqlite::Db {
     const TABLES: &'static str = RIDE_TABLES;
     ride_queries!();
-    apply_charge_on_conflict!();
+    apply_charge!(schema::provider_charges::provider_key);
 }
 
 #[cfg(feature = "postgres")]
 impl RideDb for crate::common::pg::Db {
     const TABLES: &'static str = RIDE_TABLES;
     ride_queries!();
-    apply_charge_on_conflict!();
+    apply_charge!(schema::provider_charges::provider_key);
 }
 
 #[cfg(feature = "mysql")]
@@ -263,26 +266,7 @@ impl RideDb for crate::common::mysql::Db {
             provider_key VARCHAR(255) PRIMARY KEY, charge_id TEXT NOT NULL, cents BIGINT NOT NULL, requests INTEGER NOT NULL
         );";
     ride_queries!();
-
-    fn apply_charge(conn: &mut Self::Conn, provider_key: &str, cents: i64) -> QueryResult<(String, i64)> {
-        use diesel::dsl::DuplicatedKeys;
-        use schema::provider_charges as p;
-        diesel::insert_into(p::table)
-            .values((
-                p::provider_key.eq(provider_key),
-                p::charge_id.eq(crate::common::unique_name("ch")),
-                p::cents.eq(cents),
-                p::requests.eq(1),
-            ))
-            .on_conflict(DuplicatedKeys)
-            .do_update()
-            .set(p::requests.eq(p::requests + 1))
-            .execute(conn)?;
-        p::table
-            .find(provider_key)
-            .select((p::charge_id, p::cents))
-            .get_result(conn)
-    }
+    apply_charge!(diesel::dsl::DuplicatedKeys);
 }
 
 /// A new database with the ride and provider tables.
