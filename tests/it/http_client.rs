@@ -12,7 +12,7 @@ use axum::routing::post;
 use diesel::connection::SimpleConnection;
 use diesel::prelude::*;
 use idempotency::http::{self, Answer, Failure, IdempotencyKey, Problem, Problems, StoredResponse};
-use idempotency::{Config, InFlight};
+use idempotency::{Config, InFlight, OnCompleted};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
@@ -122,6 +122,34 @@ mod problems {
         assert_eq!(status, StatusCode::CONFLICT);
         assert_ne!(crates["type"], own["type"]);
         assert_eq!(crates["retryable"], json!(true));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_completed_key_under_the_reject_policy_is_its_own_409_and_runs_nothing() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, _) = notes_app(&db, 2, Config::default().on_completed(OnCompleted::Reject));
+        let (status, _, first) = answer(&app, note(&[("idempotency-key", "k-1")], "a")).await;
+        assert_eq!((status, &first), (StatusCode::CREATED, &json!(1)));
+
+        let (status, content_type, body) = answer(&app, note(&[("idempotency-key", "k-1")], "a")).await;
+        assert_eq!(status, StatusCode::CONFLICT);
+        assert_eq!(content_type.as_deref(), Some("application/problem+json"));
+        assert_eq!(body["type"], problem_type("idempotency-key-completed"));
+        assert_eq!(body["retryable"], json!(false), "the same request cannot succeed again");
+        assert_eq!(count_notes(&db), 1, "nothing ran again");
+
+        // Another body under the key is still the reuse of a key, and a new
+        // key still runs.
+        let (status, _, body) = answer(&app, note(&[("idempotency-key", "k-1")], "b")).await;
+        assert_eq!(
+            (status, &body["type"]),
+            (
+                StatusCode::UNPROCESSABLE_ENTITY,
+                &json!(problem_type("idempotency-key-reused"))
+            )
+        );
+        let (status, _, second) = answer(&app, note(&[("idempotency-key", "k-2")], "a")).await;
+        assert_eq!((status, &second), (StatusCode::CREATED, &json!(2)));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

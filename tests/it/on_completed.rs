@@ -131,3 +131,25 @@ fn a_finished_phased_operation_is_rejected_and_runs_no_phase_again<D: TestDb>() 
     assert_eq!(phases.load(Ordering::SeqCst), 1, "no phase ran again");
     assert_eq!(D::order_count(&mut conn), 1);
 }
+
+/// The async calls share the single call's path: the policy holds there
+/// as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+async fn an_async_call_under_the_reject_policy_rejects_its_completed_key() {
+    let mut conn = idempotency::testing::sqlite_memory_async();
+    let config = rejecting();
+    let runs = AtomicUsize::new(0);
+    let charge = async |conn: &mut _| {
+        config
+            .run_async(conn, "payments", "charge-1", &500, async |_: &mut _| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, std::convert::Infallible>(500)
+            })
+            .await
+    };
+    let first = charge(&mut conn).await.expect("the first call");
+    assert_eq!(first, Outcome::Executed(500));
+    let again = charge(&mut conn).await;
+    assert!(matches!(again, Err(Error::AlreadyCompleted)), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
