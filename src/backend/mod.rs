@@ -88,8 +88,8 @@ pub(crate) use rules::BackendRules;
 
 /// The rules of the database that connection `C` reaches.
 pub(crate) type RulesOf<C> = <C as KeyStore>::Rules;
-#[cfg(feature = "postgres")]
-pub(crate) use transaction::transaction_with;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use transaction::end_level;
 pub(crate) use transaction::{transaction_depth, unwind_to_depth};
 
 /// A diesel connection that idempotent calls can run on:

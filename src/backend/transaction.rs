@@ -1,6 +1,7 @@
-//! The transactions the crate opens itself: how deep a connection is in
-//! them, one opened by a `BEGIN` of the backend's choosing, and the levels
-//! a panicking operation left open, rolled back.
+//! The transactions the crate opens itself on a synchronous connection:
+//! how deep the connection is in them, the end of a level opened by a
+//! `BEGIN` of the backend's choosing, and the levels a panicking operation
+//! left open, rolled back.
 
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
@@ -22,21 +23,16 @@ pub(crate) fn unwind_to_depth<C: BlockingStore>(conn: &mut C, depth: u32) -> Que
     Ok(())
 }
 
-/// Runs `f` in a transaction opened by `begin` (which must open exactly one
-/// level), committing if `f` succeeds and rolling back otherwise, as
-/// diesel's own `transaction` does for its fixed `BEGIN`.
-#[cfg(feature = "postgres")]
-pub(crate) fn transaction_with<C, T, E>(
-    conn: &mut C,
-    begin: impl FnOnce(&mut C) -> QueryResult<()>,
-    f: impl FnOnce(&mut C) -> Result<T, E>,
-) -> Result<T, E>
+/// Ends the level of `conn` that `work` ran in, opened just before it:
+/// commits it if `result` is a success and rolls it back otherwise, as
+/// diesel's own `transaction` does for the `BEGIN` it sends itself.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn end_level<C, T, E>(conn: &mut C, result: Result<T, E>) -> Result<T, E>
 where
     C: BlockingStore,
     E: From<diesel::result::Error>,
 {
-    begin(conn)?;
-    match f(conn) {
+    match result {
         Ok(value) => {
             AnsiTransactionManager::commit_transaction(conn)?;
             Ok(value)

@@ -13,7 +13,7 @@ use diesel::prelude::*;
 use diesel::result::Error as DieselError;
 
 use super::lock::{GetLock, IdleStatement, ReleaseLock};
-use crate::backend::{KeyStore, Record, Stored, block_on};
+use crate::backend::{KeyStore, Record, Stored, end_level};
 
 /// How MySQL's statements are sent on either kind of connection, so that
 /// the rules that decide which to send (`mod.rs`: the key transaction,
@@ -158,7 +158,9 @@ impl Session for MysqlConnection {
     where
         E: From<DieselError>,
     {
-        self.transaction(|conn| block_on(work(conn)))
+        AnsiTransactionManager::begin_transaction(self)?;
+        let result = work(self).await;
+        end_level(self, result)
     }
 
     fn mark_broken(&mut self) {

@@ -58,8 +58,8 @@ use expired::Expired;
 use super::keys::{claiming, hold_of};
 use super::row_with::{Head, record_with};
 use super::{
-    BackendRules, BlockingStore, HeldKey, Hold, KeyStore, Read, Record, Stored, block_on, transaction_depth,
-    transaction_with, unwind_to_depth,
+    BackendRules, BlockingStore, HeldKey, Hold, KeyStore, Read, Record, Stored, end_level, transaction_depth,
+    unwind_to_depth,
 };
 use crate::error::is_connection_lost;
 use crate::in_flight::InFlight;
@@ -370,11 +370,12 @@ impl Levels for PgConnection {
         std::future::ready(self.batch_execute(sql))
     }
 
-    fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> impl Future<Output = Result<T, E>>
+    async fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
     where
         E: From<DieselError>,
     {
-        std::future::ready(transaction_with(self, |_| Ok(()), |conn| block_on(work(conn))))
+        let result = work(self).await;
+        end_level(self, result)
     }
 }
 
