@@ -134,6 +134,7 @@ fn a_finished_phased_operation_is_rejected_and_runs_no_phase_again<D: TestDb>() 
 
 /// The async calls share the single call's path: the policy holds there
 /// as well.
+#[cfg(feature = "sqlite-async")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
 async fn an_async_call_under_the_reject_policy_rejects_its_completed_key() {
     let mut conn = idempotency::testing::sqlite_memory_async();
