@@ -320,7 +320,7 @@ impl Config {
     /// let mut conn = idempotency::testing::sqlite_memory();
     /// let charge = |conn: &mut _| config.run(conn, "payments", "charge-1", &500, |_| Ok::<_, std::convert::Infallible>(500));
     ///
-    /// assert!(charge(&mut conn)?.is_executed());
+    /// assert!(!charge(&mut conn)?.is_replayed());
     /// assert!(matches!(charge(&mut conn), Err(Error::AlreadyCompleted)));
     /// # Ok(())
     /// # }
