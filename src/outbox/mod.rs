@@ -111,12 +111,14 @@ use crate::error::KeyError;
 use crate::in_flight::InFlight;
 
 mod backlog;
+mod failure;
 mod handler;
 mod relay;
 mod workers;
 
 use crate::backend::outbox::{BlockingOutboxStore, NewMessage, OutboxStore, Settlement};
 pub use backlog::{DeadLetter, Stats};
+pub use failure::{Failure, HandlerError, Permanent};
 pub use relay::Relay;
 
 /// The longest topic accepted, in bytes.

@@ -46,6 +46,7 @@ crate::common::backend_tests!(
     concurrent_relays_deliver_every_message_once_and_never_twice_at_a_time,
     delivered_messages_are_purged_after_retention_in_batches,
     messages_carry_the_scope_of_the_call_that_enqueued_them,
+    permanent_failure_parks_the_message_at_once_with_its_reason,
 );
 
 fn status_count<D: TestDb>(conn: &mut D::Conn, status: &str) -> usize {
@@ -885,6 +886,41 @@ fn messages_carry_the_scope_of_the_call_that_enqueued_them<D: TestDb>() {
     .map(|(payload, scope)| (payload.to_owned(), scope.to_owned()))
     .collect();
     assert_eq!(scopes, expected);
+}
+
+fn permanent_failure_parks_the_message_at_once_with_its_reason<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let gone = outbox::enqueue(&mut conn, "webhooks", &410).expect("enqueue");
+    let busy = outbox::enqueue(&mut conn, "webhooks", &503).expect("enqueue");
+    let relay = Relay::default().max_attempts(10);
+    let handler = |message: &Message| -> Result<(), outbox::Failure> {
+        match message.payload::<u16>()? {
+            410 => Err(outbox::Permanent("410 gone"))?,
+            status => Err(outbox::Failure::Retry(format!("answered {status}"))),
+        }
+    };
+
+    let report = relay.run_once(&mut conn, handler).expect("relay");
+    assert_eq!((report.claimed, report.dead, report.retried), (2, 1, 1));
+    let dead = relay.dead_letters(&mut conn, 10).expect("dead letters");
+    assert_eq!(dead.len(), 1, "only the permanent failure is dead: {dead:?}");
+    assert_eq!(
+        (dead[0].id.as_str(), dead[0].attempts, dead[0].last_error.as_deref()),
+        (gone.as_str(), 1, Some("410 gone")),
+        "dead after its first attempt, with the reason"
+    );
+    assert_ne!(dead[0].id, busy);
+    assert_eq!(
+        status_count::<D>(&mut conn, "pending"),
+        1,
+        "the transient failure waits for its retry"
+    );
+
+    let report = relay
+        .run_once(&mut conn, |_| Err::<(), _>(outbox::Permanent(String::from("never"))))
+        .expect("relay");
+    assert_eq!(report.claimed, 0, "a permanent failure is not retried");
 }
 
 /// The database error inside a call's error, for an operation that returns
