@@ -241,6 +241,17 @@ impl Relay {
                 attempts: row.attempts - 1,
             });
         }
+        let headers = match row.headers.as_deref().map(serde_json::from_str).transpose() {
+            Ok(headers) => headers.unwrap_or_default(),
+            // Written by `Envelope` as a map of strings, so changed by hand:
+            // the message can no longer be delivered as it was enqueued.
+            Err(error) => {
+                return Some(Settlement::Dead {
+                    error: storable_error(format!("the stored headers do not decode: {error}")),
+                    attempts: row.attempts,
+                });
+            }
+        };
         let message = Message {
             key: row.id.clone(),
             id: row.id,
@@ -248,6 +259,10 @@ impl Relay {
             topic: row.topic,
             payload_json: row.payload,
             attempt,
+            headers,
+            ordering_key: row.ordering_key,
+            traceparent: row.traceparent,
+            tracestate: row.tracestate,
         };
         Some(match handler(&message) {
             Ok(()) => Settlement::Delivered { at: clock.now() },

@@ -47,6 +47,8 @@ crate::common::backend_tests!(
     delivered_messages_are_purged_after_retention_in_batches,
     messages_carry_the_scope_of_the_call_that_enqueued_them,
     permanent_failure_parks_the_message_at_once_with_its_reason,
+    handler_sees_the_headers_ordering_key_and_trace_context_it_was_enqueued_with,
+    invalid_headers_ordering_key_or_trace_context_are_refused_and_write_nothing,
 );
 
 fn status_count<D: TestDb>(conn: &mut D::Conn, status: &str) -> usize {
@@ -921,6 +923,111 @@ fn permanent_failure_parks_the_message_at_once_with_its_reason<D: TestDb>() {
         .run_once(&mut conn, |_| Err::<(), _>(outbox::Permanent(String::from("never"))))
         .expect("relay");
     assert_eq!(report.claimed, 0, "a permanent failure is not retried");
+}
+
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+fn handler_sees_the_headers_ordering_key_and_trace_context_it_was_enqueued_with<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let value = format!("ünïcode {}", "v".repeat(4000));
+    let placed = run_idempotent(&mut conn, "tenant-a", "order-1", &"book", |tx| {
+        outbox::Envelope::new("orders.placed", &"book")
+            .header("content-type", "application/json")
+            .header("X-Long", value.as_str())
+            .header("x-empty", "")
+            .ordering_key("order-1")
+            .traceparent(TRACEPARENT)
+            .tracestate("vendor=opaque,other=1")
+            .enqueue(tx)
+    })
+    .expect("the call")
+    .into_inner();
+    let plain = outbox::enqueue(&mut conn, "orders.placed", &"pen").expect("enqueue");
+
+    let mut seen = HashMap::new();
+    Relay::default()
+        .run_once(&mut conn, |message| {
+            seen.insert(message.id.clone(), message.clone());
+            Ok::<_, String>(())
+        })
+        .expect("relay");
+    let message = &seen[&placed];
+    assert_eq!(message.scope, "tenant-a");
+    assert_eq!(message.headers().len(), 3);
+    assert_eq!(message.header("content-type"), Some("application/json"));
+    assert_eq!(message.header("X-Long"), Some(value.as_str()));
+    assert_eq!(message.header("x-long"), None, "names are kept as given");
+    assert_eq!(message.header("x-empty"), Some(""));
+    assert_eq!(message.ordering_key(), Some("order-1"));
+    assert_eq!(message.traceparent(), Some(TRACEPARENT));
+    assert_eq!(message.tracestate(), Some("vendor=opaque,other=1"));
+    let plain = &seen[&plain];
+    assert!(plain.headers().is_empty());
+    assert_eq!(
+        (plain.ordering_key(), plain.traceparent(), plain.tracestate()),
+        (None, None, None)
+    );
+}
+
+fn invalid_headers_ordering_key_or_trace_context_are_refused_and_write_nothing<D: TestDb>() {
+    use outbox::{Envelope, Error as OutboxError, HeaderError, TraceContextError};
+    let db = D::new();
+    let mut conn = db.conn();
+    let message = || Envelope::new("receipts", &1);
+    let many = (0..65).fold(message(), |m, i| m.header(format!("h{i}"), "v"));
+    let refusals: Vec<(&str, Result<String, OutboxError>)> = vec![
+        (
+            "a header name with a colon",
+            message().header("a:b", "v").enqueue(&mut conn),
+        ),
+        ("an empty header name", message().header("", "v").enqueue(&mut conn)),
+        (
+            "a line break in a value",
+            message().header("x", "a\r\nb").enqueue(&mut conn),
+        ),
+        (
+            "a value too long",
+            message().header("x", "v".repeat(4097)).enqueue(&mut conn),
+        ),
+        ("65 headers", many.enqueue(&mut conn)),
+        (
+            "an ordering key with a space",
+            message().ordering_key("order 1").enqueue(&mut conn),
+        ),
+        ("an empty ordering key", message().ordering_key("").enqueue(&mut conn)),
+        (
+            "an ordering key too long",
+            message().ordering_key("k".repeat(256)).enqueue(&mut conn),
+        ),
+        (
+            "a traceparent in upper case",
+            message().traceparent(TRACEPARENT.to_uppercase()).enqueue(&mut conn),
+        ),
+        (
+            "a tracestate with a control character",
+            message()
+                .traceparent(TRACEPARENT)
+                .tracestate("a=\u{7}")
+                .enqueue(&mut conn),
+        ),
+        ("a tracestate alone", message().tracestate("a=1").enqueue(&mut conn)),
+    ];
+    for (what, refused) in &refusals {
+        let typed = matches!(
+            refused,
+            Err(OutboxError::InvalidHeader(
+                HeaderError::InvalidName { .. } | HeaderError::InvalidValue { .. } | HeaderError::TooMany { count: 65 }
+            )) | Err(OutboxError::InvalidOrderingKey(_))
+                | Err(OutboxError::InvalidTraceContext(
+                    TraceContextError::Traceparent
+                        | TraceContextError::Tracestate
+                        | TraceContextError::TracestateWithoutTraceparent
+                ))
+        );
+        assert!(typed, "{what}: {refused:?}");
+    }
+    assert!(D::outbox_messages(&mut conn).is_empty(), "nothing was written");
 }
 
 /// The database error inside a call's error, for an operation that returns

@@ -37,7 +37,7 @@ impl BlockingOutboxStore for MysqlConnection {
     fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
         read_committed(self, |tx| {
             let mut due: Vec<Claimed> = diesel::sql_query(
-                "SELECT id, scope, topic, payload, attempts \
+                "SELECT id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate \
                  FROM idempotency_outbox FORCE INDEX (idempotency_outbox_status_id) \
                  WHERE status = ? AND (available_at IS NULL OR available_at <= ?) \
                  ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",

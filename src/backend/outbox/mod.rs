@@ -40,6 +40,11 @@ pub struct NewMessage<'a> {
     pub(crate) topic: &'a str,
     pub(crate) payload: &'a str,
     pub(crate) not_before: Option<NaiveDateTime>,
+    /// A JSON object of string to string.
+    pub(crate) headers: Option<&'a str>,
+    pub(crate) ordering_key: Option<&'a str>,
+    pub(crate) traceparent: Option<&'a str>,
+    pub(crate) tracestate: Option<&'a str>,
 }
 
 /// What a relay claims: up to `limit` pending messages due at `now`,
@@ -89,6 +94,10 @@ pub struct Claimed {
     pub(crate) topic: String,
     pub(crate) payload: String,
     pub(crate) attempts: i32,
+    pub(crate) headers: Option<String>,
+    pub(crate) ordering_key: Option<String>,
+    pub(crate) traceparent: Option<String>,
+    pub(crate) tracestate: Option<String>,
 }
 
 /// A claimed message, by its scope and its id.

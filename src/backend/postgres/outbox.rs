@@ -45,7 +45,7 @@ impl BlockingOutboxStore for PgConnection {
                  ORDER BY id LIMIT $5 FOR UPDATE SKIP LOCKED) \
              UPDATE idempotency_outbox AS o SET attempts = o.attempts + 1, available_at = $1, lease_token = $2 \
              FROM due WHERE o.id = due.id \
-             RETURNING o.id, o.scope, o.topic, o.payload, o.attempts",
+             RETURNING o.id, o.scope, o.topic, o.payload, o.attempts, o.headers, o.ordering_key, o.traceparent, o.tracestate",
             claim,
         )
         .load(self)

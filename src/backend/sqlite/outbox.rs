@@ -25,7 +25,7 @@ impl BlockingOutboxStore for SqliteConnection {
              WHERE id IN (SELECT id FROM idempotency_outbox \
                           WHERE status = ? AND (available_at IS NULL OR available_at <= ?) \
                           ORDER BY id LIMIT ?) \
-             RETURNING id, scope, topic, payload, attempts",
+             RETURNING id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate",
             claim,
         )
         .load(self)

@@ -46,7 +46,7 @@ pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &BatchClaim<'_>) -> Qu
                  (SELECT id FROM idempotency_outbox \
                   WHERE scope = $3 AND id = ANY($4) AND status = $5 AND (available_at IS NULL OR available_at <= $6) \
                   FOR UPDATE SKIP LOCKED) \
-                 RETURNING id, scope, topic, payload, attempts",
+                 RETURNING id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate",
             )
             .bind::<Timestamp, _>(claim.lease_until)
             .bind::<Text, _>(claim.lease_token)
