@@ -49,10 +49,25 @@
 //! a later one was delivered.
 //!
 //! Several relays running at once deliver their batches in parallel, so
-//! across relays no order holds, within a topic or otherwise: neighbouring
-//! messages may arrive in either order or at the same time. Receivers that
-//! need order must restore it themselves (from a sequence in the payload),
-//! or a single relay must serve their topic.
+//! across relays no order holds for messages without an ordering key:
+//! neighbouring messages may arrive in either order or at the same time.
+//!
+//! Messages that share an [ordering key](Envelope::ordering_key) are
+//! handed over in enqueue order (their ids' order), one at a time, by any
+//! number of relays and workers: a claim takes a keyed message only while
+//! no message of its key enqueued before it is pending, leased or not. So
+//! a message that fails holds back the later messages of its key (through
+//! its backoff, its retries and a lease that runs out) until it is
+//! delivered or parked as dead, a dead one by its last attempt or by a
+//! [`Permanent`] failure; messages of other keys and without a key go on
+//! meanwhile. A handler sees each message of a key only after the one
+//! before it was recorded as delivered or dead. What the order cannot
+//! cover: messages of one key enqueued by concurrent transactions are
+//! ordered by their ids (time-ordered by the millisecond across
+//! processes), not by their commits, and one committed after a later one
+//! was delivered comes late; a requeued dead message is pending again and
+//! holds back the key's messages still pending behind it, but those
+//! already delivered stay delivered.
 //!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

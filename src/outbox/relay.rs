@@ -186,7 +186,7 @@ impl Relay {
     /// How many threads [`serve`](Relay::serve) delivers on, each claiming
     /// batches of its own on a pooled connection (default 1). One worker
     /// keeps each topic in enqueue order; several deliver in parallel and
-    /// keep no order.
+    /// keep only the order of each [ordering key](super::Envelope::ordering_key).
     ///
     /// # Panics
     ///

@@ -57,6 +57,23 @@ pub struct BatchClaim<'a> {
     pub(crate) limit: usize,
 }
 
+/// The claim's condition on a pending message `o`: it is the head of its
+/// ordering key, no message of its key enqueued before it (a smaller id)
+/// is pending, whether leased, backed off or due; a message without a key
+/// always is. So a message that fails holds back the rest of its key until
+/// it is delivered or dead, and one claim takes at most one message of a
+/// key. Earlier messages only ever leave `pending` (but for a requeue), so
+/// a claim that saw one pending at worst passes over a head until the next
+/// claim. A literal status, so that the partial index on pending keyed
+/// messages serves the lookup.
+macro_rules! head_of_its_key {
+    () => {
+        "(o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM idempotency_outbox AS earlier \
+          WHERE earlier.ordering_key = o.ordering_key AND earlier.status = 'pending' AND earlier.id < o.id))"
+    };
+}
+pub(crate) use head_of_its_key;
+
 /// `claim_sql`, a statement that claims in one go, with the parameters of
 /// `claim` bound in the order the backends' statements take them: the
 /// lease's end, its token, the pending status, now, and the limit.
