@@ -27,6 +27,10 @@ diesel::table! {
         created_at -> Timestamp,
         delivered_at -> Nullable<Timestamp>,
         scope -> Text,
+        headers -> Nullable<Text>,
+        ordering_key -> Nullable<Text>,
+        traceparent -> Nullable<Text>,
+        tracestate -> Nullable<Text>,
     }
 }
 

@@ -21,7 +21,8 @@ pub struct Stats {
     /// enqueued; `None` without pending messages. A growing age means the
     /// relays do not keep up, or a handler keeps failing.
     pub oldest_pending_age: Option<Duration>,
-    /// Pending messages due now, not leased to any relay.
+    /// Pending messages due now, not leased to any relay; those held back
+    /// behind an earlier message of their ordering key count too.
     pub due_now: u64,
     /// Messages parked after their last attempt failed, waiting for a
     /// person ([`Relay::dead_letters`](super::Relay::dead_letters),

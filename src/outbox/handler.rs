@@ -2,7 +2,6 @@
 //! a thread of its own, so that it can give up on an attempt that outlasts
 //! its lease and go on with another thread.
 
-use std::fmt;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -12,7 +11,7 @@ use std::time::Instant;
 
 use tracing::{Dispatch, Span};
 
-use super::Message;
+use super::{Failure, HandlerError, Message};
 use crate::telemetry;
 
 /// How many handlers it gave up on a service leaves running
@@ -36,7 +35,7 @@ pub(super) struct Attempts<'scope, 'env, F> {
 /// The thread that runs a worker's handler, one message at a time.
 struct Runner {
     messages: mpsc::Sender<Message>,
-    outcomes: mpsc::Receiver<Result<(), String>>,
+    outcomes: mpsc::Receiver<Result<(), Failure>>,
     /// Set when the worker gives up on it.
     given_up: Arc<AtomicBool>,
 }
@@ -78,9 +77,9 @@ impl<'scope, 'env, F> Attempts<'scope, 'env, F> {
         &mut self,
         message: &Message,
         deadline: Option<Instant>,
-    ) -> Result<Result<(), String>, String>
+    ) -> Result<Result<(), Failure>, String>
     where
-        E: fmt::Display,
+        E: HandlerError,
         F: Fn(&Message) -> Result<(), E> + Sync,
     {
         let runner = match &mut self.runner {
@@ -89,7 +88,7 @@ impl<'scope, 'env, F> Attempts<'scope, 'env, F> {
         };
         if runner.messages.send(message.clone()).is_err() {
             self.runner = None;
-            return Ok(Err(String::from("the handler's thread ended")));
+            return Ok(Err(Failure::Retry(String::from("the handler's thread ended"))));
         }
         let outcome = match deadline {
             Some(deadline) => runner
@@ -115,7 +114,7 @@ impl<'scope, 'env, F> Attempts<'scope, 'env, F> {
             }
             Err(RecvTimeoutError::Disconnected) => {
                 self.runner = None;
-                Ok(Err(String::from("the handler's thread ended")))
+                Ok(Err(Failure::Retry(String::from("the handler's thread ended"))))
             }
         }
     }
@@ -123,7 +122,7 @@ impl<'scope, 'env, F> Attempts<'scope, 'env, F> {
     /// Starts a thread that runs the handler on each message sent to it.
     fn spawn<E>(&self) -> Runner
     where
-        E: fmt::Display,
+        E: HandlerError,
         F: Fn(&Message) -> Result<(), E> + Sync,
     {
         let (messages, inbox) = mpsc::channel::<Message>();
@@ -156,22 +155,25 @@ impl<'scope, 'env, F> Attempts<'scope, 'env, F> {
 /// attempt), so that a message that panics every time ends neither its
 /// worker nor, after the lease, the next one. The handler sees only the
 /// message, so the unwinding leaves no connection half-way.
-fn handle<E, F>(handler: &F, message: &Message) -> Result<(), String>
+fn handle<E, F>(handler: &F, message: &Message) -> Result<(), Failure>
 where
-    E: fmt::Display,
+    E: HandlerError,
     F: Fn(&Message) -> Result<(), E>,
 {
     match panic::catch_unwind(AssertUnwindSafe(|| handler(message))) {
-        Ok(handled) => handled.map_err(|failure| failure.to_string()),
+        Ok(handled) => handled.map_err(|failure| match failure.is_permanent() {
+            true => Failure::Permanent(failure.text()),
+            false => Failure::Retry(failure.text()),
+        }),
         Err(payload) => {
             let text = payload
                 .downcast_ref::<&str>()
                 .copied()
                 .or_else(|| payload.downcast_ref::<String>().map(String::as_str));
-            Err(match text {
+            Err(Failure::Retry(match text {
                 Some(text) => format!("the handler panicked: {text}"),
                 None => String::from("the handler panicked"),
-            })
+            }))
         }
     }
 }

@@ -49,10 +49,25 @@
 //! a later one was delivered.
 //!
 //! Several relays running at once deliver their batches in parallel, so
-//! across relays no order holds, within a topic or otherwise: neighbouring
-//! messages may arrive in either order or at the same time. Receivers that
-//! need order must restore it themselves (from a sequence in the payload),
-//! or a single relay must serve their topic.
+//! across relays no order holds for messages without an ordering key:
+//! neighbouring messages may arrive in either order or at the same time.
+//!
+//! Messages that share an [ordering key](Envelope::ordering_key) are
+//! handed over in enqueue order (their ids' order), one at a time, by any
+//! number of relays and workers: a claim takes a keyed message only while
+//! no message of its key enqueued before it is pending, leased or not. So
+//! a message that fails holds back the later messages of its key (through
+//! its backoff, its retries and a lease that runs out) until it is
+//! delivered or parked as dead, a dead one by its last attempt or by a
+//! [`Permanent`] failure; messages of other keys and without a key go on
+//! meanwhile. A handler sees each message of a key only after the one
+//! before it was recorded as delivered or dead. What the order cannot
+//! cover: messages of one key enqueued by concurrent transactions are
+//! ordered by their ids (time-ordered by the millisecond across
+//! processes), not by their commits, and one committed after a later one
+//! was delivered comes late; a requeued dead message is pending again and
+//! holds back the key's messages still pending behind it, but those
+//! already delivered stay delivered.
 //!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -97,26 +112,31 @@
 //! # }
 //! ```
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::AddAssign;
 
-use chrono::{DateTime, NaiveDateTime, Utc};
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::backend;
-use crate::backend::{BackendRules, BlockingStore, RulesOf, StoreConnection, block_on};
+use crate::backend::{BlockingStore, StoreConnection};
 use crate::clock::Clock;
 use crate::error::KeyError;
 use crate::in_flight::InFlight;
 
 mod backlog;
+mod envelope;
+mod failure;
 mod handler;
 mod relay;
 mod workers;
 
-use crate::backend::outbox::{BlockingOutboxStore, NewMessage, OutboxStore, Settlement};
+use crate::backend::outbox::{BlockingOutboxStore, Settlement};
 pub use backlog::{DeadLetter, Stats};
+pub use envelope::{Envelope, HeaderError, TraceContextError};
+pub use failure::{Failure, HandlerError, Permanent};
 pub use relay::Relay;
 
 /// The longest topic accepted, in bytes.
@@ -178,7 +198,7 @@ where
     C: StoreConnection,
     P: Serialize + ?Sized,
 {
-    block_on(write(conn.raw(), topic, payload, None))
+    Envelope::new(topic, payload).enqueue(conn)
 }
 
 /// [`enqueue`]s a message that no relay delivers before `not_before`: a
@@ -216,8 +236,7 @@ where
     C: StoreConnection,
     P: Serialize + ?Sized,
 {
-    let not_before = RulesOf::<C::Raw>::storable_time(not_before.naive_utc());
-    block_on(write(conn.raw(), topic, payload, Some(not_before)))
+    Envelope::new(topic, payload).not_before(not_before).enqueue(conn)
 }
 
 /// [`enqueue`] on a diesel-async connection (feature `diesel-async`),
@@ -254,7 +273,7 @@ where
     C: crate::AsyncStoreConnection,
     P: Serialize + ?Sized,
 {
-    write(conn, topic, payload, None).await
+    Envelope::new(topic, payload).enqueue_async(conn).await
 }
 
 /// [`enqueue_at`] on a diesel-async connection (feature `diesel-async`).
@@ -273,30 +292,10 @@ where
     C: crate::AsyncStoreConnection,
     P: Serialize + ?Sized,
 {
-    let not_before = C::Rules::storable_time(not_before.naive_utc());
-    write(conn, topic, payload, Some(not_before)).await
-}
-
-/// Writes the message on either kind of connection: the rules of a topic
-/// and a payload, and the scope of the call executing on `conn`, once.
-async fn write<C, P>(conn: &mut C, topic: &str, payload: &P, not_before: Option<NaiveDateTime>) -> Result<String, Error>
-where
-    C: OutboxStore,
-    P: Serialize + ?Sized,
-{
-    crate::key::validate_topic(topic, MAX_TOPIC_LEN).map_err(Error::InvalidTopic)?;
-    let payload = crate::codec::to_readable_json(payload).map_err(Error::Codec)?;
-    let id = crate::id::new();
-    let scope = crate::executing::scope_on(&*conn).unwrap_or_default();
-    conn.insert_message(&NewMessage {
-        id: &id,
-        scope: &scope,
-        topic,
-        payload: &payload,
-        not_before,
-    })
-    .await?;
-    Ok(id)
+    Envelope::new(topic, payload)
+        .not_before(not_before)
+        .enqueue_async(conn)
+        .await
 }
 
 /// One delivery of a message, as a [`Relay`] hands it to its handler.
@@ -319,6 +318,10 @@ pub struct Message {
     /// Which attempt this is, from 1. Attempts cut short by a relay that died
     /// or a lease that ran out count too.
     pub attempt: u32,
+    headers: BTreeMap<String, String>,
+    ordering_key: Option<String>,
+    traceparent: Option<String>,
+    tracestate: Option<String>,
 }
 
 impl Message {
@@ -344,6 +347,37 @@ impl Message {
     /// ```
     pub fn payload<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
         serde_json::from_str(&self.payload_json)
+    }
+
+    /// The headers it was enqueued with ([`Envelope::header`]), by name;
+    /// empty for a message enqueued without.
+    pub fn headers(&self) -> &BTreeMap<String, String> {
+        &self.headers
+    }
+
+    /// The value of header `name` (as enqueued, case and all), if it has
+    /// one.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+
+    /// Its ordering key ([`Envelope::ordering_key`]), if it has one.
+    pub fn ordering_key(&self) -> Option<&str> {
+        self.ordering_key.as_deref()
+    }
+
+    /// The W3C `traceparent` captured when it was enqueued
+    /// ([`Envelope::traceparent`]): hand it on to the broker so the
+    /// consumer's span joins the trace of the request that caused the
+    /// message, not the relay's.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.traceparent.as_deref()
+    }
+
+    /// The W3C `tracestate` captured with the
+    /// [`traceparent`](Message::traceparent).
+    pub fn tracestate(&self) -> Option<&str> {
+        self.tracestate.as_deref()
     }
 }
 
@@ -425,6 +459,14 @@ pub enum Error {
     InvalidTopic(KeyError),
     /// The payload did not serialize to JSON. Nothing was written.
     Codec(serde_json::Error),
+    /// The ordering key breaks a topic's rules: empty, longer than 255
+    /// bytes or not visible ASCII. Nothing was written.
+    InvalidOrderingKey(KeyError),
+    /// A header's name or value breaks its rules, or there are too many.
+    /// Nothing was written.
+    InvalidHeader(HeaderError),
+    /// The trace context is not W3C's. Nothing was written.
+    InvalidTraceContext(TraceContextError),
     /// The database failed. For a relay: messages it had claimed and not yet
     /// settled are delivered again once their lease runs out.
     Storage(diesel::result::Error),
@@ -441,6 +483,9 @@ impl fmt::Display for Error {
         match self {
             Error::InvalidTopic(reason) => write!(f, "invalid outbox topic: {reason}"),
             Error::Codec(_) => f.write_str("outbox payload cannot be stored as json"),
+            Error::InvalidOrderingKey(reason) => write!(f, "invalid outbox ordering key: {reason}"),
+            Error::InvalidHeader(reason) => write!(f, "invalid outbox header: {reason}"),
+            Error::InvalidTraceContext(reason) => write!(f, "invalid outbox trace context: {reason}"),
             Error::Storage(_) => f.write_str("outbox storage failed"),
         }
     }
@@ -450,7 +495,10 @@ impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             // The reason is part of the message already.
-            Error::InvalidTopic(_) => None,
+            Error::InvalidTopic(_)
+            | Error::InvalidOrderingKey(_)
+            | Error::InvalidHeader(_)
+            | Error::InvalidTraceContext(_) => None,
             Error::Codec(error) => Some(error),
             Error::Storage(error) => Some(error),
         }

@@ -6,7 +6,7 @@ use std::fmt;
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 
-use super::{DeadLetter, Deliveries, Error, Message, Stats, WRITE_LOCK_WAIT, backlog, workers};
+use super::{DeadLetter, Deliveries, Error, HandlerError, Message, Stats, WRITE_LOCK_WAIT, backlog, workers};
 use crate::backend::outbox::{BatchClaim, Claimed, MessageId, Settlement};
 use crate::backend::{RawConnection, StoreConnection};
 use crate::clock::{Clock, Reading, assert_duration};
@@ -186,7 +186,7 @@ impl Relay {
     /// How many threads [`serve`](Relay::serve) delivers on, each claiming
     /// batches of its own on a pooled connection (default 1). One worker
     /// keeps each topic in enqueue order; several deliver in parallel and
-    /// keep no order.
+    /// keep only the order of each [ordering key](super::Envelope::ordering_key).
     ///
     /// # Panics
     ///
@@ -226,7 +226,7 @@ impl Relay {
     /// which the rest of the batch may already belong to another relay.
     fn attempt<E, F>(&self, row: Claimed, clock: &Reading, lease: &Lease, handler: &mut F) -> Option<Settlement>
     where
-        E: fmt::Display,
+        E: HandlerError,
         F: FnMut(&Message) -> Result<(), E>,
     {
         if clock.now() >= lease.until {
@@ -241,6 +241,17 @@ impl Relay {
                 attempts: row.attempts - 1,
             });
         }
+        let headers = match row.headers.as_deref().map(serde_json::from_str).transpose() {
+            Ok(headers) => headers.unwrap_or_default(),
+            // Written by `Envelope` as a map of strings, so changed by hand:
+            // the message can no longer be delivered as it was enqueued.
+            Err(error) => {
+                return Some(Settlement::Dead {
+                    error: storable_error(format!("the stored headers do not decode: {error}")),
+                    attempts: row.attempts,
+                });
+            }
+        };
         let message = Message {
             key: row.id.clone(),
             id: row.id,
@@ -248,16 +259,20 @@ impl Relay {
             topic: row.topic,
             payload_json: row.payload,
             attempt,
+            headers,
+            ordering_key: row.ordering_key,
+            traceparent: row.traceparent,
+            tracestate: row.tracestate,
         };
         Some(match handler(&message) {
             Ok(()) => Settlement::Delivered { at: clock.now() },
-            Err(failure) if attempt >= self.max_attempts => Settlement::Dead {
-                error: storable_error(failure.to_string()),
+            Err(failure) if failure.is_permanent() || attempt >= self.max_attempts => Settlement::Dead {
+                error: storable_error(failure.text()),
                 attempts: row.attempts,
             },
             Err(failure) => Settlement::Retry {
                 due: clock.now() + self.backoff_after(attempt),
-                error: storable_error(failure.to_string()),
+                error: storable_error(failure.text()),
             },
         })
     }
@@ -266,7 +281,9 @@ impl Relay {
     /// first, hands each to `handler` in that order, and records each
     /// outcome: `Ok` marks the message delivered; `Err` schedules it again
     /// after the [backoff](Relay::backoff), or parks it as dead with the
-    /// error's text once it had [`max_attempts`](Relay::max_attempts). A
+    /// error's text once it had [`max_attempts`](Relay::max_attempts), or at
+    /// once when the error is [permanent](super::HandlerError) (such as a
+    /// [`Permanent`](super::Permanent)). A
     /// message whose earlier lease ran out after its last attempt is parked
     /// without being handed over again.
     ///
@@ -319,7 +336,7 @@ impl Relay {
     pub fn run_once<C, E, F>(&self, conn: &mut C, mut handler: F) -> Result<Deliveries, Error>
     where
         C: StoreConnection,
-        E: fmt::Display,
+        E: HandlerError,
         F: FnMut(&Message) -> Result<(), E>,
     {
         let mut report = Deliveries::default();
@@ -426,7 +443,7 @@ impl Relay {
     ) -> Stopped<Deliveries>
     where
         C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-        E: fmt::Display,
+        E: HandlerError,
         F: Fn(&Message) -> Result<(), E> + Sync,
     {
         workers::deliver(self, pool, handler, shutdown)
@@ -445,7 +462,7 @@ impl Relay {
     ) -> Result<(), Error>
     where
         C: RawConnection,
-        E: fmt::Display,
+        E: HandlerError,
         F: FnMut(&Message) -> Result<(), E>,
     {
         let clock = self.clock.start(conn)?;

@@ -3,7 +3,6 @@
 //! wakes them when an enqueue commits.
 
 use std::cell::Cell;
-use std::fmt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::Instant;
@@ -12,7 +11,7 @@ use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use tracing::{Dispatch, Span};
 
 use super::handler::{Attempts, traced};
-use super::{Deliveries, Error, Message, Relay};
+use super::{Deliveries, Error, Failure, HandlerError, Message, Relay};
 use crate::backend::StoreConnection;
 use crate::backend::outbox::{BlockingOutboxStore, Due};
 use crate::service::{Next, Shutdown, Stopped, serve};
@@ -40,7 +39,7 @@ pub(super) fn deliver<C, E, F>(
 ) -> Stopped<Deliveries>
 where
     C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-    E: fmt::Display,
+    E: HandlerError,
     F: Fn(&Message) -> Result<(), E> + Sync,
 {
     // The service's threads report where the caller's thread does: to
@@ -113,7 +112,7 @@ fn step<C, E, F>(
 ) -> Result<Next, Error>
 where
     C: StoreConnection,
-    E: fmt::Display,
+    E: HandlerError,
     F: Fn(&Message) -> Result<(), E> + Sync,
 {
     if attempts.too_many_abandoned(relay.workers) {
@@ -145,7 +144,7 @@ where
         &mut |message: &Message| {
             attempts.hand_over(message, give_up_at).unwrap_or_else(|abandoned| {
                 gave_up.set(true);
-                Err(abandoned)
+                Err(Failure::Retry(abandoned))
             })
         },
         // After an attempt given up on, the rest of the batch is given

@@ -46,6 +46,11 @@ crate::common::backend_tests!(
     concurrent_relays_deliver_every_message_once_and_never_twice_at_a_time,
     delivered_messages_are_purged_after_retention_in_batches,
     messages_carry_the_scope_of_the_call_that_enqueued_them,
+    permanent_failure_parks_the_message_at_once_with_its_reason,
+    handler_sees_the_headers_ordering_key_and_trace_context_it_was_enqueued_with,
+    invalid_headers_ordering_key_or_trace_context_are_refused_and_write_nothing,
+    only_the_head_of_each_ordering_key_is_claimed_and_a_dead_head_releases_its_key,
+    concurrent_relays_hand_over_each_key_in_enqueue_order_and_a_failing_key_holds_back_only_itself,
 );
 
 fn status_count<D: TestDb>(conn: &mut D::Conn, status: &str) -> usize {
@@ -885,6 +890,311 @@ fn messages_carry_the_scope_of_the_call_that_enqueued_them<D: TestDb>() {
     .map(|(payload, scope)| (payload.to_owned(), scope.to_owned()))
     .collect();
     assert_eq!(scopes, expected);
+}
+
+fn permanent_failure_parks_the_message_at_once_with_its_reason<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let gone = outbox::enqueue(&mut conn, "webhooks", &410).expect("enqueue");
+    let busy = outbox::enqueue(&mut conn, "webhooks", &503).expect("enqueue");
+    let relay = Relay::default().max_attempts(10);
+    let handler = |message: &Message| -> Result<(), outbox::Failure> {
+        match message.payload::<u16>()? {
+            410 => Err(outbox::Permanent("410 gone"))?,
+            status => Err(outbox::Failure::Retry(format!("answered {status}"))),
+        }
+    };
+
+    let report = relay.run_once(&mut conn, &handler).expect("relay");
+    assert_eq!((report.claimed, report.dead, report.retried), (2, 1, 1));
+    let dead = relay.dead_letters(&mut conn, 10).expect("dead letters");
+    assert_eq!(dead.len(), 1, "only the permanent failure is dead: {dead:?}");
+    assert_eq!(
+        (dead[0].id.as_str(), dead[0].attempts, dead[0].last_error.as_deref()),
+        (gone.as_str(), 1, Some("410 gone")),
+        "dead after its first attempt, with the reason"
+    );
+    assert_ne!(dead[0].id, busy);
+    assert_eq!(
+        status_count::<D>(&mut conn, "pending"),
+        1,
+        "the transient failure waits for its retry"
+    );
+
+    let report = relay
+        .run_once(&mut conn, |_| Err::<(), _>(outbox::Permanent(String::from("never"))))
+        .expect("relay");
+    assert_eq!(report.claimed, 0, "a permanent failure is not retried");
+}
+
+const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+fn handler_sees_the_headers_ordering_key_and_trace_context_it_was_enqueued_with<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let value = format!("ünïcode {}", "v".repeat(4000));
+    let placed = run_idempotent(&mut conn, "tenant-a", "order-1", &"book", |tx| {
+        outbox::Envelope::new("orders.placed", &"book")
+            .header("content-type", "application/json")
+            .header("X-Long", value.as_str())
+            .header("x-empty", "")
+            .ordering_key("order-1")
+            .traceparent(TRACEPARENT)
+            .tracestate("vendor=opaque,other=1")
+            .enqueue(tx)
+    })
+    .expect("the call")
+    .into_inner();
+    let plain = outbox::enqueue(&mut conn, "orders.placed", &"pen").expect("enqueue");
+
+    let mut seen = HashMap::new();
+    Relay::default()
+        .run_once(&mut conn, |message| {
+            seen.insert(message.id.clone(), message.clone());
+            Ok::<_, String>(())
+        })
+        .expect("relay");
+    let message = &seen[&placed];
+    assert_eq!(message.scope, "tenant-a");
+    assert_eq!(message.headers().len(), 3);
+    assert_eq!(message.header("content-type"), Some("application/json"));
+    assert_eq!(message.header("X-Long"), Some(value.as_str()));
+    assert_eq!(message.header("x-long"), None, "names are kept as given");
+    assert_eq!(message.header("x-empty"), Some(""));
+    assert_eq!(message.ordering_key(), Some("order-1"));
+    assert_eq!(message.traceparent(), Some(TRACEPARENT));
+    assert_eq!(message.tracestate(), Some("vendor=opaque,other=1"));
+    let plain = &seen[&plain];
+    assert!(plain.headers().is_empty());
+    assert_eq!(
+        (plain.ordering_key(), plain.traceparent(), plain.tracestate()),
+        (None, None, None)
+    );
+}
+
+fn invalid_headers_ordering_key_or_trace_context_are_refused_and_write_nothing<D: TestDb>() {
+    use outbox::{Envelope, Error as OutboxError, HeaderError, TraceContextError};
+    let db = D::new();
+    let mut conn = db.conn();
+    let message = || Envelope::new("receipts", &1);
+    let many = (0..65).fold(message(), |m, i| m.header(format!("h{i}"), "v"));
+    let refusals: Vec<(&str, Result<String, OutboxError>)> = vec![
+        (
+            "a header name with a colon",
+            message().header("a:b", "v").enqueue(&mut conn),
+        ),
+        ("an empty header name", message().header("", "v").enqueue(&mut conn)),
+        (
+            "a line break in a value",
+            message().header("x", "a\r\nb").enqueue(&mut conn),
+        ),
+        (
+            "a value too long",
+            message().header("x", "v".repeat(4097)).enqueue(&mut conn),
+        ),
+        ("65 headers", many.enqueue(&mut conn)),
+        (
+            "an ordering key with a space",
+            message().ordering_key("order 1").enqueue(&mut conn),
+        ),
+        ("an empty ordering key", message().ordering_key("").enqueue(&mut conn)),
+        (
+            "an ordering key too long",
+            message().ordering_key("k".repeat(256)).enqueue(&mut conn),
+        ),
+        (
+            "a traceparent in upper case",
+            message().traceparent(TRACEPARENT.to_uppercase()).enqueue(&mut conn),
+        ),
+        (
+            "a tracestate with a control character",
+            message()
+                .traceparent(TRACEPARENT)
+                .tracestate("a=\u{7}")
+                .enqueue(&mut conn),
+        ),
+        ("a tracestate alone", message().tracestate("a=1").enqueue(&mut conn)),
+    ];
+    for (what, refused) in &refusals {
+        let typed = matches!(
+            refused,
+            Err(OutboxError::InvalidHeader(
+                HeaderError::InvalidName { .. } | HeaderError::InvalidValue { .. } | HeaderError::TooMany { count: 65 }
+            )) | Err(OutboxError::InvalidOrderingKey(_))
+                | Err(OutboxError::InvalidTraceContext(
+                    TraceContextError::Traceparent
+                        | TraceContextError::Tracestate
+                        | TraceContextError::TracestateWithoutTraceparent
+                ))
+        );
+        assert!(typed, "{what}: {refused:?}");
+    }
+    assert!(D::outbox_messages(&mut conn).is_empty(), "nothing was written");
+}
+
+fn only_the_head_of_each_ordering_key_is_claimed_and_a_dead_head_releases_its_key<D: TestDb>() {
+    let db = D::new();
+    let mut conn = db.conn();
+    let keyed = |key: &str, n: i32| outbox::Envelope::new("events", &n).ordering_key(key);
+    let a: Vec<String> = (0..3)
+        .map(|n| keyed("a", n).enqueue(&mut conn).expect("enqueue"))
+        .collect();
+    let b0 = keyed("b", 10).enqueue(&mut conn).expect("enqueue");
+    let free = outbox::enqueue(&mut conn, "events", &20).expect("enqueue");
+    let clock = ManualClock::at(Utc::now() + Duration::seconds(1));
+    let relay = Relay::default()
+        .clock(clock.source())
+        .max_attempts(2)
+        .backoff(Duration::seconds(10), Duration::seconds(10));
+
+    let mut handed = Vec::new();
+    let first = relay
+        .run_once(&mut conn, |message| {
+            handed.push(message.id.clone());
+            if message.id == a[0] { Err("broker down") } else { Ok(()) }
+        })
+        .expect("relay");
+    assert_eq!(
+        handed,
+        [a[0].clone(), b0.clone(), free.clone()],
+        "one head per key, and the free message"
+    );
+    assert_eq!((first.delivered, first.retried), (2, 1));
+
+    // Backed off: its key waits for it, even though a[1] is due.
+    clock.advance(Duration::seconds(5));
+    assert_eq!(
+        relay.run_once(&mut conn, |_| Ok::<_, &str>(())).expect("relay").claimed,
+        0
+    );
+
+    // Its last attempt fails: dead, and the key goes on with the next.
+    clock.advance(Duration::seconds(5));
+    let mut handed = Vec::new();
+    relay
+        .run_once(&mut conn, |message| {
+            handed.push(message.id.clone());
+            Err("broker down")
+        })
+        .expect("relay");
+    assert_eq!(handed, [a[0].clone()]);
+    let mut handed = Vec::new();
+    relay
+        .run_once(&mut conn, |message| {
+            handed.push(message.id.clone());
+            if message.id == a[1] {
+                Err(outbox::Permanent("malformed"))
+            } else {
+                Ok(())
+            }
+        })
+        .expect("relay");
+    assert_eq!(handed, [a[1].clone()], "the next of the key, once its head is dead");
+    let mut handed = Vec::new();
+    relay
+        .run_once(&mut conn, |message| {
+            handed.push(message.id.clone());
+            Ok::<_, &str>(())
+        })
+        .expect("relay");
+    assert_eq!(handed, [a[2].clone()], "a permanent failure releases the key too");
+}
+
+fn concurrent_relays_hand_over_each_key_in_enqueue_order_and_a_failing_key_holds_back_only_itself<D: TestDb>() {
+    use std::collections::hash_map::DefaultHasher;
+    use std::hash::{Hash, Hasher};
+    const KEYS: usize = 8;
+    const PER_KEY: usize = 12;
+    const RELAYS: usize = 4;
+    /// The key whose head fails until every other message is delivered.
+    const HELD: usize = 0;
+    let db = D::new();
+    let mut conn = db.conn();
+    for n in 0..PER_KEY {
+        for key in 0..KEYS {
+            outbox::Envelope::new("events", &(key, n))
+                .ordering_key(format!("key-{key}"))
+                .enqueue(&mut conn)
+                .expect("enqueue");
+        }
+        // Without a key: delivered in parallel, as before.
+        outbox::enqueue(&mut conn, "events", &(usize::MAX, n)).expect("enqueue");
+    }
+    let total = (KEYS + 1) * PER_KEY;
+    let others = total - PER_KEY;
+
+    let delivered = Mutex::new(HashMap::<usize, Vec<usize>>::new());
+    let in_flight = Mutex::new(HashSet::<usize>::new());
+    let done = AtomicUsize::new(0);
+    let others_done = AtomicUsize::new(0);
+    let (overlaps, held_while_others_ran) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let barrier = Barrier::new(RELAYS);
+    let relay = Relay::default()
+        .batch_size(5)
+        .lease(Duration::minutes(10))
+        .max_attempts(10_000)
+        .backoff(Duration::milliseconds(1), Duration::milliseconds(1));
+    let handler = |message: &Message| -> Result<(), String> {
+        let (key, n): (usize, usize) = message.payload().map_err(|e| e.to_string())?;
+        let keyed = key != usize::MAX;
+        if keyed && !in_flight.lock().unwrap().insert(key) {
+            overlaps.fetch_add(1, Ordering::SeqCst);
+        }
+        let mut hasher = DefaultHasher::new();
+        (&message.id, message.attempt).hash(&mut hasher);
+        let outcome = if key == HELD && others_done.load(Ordering::SeqCst) < others {
+            held_while_others_ran.fetch_add(1, Ordering::SeqCst);
+            Err(String::from("held"))
+        } else if hasher.finish() % 3 == 0 {
+            Err(String::from("random failure"))
+        } else {
+            if keyed {
+                delivered.lock().unwrap().entry(key).or_default().push(n);
+            }
+            done.fetch_add(1, Ordering::SeqCst);
+            if key != HELD {
+                others_done.fetch_add(1, Ordering::SeqCst);
+            }
+            Ok(())
+        };
+        if keyed {
+            in_flight.lock().unwrap().remove(&key);
+        }
+        outcome
+    };
+    std::thread::scope(|scope| {
+        for _ in 0..RELAYS {
+            scope.spawn(|| {
+                barrier.wait();
+                let mut conn = db.conn();
+                while done.load(Ordering::SeqCst) < total {
+                    let report = relay.run_once(&mut conn, &handler).expect("relay");
+                    if report.claimed == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+            });
+        }
+    });
+
+    assert_eq!(
+        overlaps.load(Ordering::SeqCst),
+        0,
+        "never two messages of one key at once"
+    );
+    assert!(
+        held_while_others_ran.load(Ordering::SeqCst) > 0,
+        "the held key failed while the others went on"
+    );
+    let delivered = delivered.into_inner().unwrap();
+    for key in 0..KEYS {
+        assert_eq!(
+            delivered[&key],
+            (0..PER_KEY).collect::<Vec<_>>(),
+            "key {key}: each message once, in enqueue order"
+        );
+    }
+    assert_eq!(status_count::<D>(&mut conn, "delivered"), total);
 }
 
 /// The database error inside a call's error, for an operation that returns

@@ -37,6 +37,7 @@ crate::common::backend_tests!(
     panicking_handler_fails_its_message_while_the_others_are_delivered,
     hanging_handler_is_given_up_within_its_lease_while_the_others_are_delivered,
     worker_claims_nothing_while_four_handlers_it_gave_up_on_still_run,
+    workers_keep_each_ordering_key_in_order_and_park_a_permanent_failure_at_once,
 );
 
 /// A handler's report: the message id and its attempt.
@@ -723,4 +724,77 @@ fn worker_claims_nothing_while_four_handlers_it_gave_up_on_still_run<D: TestDb>(
         drop(release);
         service.join().expect("the relay does not panic")
     });
+}
+
+/// The service's workers hand each key's messages over in enqueue order
+/// while some attempts fail, and a handler's permanent failure, returned
+/// from the worker's handler thread, parks its message after one attempt.
+fn workers_keep_each_ordering_key_in_order_and_park_a_permanent_failure_at_once<D: TestDb>() {
+    use std::collections::HashMap;
+    use std::collections::hash_map::DefaultHasher;
+    use std::hash::{Hash, Hasher};
+    const KEYS: usize = 3;
+    const PER_KEY: usize = 6;
+    let db = D::new();
+    let pool = db.pool(4);
+    let mut conn = db.conn();
+    let gone = outbox::enqueue(&mut conn, "webhooks", &serde_json::json!("gone")).expect("enqueue");
+    for n in 0..PER_KEY {
+        for key in 0..KEYS {
+            outbox::Envelope::new("webhooks", &serde_json::json!([key, n]))
+                .ordering_key(format!("key-{key}"))
+                .enqueue(&mut conn)
+                .expect("enqueue");
+        }
+    }
+    let relay = Relay::default()
+        .workers(3)
+        .batch_size(5)
+        .max_attempts(1000)
+        .backoff(Duration::milliseconds(1), Duration::milliseconds(1))
+        .poll_interval(Duration::milliseconds(10));
+    let delivered = Mutex::new(HashMap::<usize, Vec<usize>>::new());
+    let handler = |message: &Message| -> Result<(), outbox::Failure> {
+        let Ok((key, n)) = message.payload::<(usize, usize)>() else {
+            return Err(outbox::Permanent("410 gone").into());
+        };
+        let mut hasher = DefaultHasher::new();
+        (&message.id, message.attempt).hash(&mut hasher);
+        if hasher.finish() % 3 == 0 {
+            return Err(outbox::Failure::Retry(String::from("random failure")));
+        }
+        delivered
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(key)
+            .or_default()
+            .push(n);
+        Ok(())
+    };
+    let shutdown = Shutdown::new();
+    let summary = thread::scope(|scope| {
+        let _stop = StopOnDrop(&shutdown);
+        let service = scope.spawn(|| relay.serve(&pool, handler, &shutdown));
+        wait_for("every keyed message delivered and the gone one dead", || {
+            status_count::<D>(&mut conn, "delivered") == KEYS * PER_KEY && status_count::<D>(&mut conn, "dead") == 1
+        });
+        shutdown.trigger();
+        service.join().expect("the relay does not panic")
+    });
+
+    let delivered = delivered.into_inner().unwrap_or_else(PoisonError::into_inner);
+    for key in 0..KEYS {
+        assert_eq!(
+            delivered[&key],
+            (0..PER_KEY).collect::<Vec<_>>(),
+            "key {key} in enqueue order"
+        );
+    }
+    let rows = D::outbox_messages(&mut conn);
+    let (_, _, status, attempts, last_error) = rows.iter().find(|row| row.0 == gone).expect("the gone message");
+    assert_eq!(
+        (status.as_str(), *attempts, last_error.as_deref()),
+        ("dead", 1, Some("410 gone"))
+    );
+    assert_eq!((summary.work.dead, summary.errors), (1, 0), "{summary:?}");
 }

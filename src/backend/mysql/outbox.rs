@@ -25,7 +25,9 @@ use diesel::sql_types::{BigInt, Datetime, Text};
 
 use crate::backend::mysql::schema::{self, idempotency_outbox as o};
 use crate::backend::mysql::{UtcNow, read_committed};
-use crate::backend::outbox::{BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, outbox_statements};
+use crate::backend::outbox::{
+    BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, head_of_its_key, outbox_statements,
+};
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
 
@@ -36,12 +38,16 @@ impl OutboxStore for MysqlConnection {
 impl BlockingOutboxStore for MysqlConnection {
     fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
         read_committed(self, |tx| {
-            let mut due: Vec<Claimed> = diesel::sql_query(
-                "SELECT id, scope, topic, payload, attempts \
-                 FROM idempotency_outbox FORCE INDEX (idempotency_outbox_status_id) \
-                 WHERE status = ? AND (available_at IS NULL OR available_at <= ?) \
-                 ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",
-            )
+            // The head condition's subquery is a plain read, which locks
+            // nothing and skips nothing: it sees an earlier message of the
+            // key that another relay is settling as last committed.
+            let mut due: Vec<Claimed> = diesel::sql_query(concat!(
+                "SELECT id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate \
+                 FROM idempotency_outbox AS o FORCE INDEX (idempotency_outbox_status_id) \
+                 WHERE status = ? AND (available_at IS NULL OR available_at <= ?) AND ",
+                head_of_its_key!(),
+                " ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED"
+            ))
             .bind::<Text, _>(MessageStatus::Pending)
             .bind::<Datetime, _>(claim.now)
             .bind::<BigInt, _>(sql_limit(claim.limit))

@@ -30,6 +30,10 @@ diesel::table! {
         created_at -> Datetime,
         delivered_at -> Nullable<Datetime>,
         scope -> Varchar,
+        headers -> Nullable<Longtext>,
+        ordering_key -> Nullable<Varchar>,
+        traceparent -> Nullable<Varchar>,
+        tracestate -> Nullable<Varchar>,
     }
 }
 

@@ -40,6 +40,11 @@ pub struct NewMessage<'a> {
     pub(crate) topic: &'a str,
     pub(crate) payload: &'a str,
     pub(crate) not_before: Option<NaiveDateTime>,
+    /// A JSON object of string to string.
+    pub(crate) headers: Option<&'a str>,
+    pub(crate) ordering_key: Option<&'a str>,
+    pub(crate) traceparent: Option<&'a str>,
+    pub(crate) tracestate: Option<&'a str>,
 }
 
 /// What a relay claims: up to `limit` pending messages due at `now`,
@@ -51,6 +56,23 @@ pub struct BatchClaim<'a> {
     pub(crate) lease_token: &'a str,
     pub(crate) limit: usize,
 }
+
+/// The claim's condition on a pending message `o`: it is the head of its
+/// ordering key, no message of its key enqueued before it (a smaller id)
+/// is pending, whether leased, backed off or due; a message without a key
+/// always is. So a message that fails holds back the rest of its key until
+/// it is delivered or dead, and one claim takes at most one message of a
+/// key. Earlier messages only ever leave `pending` (but for a requeue), so
+/// a claim that saw one pending at worst passes over a head until the next
+/// claim. A literal status, so that the partial index on pending keyed
+/// messages serves the lookup.
+macro_rules! head_of_its_key {
+    () => {
+        "(o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM idempotency_outbox AS earlier \
+          WHERE earlier.ordering_key = o.ordering_key AND earlier.status = 'pending' AND earlier.id < o.id))"
+    };
+}
+pub(crate) use head_of_its_key;
 
 /// `claim_sql`, a statement that claims in one go, with the parameters of
 /// `claim` bound in the order the backends' statements take them: the
@@ -89,6 +111,10 @@ pub struct Claimed {
     pub(crate) topic: String,
     pub(crate) payload: String,
     pub(crate) attempts: i32,
+    pub(crate) headers: Option<String>,
+    pub(crate) ordering_key: Option<String>,
+    pub(crate) traceparent: Option<String>,
+    pub(crate) tracestate: Option<String>,
 }
 
 /// A claimed message, by its scope and its id.

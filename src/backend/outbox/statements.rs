@@ -40,6 +40,10 @@ macro_rules! outbox_statements {
                     o::attempts.eq(0),
                     o::available_at.eq(message.not_before),
                     o::created_at.eq($now),
+                    o::headers.eq(message.headers),
+                    o::ordering_key.eq(message.ordering_key),
+                    o::traceparent.eq(message.traceparent),
+                    o::tracestate.eq(message.tracestate),
                 ))
                 .execute(self)$($await)*?;
             Ok(())

@@ -19,7 +19,7 @@ use super::citus;
 use super::expired::Expired;
 use super::{database_time, purge};
 use crate::backend::outbox::{
-    BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, claim_in_one_statement, outbox_statements,
+    BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, claim_in_one_statement, head_of_its_key, outbox_statements,
 };
 use crate::row_status::MessageStatus;
 use crate::schema;
@@ -39,13 +39,16 @@ impl BlockingOutboxStore for PgConnection {
             return citus::outbox::claim_batch(self, claim);
         }
         claim_in_one_statement(
-            "WITH due AS ( \
-                 SELECT id FROM idempotency_outbox \
-                 WHERE status = $3 AND (available_at IS NULL OR available_at <= $4) \
-                 ORDER BY id LIMIT $5 FOR UPDATE SKIP LOCKED) \
+            concat!(
+                "WITH due AS ( \
+                 SELECT id FROM idempotency_outbox AS o \
+                 WHERE status = $3 AND (available_at IS NULL OR available_at <= $4) AND ",
+                head_of_its_key!(),
+                " ORDER BY id LIMIT $5 FOR UPDATE OF o SKIP LOCKED) \
              UPDATE idempotency_outbox AS o SET attempts = o.attempts + 1, available_at = $1, lease_token = $2 \
              FROM due WHERE o.id = due.id \
-             RETURNING o.id, o.scope, o.topic, o.payload, o.attempts",
+             RETURNING o.id, o.scope, o.topic, o.payload, o.attempts, o.headers, o.ordering_key, o.traceparent, o.tracestate"
+            ),
             claim,
         )
         .load(self)

@@ -185,6 +185,13 @@ impl OutboxStore for Wrapped {
             message.payload.to_owned(),
             message.not_before,
         );
+        let owned = |text: Option<&str>| text.map(str::to_owned);
+        let (headers, ordering_key, traceparent, tracestate) = (
+            owned(message.headers),
+            owned(message.ordering_key),
+            owned(message.traceparent),
+            owned(message.tracestate),
+        );
         self.spawn_blocking(move |conn| {
             block_on(OutboxStore::insert_message(
                 conn,
@@ -194,6 +201,10 @@ impl OutboxStore for Wrapped {
                     topic: &topic,
                     payload: &payload,
                     not_before,
+                    headers: headers.as_deref(),
+                    ordering_key: ordering_key.as_deref(),
+                    traceparent: traceparent.as_deref(),
+                    tracestate: tracestate.as_deref(),
                 },
             ))
         })

@@ -15,6 +15,7 @@ async_backend_tests!(
     an_async_call_enqueues_its_message_with_its_commit_and_scope_and_its_replay_enqueues_nothing,
     a_failed_async_operation_leaves_no_message,
     an_async_phased_step_enqueues_with_the_operation_s_scope,
+    an_async_envelope_carries_its_headers_and_ordering_key,
 );
 
 /// The messages a relay delivers now from `db`: (scope, topic, payload).
@@ -104,5 +105,42 @@ async fn an_async_phased_step_enqueues_with_the_operation_s_scope<D: AsyncDb>() 
     assert_eq!(
         delivered(&db),
         [("tenant-7".to_owned(), "receipts".to_owned(), "\"book\"".to_owned())]
+    );
+}
+
+async fn an_async_envelope_carries_its_headers_and_ordering_key<D: AsyncDb>() {
+    let db = D::new();
+    let mut conn = db.connect().await;
+    outbox::Envelope::new("receipts", &"book")
+        .header("content-type", "application/json")
+        .ordering_key("order-1")
+        .enqueue_async(&mut conn)
+        .await
+        .expect("enqueue");
+    let refused = outbox::Envelope::new("receipts", &"book")
+        .ordering_key("order 1")
+        .enqueue_async(&mut conn)
+        .await;
+    assert!(
+        matches!(refused, Err(outbox::Error::InvalidOrderingKey(_))),
+        "{refused:?}"
+    );
+    let mut check = db.conn();
+    let mut seen = Vec::new();
+    tokio::task::block_in_place(|| {
+        Relay::default()
+            .run_once(&mut check, |message: &Message| {
+                seen.push((
+                    message.header("content-type").map(str::to_owned),
+                    message.ordering_key().map(str::to_owned),
+                ));
+                Ok::<_, std::convert::Infallible>(())
+            })
+            .expect("a relay's pass")
+    });
+    assert_eq!(
+        seen,
+        [(Some("application/json".to_owned()), Some("order-1".to_owned()))],
+        "one message, the refused one left nothing"
     );
 }

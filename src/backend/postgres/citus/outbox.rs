@@ -24,9 +24,18 @@ pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &BatchClaim<'_>) -> Qu
         #[diesel(sql_type = Text)]
         id: String,
     }
+    // The head of each ordering key (see `head_of_its_key!`): a correlated
+    // subquery that does not join on the distribution column is not
+    // distributable, so the heads are one aggregate across the shards,
+    // which Citus plans ahead of the read. Earlier messages of a key only
+    // leave `pending`, so a head read here is still one when its shard
+    // leases it.
     let due: Vec<Due> = diesel::sql_query(
-        "SELECT scope, id FROM idempotency_outbox \
-         WHERE status = $1 AND (available_at IS NULL OR available_at <= $2) ORDER BY id LIMIT $3",
+        "WITH heads AS (SELECT min(id) AS id FROM idempotency_outbox \
+                        WHERE status = $1 AND ordering_key IS NOT NULL GROUP BY ordering_key) \
+         SELECT scope, id FROM idempotency_outbox \
+         WHERE status = $1 AND (available_at IS NULL OR available_at <= $2) \
+         AND (ordering_key IS NULL OR id IN (SELECT id FROM heads)) ORDER BY id LIMIT $3",
     )
     .bind::<Text, _>(MessageStatus::Pending)
     .bind::<Timestamp, _>(claim.now)
@@ -46,7 +55,7 @@ pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &BatchClaim<'_>) -> Qu
                  (SELECT id FROM idempotency_outbox \
                   WHERE scope = $3 AND id = ANY($4) AND status = $5 AND (available_at IS NULL OR available_at <= $6) \
                   FOR UPDATE SKIP LOCKED) \
-                 RETURNING id, scope, topic, payload, attempts",
+                 RETURNING id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate",
             )
             .bind::<Timestamp, _>(claim.lease_until)
             .bind::<Text, _>(claim.lease_token)
