@@ -5,6 +5,7 @@
 //! operation takes two statements here, which the floor shares.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use diesel::MysqlConnection;
 use diesel::connection::SimpleConnection;
@@ -106,10 +107,18 @@ impl Bench for MysqlConnection {
 /// `Innodb_rows_*` would give for the whole server only, and MariaDB 10.11
 /// not at all), and the CPU time of the thread that serves the connection,
 /// where it runs on this host.
+///
+/// An update leaves its old version in the undo log, which InnoDB's purge
+/// removes after the commit, writing redo of its own; a reading waits for
+/// the purge to catch up (MariaDB's `Innodb_history_list_length` at 0), so
+/// that a batch's redo includes the purge of what it left, and none of the
+/// batch before.
 pub struct MysqlProbe {
     /// Where the status variables are: `information_schema` on MariaDB,
     /// `performance_schema` on MySQL 8.
     schema: Option<&'static str>,
+    /// Whether the server tells the length of its purge backlog.
+    history: bool,
     /// What a reading adds to the session's counters itself.
     own: BTreeMap<String, i64>,
     thread: Option<Task>,
@@ -131,12 +140,26 @@ struct ThreadId {
     id: i64,
 }
 
+/// How long a reading waits for InnoDB's purge to catch up.
+const PURGE_WAIT: Duration = Duration::from_secs(10);
+
+/// The transactions whose undo log InnoDB's purge has yet to remove.
+fn history_length(conn: &mut MysqlConnection, schema: &str) -> QueryResult<i64> {
+    Ok(diesel::sql_query(format!(
+        "SELECT 'history' AS name, CAST(variable_value AS SIGNED) AS value FROM {schema}.global_status \
+         WHERE UPPER(variable_name) = 'INNODB_HISTORY_LIST_LENGTH'"
+    ))
+    .get_result::<Status>(conn)?
+    .value)
+}
+
 const SESSION_COUNTS: &str = "'HANDLER_READ_KEY', 'HANDLER_WRITE', 'HANDLER_UPDATE', 'ROWS_READ'";
 
 impl MysqlProbe {
     fn new(conn: &mut MysqlConnection) -> MysqlProbe {
         let mut probe = MysqlProbe {
             schema: None,
+            history: false,
             own: BTreeMap::new(),
             thread: None,
             notes: Vec::new(),
@@ -153,6 +176,14 @@ impl MysqlProbe {
         }
         match probe.schema {
             Some(schema) => {
+                probe.history = history_length(conn, schema).is_ok();
+                if !probe.history {
+                    probe.notes.push(
+                        "redo: the purge of the undo log is not waited for (no Innodb_history_list_length), \
+                         so a batch's redo may hold some of the batch before's"
+                            .to_owned(),
+                    );
+                }
                 // The reading's own counts show in the reading after it.
                 let first = probe.status(conn, schema).unwrap_or_default();
                 let second = probe.status(conn, schema).unwrap_or_default();
@@ -207,6 +238,28 @@ impl Probe<MysqlConnection> for MysqlProbe {
 
     fn read(&mut self, conn: &mut MysqlConnection) -> Option<Self::Reading> {
         let schema = self.schema?;
+        if self.history {
+            let deadline = Instant::now() + PURGE_WAIT;
+            loop {
+                match history_length(conn, schema) {
+                    Ok(0) => break,
+                    Ok(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+                    Ok(_) => {
+                        self.notes.push(format!(
+                            "the purge had not caught up after {} s before a reading (other sessions' \
+                             transactions?): that batch's redo holds some of another's",
+                            PURGE_WAIT.as_secs()
+                        ));
+                        break;
+                    }
+                    Err(error) => {
+                        self.notes
+                            .push(format!("the purge's backlog could not be read: {error}"));
+                        break;
+                    }
+                }
+            }
+        }
         self.status(conn, schema)
             .map_err(|error| {
                 self.notes

@@ -211,7 +211,7 @@ fn print_server(report: &Value) {
         }
     }
     println!();
-    println!("every statement, per call (a batch of each scenario with every statement timed):");
+    println!("every statement, per call (the scenarios taking turns again, every statement timed):");
     println!();
     println!(
         "| scenario     | statement                                                        | per call | µs each | server CPU µs each |"

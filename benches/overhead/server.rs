@@ -1,8 +1,8 @@
 //! What the server did for each single-connection scenario, beside the time
 //! a call takes: after the timed rounds, each scenario runs a batch of
 //! calls alone on the same connection, between two readings of what the
-//! backend's server counts (its [`Probe`]), and a second batch with every
-//! statement timed. A time alone cannot say where the microseconds of a
+//! backend's server counts (its [`Probe`]); then every statement is timed
+//! while the scenarios take turns call by call. A time alone cannot say where the microseconds of a
 //! call go; what the server wrote, read and computed for it can.
 //!
 //! Besides a backend's own counters, the CPU time of two threads is read
@@ -244,8 +244,7 @@ where
     C: diesel::Connection,
     P: Probe<C>,
 {
-    let mut notes = probe.notes();
-    let client = Task::this_thread().map_err(|reason| notes.push(format!("client CPU: not measured ({reason})")));
+    let client = Task::this_thread().map_err(|reason| format!("client CPU: not measured ({reason})"));
     // The per-call batches run without the statement timer, which costs
     // client CPU time of its own.
     let untimed = || |_: diesel::connection::InstrumentationEvent<'_>| {};
@@ -262,9 +261,11 @@ where
         let cpu = |task: Option<&Task>| task.and_then(Task::cpu_ns);
         let client_before = cpu(client.as_ref().ok());
         let server_before = cpu(probe.server_task());
+        let start = Instant::now();
         for _ in 0..calls {
             call(conn, scenario);
         }
+        let wall_us = start.elapsed().as_secs_f64() * 1e6 / calls as f64;
         let server_after = cpu(probe.server_task());
         let client_after = cpu(client.as_ref().ok());
         let after = probe.read(conn);
@@ -272,9 +273,16 @@ where
             (Some(before), Some(after)) => after.saturating_sub(before) as f64 / 1e3 / calls as f64,
             _ => f64::NAN,
         };
+        let (client_us, server_us) = (per(client_before, client_after), per(server_before, server_after));
+        // On SQLite the server's work is the client's.
+        let server_work = if probe.server_task().is_some() { server_us } else { 0.0 };
         let mut figures = vec![
-            Figure::new("client_cpu_us", "client CPU µs", per(client_before, client_after)),
-            Figure::new("server_cpu_us", "server CPU µs", per(server_before, server_after)),
+            Figure::new("batch_us", "µs in the batch", wall_us),
+            Figure::new("client_cpu_us", "client CPU µs", client_us),
+            Figure::new("server_cpu_us", "server CPU µs", server_us),
+            // Round trips, the commit's flush, the scheduler: the time
+            // neither side spent computing.
+            Figure::new("wait_us", "waiting µs", wall_us - client_us - server_work),
         ];
         if let (Some(before), Some(after)) = (&before, &after) {
             let (more, detail) = probe.figures(conn, before, after, calls);
@@ -299,13 +307,25 @@ where
         })
     }));
     conn.set_instrumentation(timer.instrumentation());
-    for &scenario in scenarios {
-        for _ in 0..calls {
+    // Turns, as in the timed rounds: the statements of every scenario meet
+    // the same weather (a commit's flush takes ten times longer while other
+    // work writes to the disk), so their times compare.
+    for i in 0..calls {
+        for turn in 0..scenarios.len() {
+            let scenario = scenarios[(i + turn) % scenarios.len()];
             timer.enter(scenario);
             call(conn, scenario);
         }
     }
     conn.set_instrumentation(untimed());
+    // What the probe learned it could not measure, each once, in the order
+    // it learned it.
+    let mut notes: Vec<String> = client.err().into_iter().collect();
+    for note in probe.notes() {
+        if !notes.contains(&note) {
+            notes.push(note);
+        }
+    }
     json!({
         "calls": calls,
         "notes": notes,
