@@ -49,6 +49,7 @@ impl Task {
     /// one of `names`: a server reached over the network, or in a container
     /// of its own, has ids this host does not know, or knows as another
     /// process.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub fn server(id: u64, names: &[&str]) -> Result<Task, String> {
         let status = std::fs::read_to_string(format!("/proc/{id}/status"))
             .map_err(|_| format!("the server's task {id} is not a process of this host"))?;
