@@ -215,7 +215,11 @@ fn print_server(report: &Value) {
                     )
                 })
                 .collect();
-            println!("- {name}: {}", kinds.join(", "));
+            if kinds.is_empty() {
+                println!("- {name}: none");
+            } else {
+                println!("- {name}: {}", kinds.join(", "));
+            }
         }
     }
     println!();
