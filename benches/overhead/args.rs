@@ -14,6 +14,9 @@ pub struct Sizes {
     pub rounds: usize,
     /// Calls of each scenario per round.
     pub calls: usize,
+    /// Calls of each scenario in each batch that learns what the server did
+    /// for it.
+    pub server_calls: usize,
     /// Rounds of the contention scenario, each with a key of its own.
     pub contention_rounds: usize,
     /// Rounds of the scaling scenario, each visiting every thread count.
@@ -39,6 +42,7 @@ pub struct Sizes {
 pub const FULL: Sizes = Sizes {
     rounds: 21,
     calls: 100,
+    server_calls: 300,
     contention_rounds: 10,
     scaling_rounds: 5,
     scaling_time: Duration::from_millis(1500),
@@ -54,6 +58,7 @@ pub const FULL: Sizes = Sizes {
 pub const QUICK: Sizes = Sizes {
     rounds: 5,
     calls: 30,
+    server_calls: 20,
     contention_rounds: 2,
     scaling_rounds: 1,
     scaling_time: Duration::from_millis(300),
@@ -70,17 +75,14 @@ pub struct Args {
     pub backend: String,
     pub quick: bool,
     pub json: Option<PathBuf>,
-    pub statements: bool,
 }
 
 pub fn parse_args() -> Result<Args, String> {
     let mut json = None;
-    let mut statements = false;
     let common = common::parse_args(
-        "usage: overhead --backend sqlite|postgres|mysql|citus|postgres-async [--quick] [--json FILE] [--statements]",
+        "usage: overhead --backend sqlite|postgres|mysql|citus|postgres-async [--quick] [--json FILE]",
         |arg, rest| {
             match arg {
-                "--statements" => statements = true,
                 "--json" => json = Some(PathBuf::from(rest.next().ok_or("--json needs a file name")?)),
                 other => return Err(format!("unknown argument {other}")),
             }
@@ -91,6 +93,5 @@ pub fn parse_args() -> Result<Args, String> {
         backend: common.backend,
         quick: common.quick,
         json,
-        statements,
     })
 }

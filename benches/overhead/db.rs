@@ -9,10 +9,17 @@
 use std::marker::PhantomData;
 
 use chrono::{NaiveDateTime, Utc};
+use diesel::backend::Backend;
+use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
+use diesel::query_builder::{AstPass, QueryFragment, QueryId};
+use diesel::query_dsl::LoadQuery;
 use diesel::r2d2::{ConnectionManager, CustomizeConnection, Pool, R2D2Connection};
+use diesel::serialize::ToSql;
+use diesel::sql_types::{HasSqlType, Text, Timestamp};
 use idempotency::RawConnection;
 
+use crate::server::Probe;
 use crate::{common, mysql, postgres, sqlite};
 
 diesel::table! {
@@ -82,10 +89,16 @@ pub const REQUEST_HASH: &str = "000000000000000000000000000000000000000000000000
 pub const SCOPE: &str = "bench";
 
 /// What the scenarios need of a backend beyond the crate's `RawConnection`
-/// and diesel's `Connection`: its database's setup and the statements that
-/// differ. Implemented by each backend compiled in.
-pub trait Bench: RawConnection + R2D2Connection + Send + 'static {
+/// and diesel's `Connection`: its database's setup, the statements that
+/// differ and what its server tells of its work. Implemented by each
+/// backend compiled in.
+pub trait Bench:
+    RawConnection + R2D2Connection + Connection<TransactionManager = AnsiTransactionManager> + Send + 'static
+{
     const NAME: &'static str;
+
+    /// What the server tells of this connection's work: see `server.rs`.
+    type Probe: Probe<Self>;
 
     /// Sets up a new connection, pooled or not.
     fn configure(&mut self) -> QueryResult<()> {
@@ -103,6 +116,81 @@ pub trait Bench: RawConnection + R2D2Connection + Send + 'static {
 
     /// Executes `statement`; returns the number of rows it affected.
     fn send(&mut self, statement: impl Statement) -> QueryResult<usize>;
+
+    /// Reads the record of `key` in `table` by its primary key, as a replay
+    /// reads one; whether there is one.
+    fn find_key(&mut self, table: KeyTable, key: &str) -> QueryResult<bool>;
+
+    /// Opens a transaction and claims `claim`'s key in the floor's table, as
+    /// the crate's calls claim theirs: on PostgreSQL in the round trip of
+    /// the `BEGIN`, elsewhere by a statement of its own.
+    fn begin_claim(&mut self, claim: &FloorRecord<'_>) -> QueryResult<()> {
+        AnsiTransactionManager::begin_transaction(self)?;
+        self.send(diesel::insert_into(floor_keys::table).values(claim))
+            .map(drop)
+    }
+
+    /// The probe of this connection: what it measures on this server, and
+    /// what not.
+    fn probe(&mut self) -> Self::Probe;
+}
+
+/// A table of key records: the crate's, or the floor's twin of it.
+#[derive(Debug, Clone, Copy)]
+pub enum KeyTable {
+    Crate,
+    Floor,
+}
+
+/// What a replay reads of a key record.
+pub type KeyRow = (String, String, Option<String>, NaiveDateTime);
+
+type CrateLookup<'a> = diesel::dsl::Select<
+    diesel::dsl::Find<idempotency_keys::table, (&'a str, &'a str)>,
+    (
+        idempotency_keys::request_hash,
+        idempotency_keys::status,
+        idempotency_keys::response,
+        idempotency_keys::expires_at,
+    ),
+>;
+
+type FloorLookup<'a> = diesel::dsl::Select<
+    diesel::dsl::Find<floor_keys::table, (&'a str, &'a str)>,
+    (
+        floor_keys::request_hash,
+        floor_keys::status,
+        floor_keys::response,
+        floor_keys::expires_at,
+    ),
+>;
+
+/// [`Bench::find_key`], written once for every backend.
+pub fn find_key_in<C>(conn: &mut C, table: KeyTable, key: &str) -> QueryResult<bool>
+where
+    C: Connection,
+    for<'a> CrateLookup<'a>: LoadQuery<'a, C, KeyRow>,
+    for<'a> FloorLookup<'a>: LoadQuery<'a, C, KeyRow>,
+{
+    use idempotency_keys as k;
+    // A primary key lookup without LIMIT, as the crate's: a bound LIMIT
+    // would make SQLite prepare the statement again on every call.
+    let row = match table {
+        KeyTable::Crate => k::table
+            .find((SCOPE, key))
+            .select((k::request_hash, k::status, k::response, k::expires_at))
+            .get_result::<KeyRow>(conn),
+        KeyTable::Floor => floor_keys::table
+            .find((SCOPE, key))
+            .select((
+                floor_keys::request_hash,
+                floor_keys::status,
+                floor_keys::response,
+                floor_keys::expires_at,
+            ))
+            .get_result::<KeyRow>(conn),
+    };
+    row.optional().map(|row| row.is_some())
 }
 
 /// A statement that every backend compiled in can execute. diesel checks a
@@ -178,6 +266,90 @@ impl<'a> CompletedKey<'a> {
         }
     }
 }
+
+/// A key record of the floor's table as it is claimed, before the
+/// operation: no response, no completion, as the crate's claims are.
+#[derive(Insertable)]
+#[diesel(table_name = floor_keys)]
+pub struct FloorRecord<'a> {
+    pub scope: &'a str,
+    pub idempotency_key: &'a str,
+    pub request_hash: &'a str,
+    pub status: &'a str,
+    pub response: Option<String>,
+    pub created_at: NaiveDateTime,
+    pub completed_at: Option<NaiveDateTime>,
+    pub expires_at: NaiveDateTime,
+}
+
+impl<'a> FloorRecord<'a> {
+    /// The claim of `(scope, key)` now.
+    pub fn claimed(scope: &'a str, key: &'a str) -> Self {
+        let now = Utc::now().naive_utc();
+        FloorRecord {
+            scope,
+            idempotency_key: key,
+            request_hash: REQUEST_HASH,
+            status: "processing",
+            response: None,
+            created_at: now,
+            completed_at: None,
+            expires_at: now + chrono::Duration::hours(24),
+        }
+    }
+}
+
+/// `UPDATE floor_keys SET status, response, completed_at WHERE` the key:
+/// the completion of a claimed record, the columns the crate's completion
+/// sets. A query type of its own, as the crate's is, so that diesel
+/// prepares it once per connection rather than on every call.
+pub struct CompleteFloorKey<'a> {
+    scope: &'a str,
+    key: &'a str,
+    response: String,
+    completed_at: NaiveDateTime,
+}
+
+impl<'a> CompleteFloorKey<'a> {
+    /// The completion of `(scope, key)` now with the order `id`.
+    pub fn now(scope: &'a str, key: &'a str, id: i64) -> Self {
+        CompleteFloorKey {
+            scope,
+            key,
+            response: id.to_string(),
+            completed_at: Utc::now().naive_utc(),
+        }
+    }
+}
+
+impl QueryId for CompleteFloorKey<'_> {
+    type QueryId = CompleteFloorKey<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl<DB> QueryFragment<DB> for CompleteFloorKey<'_>
+where
+    DB: Backend + HasSqlType<Text> + HasSqlType<Timestamp>,
+    str: ToSql<Text, DB>,
+    String: ToSql<Text, DB>,
+    NaiveDateTime: ToSql<Timestamp, DB>,
+{
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, DB>) -> QueryResult<()> {
+        out.push_sql("UPDATE floor_keys SET status = ");
+        out.push_bind_param::<Text, _>("completed")?;
+        out.push_sql(", response = ");
+        out.push_bind_param::<Text, _>(&self.response)?;
+        out.push_sql(", completed_at = ");
+        out.push_bind_param::<Timestamp, _>(&self.completed_at)?;
+        out.push_sql(" WHERE scope = ");
+        out.push_bind_param::<Text, _>(self.scope)?;
+        out.push_sql(" AND idempotency_key = ");
+        out.push_bind_param::<Text, _>(self.key)?;
+        Ok(())
+    }
+}
+
+impl<C> RunQueryDsl<C> for CompleteFloorKey<'_> {}
 
 /// The bench's database: its own tables and the crate's, removed at the end.
 pub struct Db<C> {

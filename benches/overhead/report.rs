@@ -102,22 +102,174 @@ pub fn print_report(report: &Value, quick: bool) {
         );
     }
     print_guide_column(report);
-    if let Some(profile) = report["statement_profile"].as_array() {
+    print_above_floor(&report["above_floor"]);
+    print_server(report);
+}
+
+fn print_above_floor(above: &Value) {
+    println!();
+    for (view, how) in [
+        ("timed", "in the timed rounds"),
+        (
+            "in_statements",
+            "in its statements, the commit of each that writes left out",
+        ),
+    ] {
+        let number = |key: &str| above[view][key].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "first above floor, {how}: {:.1} µs = the read before the transaction {:.1} (read_floor - floor) \
+             + the record claimed then completed {:.1} (rewrite - floor) + the rest {:.1} (the key's lock, the crate's own work)",
+            number("first_us"),
+            number("read_us"),
+            number("rewrite_us"),
+            number("rest_us"),
+        );
+        let (read, saved) = (number("read_us"), number("replay_saved_us"));
+        if read > 0.0 && saved > 0.0 {
+            println!(
+                "  the read before the transaction saves a replay at least {saved:.1} µs (tx_replay - read): \
+                 it pays where more than {:.1} % of calls are retries of completed keys",
+                number("break_even_retry_share") * 100.0,
+            );
+        } else {
+            println!(
+                "  the read before the transaction: costs a first call {read:.1} µs, saves a replay {saved:.1} µs \
+                 (tx_replay - read); a difference within this run's noise decides no policy"
+            );
+        }
+    }
+}
+
+/// What the server did for each scenario, per call and per statement.
+fn print_server(report: &Value) {
+    let server = &report["server"];
+    let number = |value: &Value, decimals: usize| match value.as_f64() {
+        Some(value) => format!("{value:.decimals$}"),
+        None => String::from("—"),
+    };
+    println!();
+    println!(
+        "what the server did, per call ({} calls of each scenario alone, after the timed rounds):",
+        server["calls"]
+    );
+    for note in server["notes"].as_array().into_iter().flatten() {
+        println!("- {}", note.as_str().unwrap_or("?"));
+    }
+    let columns: Vec<(&str, &str)> = server["columns"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|column| (column[0].as_str().unwrap_or("?"), column[1].as_str().unwrap_or("?")))
+        .collect();
+    println!();
+    print!("| scenario     | µs per call |");
+    for (_, label) in &columns {
+        print!(" {label} |");
+    }
+    println!();
+    print!("| ------------ | ----------: |");
+    for (_, label) in &columns {
+        print!(" {}: |", "-".repeat(label.chars().count().max(2) - 1));
+    }
+    println!();
+    for name in SCENARIOS {
+        print!(
+            "| {name:<12} | {:>11.1} |",
+            report["per_call_us"][name].as_f64().unwrap_or(f64::NAN)
+        );
+        for (key, label) in &columns {
+            let decimals = if *key == "hot_share" { 3 } else { 1 };
+            print!(
+                " {:>width$} |",
+                number(&server["per_call"][name][*key], decimals),
+                width = label.chars().count()
+            );
+        }
+        println!();
+    }
+    let details = &server["details"];
+    if details
+        .as_object()
+        .is_some_and(|details| details.values().any(|detail| detail.get("wal_records").is_some()))
+    {
+        println!();
+        println!("WAL records of the scenario's transactions, per call (pg_walinspect): kind count × bytes each");
+        for name in SCENARIOS {
+            let Some(kinds) = details[name]["wal_records"].as_array() else {
+                continue;
+            };
+            let kinds: Vec<String> = kinds
+                .iter()
+                .map(|kind| {
+                    let fpi = kind["fpi_bytes_per_call"].as_f64().unwrap_or(0.0);
+                    format!(
+                        "{} {} × {}{}",
+                        kind["kind"].as_str().unwrap_or("?"),
+                        number(&kind["per_call"], 2),
+                        number(&kind["bytes_each"], 0),
+                        if fpi > 0.0 {
+                            format!(" (+{fpi:.0} B of page images)")
+                        } else {
+                            String::new()
+                        }
+                    )
+                })
+                .collect();
+            if kinds.is_empty() {
+                println!("- {name}: none");
+            } else {
+                println!("- {name}: {}", kinds.join(", "));
+            }
+        }
+    }
+    println!();
+    println!("every statement, per call (the scenarios taking turns again, every statement timed):");
+    println!();
+    println!(
+        "| scenario     | statement                                                        | per call | µs each | server CPU µs each |"
+    );
+    println!(
+        "| ------------ | ---------------------------------------------------------------- | -------: | ------: | -----------------: |"
+    );
+    for row in server["statements"].as_array().into_iter().flatten() {
+        println!(
+            "| {:<12} | {:<64} | {:>8.2} | {:>7.1} | {:>18} |",
+            row["scenario"].as_str().unwrap_or("?"),
+            row["statement"].as_str().unwrap_or("?"),
+            row["per_call"].as_f64().unwrap_or(f64::NAN),
+            row["us_each"].as_f64().unwrap_or(f64::NAN),
+            number(&row["server_cpu_us_each"], 1),
+        );
+    }
+    if details.as_object().is_some_and(|details| {
+        details
+            .values()
+            .any(|detail| detail.get("pg_stat_statements").is_some())
+    }) {
+        println!();
+        println!("every statement as pg_stat_statements counts it, per call:");
         println!();
         println!(
-            "| scenario  | statement                                                        | per call | µs each |"
+            "| scenario     | statement                                                        | per call | exec µs | plan µs | buffers hit | read | dirtied | WAL bytes |"
         );
         println!(
-            "| --------- | ---------------------------------------------------------------- | -------: | ------: |"
+            "| ------------ | ---------------------------------------------------------------- | -------: | ------: | ------: | ----------: | ---: | ------: | --------: |"
         );
-        for row in profile {
-            println!(
-                "| {:<9} | {:<64} | {:>8.2} | {:>7.1} |",
-                row[0].as_str().unwrap_or("?"),
-                row[1].as_str().unwrap_or("?"),
-                row[2].as_f64().unwrap_or(f64::NAN),
-                row[3].as_f64().unwrap_or(f64::NAN)
-            );
+        for name in SCENARIOS {
+            for row in details[name]["pg_stat_statements"].as_array().into_iter().flatten() {
+                println!(
+                    "| {:<12} | {:<64} | {:>8} | {:>7} | {:>7} | {:>11} | {:>4} | {:>7} | {:>9} |",
+                    name,
+                    row["statement"].as_str().unwrap_or("?"),
+                    number(&row["per_call"], 2),
+                    number(&row["exec_us_each"], 1),
+                    number(&row["plan_us_each"], 1),
+                    number(&row["buffers_hit_each"], 1),
+                    number(&row["buffers_read_each"], 1),
+                    number(&row["buffers_dirtied_each"], 1),
+                    number(&row["wal_bytes_each"], 0),
+                );
+            }
         }
     }
 }

@@ -4,10 +4,20 @@
 //! operation, all on one connection, taking turns call by call. Turns
 //! rather than one scenario after another, so that a disturbance on the
 //! machine lands on all of them alike and their ratios hold within a run.
+//!
+//! Four scenarios take the first call and the replay apart: `read_floor`
+//! is the floor after a replay's read that misses, `rewrite` the floor with
+//! the record claimed before the operation and completed after it, as the
+//! crate's claims are, `read` a replay's read of a completed record alone,
+//! and `tx_replay` that read in a transaction of its own, the least a
+//! replay's read costs where no read comes before the transaction.
+//! After the timed rounds, each scenario runs again alone to learn what the
+//! server did for it (`server.rs`).
 
 use std::time::Instant;
 
 use chrono::Utc;
+use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::prelude::*;
 use idempotency::outbox;
 use idempotency::phased::Phased;
@@ -15,20 +25,27 @@ use idempotency::{Config, Outcome};
 use serde_json::{Value, json};
 
 use crate::args::Sizes;
-use crate::db::{Bench, CompletedKey, Db, REQUEST, REQUEST_HASH, SCOPE, Statement};
+use crate::db::{
+    Bench, CompleteFloorKey, CompletedKey, Db, FloorRecord, KeyTable, REQUEST, REQUEST_HASH, SCOPE, Statement,
+};
 use crate::db::{bare_keys, floor_keys, idempotency_keys};
-use crate::instrument::{Profile, Profiler, StatementCounter};
+use crate::instrument::StatementCounter;
+use crate::server;
 use crate::stats::{Keys, median, round3};
 
 /// Every single-connection scenario, by the name its figures carry in the
 /// report.
-pub const SCENARIOS: [&str; 8] = [
+pub const SCENARIOS: [&str; 12] = [
     "baseline",
     "floor",
     "bare_floor",
+    "read_floor",
+    "rewrite",
     "first",
     "two_phase",
     "replay",
+    "read",
+    "tx_replay",
     "first_outbox",
     "phased",
 ];
@@ -63,6 +80,48 @@ fn floor_into<'a, C: Bench, S: Statement>(
         tx.send(insert(CompletedKey::now(SCOPE, key, id)))?;
         Ok(id)
     })
+}
+
+/// `floor` after a replay's read of the key, which misses: what the read
+/// before the transaction costs a first call.
+fn read_floor<C: Bench>(conn: &mut C, key: &str) -> QueryResult<i64> {
+    assert!(!conn.find_key(KeyTable::Floor, key)?, "a fresh key has no record");
+    floor(conn, key)
+}
+
+/// `floor` with the record written twice, as the crate's claims are: claimed
+/// before the operation (on PostgreSQL in the `BEGIN`'s round trip, as the
+/// crate's claim is), completed by an `UPDATE` of the columns the crate's
+/// completion sets after it.
+fn rewrite<C: Bench>(conn: &mut C, key: &str) -> QueryResult<i64> {
+    conn.begin_claim(&FloorRecord::claimed(SCOPE, key))?;
+    let written = conn.place_order().and_then(|id| {
+        let completed = conn.send(CompleteFloorKey::now(SCOPE, key, id))?;
+        assert_eq!(completed, 1, "the claimed record is completed");
+        Ok(id)
+    });
+    match written {
+        Ok(id) => AnsiTransactionManager::commit_transaction(conn).map(|()| id),
+        Err(error) => {
+            let _ = AnsiTransactionManager::rollback_transaction(conn);
+            Err(error)
+        }
+    }
+}
+
+/// A replay's read of a completed record, outside any transaction: what
+/// the read before the transaction costs a replay in the database.
+fn read<C: Bench>(conn: &mut C, key: &str) -> QueryResult<bool> {
+    let found = conn.find_key(KeyTable::Crate, key)?;
+    assert!(found, "a completed key has its record");
+    Ok(found)
+}
+
+/// `read` inside a transaction of its own: the least it costs without the
+/// read before the transaction, where a replay would take the write path
+/// and find the record there.
+fn tx_replay<C: Bench>(conn: &mut C, key: &str) -> QueryResult<bool> {
+    conn.transaction(|tx| read(tx, key))
 }
 
 pub fn first<C: Bench>(conn: &mut C, config: &Config, key: &str) -> i64 {
@@ -157,6 +216,12 @@ fn call<C: Bench>(
         "bare_floor" => {
             std::hint::black_box(bare_floor(conn, key).expect("bare_floor"));
         }
+        "read_floor" => {
+            std::hint::black_box(read_floor(conn, key).expect("read_floor"));
+        }
+        "rewrite" => {
+            std::hint::black_box(rewrite(conn, key).expect("rewrite"));
+        }
         "first" => {
             std::hint::black_box(first(conn, config, key));
         }
@@ -165,6 +230,14 @@ fn call<C: Bench>(
         }
         "replay" => {
             std::hint::black_box(replay(conn, config, &done[*next_done % done.len()]));
+            *next_done += 1;
+        }
+        "read" => {
+            std::hint::black_box(read(conn, &done[*next_done % done.len()]).expect("read"));
+            *next_done += 1;
+        }
+        "tx_replay" => {
+            std::hint::black_box(tx_replay(conn, &done[*next_done % done.len()]).expect("tx_replay"));
             *next_done += 1;
         }
         "first_outbox" => {
@@ -177,17 +250,14 @@ fn call<C: Bench>(
     }
 }
 
-pub fn single_connection<C: Bench>(db: &Db<C>, sizes: Sizes, profile: bool) -> (Value, Value, Option<Profile>) {
+/// The timed rounds: per scenario the µs and the statements per call; then
+/// what the server did for each scenario (`server.rs`).
+pub fn single_connection<C: Bench>(db: &Db<C>, sizes: Sizes) -> (Value, Value, Value) {
     let config = Config::default();
     let operation = Phased::new("bench");
     let mut conn = db.conn();
     let counter = StatementCounter::default();
-    let profiler = Profiler::default();
-    if profile {
-        conn.set_instrumentation(profiler.instrumentation(counter.clone()));
-    } else {
-        conn.set_instrumentation(counter.instrumentation());
-    }
+    conn.set_instrumentation(counter.instrumentation());
     let mut keys = Keys::new(1);
     let done: Vec<String> = (0..sizes.calls.max(100)).map(|_| keys.next_key()).collect();
     for key in &done {
@@ -207,7 +277,6 @@ pub fn single_connection<C: Bench>(db: &Db<C>, sizes: Sizes, profile: bool) -> (
             );
         }
     }
-    profiler.reset();
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); SCENARIOS.len()];
     let mut statements = [0u64; SCENARIOS.len()];
     // The scenarios take turns call by call, their order rotating, so a
@@ -219,7 +288,6 @@ pub fn single_connection<C: Bench>(db: &Db<C>, sizes: Sizes, profile: bool) -> (
             for turn in 0..SCENARIOS.len() {
                 let index = (i + turn) % SCENARIOS.len();
                 let key = keys.next_key();
-                profiler.enter(SCENARIOS[index]);
                 counter.take();
                 let start = Instant::now();
                 call(
@@ -245,6 +313,16 @@ pub fn single_connection<C: Bench>(db: &Db<C>, sizes: Sizes, profile: bool) -> (
         let count = statements[index] as f64 / (sizes.rounds * sizes.calls) as f64;
         per_statement.insert((*name).into(), json!(round3(count)));
     }
-    let profile = profile.then(|| profiler.report(sizes.rounds * sizes.calls));
-    (Value::Object(per_call), Value::Object(per_statement), profile)
+    let mut probe = conn.probe();
+    let server = server::measure(&mut conn, &mut probe, &SCENARIOS, sizes.server_calls, |conn, name| {
+        call(
+            conn,
+            (&config, &operation),
+            name,
+            &keys.next_key(),
+            &done,
+            &mut next_done,
+        );
+    });
+    (Value::Object(per_call), Value::Object(per_statement), server)
 }
