@@ -63,7 +63,7 @@ async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<
     let config = Config::default().in_flight(InFlight::Wait(chrono::Duration::seconds(5)));
     let mut admin = db.conn();
     let (mut dropped_inside, mut dropped_outside) = (0, 0);
-    let mut waits = 0;
+    let (mut waits, mut sweeps) = (0, 0);
     for attempt in 0.. {
         assert!(waits < 2_000, "a call never finished within {waits} waits");
         let key = format!("order-{attempt}");
@@ -135,7 +135,15 @@ async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<
             "one order for the key after its retry"
         );
         if finished.is_some() {
-            break;
+            // A loaded machine can answer a whole round trip between two
+            // polls, so a sweep may end with no cut inside the transaction:
+            // it is swept again from the first wait until one falls there.
+            if dropped_inside > 0 || sweeps >= 20 {
+                break;
+            }
+            sweeps += 1;
+            waits = 1;
+            continue;
         }
         // Only the read comes before the call takes its key, and a server
         // that answers it before the call first waits leaves no cut there:
