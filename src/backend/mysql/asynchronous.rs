@@ -15,8 +15,10 @@ use diesel::result::Error as DieselError;
 use diesel::sql_types::Datetime;
 use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, TransactionManager};
 
+use super::clock::{DatabaseNow, UtcNow};
+use super::key::{claim, hold, key_transaction, read, store};
+use super::schema;
 use super::session::{Session, sends};
-use super::{DatabaseNow, UtcNow, schema};
 use crate::backend::outbox::{OutboxStore, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{OperationColumns, OperationColumnsRow, RowWith, operation_of};
@@ -33,7 +35,7 @@ impl KeyStore for AsyncMysqlConnection {
     type Rules = diesel::mysql::Mysql;
 
     async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
-        super::read(self, scope, key).await
+        read(self, scope, key).await
     }
 
     async fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
@@ -56,19 +58,19 @@ impl KeyStore for AsyncMysqlConnection {
     where
         E: From<DieselError>,
     {
-        super::key_transaction(self, held, work).await
+        key_transaction(self, held, work).await
     }
 
     async fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
-        super::hold(self, record).await
+        hold(self, record).await
     }
 
     async fn claim(&mut self, record: &Record<'_>) -> QueryResult<crate::backend::ClaimOutcome> {
-        super::claim(self, record).await
+        claim(self, record).await
     }
 
     async fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
-        super::store(self, hold, record).await
+        store(self, hold, record).await
     }
 
     async fn await_replication(&mut self) -> QueryResult<()> {

@@ -52,40 +52,34 @@
 
 #[cfg(feature = "mysql-async")]
 mod asynchronous;
+mod clock;
+mod committed;
+mod key;
 mod lock;
 mod outbox;
 mod phases;
 mod session;
 
 use std::ops::RangeInclusive;
-use std::panic;
 
 use chrono::NaiveDateTime;
-use diesel::dsl::Eq;
-use diesel::expression::{AppearsOnTable, Expression, SelectableExpression, ValidGrouping, is_aggregate};
 use diesel::mysql::{Mysql, MysqlConnection};
 use diesel::prelude::*;
-use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Datetime};
 use diesel_migrations::EmbeddedMigrations;
 
 use super::migrate::{self, Count, History};
 
-use self::lock::{GetLock, IdleBound, IdleStatement, ReleaseLock};
-use self::session::{Session, TakenSession};
-use super::row_with::Head;
 use super::{
-    BackendRules, BlockingStore, ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, catch_unwind,
-    transaction_depth, unwind_to_depth,
+    BackendRules, BlockingStore, ClaimOutcome, HeldKey, Hold, KeyStore, Read, Record, transaction_depth,
+    unwind_to_depth,
 };
-use crate::in_flight::InFlight;
-use crate::row_status::RecordStatus;
-use crate::telemetry;
+use clock::UtcNow;
+use committed::read_committed;
+use key::{LOCK_WAIT_TIMEOUT, claim, hold, key_transaction, read, store};
 
 pub(crate) mod schema;
-
-use schema::idempotency_keys as k;
 
 super::raw_connection!(MysqlConnection);
 
@@ -102,282 +96,6 @@ impl History for MysqlConnection {
     }
 
     migrate::schema_history!(MysqlConnection);
-}
-
-/// `UTC_TIMESTAMP(6)`, the server's time in UTC to the microsecond, as an
-/// expression of the DSL. (diesel's `now` is the session's time, to the
-/// second.)
-#[derive(Debug, Clone, Copy, QueryId)]
-pub(crate) struct UtcNow;
-
-impl Expression for UtcNow {
-    type SqlType = Datetime;
-}
-
-impl QueryFragment<Mysql> for UtcNow {
-    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Mysql>) -> QueryResult<()> {
-        out.push_sql("UTC_TIMESTAMP(6)");
-        Ok(())
-    }
-}
-
-impl<QS> AppearsOnTable<QS> for UtcNow {}
-
-impl<QS> SelectableExpression<QS> for UtcNow {}
-
-impl<GB> ValidGrouping<GB> for UtcNow {
-    type IsAggregate = is_aggregate::Never;
-}
-
-/// The database's time, in UTC.
-pub(crate) struct DatabaseNow;
-
-impl Head for DatabaseNow {
-    type Backend = Mysql;
-    const SQL: &'static str = "UTC_TIMESTAMP(6)";
-    type SqlType = Datetime;
-}
-
-/// How an error that stands for a lock wait that ran out begins: InnoDB's
-/// error 1205 and the crate's own for a named lock it did not get.
-const LOCK_WAIT_TIMEOUT: &str = "lock wait timeout exceeded";
-
-/// Runs `f` in a transaction of its own at `READ COMMITTED`, or in a
-/// savepoint at the caller's level inside a caller's transaction.
-///
-/// Under `REPEATABLE READ` a locking read locks the gaps it walks as well
-/// as the rows; an insert into such a gap (a relay marking a message
-/// delivered moves its index entry) then waits for the picking transaction,
-/// which may itself wait for that insert's row: a deadlock. At
-/// `READ COMMITTED` a locking read locks the rows it returns and no gaps.
-pub(crate) fn read_committed<T>(
-    conn: &mut MysqlConnection,
-    f: impl FnOnce(&mut MysqlConnection) -> QueryResult<T>,
-) -> QueryResult<T> {
-    if transaction_depth(conn)? == 0 {
-        // Applies to the next transaction only; the session keeps its level.
-        diesel::sql_query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED").execute(conn)?;
-    }
-    conn.transaction(f)
-}
-
-/// The hash of the scope and the key that names the key's lock, in hex:
-/// SHA-256 of both, each prefixed with its length. Stable across processes
-/// and versions of the crate, which must agree on it while they run side by
-/// side.
-fn lock_key(scope: &str, key: &str) -> String {
-    crate::key::derive(&[scope, key])
-}
-
-/// The longest `wait_timeout` the server takes, in seconds (a year).
-const MAX_WAIT_TIMEOUT: i64 = 31_536_000;
-
-/// `idle` in whole seconds, rounded up, as `wait_timeout` takes it.
-fn wait_timeout_seconds(idle: chrono::Duration) -> i64 {
-    let millis = idle.num_milliseconds().max(1);
-    (millis.saturating_add(999) / 1000).clamp(1, MAX_WAIT_TIMEOUT)
-}
-
-/// Takes the named lock of `(scope, key)`, waiting as `in_flight` allows,
-/// and returns its name for the release.
-async fn lock<C: Session>(conn: &mut C, scope: &str, key: &str, in_flight: InFlight) -> QueryResult<String> {
-    let key = lock_key(scope, key);
-    let seconds = in_flight.wait_millis() as f64 / 1000.0;
-    let (name, taken) = conn.get_lock(GetLock { key: &key, seconds }).await?;
-    match taken {
-        Some(1) => Ok(name),
-        Some(_) => Err(DieselError::DatabaseError(
-            DatabaseErrorKind::Unknown,
-            Box::new(format!("{LOCK_WAIT_TIMEOUT}: another transaction holds the key")),
-        )),
-        None => Err(DieselError::DatabaseError(
-            DatabaseErrorKind::Unknown,
-            Box::new(String::from("the server did not take the named lock of the key")),
-        )),
-    }
-}
-
-/// The columns a claim writes besides the key: `Record`'s own `Insertable`
-/// and `AsChangeset` are for the other backends' table.
-type Written<'a> = (
-    Eq<k::request_hash, &'a str>,
-    Eq<k::status, RecordStatus>,
-    Eq<k::response, Option<&'a str>>,
-    Eq<k::created_at, NaiveDateTime>,
-    Eq<k::completed_at, Option<NaiveDateTime>>,
-    Eq<k::expires_at, NaiveDateTime>,
-    Eq<k::caller_hash, Option<&'a str>>,
-);
-
-fn written<'a>(record: &Record<'a>) -> Written<'a> {
-    super::keys::record_values!(k, record)
-}
-
-/// Inserts `record` as a claim with a plain `INSERT`; `false` when its key
-/// is taken (the insert waited for the holder's transaction, if one was
-/// open, and failed with a duplicate key, which leaves MySQL's transaction
-/// going).
-async fn insert_claim<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<bool> {
-    match conn.insert(record).await {
-        Ok(_) => Ok(true),
-        Err(DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) => Ok(false),
-        Err(error) => Err(error),
-    }
-}
-
-/// Marks the connection broken, so that its pool discards it instead of
-/// handing out a session that may still hold a key, or the bound of one.
-fn discard<C: Session>(conn: &mut C, error: &DieselError) {
-    tracing::warn!(target: telemetry::TARGET, %error, "could not release the key's named lock");
-    conn.mark_broken();
-}
-
-/// The record of `(scope, key)` and the database's time, on either kind of
-/// connection.
-async fn read<C: Session>(conn: &mut C, scope: &str, key: &str) -> QueryResult<Read> {
-    if conn.transaction_depth()? > 0 {
-        // In a caller's transaction nothing touches the key table before
-        // the key's named lock is held: at SERIALIZABLE this read would
-        // lock the key's gap until the caller commits, and a call that
-        // holds the named lock would wait for that gap while this one
-        // waits for the named lock, a cycle InnoDB cannot see. The write
-        // path reads the record once it holds the lock.
-        return Ok(Read {
-            record: None,
-            now: conn.database_now().await?,
-            claims_first: true,
-        });
-    }
-    let (now, record) = conn.now_and_record(scope, key).await?;
-    // Every call claims first here (see `hold`).
-    Ok(Read {
-        record,
-        now,
-        claims_first: true,
-    })
-}
-
-/// The transaction that holds a key on MySQL, on either kind of
-/// connection: the idle bound lowered and the key's named lock taken
-/// before it opens (a savepoint in a caller's transaction), and both given
-/// back once it has ended, on every path.
-async fn key_transaction<C, T, E>(
-    conn: &mut C,
-    held: HeldKey<'_>,
-    work: impl AsyncFnOnce(&mut C, bool) -> Result<T, E>,
-) -> Result<T, E>
-where
-    C: Session,
-    E: From<DieselError>,
-{
-    let depth = conn.transaction_depth()?;
-    let mut session = TakenSession::taking(conn);
-    let name = match take_key(&mut *session, depth, held).await {
-        Ok(name) => name,
-        Err(error) => {
-            session.given_back();
-            return Err(error.into());
-        }
-    };
-    // The lock outlives any transaction: it must be released on every
-    // path, a panic included, and only once the transaction (or the
-    // savepoint) has ended.
-    let result = catch_unwind(async { session.within(async |tx: &mut C| work(tx, false).await).await }).await;
-    let unwound = match result {
-        Ok(_) => Ok(()),
-        Err(_) => session.unwind_to_depth(depth).await,
-    };
-    let given = match unwound {
-        Ok(()) if held.idle_timeout.is_some() => {
-            let release = IdleStatement {
-                depth,
-                bound: IdleBound::ReleaseAndRestore(&name),
-            };
-            session.idle(release).await
-        }
-        Ok(()) => session.release(ReleaseLock(&name)).await,
-        Err(error) => Err(error),
-    };
-    if let Err(error) = given {
-        discard(&mut *session, &error);
-    }
-    session.given_back();
-    match result {
-        Ok(result) => result,
-        Err(payload) => panic::resume_unwind(payload),
-    }
-}
-
-/// Lowers the session's `wait_timeout` to the idle bound, if the call has
-/// one, and takes the key's named lock; returns the lock's name. A lock
-/// not taken puts the bound back.
-async fn take_key<C: Session>(conn: &mut C, depth: u32, held: HeldKey<'_>) -> QueryResult<String> {
-    let HeldKey {
-        scope,
-        key,
-        in_flight,
-        idle_timeout,
-        claim: _,
-    } = held;
-    let bound = |bound| IdleStatement { depth, bound };
-    // Lowered before the lock is taken and put back by the statement that
-    // releases it: a client that goes silent at any moment between the two
-    // loses its session, and the key with it, within the bound.
-    if let Some(idle) = idle_timeout {
-        conn.idle(bound(IdleBound::Set(wait_timeout_seconds(idle)))).await?;
-    }
-    let locked = lock(conn, scope, key, in_flight).await;
-    if locked.is_err() && idle_timeout.is_some() {
-        if let Err(error) = conn.idle(bound(IdleBound::Restore)).await {
-            discard(conn, &error);
-        }
-    }
-    locked
-}
-
-/// How a call's transaction holds its key, on either kind of connection:
-/// always by a claim first (see the module docs).
-async fn hold<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<Hold> {
-    if insert_claim(conn, record).await? {
-        return Ok(Hold::Claimed { took_over: false });
-    }
-    // A lost claim is far more often a replay than an expired record to
-    // take over, so the record is read first, with a lock: a locking read
-    // sees the latest commit whatever the transaction's snapshot.
-    match conn.find_for_update(record.scope, record.idempotency_key).await? {
-        Some(stored) if stored.expires_at > record.created_at => Ok(Hold::Recorded(stored)),
-        // Expired (and now locked by this transaction), or purged since the
-        // claim met it.
-        _ => Ok(claim(conn, record).await?.hold().unwrap_or(Hold::ClaimedElsewhere)),
-    }
-}
-
-/// Claims `record`'s key, on either kind of connection.
-async fn claim<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
-    if insert_claim(conn, record).await? {
-        return Ok(ClaimOutcome::Inserted);
-    }
-    // An existing record is taken over by a second, guarded statement only
-    // if its retention has ended.
-    Ok(if conn.take_over(record).await? == 1 {
-        ClaimOutcome::TookOver
-    } else {
-        ClaimOutcome::Refused
-    })
-}
-
-/// Stores the completed `record`, on either kind of connection. Every call
-/// claims its key first (see [`hold`]), so a record is only ever completed
-/// here.
-async fn store<C: Session>(conn: &mut C, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
-    let stored = match hold {
-        Hold::Claimed { .. } => conn.complete(record).await?,
-        Hold::Free | Hold::Expired | Hold::Recorded(_) | Hold::ClaimedElsewhere => 0,
-    };
-    // The key is held by this transaction; anything else means something
-    // bypasses the lock, and committing would leave an executed operation
-    // without its result.
-    KeyRecordChanged::check(stored)
 }
 
 impl BackendRules for Mysql {
@@ -491,7 +209,7 @@ mod tests {
     use diesel::mysql::Mysql;
     use diesel::result::{DatabaseErrorKind, Error as DieselError};
 
-    use super::{MAX_WAIT_TIMEOUT, lock_key, wait_timeout_seconds};
+    use super::key::{MAX_WAIT_TIMEOUT, lock_key, wait_timeout_seconds};
     use crate::backend::BackendRules;
     use crate::error::is_connection_lost;
 

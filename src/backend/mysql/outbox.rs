@@ -13,7 +13,7 @@
 //! leases never inserts into an index that a settle holds a lock in.
 //!
 //! Claims and purges run at `READ COMMITTED` (see
-//! [`read_committed`](crate::backend::mysql::read_committed)): their locking
+//! [`read_committed`](super::committed::read_committed)): their locking
 //! reads would otherwise lock gaps that settling relays insert into.
 //!
 //! No notifications: relay services find new messages by polling.
@@ -23,8 +23,9 @@ use diesel::mysql::MysqlConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Datetime, Text};
 
+use super::clock::UtcNow;
+use super::committed::read_committed;
 use crate::backend::mysql::schema::{self, idempotency_outbox as o};
-use crate::backend::mysql::{UtcNow, read_committed};
 use crate::backend::outbox::{
     BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, head_of_its_key, outbox_statements,
 };

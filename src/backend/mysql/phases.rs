@@ -10,7 +10,9 @@ use diesel::mysql::MysqlConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Datetime, Text};
 
-use crate::backend::mysql::{DatabaseNow, read_committed, schema};
+use super::clock::DatabaseNow;
+use super::committed::read_committed;
+use super::schema;
 use crate::backend::phases::{BlockingPhaseStore, OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::operation_with;
 use crate::backend::sql_limit;

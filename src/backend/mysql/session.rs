@@ -12,8 +12,12 @@ use diesel::mysql::{Mysql, MysqlConnection};
 use diesel::prelude::*;
 use diesel::result::Error as DieselError;
 
+use diesel::dsl::Eq;
+
 use super::lock::{GetLock, IdleStatement, ReleaseLock};
+use super::schema::idempotency_keys as k;
 use crate::backend::{KeyStore, Record, Stored, end_level};
+use crate::row_status::RecordStatus;
 
 /// How MySQL's statements are sent on either kind of connection, so that
 /// the rules that decide which to send (`mod.rs`: the key transaction,
@@ -79,7 +83,7 @@ macro_rules! sends {
         ) -> diesel::QueryResult<(chrono::NaiveDateTime, Option<$crate::backend::Stored>)> {
             use $($run)* as _;
             use $crate::backend::row_with::{KeyRecord, KeyRecordRow, RowWith, stored_of};
-            let (now, row) = RowWith::<$crate::backend::mysql::DatabaseNow, KeyRecord<diesel::sql_types::Datetime>>::new(scope, key)
+            let (now, row) = RowWith::<$crate::backend::mysql::clock::DatabaseNow, KeyRecord<diesel::sql_types::Datetime>>::new(scope, key)
                 .get_result::<(chrono::NaiveDateTime, KeyRecordRow)>(self)
                 $($await)*?;
             Ok((now, stored_of(row)))
@@ -108,7 +112,7 @@ macro_rules! sends {
                 .values((
                     k::scope.eq(record.scope),
                     k::idempotency_key.eq(record.idempotency_key),
-                    $crate::backend::mysql::written(record),
+                    $crate::backend::mysql::session::written(record),
                 ))
                 .execute(self)
                 $($await)*
@@ -120,7 +124,7 @@ macro_rules! sends {
             use $crate::backend::mysql::schema::idempotency_keys as k;
             diesel::update(k::table.find((record.scope, record.idempotency_key)))
                 .filter(k::expires_at.le(record.created_at))
-                .set($crate::backend::mysql::written(record))
+                .set($crate::backend::mysql::session::written(record))
                 .execute(self)
                 $($await)*
         }
@@ -212,4 +216,20 @@ impl<C: Session> Drop for TakenSession<'_, C> {
             self.conn.mark_broken();
         }
     }
+}
+
+/// The columns a claim writes besides the key: `Record`'s own `Insertable`
+/// and `AsChangeset` are for the other backends' table.
+pub(super) type Written<'a> = (
+    Eq<k::request_hash, &'a str>,
+    Eq<k::status, RecordStatus>,
+    Eq<k::response, Option<&'a str>>,
+    Eq<k::created_at, NaiveDateTime>,
+    Eq<k::completed_at, Option<NaiveDateTime>>,
+    Eq<k::expires_at, NaiveDateTime>,
+    Eq<k::caller_hash, Option<&'a str>>,
+);
+
+pub(super) fn written<'a>(record: &Record<'a>) -> Written<'a> {
+    crate::backend::keys::record_values!(k, record)
 }

@@ -17,7 +17,8 @@ use diesel::result::Error as DieselError;
 use diesel::sql_types::Timestamp;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 
-use super::{DatabaseNow, HoldBy, HoldByRead, Levels, NowAndClaimFirst, database_time};
+use super::clock::{DatabaseNow, database_time};
+use super::key::{DURABLE_REPLAY, HoldBy, HoldByRead, Levels, NowAndClaimFirst, hold, key_transaction};
 use crate::backend::outbox::{OutboxStore, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{
@@ -67,15 +68,15 @@ impl KeyStore for AsyncPgConnection {
     where
         E: From<DieselError>,
     {
-        super::key_transaction(self, held, work).await
+        key_transaction(self, held, work).await
     }
 
     async fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
-        super::hold(self, record, claims_first).await
+        hold(self, record, claims_first).await
     }
 
     async fn await_replication(&mut self) -> QueryResult<()> {
-        let emit = super::DURABLE_REPLAY;
+        let emit = DURABLE_REPLAY;
         if async_transaction_depth(self)? == 0 {
             self.batch_execute(&format!("BEGIN; {emit}; COMMIT")).await
         } else {

@@ -16,8 +16,9 @@ use diesel::prelude::*;
 use diesel::sql_types::{Text, Timestamp};
 
 use super::citus;
+use super::clock::database_time;
 use super::expired::Expired;
-use super::{database_time, purge};
+use super::purge::purge;
 use crate::backend::outbox::{
     BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, claim_in_one_statement, head_of_its_key, outbox_statements,
 };

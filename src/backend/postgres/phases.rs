@@ -7,8 +7,9 @@ use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{Text, Timestamp};
 
+use super::clock::DatabaseNow;
 use super::expired::Expired;
-use super::{DatabaseNow, purge};
+use super::purge::purge;
 use crate::backend::phases::{BlockingPhaseStore, OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::operation_with;
 use crate::row_status::OperationStatus;

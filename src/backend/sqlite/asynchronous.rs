@@ -27,7 +27,7 @@ use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
 use diesel_async::{AsyncConnection, TransactionManager};
 use tokio::runtime::{Handle, RuntimeFlavor};
 
-use super::{close_write, hold, open_write, settle};
+use super::write::{close_write, hold, open_write, settle};
 use crate::backend::outbox::{NewMessage, OutboxStore};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::{AsyncStoreConnection, HeldKey, Hold, KeyStore, Read, Record, block_on, sealed, unwind_to_depth};

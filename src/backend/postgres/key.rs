@@ -1,0 +1,335 @@
+//! How a write transaction holds its key on PostgreSQL, on either kind of
+//! connection: the advisory lock taken in the `BEGIN` round trip with the
+//! policy's `lock_timeout`, the claim that rides with it, and the read
+//! after the lock.
+
+use chrono::{Datelike, Duration, NaiveDateTime};
+use diesel::QueryResult;
+use diesel::connection::{AnsiTransactionManager, SimpleConnection, TransactionManager};
+use diesel::pg::{Pg, PgConnection};
+use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
+use diesel::sql_types::{Bool, Text, Timestamp};
+
+use crate::backend::keys::{HeldKey, Hold, KeyStore, Record, Stored, claiming, hold_of};
+use crate::backend::row_with::{Head, record_with};
+use crate::backend::transaction::end_level;
+use crate::error::is_connection_lost;
+use crate::in_flight::InFlight;
+
+/// The hint a failure of the key's lock statement carries. That statement
+/// only sets local settings of ours and waits for the advisory lock, so on
+/// a connection that is still up it fails only because the wait ended
+/// (`lock_timeout`, a caller's `statement_timeout`, a cancel, a deadlock):
+/// the key is held. Known by construction, not by the server's message,
+/// which is in the language of its `lc_messages`, and not by the SQLSTATE,
+/// which diesel does not pass on.
+pub(super) const LOCK_WAIT_ENDED: &str = "idempotency: the wait for the key's lock ended before the lock was free";
+
+/// The server's error, marked as the end of the wait for the key's lock.
+struct LockWaitEnded(Box<dyn DatabaseErrorInformation + Send + Sync>);
+
+impl DatabaseErrorInformation for LockWaitEnded {
+    fn message(&self) -> &str {
+        self.0.message()
+    }
+    fn details(&self) -> Option<&str> {
+        self.0.details()
+    }
+    fn hint(&self) -> Option<&str> {
+        Some(LOCK_WAIT_ENDED)
+    }
+    fn table_name(&self) -> Option<&str> {
+        self.0.table_name()
+    }
+    fn column_name(&self) -> Option<&str> {
+        self.0.column_name()
+    }
+    fn constraint_name(&self) -> Option<&str> {
+        self.0.constraint_name()
+    }
+    fn statement_position(&self) -> Option<i32> {
+        self.0.statement_position()
+    }
+}
+
+/// A failure of the key's lock statement, marked as the end of the wait
+/// unless the connection went down with it.
+pub(super) fn lock_wait_ended(error: DieselError) -> DieselError {
+    if is_connection_lost(&error) {
+        return error;
+    }
+    match error {
+        DieselError::DatabaseError(DatabaseErrorKind::Unknown, info) => {
+            DieselError::DatabaseError(DatabaseErrorKind::Unknown, Box::new(LockWaitEnded(info)))
+        }
+        other => other,
+    }
+}
+
+/// Where the caller's `lock_timeout` waits while the lock is taken under the
+/// policy's; a placeholder setting, local to the transaction.
+const SAVED_LOCK_TIMEOUT: &str = "idempotency.caller_lock_timeout";
+
+/// The statements that take the key's advisory lock with the policy's
+/// `lock_timeout` and then put the caller's back; all local to the
+/// transaction. Zero would mean "no limit" to PostgreSQL, so rejecting at
+/// once is the smallest wait it accepts. Simple-query text with no bound
+/// parameters: the only values in it are integers of ours.
+///
+/// The first statement also bounds how long the transaction may wait for
+/// its client with `idle`: the server ends a session whose client went
+/// silent while it holds the key, which frees the key. It stays set until
+/// the transaction ends, as the lock does (a caller's transaction, for a
+/// nested call), unless the session's own bound is lower. The caller's
+/// `idle_in_transaction_session_timeout` comes back with the transaction's
+/// end, as every local setting does.
+pub(super) fn lock_key_sql(scope: &str, key: &str, in_flight: InFlight, idle: Option<Duration>) -> String {
+    let (high, low) = lock_key(scope, key);
+    let idle = idle.map_or_else(String::new, |idle| {
+        let millis = idle.num_milliseconds().clamp(1, i64::from(i32::MAX));
+        format!(
+            ", set_config('{IDLE}', CASE WHEN current_setting('{IDLE}')::interval \
+                 BETWEEN interval '1 millisecond' AND interval '{millis} milliseconds' \
+                 THEN current_setting('{IDLE}') ELSE '{millis}ms' END, true)"
+        )
+    });
+    format!(
+        "SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true), \
+                set_config('lock_timeout', '{}ms', true){idle}; \
+         SELECT pg_advisory_xact_lock({high}, {low}); \
+         SELECT set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true)",
+        in_flight.wait_millis().max(1)
+    )
+}
+
+/// The claim of `record` as simple-query text, to follow the lock in the
+/// round trip that takes it; `None` for a time the text form below does not
+/// write (years outside 1 to 9999), which is claimed by bound statements
+/// instead. The values are written as literals because a simple query binds
+/// none: escape strings, which mean the same whatever
+/// `standard_conforming_strings` says, and timestamps in ISO form.
+pub(super) fn claim_sql(record: &Record<'_>) -> Option<String> {
+    let time = |at: NaiveDateTime| {
+        (1..=9999)
+            .contains(&at.year())
+            .then(|| format!("'{}'::timestamp", at.format("%Y-%m-%d %H:%M:%S%.6f")))
+    };
+    Some(format!(
+        "INSERT INTO idempotency_keys \
+         (scope, idempotency_key, request_hash, status, created_at, expires_at, caller_hash) \
+         VALUES ({}, {}, {}, {}, {}, {}, {})",
+        text_literal(record.scope),
+        text_literal(record.idempotency_key),
+        text_literal(record.request_hash),
+        text_literal(record.status.as_str()),
+        time(record.created_at)?,
+        time(record.expires_at)?,
+        record.caller_hash.map_or_else(|| String::from("NULL"), text_literal),
+    ))
+}
+
+/// `value` as an escape string literal: every backslash and quote escaped.
+fn text_literal(value: &str) -> String {
+    format!("E'{}'", value.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
+/// The setting that bounds how long a transaction waits for its client.
+const IDLE: &str = "idle_in_transaction_session_timeout";
+
+/// The advisory lock's two integers: 64 bits of a SHA-256 of the scope and
+/// the key, each prefixed with its length. Stable across processes and
+/// versions of the crate, which must agree on it while they run side by side.
+pub(super) fn lock_key(scope: &str, key: &str) -> (i32, i32) {
+    let digest = crate::key::digest(&[scope, key]);
+    let int = |bytes: &[u8]| i32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+    (int(&digest[..4]), int(&digest[4..8]))
+}
+
+/// Whether the session's setting `idempotency.claim_first` (as
+/// [`citus::distribute`] sets it for the database) is true: a placeholder
+/// setting is text as it was written, so any of PostgreSQL's spellings of
+/// true, in any case. On Citus the setting is the one of the node that
+/// holds the key's shard, where the read runs.
+macro_rules! claims_first {
+    () => {
+        "coalesce(lower(current_setting('idempotency.claim_first', true)) IN ('on', 'true', 'yes', '1'), false)"
+    };
+}
+
+/// The database's time, in UTC, and whether it claims every key first.
+pub(super) struct NowAndClaimFirst;
+
+impl Head for NowAndClaimFirst {
+    type Backend = Pg;
+    const SQL: &'static str = concat!("timezone('UTC', statement_timestamp()), ", claims_first!());
+    type SqlType = (Timestamp, Bool);
+}
+
+/// How a write transaction holds its key: the isolation level of the
+/// transaction, or `claim first` where the database claims every key
+/// before the operation runs. The read before the transaction tells that
+/// already, but a call whose read waited out its time goes on to the
+/// transaction without it.
+pub(super) struct HoldBy;
+
+impl Head for HoldBy {
+    type Backend = Pg;
+    const SQL: &'static str = concat!(
+        "CASE WHEN ",
+        claims_first!(),
+        " THEN 'claim first' ELSE current_setting('transaction_isolation') END"
+    );
+    type SqlType = Text;
+}
+
+/// The write that makes a commit wait for the synchronous standbys. A
+/// commit waits for them only if its transaction wrote to the log before
+/// committing: a transaction id alone (`txid_current()`) writes nothing,
+/// and its commit does not wait. A transactional logical message is such a
+/// write, on any `wal_level` and without privileges, and the wait covers
+/// every commit this session could see, the replayed record's included.
+pub(super) const DURABLE_REPLAY: &str = "SELECT pg_logical_emit_message(true, 'idempotency', 'durable replay')";
+
+/// The read after the key's lock, on either kind of connection: how the
+/// transaction holds its key ([`HoldBy`]) and the record.
+pub(super) trait HoldByRead: KeyStore {
+    fn hold_by(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<(String, Option<Stored>)>>;
+}
+
+impl HoldByRead for PgConnection {
+    fn hold_by(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<(String, Option<Stored>)>> {
+        std::future::ready(record_with::<HoldBy, Timestamp, _, String>(self, scope, key))
+    }
+}
+
+/// How a transaction that holds its key's lock holds the key: by the
+/// record read after the lock at `READ COMMITTED`, which sees every commit
+/// before the lock was granted; by a guarded claim in a caller's
+/// transaction, at a stricter isolation level, or where the read before
+/// the transaction found that the database claims first (a statement fewer
+/// than reading first).
+pub(super) async fn hold<C: HoldByRead>(conn: &mut C, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
+    if claims_first || conn.transaction_depth()? > 1 {
+        return claiming(conn, record).await;
+    }
+    let (hold_by, stored) = conn.hold_by(record.scope, record.idempotency_key).await?;
+    if matches!(hold_by.as_str(), "read committed" | "read uncommitted") {
+        Ok(hold_of(stored, record))
+    } else {
+        claiming(conn, record).await
+    }
+}
+
+/// How a key transaction opens and ends its level on either kind of
+/// connection, so that [`key_transaction`] is written once.
+pub(super) trait Levels: HoldByRead {
+    /// Opens a transaction with `sql`, whose first statement is `BEGIN`.
+    fn begin_with(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>>;
+
+    /// Opens a savepoint in the caller's transaction.
+    fn savepoint(&mut self) -> impl Future<Output = QueryResult<()>>;
+
+    /// Sends `sql` as it is, as one simple query.
+    fn batch(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>>;
+
+    /// Runs `work` in the level just opened, then commits that level if
+    /// `work` succeeded and rolls it back otherwise.
+    fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> impl Future<Output = Result<T, E>>
+    where
+        E: From<DieselError>;
+}
+
+impl Levels for PgConnection {
+    fn begin_with(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>> {
+        std::future::ready(AnsiTransactionManager::begin_transaction_sql(self, sql))
+    }
+
+    fn savepoint(&mut self) -> impl Future<Output = QueryResult<()>> {
+        std::future::ready(<AnsiTransactionManager as TransactionManager<Self>>::begin_transaction(
+            self,
+        ))
+    }
+
+    fn batch(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>> {
+        std::future::ready(self.batch_execute(sql))
+    }
+
+    async fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<DieselError>,
+    {
+        let result = work(self).await;
+        end_level(self, result)
+    }
+}
+
+/// The transaction that holds a key on PostgreSQL, on either kind of
+/// connection: in a caller's transaction a savepoint that takes the key's
+/// lock; a key the replay read found free claimed in the round trip that
+/// takes its lock; otherwise the lock alone in the `BEGIN` round trip.
+pub(super) async fn key_transaction<C, T, E>(
+    conn: &mut C,
+    held: HeldKey<'_>,
+    work: impl AsyncFnOnce(&mut C, bool) -> Result<T, E>,
+) -> Result<T, E>
+where
+    C: Levels,
+    E: From<DieselError>,
+{
+    let HeldKey {
+        scope,
+        key,
+        mut in_flight,
+        idle_timeout,
+        claim,
+    } = held;
+    if conn.transaction_depth()? > 0 {
+        // In a savepoint: a lock wait that runs out rolls back to it,
+        // settings included; otherwise the lock is held until the caller's
+        // transaction ends, as its record would be.
+        let lock = lock_key_sql(scope, key, in_flight, idle_timeout);
+        conn.savepoint().await?;
+        return conn
+            .within(async |tx: &mut C| {
+                tx.batch(&lock).await.map_err(lock_wait_ended)?;
+                work(tx, false).await
+            })
+            .await;
+    }
+    // A key the read found free is claimed in the round trip that takes its
+    // lock: the transaction then holds it without reading it again.
+    if let Some(claim) = claim.and_then(claim_sql) {
+        let begin = format!("BEGIN; {}; {claim}", lock_key_sql(scope, key, in_flight, idle_timeout));
+        match conn.begin_with(&begin).await {
+            Ok(()) => return conn.within(async |tx: &mut C| work(tx, true).await).await,
+            Err(error) => {
+                // BEGIN went through: see below.
+                let _ = conn.batch("ROLLBACK").await;
+                if is_connection_lost(&error) {
+                    return Err(error.into());
+                }
+                // A duplicate is a record committed since the read (by the
+                // holder this call waited for): the transaction below reads
+                // it. Any other failure is the end of the wait for the lock
+                // or a failure of the claim itself; the transaction below
+                // tells them apart, and waits no longer for a lock that is
+                // still held.
+                if !matches!(error, DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) {
+                    in_flight = InFlight::Reject;
+                }
+            }
+        }
+    }
+    // BEGIN, the policy's lock timeout, the lock and the caller's timeout
+    // back: one round trip.
+    let begin = format!("BEGIN; {}", lock_key_sql(scope, key, in_flight, idle_timeout));
+    if let Err(error) = conn.begin_with(&begin).await {
+        // BEGIN went through before the statement that failed: the server
+        // holds an aborted transaction that diesel does not know of. A
+        // broken connection fails this too and is discarded as broken
+        // anyway.
+        let _ = conn.batch("ROLLBACK").await;
+        return Err(lock_wait_ended(error).into());
+    }
+    conn.within(async |tx: &mut C| work(tx, false).await).await
+}
