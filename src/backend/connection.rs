@@ -5,10 +5,10 @@
 
 use diesel::r2d2::{ConnectionManager, PooledConnection, R2D2Connection};
 
+use super::history::History;
 use super::keys::BlockingStore;
 #[cfg(feature = "diesel-async")]
 use super::keys::KeyStore;
-use super::migrate::History;
 use super::outbox::BlockingOutboxStore;
 #[cfg(feature = "diesel-async")]
 use super::outbox::OutboxStore;

@@ -38,6 +38,7 @@
 
 mod connection;
 mod future;
+mod history;
 mod keys;
 pub(crate) mod migrate;
 #[cfg(feature = "mysql")]

@@ -13,7 +13,7 @@ use diesel::serialize::ToSql;
 use diesel::sql_types::{HasSqlType, Nullable, SqlType, Text};
 use diesel::{QueryResult, RunQueryDsl};
 
-use super::Record;
+use super::record::Record;
 use crate::row_status::RecordStatus;
 
 /// `UPDATE idempotency_keys SET status, response, completed_at WHERE` the

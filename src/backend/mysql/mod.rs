@@ -69,7 +69,8 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{BigInt, Datetime};
 use diesel_migrations::EmbeddedMigrations;
 
-use super::migrate::{self, Count, History};
+use super::history::{self, Count, History};
+use super::migrate;
 
 use super::{
     BackendRules, BlockingStore, ClaimOutcome, HeldKey, Hold, KeyStore, Read, Record, transaction_depth,
@@ -95,7 +96,7 @@ impl History for MysqlConnection {
         Ok(found.n > 0)
     }
 
-    migrate::schema_history!(MysqlConnection);
+    history::schema_history!(MysqlConnection);
 }
 
 impl BackendRules for Mysql {

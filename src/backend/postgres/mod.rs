@@ -53,7 +53,8 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::Timestamp;
 use diesel_migrations::EmbeddedMigrations;
 
-use super::migrate::{self, Count, History};
+use super::history::{self, Count, History};
+use super::migrate;
 
 pub(crate) use clock::database_time;
 use expired::Expired;
@@ -78,7 +79,7 @@ impl History for PgConnection {
         Ok(found.n > 0)
     }
 
-    migrate::schema_history!(PgConnection);
+    history::schema_history!(PgConnection);
 }
 
 impl BackendRules for Pg {

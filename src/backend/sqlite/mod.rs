@@ -29,7 +29,8 @@ use diesel::sql_types::{BigInt, Timestamp};
 use diesel::sqlite::{Sqlite, SqliteConnection};
 use diesel_migrations::EmbeddedMigrations;
 
-use super::migrate::{self, Count, History};
+use super::history::{self, Count, History};
+use super::migrate;
 
 use write::{close_write, hold, open_write, settle};
 
@@ -52,7 +53,7 @@ impl History for SqliteConnection {
         Ok(found.n > 0)
     }
 
-    migrate::schema_history!(SqliteConnection);
+    history::schema_history!(SqliteConnection);
 }
 
 impl BackendRules for Sqlite {

@@ -1,0 +1,147 @@
+//! A key record as the statements write and read it, how a write
+//! transaction holds its key, and the error for a record changed under it.
+
+use chrono::NaiveDateTime;
+use diesel::prelude::*;
+use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind};
+
+use crate::row_status::RecordStatus;
+use crate::schema::idempotency_keys;
+
+/// A key record as this crate writes it: claimed (`processing`, no response
+/// yet) or completed with its response.
+#[derive(Insertable, AsChangeset, Clone, Copy, Debug)]
+#[diesel(table_name = idempotency_keys, primary_key(scope, idempotency_key), treat_none_as_null = true)]
+pub struct Record<'a> {
+    pub(crate) scope: &'a str,
+    pub(crate) idempotency_key: &'a str,
+    pub(crate) request_hash: &'a str,
+    pub(crate) status: RecordStatus,
+    pub(crate) response: Option<&'a str>,
+    pub(crate) created_at: NaiveDateTime,
+    pub(crate) completed_at: Option<NaiveDateTime>,
+    pub(crate) expires_at: NaiveDateTime,
+    /// Who may look the record up (written by the HTTP layer: the hash of
+    /// the caller's principal and endpoint); `None` for no HTTP lookup.
+    pub(crate) caller_hash: Option<&'a str>,
+}
+
+/// What a replay, and a lookup, needs of a stored record.
+#[derive(Queryable, Debug)]
+pub struct Stored {
+    pub(crate) request_hash: String,
+    pub(crate) status: RecordStatus,
+    pub(crate) response: Option<String>,
+    pub(crate) created_at: NaiveDateTime,
+    pub(crate) expires_at: NaiveDateTime,
+    pub(crate) caller_hash: Option<String>,
+}
+
+/// What the replay read outside the write transaction found.
+pub struct Read {
+    /// The record, whatever its state.
+    pub(crate) record: Option<Stored>,
+    /// The database's time when it was read.
+    pub(crate) now: NaiveDateTime,
+    /// Whether the database claims every key before the operation runs
+    /// (PostgreSQL's `idempotency.claim_first`): a write transaction then
+    /// claims at once, without reading the record again.
+    pub(crate) claims_first: bool,
+}
+
+/// What a guarded claim of a key did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// There was no record: the claim is inserted.
+    Inserted,
+    /// There was an expired record: the claim replaced it.
+    TookOver,
+    /// An unexpired record holds the key.
+    Refused,
+}
+
+impl ClaimOutcome {
+    /// The hold a successful claim gives.
+    pub(crate) fn hold(self) -> Option<Hold> {
+        match self {
+            ClaimOutcome::Inserted => Some(Hold::Claimed { took_over: false }),
+            ClaimOutcome::TookOver => Some(Hold::Claimed { took_over: true }),
+            ClaimOutcome::Refused => None,
+        }
+    }
+}
+
+/// How a write transaction holds its key, decided once it holds the key's
+/// lock, and so how the operation's result is stored.
+#[derive(Debug)]
+pub enum Hold {
+    /// No record: the completed record is inserted after the operation.
+    Free,
+    /// An expired record: it is replaced by the completed one after the
+    /// operation.
+    Expired,
+    /// Claimed with a guarded insert before the operation (`took_over`: by
+    /// replacing an expired record): the operation's result completes the
+    /// record.
+    Claimed {
+        /// Whether the claim replaced an expired record.
+        took_over: bool,
+    },
+    /// An unexpired record: the answer is a replay, a mismatch, or (for a
+    /// record an enclosing call has claimed) in progress.
+    Recorded(Stored),
+    /// The key was freed and claimed again by another call while this
+    /// transaction looked at it: in progress elsewhere.
+    ClaimedElsewhere,
+}
+
+/// The key record changed while this transaction held its key: a statement
+/// that writes the record of a held key did not find it as the hold left
+/// it. Something bypassed the key's lock; the transaction is rolled back
+/// rather than commit an executed operation without its result, so
+/// nothing of the call remains and a retry is safe.
+///
+/// Reported as what diesel calls such a conflict with a concurrent
+/// transaction, a storage error of kind `SerializationFailure`, which
+/// [`Error::is_retryable`](crate::Error::is_retryable) already answers
+/// with `true`; its message says what happened.
+#[derive(Debug)]
+pub struct KeyRecordChanged;
+
+impl KeyRecordChanged {
+    /// `Ok` when the write of a held key's record changed its one row.
+    pub(crate) fn check(written: usize) -> QueryResult<()> {
+        if written == 1 {
+            Ok(())
+        } else {
+            Err(diesel::result::Error::DatabaseError(
+                DatabaseErrorKind::SerializationFailure,
+                Box::new(KeyRecordChanged),
+            ))
+        }
+    }
+}
+
+impl DatabaseErrorInformation for KeyRecordChanged {
+    fn message(&self) -> &str {
+        "idempotency: the key record changed while this transaction held the key; rolled back, a retry is safe"
+    }
+    fn details(&self) -> Option<&str> {
+        None
+    }
+    fn hint(&self) -> Option<&str> {
+        None
+    }
+    fn table_name(&self) -> Option<&str> {
+        Some("idempotency_keys")
+    }
+    fn column_name(&self) -> Option<&str> {
+        None
+    }
+    fn constraint_name(&self) -> Option<&str> {
+        None
+    }
+    fn statement_position(&self) -> Option<i32> {
+        None
+    }
+}
