@@ -59,15 +59,13 @@ mod transaction;
 #[cfg(any(feature = "postgres-async", feature = "mysql-async"))]
 pub(crate) use future::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
 pub(crate) use future::{Panic, block_on, catch_unwind};
-pub(crate) use keys::{BlockingStore, ClaimOutcome, HeldKey, Hold, KeyRecordChanged, KeyStore, Read, Record, Stored};
+pub(crate) use keys::{BlockingStore, ClaimOutcome, HeldKey, Hold, KeyStore, Read, Record, Stored};
 pub(crate) use phases::BlockingPhaseStore;
 pub(crate) use purge::{purge_in_batches, sql_limit};
 pub(crate) use rules::BackendRules;
 
 /// The rules of the database that connection `C` reaches.
 pub(crate) type RulesOf<C> = <C as KeyStore>::Rules;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(crate) use transaction::end_level;
 pub(crate) use transaction::{transaction_depth, unwind_to_depth};
 
 #[cfg(feature = "diesel-async")]

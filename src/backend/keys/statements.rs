@@ -76,7 +76,7 @@ macro_rules! key_statements {
             record: &$crate::backend::Record<'_>,
         ) -> diesel::QueryResult<()> {
             use $schema::idempotency_keys as k;
-            use $crate::backend::{Hold, KeyRecordChanged};
+            use $crate::backend::keys::{Hold, KeyRecordChanged};
             use diesel::{ExpressionMethods, QueryDsl};
             use $($run)* as _;
             let completed = $crate::backend::keys::record_values!(k, record);

@@ -16,7 +16,8 @@ use diesel::dsl::Eq;
 
 use super::lock::{GetLock, IdleStatement, ReleaseLock};
 use super::schema::idempotency_keys as k;
-use crate::backend::{KeyStore, Record, Stored, end_level};
+use crate::backend::keys::{KeyStore, Record, Stored};
+use crate::backend::transaction::end_level;
 use crate::row_status::RecordStatus;
 
 /// How MySQL's statements are sent on either kind of connection, so that

@@ -25,7 +25,7 @@ macro_rules! outbox_statements {
         $($crate::backend::outbox::outbox_statements!(@$method $schema, ());)+
     };
     (@insert_message $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
-        $($async)? fn insert_message(&mut self, message: &$crate::backend::outbox::NewMessage<'_>) -> diesel::QueryResult<()> {
+        $($async)? fn insert_message(&mut self, message: &$crate::backend::outbox::rows::NewMessage<'_>) -> diesel::QueryResult<()> {
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
             use diesel::ExpressionMethods;
@@ -52,11 +52,11 @@ macro_rules! outbox_statements {
     (@settle $schema:ident, $now:expr) => {
         fn settle(
             &mut self,
-            message: $crate::backend::outbox::MessageId<'_>,
+            message: $crate::backend::outbox::rows::MessageId<'_>,
             lease_token: &str,
-            settlement: &$crate::backend::outbox::Settlement,
+            settlement: &$crate::backend::outbox::rows::Settlement,
         ) -> diesel::QueryResult<bool> {
-            use $crate::backend::outbox::Settlement;
+            use $crate::backend::outbox::rows::Settlement;
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
             use diesel::prelude::*;
@@ -93,7 +93,7 @@ macro_rules! outbox_statements {
         }
     };
     (@dead_messages $schema:ident, $now:expr) => {
-        fn dead_messages(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::backend::outbox::DeadRow>> {
+        fn dead_messages(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::backend::outbox::rows::DeadRow>> {
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
             use diesel::prelude::*;
@@ -115,7 +115,7 @@ macro_rules! outbox_statements {
     (@release $schema:ident, $now:expr) => {
         fn release(
             &mut self,
-            message: $crate::backend::outbox::MessageId<'_>,
+            message: $crate::backend::outbox::rows::MessageId<'_>,
             lease_token: &str,
         ) -> diesel::QueryResult<bool> {
             use $crate::row_status::MessageStatus;
@@ -137,8 +137,8 @@ macro_rules! outbox_statements {
         }
     };
     (@next_due $schema:ident, $now:expr) => {
-        fn next_due(&mut self) -> diesel::QueryResult<Option<$crate::backend::outbox::Due>> {
-            use $crate::backend::outbox::Due;
+        fn next_due(&mut self) -> diesel::QueryResult<Option<$crate::backend::outbox::rows::Due>> {
+            use $crate::backend::outbox::rows::Due;
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
             use diesel::prelude::*;
@@ -156,8 +156,8 @@ macro_rules! outbox_statements {
         }
     };
     (@backlog $schema:ident, $now:expr) => {
-        fn backlog(&mut self, now: chrono::NaiveDateTime) -> diesel::QueryResult<$crate::backend::outbox::Backlog> {
-            use $crate::backend::outbox::Backlog;
+        fn backlog(&mut self, now: chrono::NaiveDateTime) -> diesel::QueryResult<$crate::backend::outbox::rows::Backlog> {
+            use $crate::backend::outbox::rows::Backlog;
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
             use diesel::prelude::*;

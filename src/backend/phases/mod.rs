@@ -19,79 +19,14 @@ use std::time::Duration;
 
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
-use diesel::prelude::*;
 
 use crate::backend::{BlockingStore, KeyStore};
-use crate::row_status::OperationStatus;
-use crate::schema::idempotency_phases;
 
+pub(crate) mod rows;
 mod statements;
 
+pub use rows::{Lease, NewOperation, OperationRow, ParkedRow, PickedRow};
 pub(crate) use statements::{operation_values, phase_statements, update_held};
-
-/// An operation as its first commit writes it.
-pub struct NewOperation<'a> {
-    pub(crate) scope: &'a str,
-    pub(crate) idempotency_key: &'a str,
-    pub(crate) operation: &'a str,
-    pub(crate) request_hash: &'a str,
-    pub(crate) request: Option<&'a str>,
-    pub(crate) op_id: &'a str,
-    pub(crate) status: OperationStatus,
-    pub(crate) points: &'a str,
-    pub(crate) lease_token: &'a str,
-    pub(crate) lease_until: NaiveDateTime,
-    pub(crate) attempts: i32,
-    pub(crate) created_at: NaiveDateTime,
-    pub(crate) updated_at: NaiveDateTime,
-    /// Who may look the operation up, as [`Record::caller_hash`](crate::backend::Record).
-    pub(crate) caller_hash: Option<&'a str>,
-}
-
-/// An operation as an attempt, or a lookup, reads it.
-#[derive(Queryable, Selectable, Debug)]
-#[diesel(table_name = idempotency_phases)]
-pub struct OperationRow {
-    pub(crate) operation: String,
-    pub(crate) request_hash: String,
-    pub(crate) op_id: String,
-    pub(crate) status: OperationStatus,
-    pub(crate) points: String,
-    pub(crate) response: Option<String>,
-    pub(crate) lease_until: Option<NaiveDateTime>,
-    pub(crate) expires_at: Option<NaiveDateTime>,
-    pub(crate) created_at: NaiveDateTime,
-    pub(crate) caller_hash: Option<String>,
-}
-
-/// An attempt's hold on an operation: its key and lease token.
-#[derive(Clone, Copy)]
-pub struct Lease<'a> {
-    pub(crate) scope: &'a str,
-    pub(crate) key: &'a str,
-    pub(crate) token: &'a str,
-}
-
-/// An operation a completer picked.
-#[derive(Queryable, Debug)]
-pub struct PickedRow {
-    pub(crate) scope: String,
-    pub(crate) idempotency_key: String,
-    pub(crate) operation: String,
-    pub(crate) request: String,
-}
-
-/// A parked operation, as listed.
-#[derive(Queryable, Debug)]
-pub struct ParkedRow {
-    pub(crate) scope: String,
-    pub(crate) idempotency_key: String,
-    pub(crate) operation: String,
-    pub(crate) attempts: i32,
-    pub(crate) last_error: Option<String>,
-    pub(crate) created_at: NaiveDateTime,
-    pub(crate) updated_at: NaiveDateTime,
-}
 
 /// The statements of one attempt of a phased operation, one implementation
 /// per kind of connection, async-shaped as [`KeyStore`] is: the trait the

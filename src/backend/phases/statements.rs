@@ -35,8 +35,8 @@ macro_rules! phase_statements {
             idle_since: chrono::NaiveDateTime,
             until: chrono::NaiveDateTime,
             limit: usize,
-        ) -> diesel::QueryResult<Vec<$crate::backend::phases::PickedRow>> {
-            use $crate::backend::phases::PickedRow;
+        ) -> diesel::QueryResult<Vec<$crate::backend::phases::rows::PickedRow>> {
+            use $crate::backend::phases::rows::PickedRow;
             use $crate::row_status::OperationStatus;
             use $schema::idempotency_phases as p;
             use diesel::{BoolExpressionMethods, ExpressionMethods, NullableExpressionMethods, QueryDsl};
@@ -90,7 +90,7 @@ macro_rules! phase_statements {
     (@take_over $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
         $($async)? fn take_over(
             &mut self,
-            lease: $crate::backend::phases::Lease<'_>,
+            lease: $crate::backend::phases::rows::Lease<'_>,
             until: chrono::NaiveDateTime,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
@@ -116,7 +116,7 @@ macro_rules! phase_statements {
     (@save_points $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
         $($async)? fn save_points(
             &mut self,
-            lease: $crate::backend::phases::Lease<'_>,
+            lease: $crate::backend::phases::rows::Lease<'_>,
             points: &str,
             until: chrono::NaiveDateTime,
             now: chrono::NaiveDateTime,
@@ -134,7 +134,7 @@ macro_rules! phase_statements {
     (@complete_operation $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
         $($async)? fn complete_operation(
             &mut self,
-            lease: $crate::backend::phases::Lease<'_>,
+            lease: $crate::backend::phases::rows::Lease<'_>,
             points: &str,
             response: &str,
             expires_at: chrono::NaiveDateTime,
@@ -158,7 +158,7 @@ macro_rules! phase_statements {
     (@release_operation $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
         $($async)? fn release_operation(
             &mut self,
-            lease: $crate::backend::phases::Lease<'_>,
+            lease: $crate::backend::phases::rows::Lease<'_>,
             error: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
@@ -177,7 +177,7 @@ macro_rules! phase_statements {
     (@park_operation $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
         $($async)? fn park_operation(
             &mut self,
-            lease: $crate::backend::phases::Lease<'_>,
+            lease: $crate::backend::phases::rows::Lease<'_>,
             reason: &str,
             now: chrono::NaiveDateTime,
         ) -> diesel::QueryResult<bool> {
@@ -251,7 +251,7 @@ macro_rules! phase_statements {
         }
     };
     (@parked_operations $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
-        $($async)? fn parked_operations(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::backend::phases::ParkedRow>> {
+        $($async)? fn parked_operations(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::backend::phases::rows::ParkedRow>> {
             use $crate::row_status::OperationStatus;
             use $schema::idempotency_phases as p;
             use diesel::{ExpressionMethods, QueryDsl};
@@ -301,7 +301,7 @@ macro_rules! phase_statements {
     (@insert_operation $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
         $($async)? fn insert_operation(
             &mut self,
-            operation: &$crate::backend::phases::NewOperation<'_>,
+            operation: &$crate::backend::phases::rows::NewOperation<'_>,
         ) -> diesel::QueryResult<bool> {
             use $schema::idempotency_phases as p;
             use diesel::{ExpressionMethods};
@@ -320,7 +320,7 @@ macro_rules! phase_statements {
     (@insert_operation_strictly $schema:ident [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
         $($async)? fn insert_operation(
             &mut self,
-            operation: &$crate::backend::phases::NewOperation<'_>,
+            operation: &$crate::backend::phases::rows::NewOperation<'_>,
         ) -> diesel::QueryResult<bool> {
             use $schema::idempotency_phases as p;
             use diesel::ExpressionMethods;
