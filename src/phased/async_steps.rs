@@ -1,5 +1,5 @@
 //! The steps of an attempt on a diesel-async connection (feature
-//! `diesel-async`), as the body of [`Phased::run_async`] receives them: the
+//! `diesel-async`), as the body of [`Phased::run_async`](super::Phased::run_async) receives them: the
 //! attempt's one protocol (`attempt.rs`), awaited.
 
 use std::fmt;
@@ -9,16 +9,14 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::attempt::{Attempt, Finished, Repeat};
-#[cfg(doc)]
-use super::{Phased, Steps};
 use crate::backend::{AsyncStoreConnection, catch_unwind};
 use crate::error::Error;
 use crate::outcome::Outcome;
 
-/// The steps of one attempt of a [`Phased`] operation on a diesel-async
-/// connection, as the body of [`Phased::run_async`] receives them: the
-/// [`Steps`] of a synchronous connection, each step an async closure,
-/// awaited. Every step keeps the contract of its namesake in [`Steps`].
+/// The steps of one attempt of a [`Phased`](super::Phased) operation on a diesel-async
+/// connection, as the body of [`Phased::run_async`](super::Phased::run_async) receives them: the
+/// [`Steps`](super::Steps) of a synchronous connection, each step an async closure,
+/// awaited. Every step keeps the contract of its namesake in [`Steps`](super::Steps).
 pub struct AsyncSteps<'a, C> {
     attempt: Attempt<'a, C>,
 }
@@ -35,7 +33,7 @@ impl<C> fmt::Debug for AsyncSteps<'_, C> {
 
 impl<'a, C: AsyncStoreConnection> AsyncSteps<'a, C> {
     /// Runs `body` on the steps of `attempt` to its end, as
-    /// [`Steps`] does.
+    /// [`Steps`](super::Steps) does.
     pub(super) async fn attempt<R, E>(
         attempt: Attempt<'a, C>,
         body: impl AsyncFnOnce(&mut Self) -> Result<Finished<R>, Error<E>>,
@@ -45,12 +43,12 @@ impl<'a, C: AsyncStoreConnection> AsyncSteps<'a, C> {
         steps.attempt.end(ended).await
     }
 
-    /// [`Steps::phase`]: `f` runs on the connection in a transaction of its
+    /// [`Steps::phase`](super::Steps::phase): `f` runs on the connection in a transaction of its
     /// own, which commits its output with the recovery point.
     ///
     /// # Errors
     ///
-    /// As [`Steps::phase`].
+    /// As [`Steps::phase`](super::Steps::phase).
     pub async fn phase<T, E, F>(&mut self, name: &str, f: F) -> Result<T, Error<E>>
     where
         T: Serialize + DeserializeOwned,
@@ -59,12 +57,12 @@ impl<'a, C: AsyncStoreConnection> AsyncSteps<'a, C> {
         self.attempt.phase(name, f).await
     }
 
-    /// [`Steps::call`]: `f` gets the provider key and is awaited outside
+    /// [`Steps::call`](super::Steps::call): `f` gets the provider key and is awaited outside
     /// any transaction; its result is committed.
     ///
     /// # Errors
     ///
-    /// As [`Steps::call`].
+    /// As [`Steps::call`](super::Steps::call).
     pub async fn call<T, E, F>(&mut self, name: &str, f: F) -> Result<T, Error<E>>
     where
         T: Serialize + DeserializeOwned,
@@ -73,11 +71,11 @@ impl<'a, C: AsyncStoreConnection> AsyncSteps<'a, C> {
         self.attempt.call(name, f, Repeat::UntilHorizon).await
     }
 
-    /// [`Steps::call_at_most_once`], `f` awaited.
+    /// [`Steps::call_at_most_once`](super::Steps::call_at_most_once), `f` awaited.
     ///
     /// # Errors
     ///
-    /// As [`Steps::call_at_most_once`].
+    /// As [`Steps::call_at_most_once`](super::Steps::call_at_most_once).
     pub async fn call_at_most_once<T, E, F>(&mut self, name: &str, f: F) -> Result<T, Error<E>>
     where
         T: Serialize + DeserializeOwned,
@@ -86,17 +84,17 @@ impl<'a, C: AsyncStoreConnection> AsyncSteps<'a, C> {
         self.attempt.call(name, f, Repeat::Never).await
     }
 
-    /// [`Steps::provider_key`].
+    /// [`Steps::provider_key`](super::Steps::provider_key).
     pub fn provider_key(&self, name: &str) -> Option<String> {
         self.attempt.provider_key(name)
     }
 
-    /// [`Steps::finish`]: `f` runs in the last transaction, which stores its
+    /// [`Steps::finish`](super::Steps::finish): `f` runs in the last transaction, which stores its
     /// result as the operation's response.
     ///
     /// # Errors
     ///
-    /// As [`Steps::finish`].
+    /// As [`Steps::finish`](super::Steps::finish).
     pub async fn finish<R, E, F>(&mut self, f: F) -> Result<Finished<R>, Error<E>>
     where
         R: Serialize + DeserializeOwned,

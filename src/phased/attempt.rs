@@ -14,8 +14,7 @@ use chrono::{DateTime, NaiveDateTime, Utc};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use super::Phased;
-use super::operation::Admitted;
+use super::definition::{Admitted, Phased};
 use crate::backend::phases::{Lease, NewOperation, OperationRow, PhaseStore};
 use crate::backend::{BackendRules, KeyStore, Panic};
 use crate::clock::Reading;

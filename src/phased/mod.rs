@@ -159,6 +159,7 @@
 mod async_steps;
 mod attempt;
 mod completer;
+mod definition;
 mod operation;
 mod steps;
 
@@ -166,5 +167,5 @@ mod steps;
 pub use async_steps::AsyncSteps;
 pub use attempt::Finished;
 pub use completer::{Completer, Completions, Parked};
-pub use operation::Phased;
+pub use definition::Phased;
 pub use steps::Steps;

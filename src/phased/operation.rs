@@ -5,20 +5,21 @@
 
 use std::time::Instant;
 
-use chrono::{DateTime, Duration, NaiveDateTime, Utc};
+use chrono::{DateTime, NaiveDateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 #[cfg(feature = "diesel-async")]
-use super::AsyncSteps;
+use super::async_steps::AsyncSteps;
 use super::attempt::{Attempt, Finished, OperationHold, write_failed};
+use super::definition::{Admitted, Phased};
 use super::steps::Steps;
 #[cfg(feature = "diesel-async")]
 use crate::backend::AsyncStoreConnection;
 use crate::backend::phases::{Lease, PhaseStore};
 use crate::backend::{BackendRules, RulesOf, StoreConnection, block_on};
-use crate::clock::{Reading, assert_duration};
-use crate::config::{Config, OnCompleted};
+use crate::clock::Reading;
+use crate::config::OnCompleted;
 use crate::error::Error;
 use crate::outcome::Outcome;
 use crate::row_status::OperationStatus;
@@ -29,96 +30,7 @@ use crate::{codec, id, telemetry};
 /// How often a retry looks again while another attempt holds the lease.
 const LEASE_POLL: std::time::Duration = std::time::Duration::from_millis(25);
 
-/// An operation in phases, named for the [`Completer`](super::Completer),
-/// and its policy. Built with consuming builder methods:
-///
-/// | setting | default |
-/// | --- | --- |
-/// | [`config`](Phased::config) | [`Config::default()`]: retention, in-flight policy, key length, clock |
-/// | [`lease`](Phased::lease) | 90 seconds |
-/// | [`provider_horizon`](Phased::provider_horizon) | 23 hours |
-/// | [`store_requests`](Phased::store_requests) | `false` |
-///
-/// See the [module docs](super) for the contract.
-///
-/// ```
-/// use chrono::Duration;
-/// use idempotency::phased::Phased;
-///
-/// let create_ride = Phased::new("create-ride")
-///     .lease(Duration::seconds(60))
-///     .provider_horizon(Duration::hours(20))
-///     .store_requests(true);
-/// # let _ = create_ride;
-/// ```
-#[derive(Debug, Clone)]
-pub struct Phased {
-    pub(super) name: String,
-    pub(crate) config: Config,
-    pub(super) lease: Duration,
-    pub(super) provider_horizon: Duration,
-    store_requests: bool,
-}
-
 impl Phased {
-    /// An operation named `name`, with the defaults in the table above. The
-    /// name is stored with every operation, so that a
-    /// [`Completer`](super::Completer) finds the code that finishes it.
-    pub fn new(name: impl Into<String>) -> Self {
-        Phased {
-            name: name.into(),
-            config: Config::default(),
-            lease: Duration::seconds(90),
-            provider_horizon: Duration::hours(23),
-            store_requests: false,
-        }
-    }
-
-    /// The policy for keys, retention, waiting for another attempt and the
-    /// clock (default [`Config::default()`]).
-    pub fn config(mut self, config: Config) -> Self {
-        self.config = config;
-        self
-    }
-
-    /// How long an attempt holds the operation without committing (default
-    /// 90 seconds): after it, another attempt may take the operation over.
-    /// Every commit renews it. Choose it longer than any step takes, the
-    /// foreign call's timeout included.
-    ///
-    /// # Panics
-    ///
-    /// If `lease` is not positive or longer than 100 years.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        assert_duration(lease, "lease");
-        self.lease = lease;
-        self
-    }
-
-    /// How long after a call was first made it may still be repeated
-    /// (default 23 hours, under the 24 hours Stripe keeps its idempotency
-    /// keys at least). Past it, an unfinished call is never repeated: the
-    /// provider may have forgotten the key and would apply it again. The
-    /// operation is parked for a person instead.
-    ///
-    /// # Panics
-    ///
-    /// If `horizon` is not positive or longer than 100 years.
-    pub fn provider_horizon(mut self, horizon: Duration) -> Self {
-        assert_duration(horizon, "provider horizon");
-        self.provider_horizon = horizon;
-        self
-    }
-
-    /// Whether the request is stored with the operation (default `false`).
-    /// A [`Completer`](super::Completer) needs it to finish operations whose
-    /// clients went away; otherwise the crate never stores request bodies,
-    /// only their fingerprints. Keep personal data out of requests you store.
-    pub fn store_requests(mut self, store: bool) -> Self {
-        self.store_requests = store;
-        self
-    }
-
     /// Runs the operation `body` for `(scope, key)` at most once, resuming
     /// it from its last recovery point, or replays its stored response.
     ///
@@ -476,14 +388,6 @@ impl Phased {
             }
         }
     }
-}
-
-/// What an attempt knows before it reads the operation.
-pub(super) struct Admitted {
-    pub(super) request_hash: String,
-    pub(super) request: Option<String>,
-    token: String,
-    pub(super) caller_hash: Option<String>,
 }
 
 /// What [`Phased::start`] decided.

@@ -1,5 +1,5 @@
 //! The steps of an attempt on a synchronous connection, as the body of
-//! [`Phased::run`] receives them: each drives the attempt's one protocol
+//! [`Phased::run`](super::Phased::run) receives them: each drives the attempt's one protocol
 //! (`attempt.rs`) to its end at once.
 
 use std::fmt;
@@ -9,15 +9,13 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-#[cfg(doc)]
-use super::Phased;
 use super::attempt::{Attempt, Finished, Repeat};
 use crate::backend::block_on;
 use crate::backend::phases::BlockingPhaseStore;
 use crate::error::Error;
 use crate::outcome::Outcome;
 
-/// The steps of one attempt of a [`Phased`] operation, as its body receives
+/// The steps of one attempt of a [`Phased`](super::Phased) operation, as its body receives
 /// them.
 pub struct Steps<'a, C> {
     attempt: Attempt<'a, C>,
@@ -55,7 +53,7 @@ impl<'a, C: BlockingPhaseStore> Steps<'a, C> {
     /// [`Error::Operation`] when `f` fails (its writes roll back);
     /// [`Error::InProgress`] when another attempt took the operation over
     /// (the phase rolls back); [`Error::PhaseRenamed`], [`Error::Codec`],
-    /// [`Error::Storage`] as for [`Phased::run`].
+    /// [`Error::Storage`] as for [`Phased::run`](super::Phased::run).
     pub fn phase<T, E, F>(&mut self, name: &str, f: F) -> Result<T, Error<E>>
     where
         T: Serialize + DeserializeOwned,
