@@ -3,7 +3,8 @@
 
 use chrono::{Duration, NaiveDateTime};
 
-use super::{Error, WRITE_LOCK_WAIT};
+use super::error::Error;
+use super::retention::WRITE_LOCK_WAIT;
 use crate::backend::outbox::BlockingOutboxStore;
 use crate::backend::{BlockingStore, StoreConnection};
 use crate::clock::Clock;

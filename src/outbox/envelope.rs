@@ -2,21 +2,17 @@
 //! ordering key and the trace context, checked before anything is written.
 
 use std::collections::BTreeMap;
-use std::fmt;
 
 use chrono::{DateTime, NaiveDateTime, Utc};
 use serde::Serialize;
 
-use super::{Error, MAX_TOPIC_LEN};
+use super::error::{Error, HeaderError, MAX_HEADER_NAME_LEN, MAX_HEADER_VALUE_LEN, MAX_HEADERS, TraceContextError};
+
+/// The longest topic accepted, in bytes.
+pub(super) const MAX_TOPIC_LEN: usize = 255;
 use crate::backend::outbox::{NewMessage, OutboxStore};
 use crate::backend::{BackendRules, RulesOf, StoreConnection, block_on};
 
-/// The most headers a message carries.
-const MAX_HEADERS: usize = 64;
-/// The longest header name, in bytes.
-const MAX_HEADER_NAME_LEN: usize = 255;
-/// The longest header value, in bytes.
-const MAX_HEADER_VALUE_LEN: usize = 4096;
 /// The longest `tracestate`, in bytes: what W3C Trace Context asks every
 /// vendor to pass on.
 const MAX_TRACESTATE_LEN: usize = 512;
@@ -203,46 +199,6 @@ impl Envelope {
     }
 }
 
-/// Why a message's headers were refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum HeaderError {
-    /// More than 64 headers.
-    TooMany {
-        /// How many were given.
-        count: usize,
-    },
-    /// A name that is empty, longer than 255 bytes, or holds a byte that is
-    /// not visible ASCII or is a `:`.
-    InvalidName {
-        /// The name, cut to 64 bytes (on a character boundary).
-        name: String,
-    },
-    /// A value longer than 4096 bytes or holding a control character.
-    InvalidValue {
-        /// The header's name.
-        name: String,
-    },
-}
-
-impl fmt::Display for HeaderError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            HeaderError::TooMany { count } => write!(f, "{count} headers, the limit is {MAX_HEADERS}"),
-            HeaderError::InvalidName { name } => write!(
-                f,
-                "header name {name:?} is not 1 to {MAX_HEADER_NAME_LEN} bytes of visible ascii without ':'"
-            ),
-            HeaderError::InvalidValue { name } => write!(
-                f,
-                "the value of header {name:?} is longer than {MAX_HEADER_VALUE_LEN} bytes or holds a control character"
-            ),
-        }
-    }
-}
-
-impl std::error::Error for HeaderError {}
-
 fn check_headers(headers: &BTreeMap<String, String>) -> Result<(), HeaderError> {
     if headers.len() > MAX_HEADERS {
         return Err(HeaderError::TooMany { count: headers.len() });
@@ -269,31 +225,6 @@ fn shortened(name: &str) -> String {
     }
     name[..end].to_owned()
 }
-
-/// Why a trace context was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum TraceContextError {
-    /// Not `version-traceid-parentid-flags` in lower-case hex (2, 32, 16
-    /// and 2 digits), or version `ff`, or an all-zero trace or parent id.
-    Traceparent,
-    /// Longer than 512 bytes or holding a byte that is not printable ASCII.
-    Tracestate,
-    /// A `tracestate` without a `traceparent`.
-    TracestateWithoutTraceparent,
-}
-
-impl fmt::Display for TraceContextError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            TraceContextError::Traceparent => "traceparent is not a w3c version-traceid-parentid-flags",
-            TraceContextError::Tracestate => "tracestate is longer than 512 bytes or not printable ascii",
-            TraceContextError::TracestateWithoutTraceparent => "tracestate without a traceparent",
-        })
-    }
-}
-
-impl std::error::Error for TraceContextError {}
 
 fn check_trace_context(traceparent: Option<&str>, tracestate: Option<&str>) -> Result<(), Error> {
     let refused = |reason| Err(Error::InvalidTraceContext(reason));

@@ -11,7 +11,8 @@ use std::time::Instant;
 
 use tracing::{Dispatch, Span};
 
-use super::{Failure, HandlerError, Message};
+use super::failure::{Failure, HandlerError};
+use super::message::Message;
 use crate::telemetry;
 
 /// How many handlers it gave up on a service leaves running

@@ -112,35 +112,28 @@
 //! # }
 //! ```
 
-use std::collections::BTreeMap;
-use std::fmt;
-use std::ops::AddAssign;
-
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use serde::de::DeserializeOwned;
 
-use crate::backend;
-use crate::backend::{BlockingStore, StoreConnection};
-use crate::clock::Clock;
-use crate::error::KeyError;
-use crate::in_flight::InFlight;
+use crate::backend::StoreConnection;
 
 mod backlog;
 mod envelope;
+mod error;
 mod failure;
 mod handler;
+mod message;
 mod relay;
+mod retention;
 mod workers;
 
-use crate::backend::outbox::{BlockingOutboxStore, Settlement};
 pub use backlog::{DeadLetter, Stats};
-pub use envelope::{Envelope, HeaderError, TraceContextError};
+pub use envelope::Envelope;
+pub use error::{Error, HeaderError, TraceContextError};
 pub use failure::{Failure, HandlerError, Permanent};
+pub use message::{Deliveries, Message};
 pub use relay::Relay;
-
-/// The longest topic accepted, in bytes.
-const MAX_TOPIC_LEN: usize = 255;
+pub(crate) use retention::{DEFAULT_RETENTION, purge_delivered};
 
 /// Writes a message for `topic` with `payload` as JSON, through `conn`.
 ///
@@ -296,211 +289,4 @@ where
         .not_before(not_before)
         .enqueue_async(conn)
         .await
-}
-
-/// One delivery of a message, as a [`Relay`] hands it to its handler.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Message {
-    /// The message id: a time-ordered UUID, unique across processes.
-    pub id: String,
-    /// The scope of the call whose operation enqueued it, empty for a
-    /// message enqueued outside a call.
-    pub scope: String,
-    /// The topic it was enqueued for.
-    pub topic: String,
-    /// The payload as JSON text; [`Message::payload`] decodes it.
-    pub payload_json: String,
-    /// The idempotency key for the receiver: the message id, the same on
-    /// every delivery, so a receiver that deduplicates on it performs the
-    /// message's effect once however often it arrives.
-    pub key: String,
-    /// Which attempt this is, from 1. Attempts cut short by a relay that died
-    /// or a lease that ran out count too.
-    pub attempt: u32,
-    headers: BTreeMap<String, String>,
-    ordering_key: Option<String>,
-    traceparent: Option<String>,
-    tracestate: Option<String>,
-}
-
-impl Message {
-    /// The payload decoded into `T`.
-    ///
-    /// # Errors
-    ///
-    /// The JSON error when the payload does not decode into `T`.
-    ///
-    /// ```
-    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    /// use idempotency::outbox::{self, Relay};
-    ///
-    /// let mut conn = idempotency::testing::sqlite_memory();
-    /// outbox::enqueue(&mut conn, "receipts", &(7, "ada@example.com"))?;
-    /// Relay::default().run_once(&mut conn, |message| {
-    ///     let (order, email): (u32, String) = message.payload()?;
-    ///     assert_eq!((order, email.as_str()), (7, "ada@example.com"));
-    ///     Ok::<_, serde_json::Error>(())
-    /// })?;
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn payload<T: DeserializeOwned>(&self) -> Result<T, serde_json::Error> {
-        serde_json::from_str(&self.payload_json)
-    }
-
-    /// The headers it was enqueued with ([`Envelope::header`]), by name;
-    /// empty for a message enqueued without.
-    pub fn headers(&self) -> &BTreeMap<String, String> {
-        &self.headers
-    }
-
-    /// The value of header `name` (as enqueued, case and all), if it has
-    /// one.
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).map(String::as_str)
-    }
-
-    /// Its ordering key ([`Envelope::ordering_key`]), if it has one.
-    pub fn ordering_key(&self) -> Option<&str> {
-        self.ordering_key.as_deref()
-    }
-
-    /// The W3C `traceparent` captured when it was enqueued
-    /// ([`Envelope::traceparent`]): hand it on to the broker so the
-    /// consumer's span joins the trace of the request that caused the
-    /// message, not the relay's.
-    pub fn traceparent(&self) -> Option<&str> {
-        self.traceparent.as_deref()
-    }
-
-    /// The W3C `tracestate` captured with the
-    /// [`traceparent`](Message::traceparent).
-    pub fn tracestate(&self) -> Option<&str> {
-        self.tracestate.as_deref()
-    }
-}
-
-/// How long delivered messages are kept by default.
-pub(crate) const DEFAULT_RETENTION: chrono::Duration = chrono::Duration::days(7);
-
-/// How long the outbox's own writes (claims, outcomes, requeues, purges)
-/// wait for SQLite's write lock while the application's calls hold it; as
-/// long as a call waits by default.
-const WRITE_LOCK_WAIT: InFlight = InFlight::Wait(chrono::Duration::seconds(5));
-
-/// Deletes the messages delivered `retention` ago on `clock`, in batches of
-/// `batch_size`, ending after the batch in which `stop` becomes true.
-pub(crate) fn purge_delivered<C: StoreConnection>(
-    conn: &mut C,
-    clock: &Clock,
-    retention: chrono::Duration,
-    batch_size: usize,
-    stop: &dyn Fn() -> bool,
-) -> Result<usize, Error> {
-    let conn = conn.raw();
-    // One fixed cut-off, so the loop ends while deliveries go on.
-    let cutoff = clock.now(conn)? - retention;
-    let purged = backend::purge_in_batches("idempotency_outbox", batch_size, stop, |limit| {
-        conn.write_now(WRITE_LOCK_WAIT, |tx| tx.purge_delivered_batch(cutoff, limit))
-    })?;
-    Ok(purged)
-}
-
-/// What a relay did: one [`Relay::run_once`], or all of them added up.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Deliveries {
-    /// Messages claimed; zero means none was due.
-    pub claimed: usize,
-    /// Messages the handler accepted and that are now marked delivered.
-    pub delivered: usize,
-    /// Messages the handler failed and that are scheduled again.
-    pub retried: usize,
-    /// Messages parked as dead.
-    pub dead: usize,
-    /// Messages whose lease was taken over (or that were requeued) before
-    /// this relay settled them, or whose lease ran out before the relay
-    /// reached them in its batch; they are left to the next claim.
-    pub lost: usize,
-    /// Messages given back unattempted because the relay was stopping; due
-    /// at once for the next claim.
-    pub released: usize,
-}
-
-impl Deliveries {
-    /// Counts a settlement that was written.
-    fn count(&mut self, settlement: &Settlement) {
-        match settlement {
-            Settlement::Delivered { .. } => self.delivered += 1,
-            Settlement::Retry { .. } => self.retried += 1,
-            Settlement::Dead { .. } => self.dead += 1,
-        }
-    }
-}
-
-impl AddAssign for Deliveries {
-    fn add_assign(&mut self, other: Deliveries) {
-        self.claimed += other.claimed;
-        self.delivered += other.delivered;
-        self.retried += other.retried;
-        self.dead += other.dead;
-        self.lost += other.lost;
-        self.released += other.released;
-    }
-}
-
-/// Why an outbox call failed.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum Error {
-    /// The topic breaks the key rules (without the card number check):
-    /// empty, longer than 255 bytes or not visible ASCII. Nothing was written.
-    InvalidTopic(KeyError),
-    /// The payload did not serialize to JSON. Nothing was written.
-    Codec(serde_json::Error),
-    /// The ordering key breaks a topic's rules: empty, longer than 255
-    /// bytes or not visible ASCII. Nothing was written.
-    InvalidOrderingKey(KeyError),
-    /// A header's name or value breaks its rules, or there are too many.
-    /// Nothing was written.
-    InvalidHeader(HeaderError),
-    /// The trace context is not W3C's. Nothing was written.
-    InvalidTraceContext(TraceContextError),
-    /// The database failed. For a relay: messages it had claimed and not yet
-    /// settled are delivered again once their lease runs out.
-    Storage(diesel::result::Error),
-}
-
-impl From<diesel::result::Error> for Error {
-    fn from(error: diesel::result::Error) -> Self {
-        Error::Storage(error)
-    }
-}
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Error::InvalidTopic(reason) => write!(f, "invalid outbox topic: {reason}"),
-            Error::Codec(_) => f.write_str("outbox payload cannot be stored as json"),
-            Error::InvalidOrderingKey(reason) => write!(f, "invalid outbox ordering key: {reason}"),
-            Error::InvalidHeader(reason) => write!(f, "invalid outbox header: {reason}"),
-            Error::InvalidTraceContext(reason) => write!(f, "invalid outbox trace context: {reason}"),
-            Error::Storage(_) => f.write_str("outbox storage failed"),
-        }
-    }
-}
-
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            // The reason is part of the message already.
-            Error::InvalidTopic(_)
-            | Error::InvalidOrderingKey(_)
-            | Error::InvalidHeader(_)
-            | Error::InvalidTraceContext(_) => None,
-            Error::Codec(error) => Some(error),
-            Error::Storage(error) => Some(error),
-        }
-    }
 }

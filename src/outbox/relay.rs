@@ -4,14 +4,16 @@
 use std::fmt;
 
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
-use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 
-use super::{DeadLetter, Deliveries, Error, HandlerError, Message, Stats, WRITE_LOCK_WAIT, backlog, workers};
+use super::backlog::{self, DeadLetter, Stats};
+use super::error::Error;
+use super::failure::HandlerError;
+use super::message::{Deliveries, Message};
+use super::retention::{DEFAULT_RETENTION, WRITE_LOCK_WAIT, purge_delivered};
 use crate::backend::outbox::{BatchClaim, Claimed, MessageId, Settlement};
 use crate::backend::{RawConnection, StoreConnection};
 use crate::clock::{Clock, Reading, assert_duration};
 use crate::id;
-use crate::service::{Shutdown, Stopped};
 use crate::telemetry;
 
 /// The most of a handler's error text kept on a message, in bytes.
@@ -70,7 +72,7 @@ impl Default for Relay {
             max_attempts: 10,
             backoff_base: Duration::seconds(1),
             backoff_max: Duration::minutes(15),
-            retention: super::DEFAULT_RETENTION,
+            retention: DEFAULT_RETENTION,
             clock: Clock::Database,
             workers: 1,
             poll_interval: std::time::Duration::from_millis(250),
@@ -344,111 +346,6 @@ impl Relay {
         Ok(report)
     }
 
-    /// Delivers messages until `shutdown` is triggered: the relay as a
-    /// background service. Returns what it did.
-    ///
-    /// [`workers`](Relay::workers) threads each take a connection from
-    /// `pool` while they work and give it back while they sleep. A worker
-    /// claims as long as messages are due, then sleeps until the next one
-    /// is due, at most a [`poll_interval`](Relay::poll_interval). On
-    /// PostgreSQL a further pooled connection listens for the notification
-    /// each enqueue sends when it commits, and wakes the workers within
-    /// milliseconds; the notification only wakes them, polling is what
-    /// guarantees delivery. Give the pool `workers + 1` connections: the
-    /// listener keeps its own while the service runs, and on a smaller pool
-    /// the relay does not listen (it says so in a `warn` event) and finds
-    /// new messages by polling alone.
-    ///
-    /// A database error never ends the service: it is reported (a `tracing`
-    /// event, counted in [`Stopped::errors`]), and the worker tries again
-    /// after a pause that doubles from 100 ms up to 10 s, so it carries on by
-    /// itself once the database is back. The service's threads send their
-    /// `tracing` events where the calling thread sends its own: to its
-    /// subscriber, inside its current span.
-    ///
-    /// When `shutdown` is triggered no new claim is made; a handler that is
-    /// running finishes and its outcome is recorded, and the rest of its
-    /// batch is given back, due at once for the next relay. `serve` returns
-    /// when every worker has stopped.
-    ///
-    /// A panic in `handler` is a failed attempt of its message, as an `Err`
-    /// is, with the text `the handler panicked: ` and the panic's message as
-    /// its error: backed off, and parked as dead after
-    /// [`max_attempts`](Relay::max_attempts), while the worker goes on with
-    /// the next message. (The panic is still reported by the panic hook;
-    /// with `panic = "abort"` it ends the process, and the message counts
-    /// as an attempt cut short by a relay that died.)
-    ///
-    /// Each worker hands its messages to a handler thread of its own and
-    /// waits for it at most three quarters of the [`lease`](Relay::lease),
-    /// counted from the claim (the lease is never renewed). A handler still
-    /// running then is given up on: its attempt is recorded as failed (the
-    /// error text `the handler did not return within three quarters of the
-    /// lease; the attempt was given up`), backed off and parked as dead
-    /// after [`max_attempts`](Relay::max_attempts) like any other failure,
-    /// the rest of its batch is given back, due at once, and the worker goes
-    /// on with a new handler thread. A thread cannot be stopped from
-    /// outside, so the one given up on runs on until its handler returns;
-    /// what it returns then is dropped, and a message it did deliver late is
-    /// delivered again, as at-least-once allows (the consumer absorbs it by
-    /// the message's [`key`](Message::key)). While four such threads per
-    /// worker are still running, the service claims nothing more until one
-    /// of them has returned, and `serve` returns only once all of them have.
-    /// So choose the lease longer than a whole batch takes, and bound the
-    /// handler's own waits (a timeout on every call it makes).
-    ///
-    /// # Panics
-    ///
-    /// A panic outside the handler, such as in an injected
-    /// [`clock`](Relay::clock), ends its worker's thread and resumes here
-    /// once the other workers have stopped (trigger `shutdown` to stop
-    /// them).
-    ///
-    /// ```
-    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    /// use std::sync::mpsc;
-    /// use std::thread;
-    ///
-    /// use diesel::r2d2::{ConnectionManager, Pool};
-    /// use diesel::SqliteConnection;
-    /// use idempotency::outbox::{self, Relay};
-    /// use idempotency::Shutdown;
-    ///
-    /// # let db = idempotency::testing::SqliteFile::new();
-    /// # let url = db.path().to_str().ok_or("path is not utf-8")?.to_owned();
-    /// let pool = Pool::builder().max_size(2).build(ConnectionManager::<SqliteConnection>::new(url))?;
-    /// let shutdown = Shutdown::new();
-    /// let (delivered, received) = mpsc::channel();
-    ///
-    /// let service = {
-    ///     let (pool, shutdown) = (pool.clone(), shutdown.clone());
-    ///     thread::spawn(move || {
-    ///         Relay::default().serve(&pool, |message| delivered.send(message.topic.clone()), &shutdown)
-    ///     })
-    /// };
-    /// outbox::enqueue(&mut pool.get()?, "receipts", &42)?;
-    /// assert_eq!(received.recv()?, "receipts");
-    ///
-    /// shutdown.trigger();
-    /// let stopped = service.join().map_err(|_| "the relay panicked")?;
-    /// assert_eq!(stopped.work.delivered, 1);
-    /// # Ok(())
-    /// # }
-    /// ```
-    pub fn serve<C, E, F>(
-        &self,
-        pool: &Pool<ConnectionManager<C>>,
-        handler: F,
-        shutdown: &Shutdown,
-    ) -> Stopped<Deliveries>
-    where
-        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-        E: HandlerError,
-        F: Fn(&Message) -> Result<(), E> + Sync,
-    {
-        workers::deliver(self, pool, handler, shutdown)
-    }
-
     /// One claim and its deliveries, counted into `report` as they are
     /// recorded, so that an error later in the batch keeps what was done
     /// before it. Once `stop` says so, the messages not yet handed over are
@@ -647,7 +544,7 @@ impl Relay {
     where
         C: StoreConnection,
     {
-        super::purge_delivered(conn, &self.clock, self.retention, batch_size, &|| false)
+        purge_delivered(conn, &self.clock, self.retention, batch_size, &|| false)
     }
 }
 

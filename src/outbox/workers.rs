@@ -10,8 +10,11 @@ use std::time::Instant;
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use tracing::{Dispatch, Span};
 
+use super::error::Error;
+use super::failure::{Failure, HandlerError};
 use super::handler::{Attempts, traced};
-use super::{Deliveries, Error, Failure, HandlerError, Message, Relay};
+use super::message::{Deliveries, Message};
+use super::relay::Relay;
 use crate::backend::StoreConnection;
 use crate::backend::outbox::{BlockingOutboxStore, Due};
 use crate::service::{Next, Shutdown, Stopped, serve};
@@ -211,4 +214,111 @@ impl Drop for Leaving<'_> {
 /// whose bounds the compiler knows.)
 fn announces<C: StoreConnection>() -> bool {
     <C::Raw as BlockingOutboxStore>::ANNOUNCES
+}
+
+impl Relay {
+    /// Delivers messages until `shutdown` is triggered: the relay as a
+    /// background service. Returns what it did.
+    ///
+    /// [`workers`](Relay::workers) threads each take a connection from
+    /// `pool` while they work and give it back while they sleep. A worker
+    /// claims as long as messages are due, then sleeps until the next one
+    /// is due, at most a [`poll_interval`](Relay::poll_interval). On
+    /// PostgreSQL a further pooled connection listens for the notification
+    /// each enqueue sends when it commits, and wakes the workers within
+    /// milliseconds; the notification only wakes them, polling is what
+    /// guarantees delivery. Give the pool `workers + 1` connections: the
+    /// listener keeps its own while the service runs, and on a smaller pool
+    /// the relay does not listen (it says so in a `warn` event) and finds
+    /// new messages by polling alone.
+    ///
+    /// A database error never ends the service: it is reported (a `tracing`
+    /// event, counted in [`Stopped::errors`]), and the worker tries again
+    /// after a pause that doubles from 100 ms up to 10 s, so it carries on by
+    /// itself once the database is back. The service's threads send their
+    /// `tracing` events where the calling thread sends its own: to its
+    /// subscriber, inside its current span.
+    ///
+    /// When `shutdown` is triggered no new claim is made; a handler that is
+    /// running finishes and its outcome is recorded, and the rest of its
+    /// batch is given back, due at once for the next relay. `serve` returns
+    /// when every worker has stopped.
+    ///
+    /// A panic in `handler` is a failed attempt of its message, as an `Err`
+    /// is, with the text `the handler panicked: ` and the panic's message as
+    /// its error: backed off, and parked as dead after
+    /// [`max_attempts`](Relay::max_attempts), while the worker goes on with
+    /// the next message. (The panic is still reported by the panic hook;
+    /// with `panic = "abort"` it ends the process, and the message counts
+    /// as an attempt cut short by a relay that died.)
+    ///
+    /// Each worker hands its messages to a handler thread of its own and
+    /// waits for it at most three quarters of the [`lease`](Relay::lease),
+    /// counted from the claim (the lease is never renewed). A handler still
+    /// running then is given up on: its attempt is recorded as failed (the
+    /// error text `the handler did not return within three quarters of the
+    /// lease; the attempt was given up`), backed off and parked as dead
+    /// after [`max_attempts`](Relay::max_attempts) like any other failure,
+    /// the rest of its batch is given back, due at once, and the worker goes
+    /// on with a new handler thread. A thread cannot be stopped from
+    /// outside, so the one given up on runs on until its handler returns;
+    /// what it returns then is dropped, and a message it did deliver late is
+    /// delivered again, as at-least-once allows (the consumer absorbs it by
+    /// the message's [`key`](Message::key)). While four such threads per
+    /// worker are still running, the service claims nothing more until one
+    /// of them has returned, and `serve` returns only once all of them have.
+    /// So choose the lease longer than a whole batch takes, and bound the
+    /// handler's own waits (a timeout on every call it makes).
+    ///
+    /// # Panics
+    ///
+    /// A panic outside the handler, such as in an injected
+    /// [`clock`](Relay::clock), ends its worker's thread and resumes here
+    /// once the other workers have stopped (trigger `shutdown` to stop
+    /// them).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use std::sync::mpsc;
+    /// use std::thread;
+    ///
+    /// use diesel::r2d2::{ConnectionManager, Pool};
+    /// use diesel::SqliteConnection;
+    /// use idempotency::outbox::{self, Relay};
+    /// use idempotency::Shutdown;
+    ///
+    /// # let db = idempotency::testing::SqliteFile::new();
+    /// # let url = db.path().to_str().ok_or("path is not utf-8")?.to_owned();
+    /// let pool = Pool::builder().max_size(2).build(ConnectionManager::<SqliteConnection>::new(url))?;
+    /// let shutdown = Shutdown::new();
+    /// let (delivered, received) = mpsc::channel();
+    ///
+    /// let service = {
+    ///     let (pool, shutdown) = (pool.clone(), shutdown.clone());
+    ///     thread::spawn(move || {
+    ///         Relay::default().serve(&pool, |message| delivered.send(message.topic.clone()), &shutdown)
+    ///     })
+    /// };
+    /// outbox::enqueue(&mut pool.get()?, "receipts", &42)?;
+    /// assert_eq!(received.recv()?, "receipts");
+    ///
+    /// shutdown.trigger();
+    /// let stopped = service.join().map_err(|_| "the relay panicked")?;
+    /// assert_eq!(stopped.work.delivered, 1);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn serve<C, E, F>(
+        &self,
+        pool: &Pool<ConnectionManager<C>>,
+        handler: F,
+        shutdown: &Shutdown,
+    ) -> Stopped<Deliveries>
+    where
+        C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+        E: HandlerError,
+        F: Fn(&Message) -> Result<(), E> + Sync,
+    {
+        deliver(self, pool, handler, shutdown)
+    }
 }
