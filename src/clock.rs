@@ -40,6 +40,15 @@ impl Clock {
         }
     }
 
+    /// The time, given the database's, read by a statement of its own
+    /// only when the database's clock is the one in use.
+    pub(crate) async fn or_database_now<C: KeyStore>(&self, conn: &mut C) -> QueryResult<NaiveDateTime> {
+        match self {
+            Clock::Database => conn.database_now().await,
+            Clock::Injected(source) => Ok(source().naive_utc()),
+        }
+    }
+
     /// The time, asking the database when its clock is the one in use.
     pub(crate) fn now<C: KeyStore>(&self, conn: &mut C) -> QueryResult<NaiveDateTime> {
         match self {

@@ -41,6 +41,7 @@ pub enum OnCompleted {
 /// | [`clock`](Config::clock) | the database's clock |
 /// | [`durable_replays`](Config::durable_replays) | `false` |
 /// | [`on_completed`](Config::on_completed) | [`OnCompleted::Replay`] |
+/// | [`read_before_transaction`](Config::read_before_transaction) | the backend's: no on PostgreSQL, yes on SQLite, MySQL and MariaDB |
 ///
 /// A `Config` is cheap to clone and can be shared between threads; build it
 /// once at start-up.
@@ -65,6 +66,8 @@ pub struct Config {
     pub(crate) clock: Clock,
     pub(crate) durable_replays: bool,
     pub(crate) on_completed: OnCompleted,
+    /// `None`: the backend's choice.
+    pub(crate) read_before_transaction: Option<bool>,
 }
 
 impl Default for Config {
@@ -78,6 +81,7 @@ impl Default for Config {
             clock: Clock::Database,
             durable_replays: false,
             on_completed: OnCompleted::Replay,
+            read_before_transaction: None,
         }
     }
 }
@@ -92,6 +96,7 @@ impl fmt::Debug for Config {
             .field("max_response_len", &self.max_response_len)
             .field("durable_replays", &self.durable_replays)
             .field("on_completed", &self.on_completed)
+            .field("read_before_transaction", &self.read_before_transaction)
             .finish_non_exhaustive()
     }
 }
@@ -293,6 +298,55 @@ impl Config {
     /// ```
     pub fn durable_replays(mut self, durable: bool) -> Self {
         self.durable_replays = durable;
+        self
+    }
+
+    /// Whether a call reads its key's record before it opens its write
+    /// transaction (default: the backend's, below).
+    ///
+    /// With the read, a retry of a completed request is answered by that
+    /// one read, and every first call pays its round trip. Without it, a
+    /// first call goes straight to its write transaction, and a retry finds
+    /// the key taken there and then reads. Which serves better depends on
+    /// how many calls are retries: on PostgreSQL and MariaDB the read pays
+    /// for itself only where more than about 40 % of calls are retries of
+    /// completed keys (the [performance guide](crate::guide::performance)
+    /// has the figures).
+    ///
+    /// - **PostgreSQL**: no read by default. A first call claims its key at
+    ///   the database's time in the round trip that takes the key's lock,
+    ///   as many round trips as the same transaction with one insert of the
+    ///   record; a retry costs that round trip, its rollback and the read.
+    ///   Turn the read on for traffic that is mostly retries, such as a
+    ///   consumer of redelivered messages. A call with an injected
+    ///   [`clock`](Config::clock) claims at the clock's time instead, and a
+    ///   call inside a caller's transaction holds its key by a savepoint
+    ///   either way.
+    /// - **SQLite**: the read by default: it runs in the process, and it
+    ///   keeps replays off the database's write lock, which every write
+    ///   transaction takes.
+    /// - **MySQL and MariaDB**: the read by default, and without it the
+    ///   call reads the database's time instead, a round trip as well: the
+    ///   claim there is a bound statement after the key's named lock, and
+    ///   it needs that time.
+    ///
+    /// Either way a call runs its operation at most once and answers as
+    /// the contract says; only where the round trips fall changes.
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use idempotency::Config;
+    ///
+    /// // A consumer whose messages are redelivered often: replays first.
+    /// let config = Config::default().read_before_transaction(true);
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// config.run(&mut conn, "inbox", "m-1", &1, |_| Ok::<_, std::convert::Infallible>(1))?;
+    /// assert!(config.run(&mut conn, "inbox", "m-1", &1, |_| Ok::<_, std::convert::Infallible>(1))?.is_replayed());
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn read_before_transaction(mut self, read: bool) -> Self {
+        self.read_before_transaction = Some(read);
         self
     }
 

@@ -59,7 +59,9 @@ mod transaction;
 #[cfg(any(feature = "postgres-async", feature = "mysql-async"))]
 pub(crate) use future::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
 pub(crate) use future::{Panic, block_on, catch_unwind};
-pub(crate) use keys::{BlockingStore, ClaimOutcome, HeldKey, Hold, KeyStore, Read, Record, Stored};
+pub(crate) use keys::{
+    BlockingStore, Claim, ClaimOutcome, HeldKey, Hold, KeyNotClaimed, KeyRecordChanged, KeyStore, Read, Record, Stored,
+};
 pub(crate) use phases::BlockingPhaseStore;
 pub(crate) use purge::{purge_in_batches, sql_limit};
 pub(crate) use rules::BackendRules;

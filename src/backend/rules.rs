@@ -34,6 +34,11 @@ pub trait BackendRules: diesel::backend::Backend {
         }
     }
 
+    /// Whether a call reads its key's record before its write transaction
+    /// unless [`Config::read_before_transaction`](crate::Config::read_before_transaction)
+    /// says otherwise.
+    const READS_BEFORE_TRANSACTION: bool = true;
+
     /// Whether `error` means a wait for a lock ran out.
     fn is_in_flight_timeout(error: &diesel::result::Error) -> bool;
 

@@ -6,16 +6,21 @@
 use std::panic;
 use std::time::Instant;
 
-use chrono::{Duration, SubsecRound};
+use chrono::{Duration, NaiveDateTime, SubsecRound};
 use diesel::QueryResult;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::backend::{BackendRules, HeldKey, Hold, KeyStore, Panic, Read, Record, Stored, catch_unwind};
+use crate::backend::{
+    BackendRules, Claim, HeldKey, Hold, KeyNotClaimed, KeyRecordChanged, KeyStore, Panic, Read, Record, Stored,
+    catch_unwind,
+};
+use crate::clock::Clock;
 use crate::codec;
 use crate::config::{Config, OnCompleted};
 use crate::error::Error;
 use crate::executing::Executing;
+use crate::in_flight::InFlight;
 use crate::outcome::{Outcome, Recorded};
 use crate::row_status::RecordStatus;
 use crate::telemetry::CallTrace;
@@ -37,6 +42,123 @@ pub(super) async fn recorded<C, R, E, F>(
     conn: &mut C,
     scope: &str,
     key: &str,
+    (request_hash, caller_hash): (&str, Option<&str>),
+    trace: &CallTrace,
+    op: F,
+) -> Result<Recorded<R>, Error<E>>
+where
+    C: KeyStore,
+    R: Serialize + DeserializeOwned,
+    F: AsyncFnOnce(&mut C) -> Result<R, E>,
+{
+    let reads_first = config
+        .read_before_transaction
+        .unwrap_or(<C::Rules as BackendRules>::READS_BEFORE_TRANSACTION);
+    if reads_first || conn.transaction_depth()? > 0 {
+        return read_first(config, conn, (scope, key), (request_hash, caller_hash), trace, op).await;
+    }
+    let retention = config.retention.num_microseconds();
+    let (op, config) = match (C::CLAIMS_AT_DATABASE_TIME, &config.clock, retention) {
+        (true, Clock::Database, Some(retention)) => {
+            let claim = (scope, key, request_hash, caller_hash, retention);
+            match claimed_at_database_time(config, conn, claim, trace, op).await {
+                Ok(answer) => return answer,
+                // A record the claim met is read as it would have been
+                // first; a failed round trip may have waited for the
+                // key's lock as long as the policy allows, so the call
+                // waits no longer.
+                Err((op, KeyNotClaimed::Taken)) => (op, config),
+                Err((op, KeyNotClaimed::Failed)) => (op, &config.clone().in_flight(InFlight::Reject)),
+            }
+        }
+        _ => {
+            let now = config.clock.or_database_now(conn).await?;
+            return write_path(
+                config,
+                conn,
+                (scope, key),
+                (request_hash, caller_hash),
+                trace,
+                (now, false, true),
+                op,
+            )
+            .await;
+        }
+    };
+    read_first(config, conn, (scope, key), (request_hash, caller_hash), trace, op).await
+}
+
+/// A first call with no read before its transaction, on a backend that
+/// claims a key at the database's time in the round trip that takes it
+/// ([`Claim::AtDatabaseTime`]): the claim, the operation and the
+/// completion, which returns the times the claim was stamped with. Where
+/// the claim is not made (the key has a record, or the round trip failed),
+/// nothing was written and `op` comes back with the reason.
+async fn claimed_at_database_time<C, R, E, F>(
+    config: &Config,
+    conn: &mut C,
+    (scope, key, request_hash, caller_hash, retention): (&str, &str, &str, Option<&str>, i64),
+    trace: &CallTrace,
+    op: F,
+) -> Result<Result<Recorded<R>, Error<E>>, (F, KeyNotClaimed)>
+where
+    C: KeyStore,
+    R: Serialize + DeserializeOwned,
+    F: AsyncFnOnce(&mut C) -> Result<R, E>,
+{
+    let record = Record {
+        scope,
+        idempotency_key: key,
+        request_hash,
+        status: RecordStatus::Processing,
+        response: None,
+        // Not written: the claim stamps the record with the database's time.
+        created_at: NaiveDateTime::MIN,
+        completed_at: None,
+        expires_at: NaiveDateTime::MIN,
+        caller_hash,
+    };
+    // The work runs at most once, and only once the key is claimed; until
+    // then `op` stays here, for the read that follows a claim not made.
+    let mut op = Some(op);
+    let slot = &mut op;
+    let work = async |tx: &mut C, guard: &mut KeyWork, claimed: bool| {
+        let (Some(op), true) = (slot.take(), claimed) else {
+            // The backend took the key without the claim: the record is
+            // not as this call left it.
+            return Err(Error::Storage(KeyRecordChanged::error()));
+        };
+        let value = guard.catching_panic(tx, op).await?.map_err(Error::Operation)?;
+        let response = stored_json(config, &value)?;
+        let completed = Record {
+            status: RecordStatus::Completed,
+            response: Some(&response),
+            ..record
+        };
+        let (created_at, expires_at) = tx.complete_at_database_time(&completed).await?;
+        guard.committing();
+        Ok(Recorded::new(Outcome::Executed(value), created_at, expires_at))
+    };
+    let claim = Claim::AtDatabaseTime {
+        record: &record,
+        retention_micros: retention,
+    };
+    let answer = within_key(conn, config, (scope, key), Some(trace), Some(claim), work).await;
+    match (answer, op) {
+        (Err(Error::Storage(error)), Some(op)) => match KeyNotClaimed::of(&error) {
+            Some(reason) => Err((op, reason)),
+            None => Ok(Err(Error::Storage(error))),
+        },
+        (answer, _) => Ok(answer),
+    }
+}
+
+/// A call that reads its key's record before its write transaction: a
+/// replay from that one read, or the write path.
+async fn read_first<C, R, E, F>(
+    config: &Config,
+    conn: &mut C,
+    (scope, key): (&str, &str),
     (request_hash, caller_hash): (&str, Option<&str>),
     trace: &CallTrace,
     op: F,
@@ -74,6 +196,37 @@ where
         }
         Err(error) => return Err(Error::Storage(error)),
     };
+    write_path(
+        config,
+        conn,
+        (scope, key),
+        (request_hash, caller_hash),
+        trace,
+        (now, claims_first, fresh),
+        op,
+    )
+    .await
+}
+
+/// The write path as of `now`: the transaction that holds the key, then
+/// replays what another call stored meanwhile, or runs `op` and stores its
+/// result. `claims_first`: the database claims every key before the
+/// operation; `fresh`: no record was found (or none was looked for), so the
+/// backend may claim the key in the round trip that takes it.
+async fn write_path<C, R, E, F>(
+    config: &Config,
+    conn: &mut C,
+    (scope, key): (&str, &str),
+    (request_hash, caller_hash): (&str, Option<&str>),
+    trace: &CallTrace,
+    (now, claims_first, fresh): (NaiveDateTime, bool, bool),
+    op: F,
+) -> Result<Recorded<R>, Error<E>>
+where
+    C: KeyStore,
+    R: Serialize + DeserializeOwned,
+    F: AsyncFnOnce(&mut C) -> Result<R, E>,
+{
     // The record this call writes if it executes, claimed as of `now`: to
     // the microsecond, as PostgreSQL keeps times, so that the times an
     // execution reports are the ones its replays read back.
@@ -89,7 +242,7 @@ where
         expires_at: C::Rules::storable_time(now + config.retention),
         caller_hash,
     };
-    let claim = fresh.then_some(&record);
+    let claim = fresh.then_some(Claim::Bound(&record));
     let work = async |tx: &mut C, guard: &mut KeyWork, claimed| {
         let hold = match claimed {
             true => Hold::Claimed { took_over: false },
@@ -171,7 +324,7 @@ pub(crate) async fn within_key<C, T, E>(
     config: &Config,
     (scope, key): (&str, &str),
     trace: Option<&CallTrace>,
-    claim: Option<&Record<'_>>,
+    claim: Option<Claim<'_>>,
     work: impl AsyncFnOnce(&mut C, &mut KeyWork, bool) -> Result<T, Error<E>>,
 ) -> Result<T, Error<E>>
 where

@@ -663,8 +663,14 @@ fn relay_pass_in_a_long_transaction_writes_times_in_the_future() {
     assert!(due > now, "message {id} due again at {due}, already past at {now}");
 }
 
+/// By default a first call sends as many statements as its transaction
+/// with one insert of the record: the claim rides with the lock in the
+/// `BEGIN` round trip, stamped with the database's time, and no read comes
+/// before. A retry finds its claim refused, rolls it back and reads. With
+/// the read before the transaction, a first call sends one statement more
+/// and a replay is that one read.
 #[test]
-fn a_first_call_sends_one_statement_more_than_its_transaction_with_one_insert() {
+fn a_first_call_sends_as_many_statements_as_its_transaction_with_one_insert() {
     let db = Db::new();
     let mut conn = db.conn();
     let sent = Arc::new(Mutex::new(Vec::new()));
@@ -683,25 +689,62 @@ fn a_first_call_sends_one_statement_more_than_its_transaction_with_one_insert() 
     })
     .expect("the floor");
     let floor = take(&sent).len();
+    let claims_with_the_lock = |statements: &[String]| {
+        statements.first().is_some_and(|sql| {
+            sql.starts_with("BEGIN")
+                && sql.contains("pg_advisory_xact_lock")
+                && sql.contains("INSERT INTO idempotency_keys")
+        })
+    };
 
-    let first = run_idempotent(&mut conn, SCOPE, "counted", REQUEST, |tx| {
-        Db::place_order(tx, "book", 1)
-    });
-    assert!(!first.expect("executes").is_replayed());
-    let statements = take(&sent);
-    assert_eq!(statements.len(), floor + 1, "{statements:#?}");
-    assert!(
-        statements.iter().any(|sql| sql.starts_with("BEGIN")
-            && sql.contains("pg_advisory_xact_lock")
-            && sql.contains("INSERT INTO idempotency_keys")),
-        "the lock and the claim share the round trip of BEGIN: {statements:#?}"
+    for (config, extra, replay) in [
+        (Config::default(), 0, 3),
+        (Config::default().read_before_transaction(true), 1, 1),
+    ] {
+        let key = format!("counted-{extra}");
+        let first = config.run(&mut conn, SCOPE, &key, REQUEST, |tx| Db::place_order(tx, "book", 1));
+        assert!(!first.expect("executes").is_replayed());
+        let statements = take(&sent);
+        assert_eq!(statements.len(), floor + extra, "{config:?}: {statements:#?}");
+        assert!(
+            claims_with_the_lock(&statements[extra..]),
+            "{config:?}: the lock and the claim share the round trip of BEGIN: {statements:#?}"
+        );
+
+        let again = config.run(&mut conn, SCOPE, &key, REQUEST, |tx| Db::place_order(tx, "book", 1));
+        assert!(again.expect("replays").is_replayed());
+        let statements = take(&sent);
+        assert_eq!(statements.len(), replay, "{config:?}: {statements:#?}");
+        assert!(
+            statements.last().is_some_and(|sql| sql.starts_with("SELECT")),
+            "{config:?}: a replay ends with the read: {statements:#?}"
+        );
+    }
+}
+
+/// A record whose retention is over when a call's claim meets it is read
+/// as the read before the transaction would have read it, and taken over:
+/// the call executes once more, and its record has the new retention.
+#[test]
+fn a_claim_that_meets_an_expired_record_takes_it_over() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    let config = Config::default().retention(Duration::microseconds(1));
+    let calls = AtomicUsize::new(0);
+    let call = |conn: &mut PgConnection| {
+        config.run(conn, SCOPE, "expires-at-once", REQUEST, |tx| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            Db::place_order(tx, "book", 1)
+        })
+    };
+    let first = call(&mut conn).expect("the first call");
+    let second = call(&mut conn).expect("the call after the retention");
+    assert!(!first.is_replayed() && !second.is_replayed(), "{first:?}, {second:?}");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        record_status(&mut conn, "expires-at-once").expect("read").as_deref(),
+        Some("completed")
     );
-
-    let replay = run_idempotent(&mut conn, SCOPE, "counted", REQUEST, |tx| {
-        Db::place_order(tx, "book", 1)
-    });
-    assert!(replay.expect("replays").is_replayed());
-    assert_eq!(take(&sent).len(), 1, "a replay is one read");
 }
 
 #[test]
@@ -733,9 +776,9 @@ fn keys_and_scopes_with_quotes_and_backslashes_are_claimed_as_they_are() {
         });
         let first = call(&mut conn).expect("the first call");
         assert!(!first.is_replayed());
-        // The replay read, the claim with the lock, the order, the
-        // completion, the commit: no claim refused and taken again.
-        assert_eq!(sent.load(Ordering::SeqCst), 5, "claimed with the lock");
+        // The claim with the lock, the order, the completion, the commit:
+        // no claim refused and taken again.
+        assert_eq!(sent.load(Ordering::SeqCst), 4, "claimed with the lock");
         assert_eq!(
             call(&mut conn).expect("the retry"),
             Outcome::Replayed(first.into_inner())

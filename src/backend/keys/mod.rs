@@ -17,7 +17,7 @@ mod record;
 mod statements;
 
 pub(crate) use complete::Complete;
-pub use record::{ClaimOutcome, Hold, KeyRecordChanged, Read, Record, Stored};
+pub use record::{ClaimOutcome, Hold, KeyNotClaimed, KeyRecordChanged, Read, Record, Stored};
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) use statements::key_statements;
 pub(crate) use statements::record_values;
@@ -107,6 +107,26 @@ pub trait KeyStore: Sized {
     /// Writes the completed `record` as `hold` requires.
     fn store(&mut self, hold: Hold, record: &Record<'_>) -> impl Future<Output = QueryResult<()>>;
 
+    /// Whether [`key_transaction`](KeyStore::key_transaction) takes a
+    /// [`Claim::AtDatabaseTime`], and the call then completes the record
+    /// with [`complete_at_database_time`](KeyStore::complete_at_database_time).
+    const CLAIMS_AT_DATABASE_TIME: bool = false;
+
+    /// Completes the record a [`Claim::AtDatabaseTime`] claimed, with the
+    /// completed `record`'s status and response and the database's time as
+    /// its completion, and returns the claim's times: when it was created
+    /// and when it expires. Asked only of a backend that
+    /// [`CLAIMS_AT_DATABASE_TIME`](KeyStore::CLAIMS_AT_DATABASE_TIME); any
+    /// other refuses it as a statement it cannot build.
+    fn complete_at_database_time(
+        &mut self,
+        _record: &Record<'_>,
+    ) -> impl Future<Output = QueryResult<(NaiveDateTime, NaiveDateTime)>> {
+        std::future::ready(Err(diesel::result::Error::QueryBuilderError(
+            "this backend claims no key at the database's time".into(),
+        )))
+    }
+
     /// Returns once everything this connection has seen is safe on the
     /// database's synchronous standbys: outside a transaction by a commit
     /// of its own that waits for them; inside one by making the enclosing
@@ -157,15 +177,40 @@ pub struct HeldKey<'a> {
         expect(dead_code, reason = "a dead process holds no SQLite lock")
     )]
     pub(crate) idle_timeout: Option<chrono::Duration>,
-    /// The claim of a key the read before the transaction found no record
-    /// for, to write in the round trip that takes the key where the
+    /// The claim to write in the round trip that takes the key, where the
     /// backend can (PostgreSQL, outside a caller's transaction): the
     /// transaction then holds the key by its claim without reading it again.
     #[cfg_attr(
         not(feature = "postgres"),
         expect(dead_code, reason = "only PostgreSQL claims in the round trip that takes the key")
     )]
-    pub(crate) claim: Option<&'a Record<'a>>,
+    pub(crate) claim: Option<Claim<'a>>,
+}
+
+/// How the round trip that takes a key claims it.
+#[derive(Debug, Clone, Copy)]
+pub enum Claim<'a> {
+    /// The record as it is, its times bound: the read before the
+    /// transaction found no record for the key and brought the database's
+    /// time (or the clock is injected). A claim the primary key refuses
+    /// (a holder committed a record meanwhile) is rolled back, and the
+    /// transaction takes the key again and reads the record.
+    Bound(&'a Record<'a>),
+    /// The record stamped with the database's time at the claim, and
+    /// `retention` after it as its expiry, its own times not written: no
+    /// read came before. Where the claim is not made, the transaction ends
+    /// at once with [`KeyNotClaimed`], and the call reads the record as if
+    /// it had read first.
+    #[cfg_attr(
+        not(feature = "postgres"),
+        expect(dead_code, reason = "only PostgreSQL claims at the database's time")
+    )]
+    AtDatabaseTime {
+        /// The record, but for its times.
+        record: &'a Record<'a>,
+        /// How long after the claim the record expires, in microseconds.
+        retention_micros: i64,
+    },
 }
 
 /// What a record read under the key's lock means for `record`.

@@ -95,6 +95,73 @@ pub enum Hold {
     ClaimedElsewhere,
 }
 
+/// A [`Claim::AtDatabaseTime`](super::Claim::AtDatabaseTime) that was not
+/// made, reported as a storage error with the server's message and one of
+/// this type's hints: the key has a record ([`taken`](KeyNotClaimed::taken)),
+/// or the round trip that was to take the key failed otherwise (its lock's
+/// wait ran out, or the claim itself failed). Nothing was written; the call
+/// goes on by reading the record, and waits no longer for a lock whose wait
+/// may have run out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyNotClaimed {
+    /// The primary key refused the claim: the key has a record.
+    Taken,
+    /// The round trip failed otherwise.
+    Failed,
+}
+
+impl KeyNotClaimed {
+    const TAKEN: &str = "idempotency: the key was not claimed: it has a record";
+    const FAILED: &str = "idempotency: the key was not claimed: the round trip that takes it failed";
+
+    /// The error that says so, with the server's own.
+    pub(crate) fn error(self, server: Box<dyn DatabaseErrorInformation + Send + Sync>) -> diesel::result::Error {
+        diesel::result::Error::DatabaseError(DatabaseErrorKind::Unknown, Box::new(NotClaimed(self, server)))
+    }
+
+    /// The claim that `error` reports as not made, if it is one.
+    pub(crate) fn of(error: &diesel::result::Error) -> Option<KeyNotClaimed> {
+        match error {
+            diesel::result::Error::DatabaseError(DatabaseErrorKind::Unknown, info) => match info.hint() {
+                Some(KeyNotClaimed::TAKEN) => Some(KeyNotClaimed::Taken),
+                Some(KeyNotClaimed::FAILED) => Some(KeyNotClaimed::Failed),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
+/// The server's error, marked as a claim not made.
+struct NotClaimed(KeyNotClaimed, Box<dyn DatabaseErrorInformation + Send + Sync>);
+
+impl DatabaseErrorInformation for NotClaimed {
+    fn message(&self) -> &str {
+        self.1.message()
+    }
+    fn details(&self) -> Option<&str> {
+        self.1.details()
+    }
+    fn hint(&self) -> Option<&str> {
+        Some(match self.0 {
+            KeyNotClaimed::Taken => KeyNotClaimed::TAKEN,
+            KeyNotClaimed::Failed => KeyNotClaimed::FAILED,
+        })
+    }
+    fn table_name(&self) -> Option<&str> {
+        self.1.table_name()
+    }
+    fn column_name(&self) -> Option<&str> {
+        self.1.column_name()
+    }
+    fn constraint_name(&self) -> Option<&str> {
+        self.1.constraint_name()
+    }
+    fn statement_position(&self) -> Option<i32> {
+        self.1.statement_position()
+    }
+}
+
 /// The key record changed while this transaction held its key: a statement
 /// that writes the record of a held key did not find it as the hold left
 /// it. Something bypassed the key's lock; the transaction is rolled back
@@ -111,14 +178,15 @@ pub struct KeyRecordChanged;
 impl KeyRecordChanged {
     /// `Ok` when the write of a held key's record changed its one row.
     pub(crate) fn check(written: usize) -> QueryResult<()> {
-        if written == 1 {
-            Ok(())
-        } else {
-            Err(diesel::result::Error::DatabaseError(
-                DatabaseErrorKind::SerializationFailure,
-                Box::new(KeyRecordChanged),
-            ))
+        match written {
+            1 => Ok(()),
+            _ => Err(KeyRecordChanged::error()),
         }
+    }
+
+    /// The error that reports it.
+    pub(crate) fn error() -> diesel::result::Error {
+        diesel::result::Error::DatabaseError(DatabaseErrorKind::SerializationFailure, Box::new(KeyRecordChanged))
     }
 }
 

@@ -12,13 +12,16 @@
 //! guide ("What it costs").
 
 use chrono::NaiveDateTime;
-use diesel::QueryResult;
 use diesel::result::Error as DieselError;
 use diesel::sql_types::Timestamp;
+use diesel::{OptionalExtension, QueryResult};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 
 use super::clock::{DatabaseNow, database_time};
-use super::key::{DURABLE_REPLAY, HoldBy, HoldByRead, Levels, NowAndClaimFirst, hold, key_transaction};
+use super::key::{
+    CompleteAtDatabaseTime, DURABLE_REPLAY, HoldBy, HoldByRead, Levels, NowAndClaimFirst, completed, hold,
+    key_transaction,
+};
 use crate::backend::outbox::{OutboxStore, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{
@@ -73,6 +76,12 @@ impl KeyStore for AsyncPgConnection {
 
     async fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
         hold(self, record, claims_first).await
+    }
+
+    const CLAIMS_AT_DATABASE_TIME: bool = true;
+
+    async fn complete_at_database_time(&mut self, record: &Record<'_>) -> QueryResult<(NaiveDateTime, NaiveDateTime)> {
+        completed(CompleteAtDatabaseTime(record).get_result(self).await.optional()?)
     }
 
     async fn await_replication(&mut self) -> QueryResult<()> {

@@ -4,13 +4,16 @@
 //! after the lock.
 
 use chrono::{Datelike, Duration, NaiveDateTime};
-use diesel::QueryResult;
 use diesel::connection::{AnsiTransactionManager, SimpleConnection, TransactionManager};
 use diesel::pg::{Pg, PgConnection};
+use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{Bool, Text, Timestamp};
+use diesel::sql_types::{Bool, Nullable, Text, Timestamp};
+use diesel::{QueryResult, RunQueryDsl};
 
-use crate::backend::keys::{HeldKey, Hold, KeyStore, Record, Stored, claiming, hold_of};
+use crate::backend::keys::{
+    Claim, HeldKey, Hold, KeyNotClaimed, KeyRecordChanged, KeyStore, Record, Stored, claiming, hold_of,
+};
 use crate::backend::row_with::{Head, record_with};
 use crate::backend::transaction::end_level;
 use crate::error::is_connection_lost;
@@ -126,6 +129,22 @@ pub(super) fn claim_sql(record: &Record<'_>) -> Option<String> {
         time(record.expires_at)?,
         record.caller_hash.map_or_else(|| String::from("NULL"), text_literal),
     ))
+}
+
+/// The claim of `record` as [`claim_sql`] writes it, but stamped with the
+/// database's time at the claim and expiring `micros` microseconds after it.
+pub(super) fn claim_at_database_time_sql(record: &Record<'_>, micros: i64) -> String {
+    let now = "timezone('UTC', statement_timestamp())";
+    format!(
+        "INSERT INTO idempotency_keys \
+         (scope, idempotency_key, request_hash, status, created_at, expires_at, caller_hash) \
+         VALUES ({}, {}, {}, {}, {now}, {now} + interval '{micros} microseconds', {})",
+        text_literal(record.scope),
+        text_literal(record.idempotency_key),
+        text_literal(record.request_hash),
+        text_literal(record.status.as_str()),
+        record.caller_hash.map_or_else(|| String::from("NULL"), text_literal),
+    )
 }
 
 /// `value` as an escape string literal: every backslash and quote escaped.
@@ -296,9 +315,18 @@ where
             })
             .await;
     }
-    // A key the read found free is claimed in the round trip that takes its
-    // lock: the transaction then holds it without reading it again.
-    if let Some(claim) = claim.and_then(claim_sql) {
+    // A key the read found free, or one no read came before, is claimed in
+    // the round trip that takes its lock: the transaction then holds it
+    // without reading it.
+    let claim = match claim {
+        Some(Claim::Bound(record)) => claim_sql(record).map(|sql| (sql, false)),
+        Some(Claim::AtDatabaseTime {
+            record,
+            retention_micros,
+        }) => Some((claim_at_database_time_sql(record, retention_micros), true)),
+        None => None,
+    };
+    if let Some((claim, at_database_time)) = claim {
         let begin = format!("BEGIN; {}; {claim}", lock_key_sql(scope, key, in_flight, idle_timeout));
         match conn.begin_with(&begin).await {
             Ok(()) => return conn.within(async |tx: &mut C| work(tx, true).await).await,
@@ -307,6 +335,19 @@ where
                 let _ = conn.batch("ROLLBACK").await;
                 if is_connection_lost(&error) {
                     return Err(error.into());
+                }
+                // Without the claim's time the transaction cannot decide
+                // what a record it reads means: the call reads it as if it
+                // had read first.
+                if at_database_time {
+                    return Err(match error {
+                        DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, info) => {
+                            KeyNotClaimed::Taken.error(info)
+                        }
+                        DieselError::DatabaseError(_, info) => KeyNotClaimed::Failed.error(info),
+                        other => other,
+                    }
+                    .into());
                 }
                 // A duplicate is a record committed since the read (by the
                 // holder this call waited for): the transaction below reads
@@ -332,4 +373,46 @@ where
         return Err(lock_wait_ended(error).into());
     }
     conn.within(async |tx: &mut C| work(tx, false).await).await
+}
+
+/// `UPDATE idempotency_keys SET status, response, completed_at WHERE` the
+/// key of `record` `RETURNING created_at, expires_at`: the completion of a
+/// [`Claim::AtDatabaseTime`], stamped with the database's time, which
+/// returns the times the claim was stamped with. A query type of its own,
+/// so that it is prepared once per session.
+pub(super) struct CompleteAtDatabaseTime<'a>(pub(super) &'a Record<'a>);
+
+impl QueryId for CompleteAtDatabaseTime<'_> {
+    type QueryId = CompleteAtDatabaseTime<'static>;
+    const HAS_STATIC_QUERY_ID: bool = true;
+}
+
+impl Query for CompleteAtDatabaseTime<'_> {
+    type SqlType = (Timestamp, Timestamp);
+}
+
+impl QueryFragment<Pg> for CompleteAtDatabaseTime<'_> {
+    fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        let record = self.0;
+        out.push_sql("UPDATE idempotency_keys SET status = ");
+        out.push_bind_param::<Text, _>(&record.status)?;
+        out.push_sql(", response = ");
+        out.push_bind_param::<Nullable<Text>, _>(&record.response)?;
+        out.push_sql(", completed_at = timezone('UTC', statement_timestamp()) WHERE scope = ");
+        out.push_bind_param::<Text, _>(record.scope)?;
+        out.push_sql(" AND idempotency_key = ");
+        out.push_bind_param::<Text, _>(record.idempotency_key)?;
+        out.push_sql(" RETURNING created_at, expires_at");
+        Ok(())
+    }
+}
+
+impl RunQueryDsl<PgConnection> for CompleteAtDatabaseTime<'_> {}
+#[cfg(feature = "postgres-async")]
+impl diesel_async::RunQueryDsl<diesel_async::AsyncPgConnection> for CompleteAtDatabaseTime<'_> {}
+
+/// The claim's times that a [`CompleteAtDatabaseTime`] returned, or the
+/// error of a record that changed under its key's lock.
+pub(super) fn completed(times: Option<(NaiveDateTime, NaiveDateTime)>) -> QueryResult<(NaiveDateTime, NaiveDateTime)> {
+    times.ok_or_else(KeyRecordChanged::error)
 }

@@ -58,7 +58,9 @@ use super::migrate;
 
 pub(crate) use clock::database_time;
 use expired::Expired;
-use key::{DURABLE_REPLAY, LOCK_WAIT_ENDED, NowAndClaimFirst, hold, key_transaction};
+use key::{
+    CompleteAtDatabaseTime, DURABLE_REPLAY, LOCK_WAIT_ENDED, NowAndClaimFirst, completed, hold, key_transaction,
+};
 pub(crate) use purge::purge;
 
 use super::row_with::record_with;
@@ -84,6 +86,10 @@ impl History for PgConnection {
 
 impl BackendRules for Pg {
     const NAME: &'static str = "postgres";
+    // A first call claims its key at the database's time in the round trip
+    // that takes the key's lock: the read before would be a round trip more
+    // for every first call, which pays only where most calls are retries.
+    const READS_BEFORE_TRANSACTION: bool = false;
     // A B-tree entry holds at most 2704 bytes, and the primary keys hold the
     // scope and the key side by side: 1300 bytes each fit with their headers
     // even when the values do not compress.
@@ -170,6 +176,12 @@ impl KeyStore for PgConnection {
 
     async fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
         hold(self, record, claims_first).await
+    }
+
+    const CLAIMS_AT_DATABASE_TIME: bool = true;
+
+    async fn complete_at_database_time(&mut self, record: &Record<'_>) -> QueryResult<(NaiveDateTime, NaiveDateTime)> {
+        completed(CompleteAtDatabaseTime(record).get_result(self).optional()?)
     }
 
     async fn await_replication(&mut self) -> QueryResult<()> {

@@ -24,6 +24,7 @@ use crate::common::wait::{PATIENCE, wait_for};
 
 async_backend_tests!(
     server: a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served,
+    a_dropped_async_call_that_reads_first_leaves_all_of_it_or_nothing_and_a_retry_is_served,
     an_async_call_dropped_while_it_waits_for_its_key_leaves_its_connection_to_be_discarded,
 );
 
@@ -58,9 +59,22 @@ pub(super) async fn cut_after<F: Future>(waits: usize, future: F) -> Option<F::O
 }
 
 async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<D: AsyncServerDb>() {
+    cut_at_every_wait::<D>(false).await
+}
+
+async fn a_dropped_async_call_that_reads_first_leaves_all_of_it_or_nothing_and_a_retry_is_served<D: AsyncServerDb>() {
+    cut_at_every_wait::<D>(true).await
+}
+
+/// Cuts a call after each of its waits in turn, the call reading its key's
+/// record before its transaction or not (`reads_first`): each cut leaves
+/// all of the call or nothing, and the retry is served.
+async fn cut_at_every_wait<D: AsyncServerDb>(reads_first: bool) {
     let db = D::new();
     let (pool, own_bound) = pool_of_one(&db).await;
-    let config = Config::default().in_flight(InFlight::Wait(chrono::Duration::seconds(5)));
+    let config = Config::default()
+        .in_flight(InFlight::Wait(chrono::Duration::seconds(5)))
+        .read_before_transaction(reads_first);
     let mut admin = db.conn();
     let (mut dropped_inside, mut dropped_outside) = (0, 0);
     let (mut waits, mut sweeps) = (0, 0);
@@ -145,15 +159,16 @@ async fn a_dropped_async_call_leaves_all_of_it_or_nothing_and_a_retry_is_served<
             waits = 1;
             continue;
         }
-        // Only the read comes before the call takes its key, and a server
-        // that answers it before the call first waits leaves no cut there:
-        // the first cut is made again until one falls there.
-        if waits > 0 || dropped_outside > 0 || attempt >= 50 {
+        // Only the read comes before the call takes its key, where the call
+        // reads first, and a server that answers it before the call first
+        // waits leaves no cut there: the first cut is made again until one
+        // falls there.
+        if waits > 0 || dropped_outside > 0 || !reads_first || attempt >= 50 {
             waits += 1;
         }
     }
     assert!(
-        dropped_inside > 0 && (dropped_outside > 0 || D::CUT_STATEMENT_DISCARDS_THE_CONNECTION),
+        dropped_inside > 0 && (dropped_outside > 0 || !reads_first || D::CUT_STATEMENT_DISCARDS_THE_CONNECTION),
         "the cuts fell where they leave the connection to be discarded ({dropped_inside}) and where they leave it \
          as it was ({dropped_outside})"
     );
