@@ -112,7 +112,7 @@ mod config;
 mod error;
 mod executing;
 mod fingerprint;
-#[cfg(feature = "axum")]
+#[cfg(any(feature = "axum", feature = "actix"))]
 pub mod http;
 mod id;
 mod in_flight;

@@ -4,8 +4,6 @@
 use std::error::Error as StdError;
 use std::fmt;
 
-use axum::response::{IntoResponse, Response};
-
 use super::{Problem, ProblemKind, Problems};
 use crate::Error;
 
@@ -42,15 +40,6 @@ pub enum Failure<E> {
         /// What went wrong.
         cause: Box<dyn StdError + Send + Sync>,
     },
-}
-
-impl<E: IntoResponse> IntoResponse for Failure<E> {
-    fn into_response(self) -> Response {
-        match self {
-            Failure::Operation(error) => error.into_response(),
-            Failure::Refused(problem) | Failure::Failed { problem, .. } => problem.into_response(),
-        }
-    }
 }
 
 impl<E: fmt::Display> fmt::Display for Failure<E> {

@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use axum::http::{HeaderMap, HeaderName};
+use http::HeaderName;
 
-use super::header::{HeaderError, Syntax, read_key};
+use super::header::{HeaderError, HeaderFields, Syntax, read_key};
 use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 
 /// How [`IdempotencyKey`](super::IdempotencyKey) reads the key header, and
@@ -138,8 +138,11 @@ impl KeyHeader {
     }
 
     /// Whether the request has a field of a name accepted.
-    pub(crate) fn is_present(&self, headers: &HeaderMap) -> bool {
-        self.settings.names.iter().any(|name| headers.contains_key(name))
+    pub(crate) fn is_present(&self, fields: &impl HeaderFields) -> bool {
+        self.settings
+            .names
+            .iter()
+            .any(|name| fields.values(name).next().is_some())
     }
 
     /// Whether only an sf-string is accepted.
@@ -148,7 +151,7 @@ impl KeyHeader {
     }
 
     /// The key of the request; `None` without the header.
-    pub(crate) fn read(&self, headers: &HeaderMap) -> Result<Option<String>, HeaderError> {
-        read_key(headers, &self.settings.names, self.settings.syntax)
+    pub(crate) fn read(&self, fields: &impl HeaderFields) -> Result<Option<String>, HeaderError> {
+        read_key(fields, &self.settings.names, self.settings.syntax)
     }
 }

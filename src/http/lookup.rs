@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use axum::http::Method;
+use http::Method;
 
 use super::call::blocking;
 use super::endpoint::{Route, caller_hash};

@@ -146,11 +146,15 @@
 //! # }
 //! ```
 
-use axum::http::HeaderName;
+use http::HeaderName;
 
+#[cfg(feature = "actix")]
+mod actix;
 mod answer;
 #[cfg(feature = "diesel-async")]
 mod async_pool;
+#[cfg(feature = "axum")]
+mod axum;
 mod call;
 mod endpoint;
 mod failure;
@@ -166,6 +170,8 @@ mod problem;
 mod rejection;
 mod response;
 
+#[cfg(feature = "actix")]
+pub use actix::OptionalIdempotencyKey;
 pub use answer::Answer;
 #[cfg(feature = "diesel-async")]
 pub use async_pool::AsyncConnectionPool;
