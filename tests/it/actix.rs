@@ -35,8 +35,39 @@ crate::common::backend_tests!(
     a_lookup_answers_the_stored_response_to_its_caller,
 );
 
+/// The HTTP tests' real clients, with their own retries, through the proxy
+/// that loses the first response (`real_clients`, which the axum layer's
+/// tests share).
+#[cfg(feature = "axum")]
+mod real_clients {
+    use super::{Config, Server, TestDb};
+    use crate::real_clients::{curl_retries_a_lost_response, urllib3_retries_a_lost_response};
+
+    crate::common::backend_tests!(
+        async:
+        curl_retrying_a_lost_response_gets_the_first_answer_and_one_order,
+        urllib3_retrying_a_lost_response_gets_the_first_answer_and_one_order,
+    );
+
+    async fn curl_retrying_a_lost_response_gets_the_first_answer_and_one_order<D: TestDb>() {
+        let db = tokio::task::spawn_blocking(D::new).await.expect("create the database");
+        let server = Server::start(&db, Config::default(), None);
+        curl_retries_a_lost_response(&db, server.addr()).await;
+        assert_eq!(server.calls(), 1);
+    }
+
+    async fn urllib3_retrying_a_lost_response_gets_the_first_answer_and_one_order<D: TestDb>() {
+        let db = tokio::task::spawn_blocking(D::new).await.expect("create the database");
+        let server = Server::start(&db, Config::default(), None);
+        urllib3_retries_a_lost_response(&db, server.addr()).await;
+        assert_eq!(server.calls(), 1);
+    }
+}
+
 /// A member of a tenant, from `Authorization: Bearer <tenant>/<user>`:
-/// the tenant's users share its keys, each is a principal of its own.
+/// the tenant's users share its keys, each is a principal of its own. A
+/// token without a tenant (`Bearer acct-1`, as the real clients send) is
+/// a user who is a tenant of its own.
 struct Member {
     tenant: String,
     user: String,
@@ -51,7 +82,7 @@ impl FromRequest for Member {
             .headers()
             .get("authorization")
             .and_then(|value| value.to_str().ok()?.strip_prefix("Bearer "))
-            .and_then(|token| token.split_once('/'));
+            .map(|token| token.split_once('/').unwrap_or((token, token)));
         ready(match credential {
             Some((tenant, user)) => Ok(Member {
                 tenant: tenant.to_owned(),
@@ -88,29 +119,36 @@ struct Shop<D: TestDb> {
     hold_first: Option<Arc<Barrier>>,
 }
 
-/// Places an order under the key: 201 with its `Location`.
+/// Places an order under the key at the shop the path names (`main` at
+/// `/orders`): 201 with its `Location`.
 async fn place_order<D: TestDb>(
     shop: web::Data<Shop<D>>,
     key: IdempotencyKey<Member>,
-    path: web::Path<String>,
+    req: HttpRequest,
     order: web::Json<NewOrder>,
 ) -> Result<Answer<StoredResponse<Value>>, Failure<Problem>> {
     let (calls, hold) = (shop.calls.clone(), shop.hold_first.clone());
-    let shop_name = path.into_inner();
-    idem::run(&shop.pool, &shop.config, &key, order.into_inner(), move |conn, order| {
-        let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
-        if let Some(barrier) = hold.filter(|_| first) {
-            // Entered, inside the transaction; then held until the test
-            // has seen what a duplicate gets meanwhile.
-            barrier.wait();
-            barrier.wait();
-        }
-        let id = D::place_order(conn, &order.item, order.quantity)
-            .map_err(|_| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"))?;
-        let location = HeaderValue::try_from(format!("/shops/{shop_name}/orders/{id}")).expect("a visible path");
-        let body = json!({"id": id, "shop": shop_name, "item": order.item, "quantity": order.quantity});
-        Ok(StoredResponse::new(StatusCode::CREATED, body).with_header(header::LOCATION, location))
-    })
+    let shop_name = req.match_info().get("shop").unwrap_or("main").to_owned();
+    idem::run(
+        &shop.pool,
+        &shop.config,
+        &key,
+        order.into_inner(),
+        move |conn, order| {
+            let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+            if let Some(barrier) = hold.filter(|_| first) {
+                // Entered, inside the transaction; then held until the test
+                // has seen what a duplicate gets meanwhile.
+                barrier.wait();
+                barrier.wait();
+            }
+            let id = D::place_order(conn, &order.item, order.quantity)
+                .map_err(|_| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"))?;
+            let location = HeaderValue::try_from(format!("/shops/{shop_name}/orders/{id}")).expect("a visible path");
+            let body = json!({"id": id, "shop": shop_name, "item": order.item, "quantity": order.quantity});
+            Ok(StoredResponse::new(StatusCode::CREATED, body).with_header(header::LOCATION, location))
+        },
+    )
     .await
 }
 
@@ -138,7 +176,13 @@ async fn order_status<D: TestDb>(
     shop: web::Data<Shop<D>>,
     key: IdempotencyKey<Member>,
 ) -> Result<Answer<StoredResponse<Value>>, Failure<std::convert::Infallible>> {
-    idem::lookup(&shop.pool, &shop.config, &key, &[(Method::POST, "/shops/{shop}/orders")]).await
+    idem::lookup(
+        &shop.pool,
+        &shop.config,
+        &key,
+        &[(Method::POST, "/shops/{shop}/orders")],
+    )
+    .await
 }
 
 /// The shop served by actix-web on a free port until dropped, and the
@@ -166,6 +210,7 @@ impl Server {
                 let server = HttpServer::new(move || {
                     App::new()
                         .app_data(shop.clone())
+                        .route("/orders", web::post().to(place_order::<D>))
                         .route("/shops/{shop}/orders", web::post().to(place_order::<D>))
                         .route("/shops/{shop}/refunds", web::post().to(place_order::<D>))
                         .route("/shops/{shop}/orders/status", web::get().to(order_status::<D>))
@@ -182,6 +227,11 @@ impl Server {
         });
         let handle = handle_rx.recv().expect("the server started");
         Server { addr, handle, calls }
+    }
+
+    #[cfg(feature = "axum")]
+    fn addr(&self) -> SocketAddr {
+        self.addr
     }
 
     fn url(&self, path: &str) -> String {
@@ -263,7 +313,11 @@ async fn a_first_call_executes_and_its_retry_replays_it_byte_for_byte<D: TestDb>
     assert_eq!(first.status, 201);
     assert_eq!(first.header("idempotent-replayed"), None);
     assert_eq!(first.header("content-type"), Some("application/json"));
-    assert!(first.header("idempotency-expires").is_some_and(|date| date.ends_with(" GMT")));
+    assert!(
+        first
+            .header("idempotency-expires")
+            .is_some_and(|date| date.ends_with(" GMT"))
+    );
     let location = first.header("location").expect("a location").to_owned();
     assert_eq!(first.json()["item"], "book");
 
@@ -311,7 +365,11 @@ async fn a_request_in_progress_runs_once_and_its_duplicate_gets_409_with_retry_a
 
     let duplicate = post(url.clone(), &[ALICE, JSON, key], ORDER).await;
     duplicate.problem(409);
-    assert!(duplicate.header("retry-after").is_some_and(|after| after.parse::<u64>().is_ok()));
+    assert!(
+        duplicate
+            .header("retry-after")
+            .is_some_and(|after| after.parse::<u64>().is_ok())
+    );
 
     meet().await.expect("the first call goes on");
     let first = first.await.expect("the first call's task");
@@ -338,7 +396,10 @@ async fn a_missing_or_invalid_key_is_a_400_problem_and_runs_nothing<D: TestDb>()
         .post(url.clone())
         .header(ALICE.0, ALICE.1)
         .header(JSON.0, JSON.1)
-        .header("idempotency-key", reqwest::header::HeaderValue::from_bytes(b"caf\xe9").expect("obs-text"))
+        .header(
+            "idempotency-key",
+            reqwest::header::HeaderValue::from_bytes(b"caf\xe9").expect("obs-text"),
+        )
         .body(ORDER);
     reply(request).await.problem(400);
     // Two fields.
@@ -351,7 +412,12 @@ async fn a_missing_or_invalid_key_is_a_400_problem_and_runs_nothing<D: TestDb>()
         .body(ORDER);
     reply(request).await.problem(400);
     // A card number is no key: refused by the key rules before the call.
-    let card = post(url.clone(), &[ALICE, JSON, ("idempotency-key", "4111111111111111")], ORDER).await;
+    let card = post(
+        url.clone(),
+        &[ALICE, JSON, ("idempotency-key", "4111111111111111")],
+        ORDER,
+    )
+    .await;
     card.problem(400);
     // No credentials: the caller's own 401, key or no key.
     let anonymous = post(url, &[JSON, ("idempotency-key", "o-4")], ORDER).await;
@@ -366,7 +432,11 @@ async fn a_key_sent_to_another_endpoint_is_refused<D: TestDb>() {
     let first = post(server.url("/shops/north/orders"), &[ALICE, JSON, key], ORDER).await;
     assert_eq!(first.status, 201);
     // Another route, another path parameter, another query: each its own request.
-    for elsewhere in ["/shops/north/refunds", "/shops/south/orders", "/shops/north/orders?gift=1"] {
+    for elsewhere in [
+        "/shops/north/refunds",
+        "/shops/south/orders",
+        "/shops/north/orders?gift=1",
+    ] {
         let refused = post(server.url(elsewhere), &[ALICE, JSON, key], ORDER).await;
         refused.problem(422);
     }
@@ -385,9 +455,16 @@ async fn another_principal_of_the_scope_is_refused_and_cannot_look_the_call_up<D
     let (db, server) = shop::<D>(Config::default()).await;
     let key = ("idempotency-key", "o-6");
     let bob = ("authorization", "Bearer acme/bob");
-    assert_eq!(post(server.url("/shops/north/orders"), &[ALICE, JSON, key], ORDER).await.status, 201);
+    assert_eq!(
+        post(server.url("/shops/north/orders"), &[ALICE, JSON, key], ORDER)
+            .await
+            .status,
+        201
+    );
     // Bob shares acme's keys, but the call was Alice's.
-    post(server.url("/shops/north/orders"), &[bob, JSON, key], ORDER).await.problem(422);
+    post(server.url("/shops/north/orders"), &[bob, JSON, key], ORDER)
+        .await
+        .problem(422);
     let status = |who: (&'static str, &'static str)| {
         reqwest::Client::new()
             .get(server.url("/shops/north/orders/status"))
@@ -425,7 +502,9 @@ async fn an_optional_key_still_authenticates<D: TestDb>() {
     assert_eq!(retry.header("idempotent-replayed"), Some("true"));
     assert_eq!(retry.body, first.body);
     // An invalid key is refused, not ignored.
-    post(url, &[ALICE, ("idempotency-key", "\"broken")], "n").await.problem(400);
+    post(url, &[ALICE, ("idempotency-key", "\"broken")], "n")
+        .await
+        .problem(400);
     assert_eq!(order_count(&db).await, 1);
 }
 
