@@ -21,6 +21,9 @@ use crate::Outcome;
 /// dereferences to the outcome, so `answer.is_replayed()` reads as before.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use axum::http::HeaderName;
 /// use axum::response::IntoResponse;
 /// use chrono::{TimeZone, Utc};
@@ -34,7 +37,8 @@ use crate::Outcome;
 /// let response = answer.into_response();
 /// assert_eq!(response.headers()["idempotency-expires"], "Sat, 01 Jun 2030 12:00:00 GMT");
 /// assert_eq!(response.headers()["idempotent-replayed"], "true");
-/// # Ok::<_, &str>(())
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Answer<R> {

@@ -84,7 +84,9 @@ pub trait Caller {
 }
 
 /// The `Idempotency-Key` of a request and the caller it belongs to: an axum
-/// extractor.
+/// extractor, and with the feature `actix` an actix-web one (see
+/// [HTTP with actix-web](crate::guide::actix), where `A` is a `FromRequest`
+/// and the [`KeyHeader`] and [`Problems`] come from `App::app_data`).
 ///
 /// Extraction runs the authentication extractor `A` first (its rejection,
 /// such as a 401, goes out unchanged), then reads the header:
@@ -139,6 +141,8 @@ pub trait Caller {
 /// endpoints says so with [`across_endpoints`](IdempotencyKey::across_endpoints).
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
 /// use std::borrow::Cow;
@@ -238,6 +242,8 @@ impl<A> IdempotencyKey<A> {
     /// endpoint.
     ///
     /// ```
+    /// # #[cfg(not(feature = "axum"))] fn main() {}
+    /// # #[cfg(feature = "axum")]
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
     /// # use std::borrow::Cow;

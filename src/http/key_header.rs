@@ -38,6 +38,8 @@ use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 /// default. A clone is cheap.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
 /// use std::borrow::Cow;

@@ -70,6 +70,8 @@ use crate::{Config, InFlight, KeyStatus, Outcome};
 /// time, a 500 when storage fails or the stored response does not decode.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// # tokio::runtime::Runtime::new()?.block_on(async {
 /// use std::borrow::Cow;

@@ -24,6 +24,9 @@ const PROBLEM_JSON: &str = "application/problem+json";
 /// by the application.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
+/// # fn main() {
 /// use axum::http::StatusCode;
 /// use axum::response::IntoResponse;
 /// use idempotency::http::Problem;
@@ -34,6 +37,7 @@ const PROBLEM_JSON: &str = "application/problem+json";
 /// let response = problem.into_response();
 /// assert_eq!(response.status(), StatusCode::NOT_FOUND);
 /// assert_eq!(response.headers()["content-type"], "application/problem+json");
+/// # }
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Problem {
@@ -315,7 +319,7 @@ struct Settings {
 /// clone is cheap.
 ///
 /// ```
-/// use axum::http::StatusCode;
+/// use http::StatusCode;
 /// use chrono::Duration;
 /// use idempotency::http::{ProblemKind, Problems};
 ///

@@ -28,6 +28,8 @@ use super::Problem;
 /// the request's extensions, as the failures of [`run`](super::run) are.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
 /// use std::borrow::Cow;

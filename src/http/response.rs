@@ -45,6 +45,9 @@ use serde::{Deserialize, Serialize};
 /// true`.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use axum::http::{header, HeaderValue, StatusCode};
 /// use axum::response::IntoResponse;
 /// use idempotency::http::StoredResponse;
@@ -62,7 +65,8 @@ use serde::{Deserialize, Serialize};
 /// assert_eq!(response.headers()["location"], "/orders/7");
 /// assert_eq!(response.headers()["content-type"], "application/json");
 /// assert_eq!(response.headers()["idempotent-replayed"], "true");
-/// # Ok::<(), serde_json::Error>(())
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredResponse<T> {
@@ -113,7 +117,7 @@ impl<T> StoredResponse<T> {
     /// operation, where it is made anew for each answer.
     ///
     /// ```
-    /// use axum::http::{HeaderValue, StatusCode};
+    /// use http::{HeaderValue, StatusCode};
     /// use idempotency::http::StoredResponse;
     ///
     /// let chosen = StoredResponse::new(StatusCode::CREATED, 7)
@@ -259,6 +263,7 @@ impl<'de, T: DeserializeOwned> Visitor<'de> for StoredVisitor<T> {
 
 #[cfg(test)]
 mod tests {
+    #[cfg(feature = "axum")]
     use serde_json::json;
 
     use super::*;
