@@ -105,11 +105,11 @@ where
 ///     }
 /// }
 ///
-/// let signed = test::TestRequest::post().insert_header(("authorization", "Bearer tok-3f9a"));
-/// let OptionalIdempotencyKey(none) = OptionalIdempotencyKey::<Account>::extract(&signed.to_http_request()).await?;
+/// let signed = || test::TestRequest::post().insert_header(("authorization", "Bearer tok-3f9a"));
+/// let OptionalIdempotencyKey(none) = OptionalIdempotencyKey::<Account>::extract(&signed().to_http_request()).await?;
 /// assert!(none.is_none());
 ///
-/// let keyed = signed.insert_header(("idempotency-key", "o-1")).to_http_request();
+/// let keyed = signed().insert_header(("idempotency-key", "o-1")).to_http_request();
 /// let OptionalIdempotencyKey(Some(key)) = OptionalIdempotencyKey::<Account>::extract(&keyed).await? else {
 ///     return Err("the key was not read".into());
 /// };

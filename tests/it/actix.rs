@@ -194,6 +194,8 @@ struct Server {
 }
 
 impl Server {
+    /// The shop on `db`'s r2d2 pool under `config`, its first operation
+    /// held at `hold_first` where a test holds it.
     fn start<D: TestDb>(db: &D, config: Config, hold_first: Option<Arc<Barrier>>) -> Server {
         let calls = Arc::new(AtomicUsize::new(0));
         let shop = web::Data::new(Shop::<D> {
@@ -202,25 +204,32 @@ impl Server {
             calls: calls.clone(),
             hold_first,
         });
+        let routes = move |routes: &mut web::ServiceConfig| {
+            routes
+                .app_data(shop.clone())
+                .route("/orders", web::post().to(place_order::<D>))
+                .route("/shops/{shop}/orders", web::post().to(place_order::<D>))
+                .route("/shops/{shop}/refunds", web::post().to(place_order::<D>))
+                .route("/shops/{shop}/orders/status", web::get().to(order_status::<D>))
+                .route("/notes", web::post().to(place_note::<D>));
+        };
+        Server::serve(routes, calls)
+    }
+
+    /// Serves the `routes` on a free port, in a thread of its own with its
+    /// actix-web system, until dropped; `calls` counts the operations run.
+    fn serve(routes: impl Fn(&mut web::ServiceConfig) + Clone + Send + 'static, calls: Arc<AtomicUsize>) -> Server {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("listen on a free port");
         let addr = listener.local_addr().expect("the listening address");
         let (handle_tx, handle_rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             actix_web::rt::System::new().block_on(async move {
-                let server = HttpServer::new(move || {
-                    App::new()
-                        .app_data(shop.clone())
-                        .route("/orders", web::post().to(place_order::<D>))
-                        .route("/shops/{shop}/orders", web::post().to(place_order::<D>))
-                        .route("/shops/{shop}/refunds", web::post().to(place_order::<D>))
-                        .route("/shops/{shop}/orders/status", web::get().to(order_status::<D>))
-                        .route("/notes", web::post().to(place_note::<D>))
-                })
-                .workers(2)
-                .disable_signals()
-                .listen(listener)
-                .expect("serve on the listener")
-                .run();
+                let server = HttpServer::new(move || App::new().configure(routes.clone()))
+                    .workers(2)
+                    .disable_signals()
+                    .listen(listener)
+                    .expect("serve on the listener")
+                    .run();
                 handle_tx.send(server.handle()).expect("the test waits for the handle");
                 server.await.expect("the server ran");
             });
@@ -528,4 +537,100 @@ async fn a_lookup_answers_the_stored_response_to_its_caller<D: TestDb>() {
     // Another shop's lookup does not answer the north shop's call.
     reply(status("south")).await.problem(404);
     assert_eq!(server.calls(), 1);
+}
+
+/// `http::run_async` from an actix-web handler, on a bb8 pool of each
+/// backend's diesel-async connections: the operation awaited in the
+/// handler's own future, nothing on the blocking pool.
+#[cfg(feature = "diesel-async")]
+mod diesel_async_pools {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use actix_web::web;
+    use diesel_async::pooled_connection::{AsyncDieselConnectionManager, PoolError, PoolableConnection};
+    use http::StatusCode;
+    use idempotency::Config;
+    use idempotency::http::{self as idem, Answer, Failure, IdempotencyKey, Problem, StoredResponse};
+    use serde_json::{Value, json};
+
+    use super::{ALICE, JSON, Member, NewOrder, ORDER, Server, order_count, post};
+    use crate::common::asynchronous::{AsyncDb, async_backend_tests};
+
+    async_backend_tests!(an_async_operation_executes_once_and_its_retry_replays_it_byte_for_byte);
+
+    type Pool<D> = diesel_async::pooled_connection::bb8::Pool<<D as AsyncDb>::Async>;
+
+    struct AsyncShop<D: AsyncDb> {
+        pool: Pool<D>,
+        config: Config,
+        calls: Arc<AtomicUsize>,
+    }
+
+    async fn place_order<D: AsyncDb>(
+        shop: web::Data<AsyncShop<D>>,
+        key: IdempotencyKey<Member>,
+        order: web::Json<NewOrder>,
+    ) -> Result<Answer<StoredResponse<Value>>, Failure<Problem>>
+    where
+        D::Async: PoolableConnection,
+        AsyncDieselConnectionManager<D::Async>: bb8::ManageConnection<Connection = D::Async, Error = PoolError>,
+    {
+        let calls = shop.calls.clone();
+        idem::run_async(
+            &shop.pool,
+            &shop.config,
+            &key,
+            order.into_inner(),
+            async |conn, order| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                D::insert_order(conn, &order.item)
+                    .await
+                    .map_err(|_| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"))?;
+                Ok(StoredResponse::new(StatusCode::CREATED, json!({"item": order.item})))
+            },
+        )
+        .await
+    }
+
+    async fn an_async_operation_executes_once_and_its_retry_replays_it_byte_for_byte<D: AsyncDb>()
+    where
+        D::Async: PoolableConnection,
+        AsyncDieselConnectionManager<D::Async>: bb8::ManageConnection<Connection = D::Async, Error = PoolError>,
+    {
+        let db = tokio::task::spawn_blocking(D::new).await.expect("create the database");
+        let pool = bb8::Pool::builder()
+            .max_size(2)
+            .build(AsyncDieselConnectionManager::<D::Async>::new(db.url()))
+            .await
+            .expect("a bb8 pool");
+        let calls = Arc::new(AtomicUsize::new(0));
+        let shop = web::Data::new(AsyncShop::<D> {
+            pool,
+            config: Config::default(),
+            calls: calls.clone(),
+        });
+        let routes = move |routes: &mut web::ServiceConfig| {
+            routes
+                .app_data(shop.clone())
+                .route("/orders", web::post().to(place_order::<D>));
+        };
+        let server = Server::serve(routes, calls);
+        let key = ("idempotency-key", "a-1");
+        let first = post(server.url("/orders"), &[ALICE, JSON, key], ORDER).await;
+        assert_eq!(first.status, 201);
+        assert_eq!(first.header("idempotent-replayed"), None);
+        let retry = post(server.url("/orders"), &[ALICE, JSON, key], ORDER).await;
+        assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+        assert_eq!(retry.body, first.body);
+        post(
+            server.url("/orders"),
+            &[ALICE, JSON, key],
+            r#"{"item": "pen", "quantity": 1}"#,
+        )
+        .await
+        .problem(422);
+        assert_eq!(server.calls(), 1);
+        assert_eq!(order_count(&db).await, 1);
+    }
 }
