@@ -540,41 +540,41 @@ async fn a_lookup_answers_the_stored_response_to_its_caller<D: TestDb>() {
 }
 
 /// `http::run_async` from an actix-web handler, on a bb8 pool of each
-/// backend's diesel-async connections: the operation awaited in the
-/// handler's own future, nothing on the blocking pool.
+/// server backend's diesel-async connections: the operation awaited in the
+/// handler's own future, nothing on the blocking pool. SQLite's wrapper is
+/// refused on actix-web's current-thread workers, before any statement.
 #[cfg(feature = "diesel-async")]
 mod diesel_async_pools {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use actix_web::web;
-    use diesel_async::pooled_connection::{AsyncDieselConnectionManager, PoolError, PoolableConnection};
+    use diesel_async::pooled_connection::AsyncDieselConnectionManager;
     use http::StatusCode;
     use idempotency::Config;
-    use idempotency::http::{self as idem, Answer, Failure, IdempotencyKey, Problem, StoredResponse};
+    use idempotency::http::{
+        self as idem, Answer, AsyncConnectionPool, Failure, IdempotencyKey, Problem, StoredResponse,
+    };
     use serde_json::{Value, json};
 
     use super::{ALICE, JSON, Member, NewOrder, ORDER, Server, order_count, post};
-    use crate::common::asynchronous::{AsyncDb, async_backend_tests};
+    use crate::common::TestDb;
+    use crate::common::asynchronous::AsyncDb;
 
-    async_backend_tests!(an_async_operation_executes_once_and_its_retry_replays_it_byte_for_byte);
-
-    type Pool<D> = diesel_async::pooled_connection::bb8::Pool<<D as AsyncDb>::Async>;
-
-    struct AsyncShop<D: AsyncDb> {
-        pool: Pool<D>,
+    struct AsyncShop<P> {
+        pool: P,
         config: Config,
         calls: Arc<AtomicUsize>,
     }
 
-    async fn place_order<D: AsyncDb>(
-        shop: web::Data<AsyncShop<D>>,
+    async fn place_order<D, P>(
+        shop: web::Data<AsyncShop<P>>,
         key: IdempotencyKey<Member>,
         order: web::Json<NewOrder>,
     ) -> Result<Answer<StoredResponse<Value>>, Failure<Problem>>
     where
-        D::Async: PoolableConnection,
-        AsyncDieselConnectionManager<D::Async>: bb8::ManageConnection<Connection = D::Async, Error = PoolError>,
+        D: AsyncDb,
+        P: AsyncConnectionPool<Connection = D::Async>,
     {
         let calls = shop.calls.clone();
         idem::run_async(
@@ -593,29 +593,15 @@ mod diesel_async_pools {
         .await
     }
 
-    async fn an_async_operation_executes_once_and_its_retry_replays_it_byte_for_byte<D: AsyncDb>()
+    /// A first call, its byte-identical replay and a 422 for another body,
+    /// with the operation run once, on `pool` of `db`'s async connections.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    async fn an_async_operation_executes_once_and_its_retry_replays_it<D, P>(db: D, pool: P)
     where
-        D::Async: PoolableConnection,
-        AsyncDieselConnectionManager<D::Async>: bb8::ManageConnection<Connection = D::Async, Error = PoolError>,
+        D: AsyncDb,
+        P: AsyncConnectionPool<Connection = D::Async> + 'static,
     {
-        let db = tokio::task::spawn_blocking(D::new).await.expect("create the database");
-        let pool = bb8::Pool::builder()
-            .max_size(2)
-            .build(AsyncDieselConnectionManager::<D::Async>::new(db.url()))
-            .await
-            .expect("a bb8 pool");
-        let calls = Arc::new(AtomicUsize::new(0));
-        let shop = web::Data::new(AsyncShop::<D> {
-            pool,
-            config: Config::default(),
-            calls: calls.clone(),
-        });
-        let routes = move |routes: &mut web::ServiceConfig| {
-            routes
-                .app_data(shop.clone())
-                .route("/orders", web::post().to(place_order::<D>));
-        };
-        let server = Server::serve(routes, calls);
+        let server = serve::<D, P>(pool);
         let key = ("idempotency-key", "a-1");
         let first = post(server.url("/orders"), &[ALICE, JSON, key], ORDER).await;
         assert_eq!(first.status, 201);
@@ -632,5 +618,81 @@ mod diesel_async_pools {
         .problem(422);
         assert_eq!(server.calls(), 1);
         assert_eq!(order_count(&db).await, 1);
+    }
+
+    /// The async shop on `pool`, served by actix-web.
+    fn serve<D, P>(pool: P) -> Server
+    where
+        D: AsyncDb,
+        P: AsyncConnectionPool<Connection = D::Async> + 'static,
+    {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let shop = web::Data::new(AsyncShop {
+            pool,
+            config: Config::default(),
+            calls: calls.clone(),
+        });
+        let routes = move |routes: &mut web::ServiceConfig| {
+            routes
+                .app_data(shop.clone())
+                .route("/orders", web::post().to(place_order::<D, P>));
+        };
+        Server::serve(routes, calls)
+    }
+
+    /// actix-web runs each worker on a current-thread runtime, where
+    /// `SyncConnectionWrapper` cannot wait for a statement of a dropped
+    /// future: the call is refused before its first statement, a 500 with
+    /// nothing run or written. SQLite serves actix-web through `http::run`
+    /// on r2d2.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sqlite_through_the_async_wrapper_is_refused_on_actix_workers_and_runs_nothing() {
+        type Wrapper = diesel_async::sync_connection_wrapper::SyncConnectionWrapper<diesel::SqliteConnection>;
+        type Db = crate::common::sqlite::Db;
+        let db = tokio::task::spawn_blocking(Db::new).await.expect("create the database");
+        let server = serve::<Db, _>(bb8_pool::<Wrapper, _>(&db).await);
+        let refused = post(server.url("/orders"), &[ALICE, JSON, ("idempotency-key", "a-2")], ORDER).await;
+        refused.problem(500);
+        assert_eq!(server.calls(), 0);
+        assert_eq!(order_count(&db).await, 0);
+        let keys = tokio::task::block_in_place(|| Db::key_count(&mut db.conn()));
+        assert_eq!(keys, 0);
+    }
+
+    /// A bb8 pool of `db`'s async connections `C`.
+    async fn bb8_pool<C, D: TestDb>(db: &D) -> diesel_async::pooled_connection::bb8::Pool<C>
+    where
+        C: diesel_async::pooled_connection::PoolableConnection + 'static,
+        AsyncDieselConnectionManager<C>: bb8::ManageConnection<Connection = C>,
+    {
+        bb8::Pool::builder()
+            .max_size(2)
+            .build(AsyncDieselConnectionManager::new(db.url()))
+            .await
+            .expect("a bb8 pool")
+    }
+
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    macro_rules! on_bb8 {
+        ($backend:ident, $db:ty, $conn:ty) => {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $backend() {
+                let db = tokio::task::spawn_blocking(<$db>::new)
+                    .await
+                    .expect("create the database");
+                let pool = bb8_pool::<$conn, _>(&db).await;
+                an_async_operation_executes_once_and_its_retry_replays_it(db, pool).await;
+            }
+        };
+    }
+
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    mod an_async_operation_executes_once_and_its_retry_replays_it_on_bb8 {
+        use super::*;
+
+        #[cfg(feature = "postgres")]
+        on_bb8!(postgres, crate::common::pg::Db, diesel_async::AsyncPgConnection);
+        #[cfg(feature = "mysql")]
+        on_bb8!(mysql, crate::common::mysql::Db, diesel_async::AsyncMysqlConnection);
     }
 }
