@@ -16,8 +16,8 @@ use crate::Error;
 /// key replays it if it was, and executes it if it was not. After a replay
 /// whose stored response no longer decodes ([`Error::Codec`], a 500) the
 /// key stays spent. As a response: the operation's own error through its
-/// `IntoResponse`, the application's mapping; every other failure as its
-/// problem.
+/// `IntoResponse` (actix-web: its `ResponseError`), the application's
+/// mapping; every other failure as its problem.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Failure<E> {

@@ -33,7 +33,8 @@ use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 /// defines none.
 ///
 /// An API sets it once, as a request extension for its routes
-/// (`router.layer(axum::Extension(key_header))`), as it sets its
+/// (`router.layer(axum::Extension(key_header))`; on actix-web as app data,
+/// `App::app_data(key_header)`), as it sets its
 /// [`Problems`](super::Problems); without one the extractor uses the
 /// default. A clone is cheap.
 ///

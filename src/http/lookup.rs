@@ -20,9 +20,9 @@ use crate::{Config, InFlight, KeyStatus, Outcome};
 /// tokio's blocking pool, each status as a response.
 ///
 /// `calls` names the endpoints whose records this lookup answers for: the
-/// method and the route of each, as axum matched it (the route pattern
-/// with its parameters in braces, under any prefix the router was nested
-/// at). A record is answered only to the principal whose call wrote it
+/// method and the route of each, as axum or actix-web matched it (the
+/// route pattern with its parameters in braces, under any prefix the
+/// router was nested at, or the scopes' prefixes on actix-web). A record is answered only to the principal whose call wrote it
 /// ([`Caller::principal`](super::Caller::principal)), and only where it was
 /// written at one of `calls` with the lookup's own path parameters: a
 /// lookup route carries the parameters of its calls' routes

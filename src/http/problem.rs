@@ -312,7 +312,8 @@ struct Settings {
 /// they are stable.
 ///
 /// An API sets its `Problems` once, as a request extension for its routes
-/// (`router.layer(axum::Extension(problems))`);
+/// (`router.layer(axum::Extension(problems))`; on actix-web as app data,
+/// `App::app_data(problems)`);
 /// [`IdempotencyKey`](super::IdempotencyKey) picks it up there (or uses the
 /// default when there is none) and [`run`](super::run) answers with it, so
 /// the key's rejection and the call's failures share one description. A

@@ -13,8 +13,10 @@ use super::Problem;
 /// is the rejection of the authentication extractor `A`.
 ///
 /// A handler that extracts `Result<IdempotencyKey<A>, IdempotencyKeyRejection<A::Rejection>>`
-/// can answer each case its own way; otherwise axum sends the response of
-/// the rejection:
+/// can answer each case its own way; otherwise the framework sends the
+/// response of the rejection (axum's `IntoResponse`; on actix-web, where
+/// an optional key is an `OptionalIdempotencyKey`,
+/// its conversion into `actix_web::Error`):
 ///
 /// | variant | response |
 /// | --- | --- |
@@ -25,7 +27,8 @@ use super::Problem;
 /// | `InvalidPath` (actix-web) | a 400 problem for a path that is not UTF-8 once decoded |
 ///
 /// The problems are described by the [`Problems`](super::Problems) among
-/// the request's extensions, as the failures of [`run`](super::run) are.
+/// the request's extensions (actix-web: the app data), as the failures of
+/// [`run`](super::run) are.
 ///
 /// ```
 /// # #[cfg(not(feature = "axum"))] fn main() {}
