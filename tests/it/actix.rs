@@ -33,7 +33,116 @@ crate::common::backend_tests!(
     another_principal_of_the_scope_is_refused_and_cannot_look_the_call_up,
     an_optional_key_still_authenticates,
     a_lookup_answers_the_stored_response_to_its_caller,
+    a_request_whose_client_hung_up_still_runs_once_and_its_retry_replays_it,
 );
+
+/// What the handlers of a test saw: how many entered.
+struct Seen<D: TestDb> {
+    pool: Pool<ConnectionManager<D::Conn>>,
+    entered: AtomicUsize,
+    ran: Arc<AtomicUsize>,
+}
+
+async fn place_counted<D: TestDb>(
+    seen: web::Data<Seen<D>>,
+    key: IdempotencyKey<Member>,
+    item: web::Json<String>,
+) -> Result<Answer<StoredResponse<i64>>, Failure<Problem>> {
+    seen.entered.fetch_add(1, Ordering::SeqCst);
+    let ran = seen.ran.clone();
+    idem::run(
+        &seen.pool,
+        &Config::default(),
+        &key,
+        item.into_inner(),
+        move |conn, item| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            let id = D::place_order(conn, item, 1)
+                .map_err(|_| Problem::new(StatusCode::INTERNAL_SERVER_ERROR, "Internal Server Error"))?;
+            Ok(StoredResponse::new(StatusCode::CREATED, id))
+        },
+    )
+    .await
+}
+
+/// Waits until `count` reaches `n`, as long as the suite's patience lasts.
+async fn wait_for_count(what: &str, count: &AtomicUsize, n: usize) {
+    let reached = async {
+        while count.load(Ordering::SeqCst) < n {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    };
+    if tokio::time::timeout(crate::common::wait::PATIENCE, reached)
+        .await
+        .is_err()
+    {
+        panic!("waited for {what}: {} of {n}", count.load(Ordering::SeqCst));
+    }
+}
+
+/// actix-web keeps the handler of a client that hung up running (unlike
+/// axum, whose dropped handler gives up its wait for a connection): the
+/// request waits for its connection and runs its operation once, and the
+/// client's retry with the key replays what it did.
+async fn a_request_whose_client_hung_up_still_runs_once_and_its_retry_replays_it<D: TestDb>() {
+    const ABANDONED: usize = 2;
+    let db = tokio::task::spawn_blocking(D::new).await.expect("create the database");
+    let pool = Pool::builder()
+        .max_size(1)
+        .connection_timeout(crate::common::wait::PATIENCE)
+        .build(ConnectionManager::<D::Conn>::new(db.url()))
+        .expect("a pool of one connection");
+    let ran = Arc::new(AtomicUsize::new(0));
+    let seen = web::Data::new(Seen::<D> {
+        pool: pool.clone(),
+        entered: AtomicUsize::new(0),
+        ran: ran.clone(),
+    });
+    let handlers = seen.clone();
+    let routes = move |routes: &mut web::ServiceConfig| {
+        routes
+            .app_data(handlers.clone())
+            .route("/orders", web::post().to(place_counted::<D>));
+    };
+    let server = Server::serve(routes, ran);
+    let held = tokio::task::block_in_place(|| pool.get().expect("the pool's one connection"));
+
+    let mut sockets = Vec::new();
+    for n in 0..ABANDONED {
+        let body = format!("\"item-{n}\"");
+        let request = format!(
+            "POST /orders HTTP/1.1\r\nhost: {}\r\nauthorization: Bearer hung-up/u\r\nidempotency-key: k-{n}\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            server.addr,
+            body.len()
+        );
+        let mut socket = tokio::net::TcpStream::connect(server.addr).await.expect("connect");
+        tokio::io::AsyncWriteExt::write_all(&mut socket, request.as_bytes())
+            .await
+            .expect("send the request");
+        sockets.push(socket);
+    }
+    wait_for_count("every request to reach its handler", &seen.entered, ABANDONED).await;
+    drop(sockets);
+    drop(held);
+    wait_for_count(
+        "the requests of the clients that hung up to run",
+        &server.calls,
+        ABANDONED,
+    )
+    .await;
+
+    let retry = post(
+        server.url("/orders"),
+        &[("authorization", "Bearer hung-up/u"), JSON, ("idempotency-key", "k-0")],
+        "\"item-0\"",
+    )
+    .await;
+    assert_eq!(retry.status, 201);
+    assert_eq!(retry.header("idempotent-replayed"), Some("true"));
+    assert_eq!(server.calls(), ABANDONED, "each request ran once");
+    assert_eq!(order_count(&db).await, 2);
+}
 
 /// The HTTP tests' real clients, with their own retries, through the proxy
 /// that loses the first response (`real_clients`, which the axum layer's
