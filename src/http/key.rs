@@ -116,7 +116,9 @@ pub trait Caller {
 /// so whether a request is authenticated never depends on a header the
 /// client chooses; then `None` without the header, the same rejections as
 /// above otherwise. (A handler that needs the caller without a key
-/// extracts `A` beside it.)
+/// extracts `A` beside it.) On actix-web, extract
+/// `OptionalIdempotencyKey<A>` instead: actix-web's `Option<T>` turns every
+/// rejection into `None`, the caller's included.
 ///
 /// The key is bound to the endpoint it was sent to, captured here from the
 /// request: the method, the matched route (axum's
