@@ -345,3 +345,18 @@ impl<R: Responder> Responder for Answer<R> {
         response
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::percent_decoded;
+
+    #[test]
+    fn every_escape_is_decoded_once_and_a_stray_percent_is_itself() {
+        assert_eq!(percent_decoded("a%2Fb%25%32%30"), b"a/b%20");
+        assert_eq!(percent_decoded("caf%C3%a9"), "café".as_bytes());
+        for unchanged in ["100%", "%+1", "%zz", "%4", "a+b"] {
+            assert_eq!(percent_decoded(unchanged), unchanged.as_bytes(), "{unchanged}");
+        }
+        assert_eq!(percent_decoded("%FF"), [0xFF]);
+    }
+}
