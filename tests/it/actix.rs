@@ -319,6 +319,7 @@ impl Server {
                 .route("/orders", web::post().to(place_order::<D>))
                 .route("/shops/{shop}/orders", web::post().to(place_order::<D>))
                 .route("/shops/{shop}/refunds", web::post().to(place_order::<D>))
+                .service(web::scope("/v2").route("/shops/{shop}/orders", web::post().to(place_order::<D>)))
                 .route("/shops/{shop}/orders/status", web::get().to(order_status::<D>))
                 .route("/notes", web::post().to(place_note::<D>));
         };
@@ -549,9 +550,11 @@ async fn a_key_sent_to_another_endpoint_is_refused<D: TestDb>() {
     let key = ("idempotency-key", "o-5");
     let first = post(server.url("/shops/north/orders"), &[ALICE, JSON, key], ORDER).await;
     assert_eq!(first.status, 201);
-    // Another route, another path parameter, another query: each its own request.
+    // Another route (under a scope too, whose prefix the pattern holds),
+    // another path parameter, another query: each its own request.
     for elsewhere in [
         "/shops/north/refunds",
+        "/v2/shops/north/orders",
         "/shops/south/orders",
         "/shops/north/orders?gift=1",
     ] {
