@@ -3,9 +3,8 @@
 
 use std::ops::Deref;
 
-use axum::http::{HeaderName, HeaderValue, header};
-use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
+use http::{HeaderName, HeaderValue, header};
 
 use crate::Outcome;
 
@@ -22,6 +21,9 @@ use crate::Outcome;
 /// dereferences to the outcome, so `answer.is_replayed()` reads as before.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use axum::http::HeaderName;
 /// use axum::response::IntoResponse;
 /// use chrono::{TimeZone, Utc};
@@ -35,7 +37,8 @@ use crate::Outcome;
 /// let response = answer.into_response();
 /// assert_eq!(response.headers()["idempotency-expires"], "Sat, 01 Jun 2030 12:00:00 GMT");
 /// assert_eq!(response.headers()["idempotent-replayed"], "true");
-/// # Ok::<_, &str>(())
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Answer<R> {
@@ -75,6 +78,20 @@ impl<R> Answer<R> {
     pub fn into_outcome(self) -> Outcome<R> {
         self.outcome
     }
+
+    /// The outcome, and the headers an adapter adds to its response: the
+    /// expiry header and, for a lookup, `Cache-Control: no-store`.
+    pub(super) fn into_parts(self) -> (Outcome<R>, Vec<(HeaderName, HeaderValue)>) {
+        // An HTTP-date has whole seconds: the second the retention ends in,
+        // rounded down, so that the header never promises more than is kept.
+        let date = self.expires_at.format("%a, %d %b %Y %H:%M:%S GMT").to_string();
+        let value = HeaderValue::try_from(date).expect("an HTTP-date is visible ASCII");
+        let mut headers = vec![(self.header, value)];
+        if self.no_store {
+            headers.push((header::CACHE_CONTROL, HeaderValue::from_static("no-store")));
+        }
+        (self.outcome, headers)
+    }
 }
 
 impl<R> Deref for Answer<R> {
@@ -82,21 +99,5 @@ impl<R> Deref for Answer<R> {
 
     fn deref(&self) -> &Outcome<R> {
         &self.outcome
-    }
-}
-
-impl<R: IntoResponse> IntoResponse for Answer<R> {
-    fn into_response(self) -> Response {
-        let mut response = self.outcome.into_response();
-        // An HTTP-date has whole seconds: the second the retention ends in,
-        // rounded down, so that the header never promises more than is kept.
-        let date = self.expires_at.format("%a, %d %b %Y %H:%M:%S GMT").to_string();
-        let value = HeaderValue::try_from(date).expect("an HTTP-date is visible ASCII");
-        let headers = response.headers_mut();
-        headers.insert(self.header, value);
-        if self.no_store {
-            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        }
-        response
     }
 }

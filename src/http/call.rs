@@ -93,6 +93,8 @@ use crate::{Config, Error, InFlight, Outcome, StoreConnection};
 /// | [`Failure::Failed`] | 500 | storage or JSON failed (a [`StoredResponse`](super::StoredResponse) with a header it refuses, too), an invalid scope (checked before the checkout), or `op` panicked |
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// # tokio::runtime::Runtime::new()?.block_on(async {
 /// use std::borrow::Cow;
@@ -188,6 +190,8 @@ where
 /// As [`run`]; a panic in `op` rolls the transaction back and is a 500.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
 /// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use std::borrow::Cow;

@@ -1,9 +1,6 @@
 //! What a key is bound to: the endpoint the request was sent to, captured
 //! by the extractor, and the request value, fingerprinted together.
 
-use axum::extract::rejection::RawPathParamsRejection;
-use axum::extract::{FromRequestParts, MatchedPath, RawPathParams};
-use axum::http::request::Parts;
 use serde::Serialize;
 use serde::ser::{SerializeStruct, Serializer};
 
@@ -20,34 +17,18 @@ pub(super) struct Endpoint {
 }
 
 impl Endpoint {
-    /// The endpoint of the request in `parts`.
-    ///
-    /// # Errors
-    ///
-    /// axum's rejection of path parameters it cannot decode, as `Path`
-    /// refuses them.
-    pub(super) async fn of(parts: &mut Parts) -> Result<Endpoint, RawPathParamsRejection> {
-        let route = match parts.extensions.get::<MatchedPath>() {
-            Some(matched) => matched.as_str().to_owned(),
-            None => parts.uri.path().to_owned(),
-        };
-        let mut path: Vec<(String, String)> = match RawPathParams::from_request_parts(parts, &()).await {
-            Ok(params) => params
-                .iter()
-                .map(|(name, value)| (name.to_owned(), value.to_owned()))
-                .collect(),
-            // A route without parameters, or no router at all.
-            Err(RawPathParamsRejection::MissingPathParams(_)) => Vec::new(),
-            Err(rejection) => return Err(rejection),
-        };
+    /// The endpoint a request was sent to, as an adapter reads it: its
+    /// `method`, the `route` that matched (the path where none did), the
+    /// `path` parameters as the framework decodes them, and the raw
+    /// `query`.
+    pub(super) fn new(method: &str, route: String, mut path: Vec<(String, String)>, raw_query: Option<&str>) -> Self {
         path.sort();
-        let query = query(parts.uri.query().unwrap_or(""));
-        Ok(Endpoint {
-            method: parts.method.as_str().to_owned(),
+        Endpoint {
+            method: method.to_owned(),
             route,
             path,
-            query,
-        })
+            query: query(raw_query.unwrap_or("")),
+        }
     }
 }
 

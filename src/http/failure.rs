@@ -4,8 +4,6 @@
 use std::error::Error as StdError;
 use std::fmt;
 
-use axum::response::{IntoResponse, Response};
-
 use super::{Problem, ProblemKind, Problems};
 use crate::Error;
 
@@ -18,8 +16,8 @@ use crate::Error;
 /// key replays it if it was, and executes it if it was not. After a replay
 /// whose stored response no longer decodes ([`Error::Codec`], a 500) the
 /// key stays spent. As a response: the operation's own error through its
-/// `IntoResponse`, the application's mapping; every other failure as its
-/// problem.
+/// `IntoResponse` (actix-web: its `ResponseError`), the application's
+/// mapping; every other failure as its problem.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum Failure<E> {
@@ -42,15 +40,6 @@ pub enum Failure<E> {
         /// What went wrong.
         cause: Box<dyn StdError + Send + Sync>,
     },
-}
-
-impl<E: IntoResponse> IntoResponse for Failure<E> {
-    fn into_response(self) -> Response {
-        match self {
-            Failure::Operation(error) => error.into_response(),
-            Failure::Refused(problem) | Failure::Failed { problem, .. } => problem.into_response(),
-        }
-    }
 }
 
 impl<E: fmt::Display> fmt::Display for Failure<E> {

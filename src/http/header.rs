@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use axum::http::{HeaderMap, HeaderName};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 /// Why the `Idempotency-Key` header could not be read. The message never
 /// repeats the value.
@@ -55,18 +55,31 @@ pub(crate) enum Syntax {
 /// none. Two fields, of one name or of two, are two keys: which one the
 /// client meant cannot be told, so neither is taken.
 pub(crate) fn read_key(
-    headers: &HeaderMap,
+    fields: &impl HeaderFields,
     names: &[HeaderName],
     syntax: Syntax,
 ) -> Result<Option<String>, HeaderError> {
-    let mut values = names.iter().flat_map(|name| headers.get_all(name));
+    let mut values = names.iter().flat_map(|name| fields.values(name));
     let Some(value) = values.next() else {
         return Ok(None);
     };
     if values.next().is_some() {
         return Err(HeaderError::Repeated);
     }
-    parse_key(value.as_bytes(), syntax).map(Some)
+    parse_key(value, syntax).map(Some)
+}
+
+/// A request's header fields as an adapter holds them: the `http` crate's
+/// map (axum), or the framework's own (actix-web's).
+pub(crate) trait HeaderFields {
+    /// The values of the fields named `name`, in order.
+    fn values<'a>(&'a self, name: &HeaderName) -> impl Iterator<Item = &'a [u8]>;
+}
+
+impl HeaderFields for HeaderMap {
+    fn values<'a>(&'a self, name: &HeaderName) -> impl Iterator<Item = &'a [u8]> {
+        self.get_all(name).iter().map(HeaderValue::as_bytes)
+    }
 }
 
 /// The key in one field value: an sf-string, unescaped, or else, with the
@@ -262,7 +275,7 @@ fn is_tchar(byte: u8) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use axum::http::HeaderValue;
+    use http::HeaderValue;
 
     use super::*;
     use crate::http::IDEMPOTENCY_KEY;

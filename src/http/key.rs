@@ -3,11 +3,10 @@
 
 use std::borrow::Cow;
 
-use axum::extract::{FromRequestParts, OptionalFromRequestParts};
-use axum::http::HeaderName;
-use axum::http::request::Parts;
+use http::HeaderName;
 
 use super::endpoint::Endpoint;
+use super::header::HeaderFields;
 use super::{IdempotencyKeyRejection, KeyHeader, ProblemKind, Problems};
 
 /// A caller as the application's authentication knows it, naming the
@@ -85,7 +84,9 @@ pub trait Caller {
 }
 
 /// The `Idempotency-Key` of a request and the caller it belongs to: an axum
-/// extractor.
+/// extractor, and with the feature `actix` an actix-web one (see
+/// [HTTP with actix-web](crate::guide::actix), where `A` is a `FromRequest`
+/// and the [`KeyHeader`] and [`Problems`] come from `App::app_data`).
 ///
 /// Extraction runs the authentication extractor `A` first (its rejection,
 /// such as a 401, goes out unchanged), then reads the header:
@@ -115,7 +116,9 @@ pub trait Caller {
 /// so whether a request is authenticated never depends on a header the
 /// client chooses; then `None` without the header, the same rejections as
 /// above otherwise. (A handler that needs the caller without a key
-/// extracts `A` beside it.)
+/// extracts `A` beside it.) On actix-web, extract
+/// `OptionalIdempotencyKey<A>` instead: actix-web's `Option<T>` turns every
+/// rejection into `None`, the caller's included.
 ///
 /// The key is bound to the endpoint it was sent to, captured here from the
 /// request: the method, the matched route (axum's
@@ -140,6 +143,8 @@ pub trait Caller {
 /// endpoints says so with [`across_endpoints`](IdempotencyKey::across_endpoints).
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
 /// use std::borrow::Cow;
@@ -239,6 +244,8 @@ impl<A> IdempotencyKey<A> {
     /// endpoint.
     ///
     /// ```
+    /// # #[cfg(not(feature = "axum"))] fn main() {}
+    /// # #[cfg(feature = "axum")]
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
     /// # use std::borrow::Cow;
@@ -304,64 +311,40 @@ impl<A> IdempotencyKey<A> {
     }
 }
 
-impl<S, A> FromRequestParts<S> for IdempotencyKey<A>
-where
-    S: Send + Sync,
-    A: FromRequestParts<S> + Caller + Send,
-{
-    type Rejection = IdempotencyKeyRejection<A::Rejection>;
-
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
-        let caller = A::from_request_parts(parts, state)
-            .await
-            .map_err(IdempotencyKeyRejection::Caller)?;
-        IdempotencyKey::read(caller, parts).await
-    }
-}
-
-impl<S, A> OptionalFromRequestParts<S> for IdempotencyKey<A>
-where
-    S: Send + Sync,
-    A: FromRequestParts<S> + Caller + Send,
-{
-    type Rejection = IdempotencyKeyRejection<A::Rejection>;
-
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Option<Self>, Self::Rejection> {
-        // Before looking at the header: authentication must not depend on
-        // whether the client sent one.
-        let caller = A::from_request_parts(parts, state)
-            .await
-            .map_err(IdempotencyKeyRejection::Caller)?;
-        let header = parts.extensions.get::<KeyHeader>().cloned().unwrap_or_default();
-        if !header.is_present(&parts.headers) {
-            return Ok(None);
-        }
-        IdempotencyKey::read(caller, parts).await.map(Some)
-    }
-}
-
 impl<A: Caller> IdempotencyKey<A> {
-    /// The key of the request in `parts`, for the authenticated `caller`.
-    async fn read<R>(caller: A, parts: &mut Parts) -> Result<Self, IdempotencyKeyRejection<R>> {
-        let problems = parts.extensions.get::<Problems>().cloned().unwrap_or_default();
-        let header = parts.extensions.get::<KeyHeader>().cloned().unwrap_or_default();
-        let key = match header.read(&parts.headers) {
-            Ok(Some(key)) => key,
+    /// The key in a request's header `fields` as `header` reads it: the
+    /// first thing an adapter checks once the caller is authenticated.
+    ///
+    /// # Errors
+    ///
+    /// The 400 problems of a missing key and of an invalid one, described
+    /// by `problems`.
+    pub(super) fn read_key<R>(
+        fields: &impl HeaderFields,
+        header: &KeyHeader,
+        problems: &Problems,
+    ) -> Result<String, IdempotencyKeyRejection<R>> {
+        match header.read(fields) {
+            Ok(Some(key)) => Ok(key),
             Ok(None) => {
                 let problem = problems
                     .problem(ProblemKind::MissingKey)
                     .with_detail("this endpoint requires an Idempotency-Key header");
-                return Err(IdempotencyKeyRejection::MissingKey(problem));
+                Err(IdempotencyKeyRejection::MissingKey(problem))
             }
             Err(error) => {
                 let problem = problems.problem(ProblemKind::InvalidKey).with_detail(error.to_string());
-                return Err(IdempotencyKeyRejection::InvalidKey(problem));
+                Err(IdempotencyKeyRejection::InvalidKey(problem))
             }
-        };
-        let endpoint = Endpoint::of(parts).await.map_err(IdempotencyKeyRejection::PathParams)?;
+        }
+    }
+
+    /// The `key` of the authenticated `caller`, sent to `endpoint` (to
+    /// which it is bound) with the request's `problems` and key `header`.
+    pub(super) fn new(caller: A, key: String, problems: Problems, header: &KeyHeader, endpoint: Endpoint) -> Self {
         let scope = caller.scope().into_owned();
         let principal = caller.principal().into_owned();
-        Ok(IdempotencyKey {
+        IdempotencyKey {
             caller,
             scope,
             principal,
@@ -370,6 +353,6 @@ impl<A: Caller> IdempotencyKey<A> {
             expiry_header: header.expiry_header_name().clone(),
             endpoint,
             bound_to_endpoint: true,
-        })
+        }
     }
 }

@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use axum::http::{HeaderMap, HeaderName};
+use http::HeaderName;
 
-use super::header::{HeaderError, Syntax, read_key};
+use super::header::{HeaderError, HeaderFields, Syntax, read_key};
 use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 
 /// How [`IdempotencyKey`](super::IdempotencyKey) reads the key header, and
@@ -33,11 +33,14 @@ use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 /// defines none.
 ///
 /// An API sets it once, as a request extension for its routes
-/// (`router.layer(axum::Extension(key_header))`), as it sets its
+/// (`router.layer(axum::Extension(key_header))`; on actix-web as app data,
+/// `App::app_data(key_header)`), as it sets its
 /// [`Problems`](super::Problems); without one the extractor uses the
 /// default. A clone is cheap.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
 /// use std::borrow::Cow;
@@ -138,8 +141,11 @@ impl KeyHeader {
     }
 
     /// Whether the request has a field of a name accepted.
-    pub(crate) fn is_present(&self, headers: &HeaderMap) -> bool {
-        self.settings.names.iter().any(|name| headers.contains_key(name))
+    pub(crate) fn is_present(&self, fields: &impl HeaderFields) -> bool {
+        self.settings
+            .names
+            .iter()
+            .any(|name| fields.values(name).next().is_some())
     }
 
     /// Whether only an sf-string is accepted.
@@ -148,7 +154,7 @@ impl KeyHeader {
     }
 
     /// The key of the request; `None` without the header.
-    pub(crate) fn read(&self, headers: &HeaderMap) -> Result<Option<String>, HeaderError> {
-        read_key(headers, &self.settings.names, self.settings.syntax)
+    pub(crate) fn read(&self, fields: &impl HeaderFields) -> Result<Option<String>, HeaderError> {
+        read_key(fields, &self.settings.names, self.settings.syntax)
     }
 }

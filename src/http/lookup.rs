@@ -7,7 +7,7 @@ use std::convert::Infallible;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use axum::http::Method;
+use http::Method;
 
 use super::call::blocking;
 use super::endpoint::{Route, caller_hash};
@@ -20,9 +20,9 @@ use crate::{Config, InFlight, KeyStatus, Outcome};
 /// tokio's blocking pool, each status as a response.
 ///
 /// `calls` names the endpoints whose records this lookup answers for: the
-/// method and the route of each, as axum matched it (the route pattern
-/// with its parameters in braces, under any prefix the router was nested
-/// at). A record is answered only to the principal whose call wrote it
+/// method and the route of each, as axum or actix-web matched it (the
+/// route pattern with its parameters in braces, under any prefix the
+/// router was nested at, or the scopes' prefixes on actix-web). A record is answered only to the principal whose call wrote it
 /// ([`Caller::principal`](super::Caller::principal)), and only where it was
 /// written at one of `calls` with the lookup's own path parameters: a
 /// lookup route carries the parameters of its calls' routes
@@ -70,6 +70,8 @@ use crate::{Config, InFlight, KeyStatus, Outcome};
 /// time, a 500 when storage fails or the stored response does not decode.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
 /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// # tokio::runtime::Runtime::new()?.block_on(async {
 /// use std::borrow::Cow;

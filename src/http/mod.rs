@@ -1,15 +1,21 @@
-//! The `Idempotency-Key` header end to end, for axum (feature `axum`).
+//! The `Idempotency-Key` header end to end, for axum (feature `axum`) and
+//! actix-web (feature `actix`).
 //!
 //! A client that lost a response retries its POST with the same
 //! `Idempotency-Key` header and must get the first response back. This
 //! module is the HTTP half of that, following the IETF draft
 //! (draft-ietf-httpapi-idempotency-key-header) where it rules and Stripe's
-//! API where clients expect it:
+//! API where clients expect it. The rules (the key's syntax, what a key is
+//! bound to, the problems, the stored response and its replay, the status
+//! of a key) are one set; an adapter per framework reads its request and
+//! writes its response, and differs in nothing else. The examples here are
+//! axum's; [HTTP with actix-web](crate::guide::actix) has actix-web's.
 //!
 //! | piece | what it does |
 //! | --- | --- |
 //! | [`IdempotencyKey<A>`](IdempotencyKey) | extractor: the header as an sf-string or a bare token, paired with the scope of the caller that the authentication extractor `A` resolved ([`Caller`]) |
 //! | [`IdempotencyKeyRejection<R>`](IdempotencyKeyRejection) | why the extractor refused a request: the caller's own rejection `R`, or the key header's problem; a handler may match on it |
+//! | `OptionalIdempotencyKey<A>` (feature `actix`) | actix-web's extractor of an optional key, which authenticates all the same (axum's is `Option<IdempotencyKey<A>>`) |
 //! | [`KeyHeader`] | how the extractor reads the header: the syntax it accepts |
 //! | [`run`] | one async call: the key rules checked at once, then a connection from the pool (r2d2's, or deadpool-diesel's with the feature `deadpool`: [`ConnectionPool`]), [`Config::run`](crate::Config::run) on tokio's blocking pool, join; the failures as responses ([`Failure`]) |
 //! | [`lookup`] | what became of the caller's own call with a key, at the endpoints named: the stored response, or a 404, 409, 410 or (a parked phased operation) 500 problem; to anyone else, the 404 of an unknown key |
@@ -47,6 +53,8 @@
 //! a handler with a permission check.
 //!
 //! ```
+//! # #[cfg(not(feature = "axum"))] fn main() {}
+//! # #[cfg(feature = "axum")]
 //! # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! # tokio::runtime::Runtime::new()?.block_on(async {
 //! use std::borrow::Cow;
@@ -146,11 +154,15 @@
 //! # }
 //! ```
 
-use axum::http::HeaderName;
+use http::HeaderName;
 
+#[cfg(feature = "actix")]
+mod actix;
 mod answer;
 #[cfg(feature = "diesel-async")]
 mod async_pool;
+#[cfg(feature = "axum")]
+mod axum;
 mod call;
 mod endpoint;
 mod failure;
@@ -166,6 +178,8 @@ mod problem;
 mod rejection;
 mod response;
 
+#[cfg(feature = "actix")]
+pub use actix::OptionalIdempotencyKey;
 pub use answer::Answer;
 #[cfg(feature = "diesel-async")]
 pub use async_pool::AsyncConnectionPool;

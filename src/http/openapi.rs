@@ -272,7 +272,7 @@ impl Modify for IdempotentReplays {
 }
 
 /// A header's name as specifications spell it, each word capitalised.
-fn header_name(name: &axum::http::HeaderName) -> String {
+fn header_name(name: &http::HeaderName) -> String {
     name.as_str()
         .split('-')
         .map(|word| {

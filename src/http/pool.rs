@@ -31,7 +31,9 @@ const CHECKOUT_SLICE: Duration = Duration::from_millis(100);
 /// A request whose client hangs up while it waits for a connection gives
 /// up its wait: it runs nothing, and a connection that came as the client
 /// went goes back to the pool unused, so abandoned requests build no
-/// backlog in front of the clients still there. deadpool waits on the handler's own future, which the server
+/// backlog in front of the clients still there (on axum, which drops the
+/// handler of a client that hung up; actix-web lets it run, see
+/// [HTTP with actix-web](crate::guide::actix#a-client-that-hangs-up)). deadpool waits on the handler's own future, which the server
 /// drops; r2d2 waits on a blocking thread, which looks whether the client
 /// is still there every 100 ms and gives up then. (An r2d2 event handler
 /// sees a timeout event for each of these waits that ran out.) Once a connection is checked out, the call

@@ -5,9 +5,8 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
 
-use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
 use chrono::Duration;
+use http::{HeaderName, HeaderValue, StatusCode, header};
 use serde::Serialize;
 
 /// The media type of a problem details body.
@@ -25,6 +24,9 @@ const PROBLEM_JSON: &str = "application/problem+json";
 /// by the application.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
+/// # fn main() {
 /// use axum::http::StatusCode;
 /// use axum::response::IntoResponse;
 /// use idempotency::http::Problem;
@@ -35,6 +37,7 @@ const PROBLEM_JSON: &str = "application/problem+json";
 /// let response = problem.into_response();
 /// assert_eq!(response.status(), StatusCode::NOT_FOUND);
 /// assert_eq!(response.headers()["content-type"], "application/problem+json");
+/// # }
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Problem {
@@ -136,25 +139,22 @@ impl Problem {
         self.no_store = true;
         self
     }
-}
 
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
-        let status = self.status;
-        let retry_after = self.retry_after;
-        let no_store = self.no_store;
-        let mut response = (status, axum::Json(self)).into_response();
-        let headers = response.headers_mut();
-        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
-        if no_store {
-            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    /// The headers of the problem's response besides its body's:
+    /// `Content-Type: application/problem+json`, `Cache-Control: no-store`
+    /// where it is one caller's, and `Retry-After` in whole seconds,
+    /// rounded up, where it asks for a retry.
+    pub(super) fn response_headers(&self) -> Vec<(HeaderName, HeaderValue)> {
+        let mut headers = vec![(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON))];
+        if self.no_store {
+            headers.push((header::CACHE_CONTROL, HeaderValue::from_static("no-store")));
         }
-        if let Some(after) = retry_after {
+        if let Some(after) = self.retry_after {
             let after = after.to_std().unwrap_or_default();
             let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
-            headers.insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+            headers.push((header::RETRY_AFTER, HeaderValue::from(seconds)));
         }
-        response
+        headers
     }
 }
 
@@ -312,14 +312,15 @@ struct Settings {
 /// they are stable.
 ///
 /// An API sets its `Problems` once, as a request extension for its routes
-/// (`router.layer(axum::Extension(problems))`);
+/// (`router.layer(axum::Extension(problems))`; on actix-web as app data,
+/// `App::app_data(problems)`);
 /// [`IdempotencyKey`](super::IdempotencyKey) picks it up there (or uses the
 /// default when there is none) and [`run`](super::run) answers with it, so
 /// the key's rejection and the call's failures share one description. A
 /// clone is cheap.
 ///
 /// ```
-/// use axum::http::StatusCode;
+/// use http::StatusCode;
 /// use chrono::Duration;
 /// use idempotency::http::{ProblemKind, Problems};
 ///
@@ -423,14 +424,14 @@ mod tests {
 
     #[test]
     fn retry_after_is_rounded_up_to_whole_seconds() {
-        let response = Problem::new(StatusCode::CONFLICT, "Conflict")
-            .with_retry_after(Duration::milliseconds(1500))
-            .into_response();
-        assert_eq!(response.headers()[header::RETRY_AFTER], "2");
-        let response = Problem::new(StatusCode::CONFLICT, "Conflict")
-            .with_retry_after(Duration::seconds(-3))
-            .into_response();
-        assert_eq!(response.headers()[header::RETRY_AFTER], "0");
+        let retry_after = |after| {
+            let problem = Problem::new(StatusCode::CONFLICT, "Conflict").with_retry_after(after);
+            let headers = problem.response_headers();
+            let found = headers.into_iter().find(|(name, _)| name == header::RETRY_AFTER);
+            found.map(|(_, value)| value)
+        };
+        assert_eq!(retry_after(Duration::milliseconds(1500)).unwrap(), "2");
+        assert_eq!(retry_after(Duration::seconds(-3)).unwrap(), "0");
     }
 
     #[test]

@@ -3,8 +3,8 @@
 use std::error::Error as StdError;
 use std::fmt;
 
+#[cfg(feature = "axum")]
 use axum::extract::rejection::RawPathParamsRejection;
-use axum::response::{IntoResponse, Response};
 
 use super::Problem;
 
@@ -13,20 +13,26 @@ use super::Problem;
 /// is the rejection of the authentication extractor `A`.
 ///
 /// A handler that extracts `Result<IdempotencyKey<A>, IdempotencyKeyRejection<A::Rejection>>`
-/// can answer each case its own way; otherwise axum sends the response of
-/// the rejection:
+/// can answer each case its own way; otherwise the framework sends the
+/// response of the rejection (axum's `IntoResponse`; on actix-web, where
+/// an optional key is an `OptionalIdempotencyKey`,
+/// its conversion into `actix_web::Error`):
 ///
 /// | variant | response |
 /// | --- | --- |
 /// | [`Caller`](IdempotencyKeyRejection::Caller) | `R`'s own (a 401, say), unchanged |
 /// | [`MissingKey`](IdempotencyKeyRejection::MissingKey) | the 400 problem [`ProblemKind::MissingKey`](super::ProblemKind::MissingKey) |
 /// | [`InvalidKey`](IdempotencyKeyRejection::InvalidKey) | the 400 problem [`ProblemKind::InvalidKey`](super::ProblemKind::InvalidKey) |
-/// | [`PathParams`](IdempotencyKeyRejection::PathParams) | axum's 400 for path parameters it cannot decode, as `Path` answers |
+/// | `PathParams` (axum) | axum's 400 for path parameters it cannot decode, as `Path` answers |
+/// | `InvalidPath` (actix-web) | a 400 problem for a path that is not UTF-8 once decoded |
 ///
 /// The problems are described by the [`Problems`](super::Problems) among
-/// the request's extensions, as the failures of [`run`](super::run) are.
+/// the request's extensions (actix-web: the app data), as the failures of
+/// [`run`](super::run) are.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// # tokio::runtime::Builder::new_current_thread().build()?.block_on(async {
 /// use std::borrow::Cow;
@@ -84,19 +90,14 @@ pub enum IdempotencyKeyRejection<R> {
     InvalidKey(Problem),
     /// The path parameters, which the key is bound to, are not UTF-8 once
     /// decoded: axum's own rejection.
+    #[cfg(feature = "axum")]
     PathParams(RawPathParamsRejection),
-}
-
-impl<R: IntoResponse> IntoResponse for IdempotencyKeyRejection<R> {
-    fn into_response(self) -> Response {
-        match self {
-            IdempotencyKeyRejection::Caller(rejection) => rejection.into_response(),
-            IdempotencyKeyRejection::MissingKey(problem) | IdempotencyKeyRejection::InvalidKey(problem) => {
-                problem.into_response()
-            }
-            IdempotencyKeyRejection::PathParams(rejection) => rejection.into_response(),
-        }
-    }
+    /// The request's path, whose parameters the key is bound to, is not
+    /// UTF-8 once percent-decoded (actix-web, which reads such a path
+    /// with replacement characters, where two paths would read alike): a
+    /// 400 problem.
+    #[cfg(feature = "actix")]
+    InvalidPath(Problem),
 }
 
 impl<R: fmt::Display> fmt::Display for IdempotencyKeyRejection<R> {
@@ -106,7 +107,10 @@ impl<R: fmt::Display> fmt::Display for IdempotencyKeyRejection<R> {
             IdempotencyKeyRejection::MissingKey(problem) | IdempotencyKeyRejection::InvalidKey(problem) => {
                 problem.fmt(f)
             }
+            #[cfg(feature = "axum")]
             IdempotencyKeyRejection::PathParams(rejection) => rejection.fmt(f),
+            #[cfg(feature = "actix")]
+            IdempotencyKeyRejection::InvalidPath(problem) => problem.fmt(f),
         }
     }
 }
@@ -118,7 +122,10 @@ impl<R: StdError + 'static> StdError for IdempotencyKeyRejection<R> {
         match self {
             IdempotencyKeyRejection::Caller(rejection) => rejection.source(),
             IdempotencyKeyRejection::MissingKey(_) | IdempotencyKeyRejection::InvalidKey(_) => None,
+            #[cfg(feature = "axum")]
             IdempotencyKeyRejection::PathParams(rejection) => rejection.source(),
+            #[cfg(feature = "actix")]
+            IdempotencyKeyRejection::InvalidPath(_) => None,
         }
     }
 }

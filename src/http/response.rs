@@ -4,15 +4,10 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use axum::body::Body;
-use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
-use axum::response::{IntoResponse, Response};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use serde::de::{self, DeserializeOwned, Deserializer, MapAccess, Visitor};
 use serde::ser::{self, SerializeStruct, Serializer};
 use serde::{Deserialize, Serialize};
-
-use super::IDEMPOTENT_REPLAYED;
-use crate::Outcome;
 
 /// An HTTP response as it is stored with its key: the status, the headers
 /// the application set on it, and a body that is JSON.
@@ -46,10 +41,13 @@ use crate::Outcome;
 /// Responses with a status that allows no content (1xx, 204, 205, 304) are
 /// sent without the body.
 ///
-/// Returned through [`Outcome`], a replay carries `Idempotent-Replayed:
+/// Returned through [`Outcome`](crate::Outcome), a replay carries `Idempotent-Replayed:
 /// true`.
 ///
 /// ```
+/// # #[cfg(not(feature = "axum"))] fn main() {}
+/// # #[cfg(feature = "axum")]
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use axum::http::{header, HeaderValue, StatusCode};
 /// use axum::response::IntoResponse;
 /// use idempotency::http::StoredResponse;
@@ -67,7 +65,8 @@ use crate::Outcome;
 /// assert_eq!(response.headers()["location"], "/orders/7");
 /// assert_eq!(response.headers()["content-type"], "application/json");
 /// assert_eq!(response.headers()["idempotent-replayed"], "true");
-/// # Ok::<(), serde_json::Error>(())
+/// # Ok(())
+/// # }
 /// ```
 #[derive(Debug, Clone, PartialEq)]
 pub struct StoredResponse<T> {
@@ -118,7 +117,7 @@ impl<T> StoredResponse<T> {
     /// operation, where it is made anew for each answer.
     ///
     /// ```
-    /// use axum::http::{HeaderValue, StatusCode};
+    /// use http::{HeaderValue, StatusCode};
     /// use idempotency::http::StoredResponse;
     ///
     /// let chosen = StoredResponse::new(StatusCode::CREATED, 7)
@@ -154,47 +153,13 @@ impl<T> StoredResponse<T> {
     }
 }
 
-fn allows_content(status: StatusCode) -> bool {
+/// Whether a response of `status` has content: not 1xx, 204, 205, 304.
+pub(super) fn allows_content(status: StatusCode) -> bool {
     !(status.is_informational()
         || matches!(
             status,
             StatusCode::NO_CONTENT | StatusCode::RESET_CONTENT | StatusCode::NOT_MODIFIED
         ))
-}
-
-impl<T: Serialize> IntoResponse for StoredResponse<T> {
-    fn into_response(self) -> Response {
-        let mut response = if allows_content(self.status) {
-            axum::Json(&self.body).into_response()
-        } else {
-            Response::new(Body::empty())
-        };
-        *response.status_mut() = self.status;
-        let headers = response.headers_mut();
-        for name in self.headers.keys() {
-            headers.remove(name);
-            for value in self.headers.get_all(name) {
-                headers.append(name, value.clone());
-            }
-        }
-        response
-    }
-}
-
-impl<R: IntoResponse> IntoResponse for Outcome<R> {
-    /// The response of `R`; a replay adds `Idempotent-Replayed: true`.
-    fn into_response(self) -> Response {
-        match self {
-            Outcome::Executed(response) => response.into_response(),
-            Outcome::Replayed(response) => {
-                let mut response = response.into_response();
-                response
-                    .headers_mut()
-                    .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-                response
-            }
-        }
-    }
 }
 
 /// The stored headers: name and value pairs, in order, names lowercase;
@@ -298,11 +263,18 @@ impl<'de, T: DeserializeOwned> Visitor<'de> for StoredVisitor<T> {
 
 #[cfg(test)]
 mod tests {
+    #[cfg(feature = "axum")]
     use serde_json::json;
 
     use super::*;
+    #[cfg(feature = "axum")]
+    use axum::response::IntoResponse;
+
+    #[cfg(feature = "axum")]
+    use crate::{Outcome, http::IDEMPOTENT_REPLAYED};
 
     #[test]
+    #[cfg(feature = "axum")]
     fn a_stored_content_type_replaces_json() {
         let response = StoredResponse::new(StatusCode::OK, json!({}))
             .with_header(
@@ -329,6 +301,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "axum")]
     fn no_content_is_sent_without_a_body() {
         let response = StoredResponse::new(StatusCode::NO_CONTENT, ()).into_response();
         assert!(response.headers().get(header::CONTENT_TYPE).is_none());
@@ -370,6 +343,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "axum")]
     fn a_cookie_is_stored_only_when_chosen() {
         let unchosen = StoredResponse::new(StatusCode::OK, 1)
             .with_header(header::SET_COOKIE, HeaderValue::from_static("session=s3cr3t"));
@@ -388,6 +362,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "axum")]
     fn an_executed_outcome_is_not_marked() {
         let response = Outcome::Executed(StoredResponse::new(StatusCode::CREATED, 1)).into_response();
         assert!(response.headers().get(IDEMPOTENT_REPLAYED).is_none());

@@ -489,7 +489,7 @@ impl Config {
     /// [`status`](Config::status) as a reader that has no request: of
     /// the records, single calls' and phased operations' alike, whose caller
     /// hash is one of `callers` (the HTTP layer's lookup).
-    #[cfg(feature = "axum")]
+    #[cfg(any(feature = "axum", feature = "actix"))]
     pub(crate) fn status_for_callers<C, R>(
         &self,
         conn: &mut C,

@@ -70,7 +70,7 @@ pub(crate) enum Reader<'a> {
     /// A caller over HTTP: the record's caller hash must be one of these.
     /// Records of single calls and of phased operations alike.
     #[cfg_attr(
-        not(feature = "axum"),
+        not(any(feature = "axum", feature = "actix")),
         expect(dead_code, reason = "only the HTTP layer looks up by caller")
     )]
     Callers(&'a [String]),

@@ -16,6 +16,8 @@ mod openapi_orders;
 
 #[cfg(feature = "axum")]
 mod abandoned_requests;
+#[cfg(feature = "actix")]
+mod actix;
 #[cfg(feature = "diesel-async")]
 mod asynchronous;
 mod batch;

@@ -109,7 +109,13 @@ async fn assert_the_retry_replays_the_lost_answer<D: TestDb>(
 async fn curl_retrying_a_lost_response_gets_the_first_answer_and_one_order<D: TestDb>() {
     let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
-    let (proxy, mut lost, connections) = proxy_losing_the_first_response(server.addr()).await;
+    curl_retries_a_lost_response(&db, server.addr()).await;
+}
+
+/// curl, through a proxy that loses the first response of `service` (which
+/// places orders in `db`), retries by itself and gets the first answer.
+pub(crate) async fn curl_retries_a_lost_response<D: TestDb>(db: &D, service: SocketAddr) {
+    let (proxy, mut lost, connections) = proxy_losing_the_first_response(service).await;
 
     let mut curl = Command::new("curl");
     curl.args(["-sS", "-i", "--retry", "3", "--retry-all-errors", "--retry-delay", "1"])
@@ -135,13 +141,18 @@ async fn curl_retrying_a_lost_response_gets_the_first_answer_and_one_order<D: Te
             .then(|| value.trim().to_owned())
     });
     let body = serde_json::from_str(body).expect("a JSON body");
-    assert_the_retry_replays_the_lost_answer(&db, &mut lost, &connections, (status, replayed, body)).await;
+    assert_the_retry_replays_the_lost_answer(db, &mut lost, &connections, (status, replayed, body)).await;
 }
 
 async fn urllib3_retrying_a_lost_response_gets_the_first_answer_and_one_order<D: TestDb>() {
     let db = database::<D>().await;
     let server = Server::start(&db, Settings::default()).await;
-    let (proxy, mut lost, connections) = proxy_losing_the_first_response(server.addr()).await;
+    urllib3_retries_a_lost_response(&db, server.addr()).await;
+}
+
+/// urllib3, as [`curl_retries_a_lost_response`].
+pub(crate) async fn urllib3_retries_a_lost_response<D: TestDb>(db: &D, service: SocketAddr) {
+    let (proxy, mut lost, connections) = proxy_losing_the_first_response(service).await;
 
     let mut python = Command::new("python3");
     python.args(["-c", URLLIB3_CLIENT, &format!("http://{proxy}/orders"), BODY]);
@@ -150,5 +161,5 @@ async fn urllib3_retrying_a_lost_response_gets_the_first_answer_and_one_order<D:
     let status = lines.next().and_then(|s| s.parse().ok()).expect("the status");
     let replayed = lines.next().filter(|marker| *marker != "None").map(str::to_owned);
     let body = serde_json::from_str(lines.next().expect("the body")).expect("a JSON body");
-    assert_the_retry_replays_the_lost_answer(&db, &mut lost, &connections, (status, replayed, body)).await;
+    assert_the_retry_replays_the_lost_answer(db, &mut lost, &connections, (status, replayed, body)).await;
 }
