@@ -106,6 +106,8 @@
 
 mod backend;
 pub mod batch;
+#[cfg(any(feature = "nats", feature = "rabbitmq", feature = "redis"))]
+pub mod brokers;
 mod clock;
 mod codec;
 mod config;
