@@ -19,6 +19,8 @@ mod abandoned_requests;
 #[cfg(feature = "diesel-async")]
 mod asynchronous;
 mod batch;
+#[cfg(any(feature = "nats", feature = "rabbitmq", feature = "redis"))]
+mod brokers;
 #[cfg(feature = "axum")]
 mod binding;
 #[cfg(feature = "postgres")]
