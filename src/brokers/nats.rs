@@ -221,19 +221,18 @@ where
             .info()
             .map(|info| u32::try_from(info.delivered).unwrap_or(u32::MAX))
             .unwrap_or(1);
-        let headers = message.headers.as_ref();
-        let key = headers
-            .and_then(|headers| headers.get(MESSAGE_ID_HEADER))
-            .map(|key| key.as_str().to_owned());
-        let pairs: Vec<(String, String)> = headers
-            .map(|headers| {
-                headers
-                    .iter()
-                    .filter(|(name, _)| name.to_string() != MESSAGE_ID_HEADER)
-                    .filter_map(|(name, values)| Some((name.to_string(), values.last()?.as_str().to_owned())))
-                    .collect()
-            })
-            .unwrap_or_default();
+        // Names compared as text: a header parsed off the wire is not
+        // always the same `HeaderName` as the one built from the same name.
+        let mut pairs: Vec<(String, String)> = message
+            .headers
+            .iter()
+            .flat_map(|headers| headers.iter())
+            .filter_map(|(name, values)| Some((name.to_string(), values.last()?.as_str().to_owned())))
+            .collect();
+        let key = pairs
+            .iter()
+            .position(|(name, _)| name.eq_ignore_ascii_case(MESSAGE_ID_HEADER))
+            .map(|at| pairs.swap_remove(at).1);
         let verdict = match Delivery::from_parts(key, message.payload.to_vec(), pairs, attempt) {
             Ok(delivery) => self.inbox.receive(delivery).await.bounded(attempt, self.max_deliveries),
             Err(malformed) => Verdict::Dead(malformed.to_string()),
