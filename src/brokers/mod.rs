@@ -431,7 +431,9 @@ pub struct Inbox<C: R2D2Connection + 'static, H> {
 
 impl<C: R2D2Connection + 'static, H> fmt::Debug for Inbox<C, H> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Inbox").field("scope", &self.scope).finish_non_exhaustive()
+        f.debug_struct("Inbox")
+            .field("scope", &self.scope)
+            .finish_non_exhaustive()
     }
 }
 
@@ -494,7 +496,9 @@ where
         );
         let key = delivery.key.clone();
         let ran = tokio::task::spawn_blocking(move || {
-            let mut conn = pool.get().map_err(|error| Verdict::Retry(format!("no database connection: {error}")))?;
+            let mut conn = pool
+                .get()
+                .map_err(|error| Verdict::Retry(format!("no database connection: {error}")))?;
             let conn: &mut C = &mut conn;
             let run = config.run(conn, &scope, &delivery.key, delivery.payload.as_str(), |tx| {
                 handler(tx, &delivery)
@@ -582,7 +586,10 @@ mod tests {
         let headers = [
             (TOPIC_HEADER, "orders"),
             (ORDERING_KEY_HEADER, "customer-7"),
-            (TRACEPARENT_HEADER, "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            (
+                TRACEPARENT_HEADER,
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            ),
             (DEAD_LETTER_REASON_HEADER, "x"),
             ("content-type", "application/json"),
         ]
@@ -598,10 +605,7 @@ mod tests {
 
     #[test]
     fn a_message_without_a_key_or_with_a_binary_payload_is_malformed() {
-        assert_eq!(
-            Delivery::from_parts(None, Vec::new(), [], 1),
-            Err(Malformed::NoKey)
-        );
+        assert_eq!(Delivery::from_parts(None, Vec::new(), [], 1), Err(Malformed::NoKey));
         assert_eq!(
             Delivery::from_parts(Some("k".into()), vec![0xff], [], 1),
             Err(Malformed::PayloadNotUtf8)

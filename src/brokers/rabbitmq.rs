@@ -358,12 +358,19 @@ where
                     .iter()
                     .filter_map(|(name, value)| {
                         let text = value.as_long_string()?;
-                        Some((name.as_str().to_owned(), String::from_utf8(text.as_bytes().to_vec()).ok()?))
+                        Some((
+                            name.as_str().to_owned(),
+                            String::from_utf8(text.as_bytes().to_vec()).ok()?,
+                        ))
                     })
                     .collect()
             })
             .unwrap_or_default();
-        let key = delivery.properties.message_id().as_ref().map(|key| key.as_str().to_owned());
+        let key = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|key| key.as_str().to_owned());
         let verdict = match Delivery::from_parts(key, delivery.data.clone(), pairs, attempt) {
             Ok(received) => self.inbox.receive(received).await.bounded(attempt, self.max_deliveries),
             Err(malformed) => Verdict::Dead(malformed.to_string()),

@@ -106,7 +106,9 @@ pub struct RedisPublisher {
 
 impl fmt::Debug for RedisPublisher {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisPublisher").field("trim", &self.trim).finish_non_exhaustive()
+        f.debug_struct("RedisPublisher")
+            .field("trim", &self.trim)
+            .finish_non_exhaustive()
     }
 }
 

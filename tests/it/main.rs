@@ -19,10 +19,10 @@ mod abandoned_requests;
 #[cfg(feature = "diesel-async")]
 mod asynchronous;
 mod batch;
-#[cfg(any(feature = "nats", feature = "rabbitmq", feature = "redis"))]
-mod brokers;
 #[cfg(feature = "axum")]
 mod binding;
+#[cfg(any(feature = "nats", feature = "rabbitmq", feature = "redis"))]
+mod brokers;
 #[cfg(feature = "postgres")]
 mod clock_skew;
 mod concurrency;

@@ -66,13 +66,20 @@ impl Shop {
                     .bind::<BigInt, _>(id)
                     .bind::<Text, _>(&customer)
                     .execute(tx)?;
-                Envelope::new(topic, &Order { id, customer: customer.clone(), poison: false })
-                    .ordering_key(customer)
-                    .header("x-order", id.to_string())
-                    .traceparent(TRACEPARENT)
-                    .tracestate(TRACESTATE)
-                    .enqueue(tx)
-                    .map_err(|error| diesel::result::Error::QueryBuilderError(Box::new(error)))?;
+                Envelope::new(
+                    topic,
+                    &Order {
+                        id,
+                        customer: customer.clone(),
+                        poison: false,
+                    },
+                )
+                .ordering_key(customer)
+                .header("x-order", id.to_string())
+                .traceparent(TRACEPARENT)
+                .tracestate(TRACESTATE)
+                .enqueue(tx)
+                .map_err(|error| diesel::result::Error::QueryBuilderError(Box::new(error)))?;
             }
             Ok::<_, diesel::result::Error>(())
         })
@@ -101,7 +108,9 @@ impl Shop {
         let mut conn = self.db.conn();
         let mut total = Deliveries::default();
         loop {
-            let report = Relay::default().run_once(&mut conn, &mut publish).expect("relay the outbox");
+            let report = Relay::default()
+                .run_once(&mut conn, &mut publish)
+                .expect("relay the outbox");
             total += report;
             if report.claimed == 0 {
                 return total;
@@ -156,14 +165,12 @@ impl Effects {
             if order.poison {
                 return Err(Failure::Retry(String::from("this message always fails")));
             }
-            diesel::sql_query(
-                "INSERT INTO effects (order_id, customer, traceparent, header) VALUES (?, ?, ?, ?)",
-            )
-            .bind::<BigInt, _>(order.id)
-            .bind::<Text, _>(delivery.ordering_key().unwrap_or_default())
-            .bind::<Nullable<Text>, _>(delivery.traceparent())
-            .bind::<Nullable<Text>, _>(delivery.header("x-order"))
-            .execute(conn)?;
+            diesel::sql_query("INSERT INTO effects (order_id, customer, traceparent, header) VALUES (?, ?, ?, ?)")
+                .bind::<BigInt, _>(order.id)
+                .bind::<Text, _>(delivery.ordering_key().unwrap_or_default())
+                .bind::<Nullable<Text>, _>(delivery.traceparent())
+                .bind::<Nullable<Text>, _>(delivery.header("x-order"))
+                .execute(conn)?;
             Ok(())
         })
     }
@@ -174,10 +181,6 @@ impl Effects {
             .expect("read the effects")
     }
 
-    pub fn count(&self) -> usize {
-        self.rows().len()
-    }
-
     /// Every order has its effect once, the effects of each customer came
     /// in the order the orders were placed, and each carried its header
     /// and the shop's trace context.
@@ -186,7 +189,11 @@ impl Effects {
         let mut ids: Vec<i64> = rows.iter().map(|row| row.order_id).collect();
         let in_consumer_order = ids.clone();
         ids.sort_unstable();
-        assert_eq!(ids, (1..=ORDERS).collect::<Vec<_>>(), "each order once: {in_consumer_order:?}");
+        assert_eq!(
+            ids,
+            (1..=ORDERS).collect::<Vec<_>>(),
+            "each order once: {in_consumer_order:?}"
+        );
         let mut by_customer: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
         for row in &rows {
             by_customer.entry(row.customer.as_str()).or_default().push(row.order_id);

@@ -25,8 +25,7 @@ async fn messages(context: &jetstream::Context, stream: &str) -> u64 {
 }
 
 #[test]
-fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_included_and_the_poison_is_dead_lettered()
-{
+fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_included_and_the_poison_is_dead_lettered() {
     let runtime = Runtime::new().expect("a tokio runtime");
     let name = unique_name("orders");
     let dead = format!("{name}_dead");
@@ -59,7 +58,8 @@ fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_includ
     let poison = shop.enqueue_poison();
     let effects = Effects::new();
     let prefix = name.clone();
-    let publisher = JetStreamPublisher::new(context.clone()).subject(move |message| format!("{prefix}.{}", message.topic));
+    let publisher =
+        JetStreamPublisher::new(context.clone()).subject(move |message| format!("{prefix}.{}", message.topic));
     let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
     // Every message published twice, as by a relay that died between the
     // confirmation and its mark: the second is a duplicate to the stream,
@@ -71,7 +71,11 @@ fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_includ
     let published = u64::try_from(ORDERS).unwrap() + 1;
     assert_eq!(report.delivered, usize::try_from(published).unwrap());
     assert_eq!((report.retried, report.dead), (0, 0));
-    assert_eq!(runtime.block_on(messages(&context, &name)), published, "the duplicates dropped");
+    assert_eq!(
+        runtime.block_on(messages(&context, &name)),
+        published,
+        "the duplicates dropped"
+    );
 
     // A copy of the first message published again once the stream's
     // duplicate window has passed, which the server says by no longer
@@ -114,13 +118,20 @@ fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_includ
         })
     });
     stop.send(()).expect("the consumer runs");
-    let ran = join(std::thread::spawn(move || runtime.block_on(running).map(|ran| (ran, runtime))), "the consumer");
+    let ran = join(
+        std::thread::spawn(move || runtime.block_on(running).map(|ran| (ran, runtime))),
+        "the consumer",
+    );
     let (ran, runtime) = ran.expect("the consumer's task");
     ran.expect("the consumer ran");
 
     effects.assert_each_order_once_in_order();
-    let dead_stream = runtime.block_on(context.get_stream(&dead)).expect("the dead-letter stream");
-    let letter = runtime.block_on(dead_stream.get_raw_message(1)).expect("the dead letter");
+    let dead_stream = runtime
+        .block_on(context.get_stream(&dead))
+        .expect("the dead-letter stream");
+    let letter = runtime
+        .block_on(dead_stream.get_raw_message(1))
+        .expect("the dead letter");
     let header = |wanted: &str| {
         letter
             .headers
@@ -134,6 +145,9 @@ fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_includ
     assert_eq!(runtime.block_on(messages(&context, &dead)), 1);
     runtime.block_on(async {
         context.delete_stream(&name).await.expect("delete the stream");
-        context.delete_stream(&dead).await.expect("delete the dead-letter stream");
+        context
+            .delete_stream(&dead)
+            .await
+            .expect("delete the dead-letter stream");
     });
 }

@@ -50,9 +50,15 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
     let length: usize = connection().xlen(&stream).expect("XLEN");
     assert_eq!(length, 2 * (usize::try_from(ORDERS).unwrap() + 1));
 
-    let consumer = RedisConsumer::new(client(), stream.clone(), "inbox", "consumer-1", effects.inbox("orders-inbox"))
-        .max_deliveries(3)
-        .claim_idle(Duration::from_millis(50));
+    let consumer = RedisConsumer::new(
+        client(),
+        stream.clone(),
+        "inbox",
+        "consumer-1",
+        effects.inbox("orders-inbox"),
+    )
+    .max_deliveries(3)
+    .claim_idle(Duration::from_millis(50));
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = runtime.spawn(async move {
         consumer
@@ -62,16 +68,18 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
             .await
     });
 
-    let orders = usize::try_from(ORDERS).unwrap();
-    wait_for("every order's effect", || effects.count() >= orders);
-    wait_for("the poison message's dead letters", || {
-        connection().xlen::<_, usize>(&dead).expect("XLEN") >= 2
+    // Done when Redis reports every entry delivered to the group and none
+    // pending: each acknowledged or dead-lettered.
+    wait_for("every entry acknowledged", || {
+        let groups: redis::streams::StreamInfoGroupsReply = connection().xinfo_groups(&stream).expect("XINFO GROUPS");
+        // No group until the consumer created it.
+        groups
+            .groups
+            .first()
+            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
     });
     stop.send(()).expect("the consumer runs");
-    let ran = join(
-        std::thread::spawn(move || runtime.block_on(running)),
-        "the consumer",
-    );
+    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
     ran.expect("the consumer's task").expect("the consumer ran");
 
     effects.assert_each_order_once_in_order();

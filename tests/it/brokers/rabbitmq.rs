@@ -1,0 +1,217 @@
+//! RabbitMQ on 127.0.0.1:5672 (guest/guest).
+
+use std::time::Duration;
+
+use idempotency::brokers::BlockingPublisher;
+use idempotency::brokers::rabbitmq::{self, RabbitConsumer, RabbitPublisher, Route};
+use idempotency::outbox::{self, Relay};
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Channel, ExchangeKind};
+use tokio::runtime::Runtime;
+
+use super::{Effects, ORDERS, Shop};
+use crate::common::unique_name;
+use crate::common::wait::{join, wait_for};
+
+const URI: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+async fn channel() -> Channel {
+    let connection = rabbitmq::connect(URI)
+        .await
+        .expect("RabbitMQ on 127.0.0.1:5672 (.ci/run starts it)");
+    connection.create_channel().await.expect("a channel")
+}
+
+/// The number of ready messages in `queue`, as the broker counts them.
+async fn ready(channel: &Channel, queue: &str) -> u32 {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    channel
+        .queue_declare(queue, passive, FieldTable::default())
+        .await
+        .expect("the queue")
+        .message_count()
+}
+
+#[test]
+fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poison_goes_to_the_dead_letter_exchange() {
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let name = unique_name("orders");
+    let (dlx, dead) = (format!("{name}_dlx"), format!("{name}_dead"));
+    let admin = runtime.block_on(channel());
+    runtime.block_on(async {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        admin
+            .exchange_declare(&name, ExchangeKind::Direct, durable, FieldTable::default())
+            .await
+            .expect("declare the exchange");
+        admin
+            .exchange_declare(&dlx, ExchangeKind::Fanout, durable, FieldTable::default())
+            .await
+            .expect("declare the dead-letter exchange");
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..QueueDeclareOptions::default()
+        };
+        let mut quorum = FieldTable::default();
+        quorum.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+        quorum.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(LongString::from(dlx.as_str())),
+        );
+        admin
+            .queue_declare(&name, durable, quorum)
+            .await
+            .expect("declare the queue");
+        admin
+            .queue_declare(&dead, durable, FieldTable::default())
+            .await
+            .expect("declare the dead-letter queue");
+        admin
+            .queue_bind(
+                &name,
+                &name,
+                "orders",
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("bind the queue");
+        admin
+            .queue_bind(&dead, &dlx, "", QueueBindOptions::default(), FieldTable::default())
+            .await
+            .expect("bind the dead-letter queue");
+    });
+
+    let shop = Shop::with_orders("orders");
+    shop.enqueue_poison();
+    let effects = Effects::new();
+    let publisher = runtime
+        .block_on(RabbitPublisher::connect(URI, name.as_str()))
+        .expect("RabbitMQ on 127.0.0.1:5672 (.ci/run starts it)");
+    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
+    // Every message published twice, as by a relay that died between the
+    // confirmation and its mark: RabbitMQ keeps both copies.
+    let report = shop.relay(|message| {
+        publisher.publish(message)?;
+        publisher.publish(message)
+    });
+    let published = u32::try_from(ORDERS).unwrap() + 1;
+    assert_eq!(report.delivered, usize::try_from(published).unwrap());
+    assert_eq!(runtime.block_on(ready(&admin, &name)), 2 * published);
+
+    let consumer = RabbitConsumer::new(
+        runtime.block_on(channel()),
+        name.as_str(),
+        effects.inbox("orders-inbox"),
+    )
+    .max_deliveries(3)
+    .retry_delay(Duration::from_millis(10))
+    // One message in hand at a time: once the queue is empty, the one
+    // in hand is the last, and the stop lets it finish.
+    .prefetch(1);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = runtime.spawn(async move {
+        consumer
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    wait_for("the queue emptied, the poison message's copies dead-lettered", || {
+        runtime.block_on(async { (ready(&admin, &name).await, ready(&admin, &dead).await) }) == (0, 2)
+    });
+    stop.send(()).expect("the consumer runs");
+    let ran = join(
+        std::thread::spawn(move || runtime.block_on(running).map(|ran| (ran, runtime))),
+        "the consumer",
+    );
+    let (ran, runtime) = ran.expect("the consumer's task");
+    ran.expect("the consumer ran");
+
+    effects.assert_each_order_once_in_order();
+    assert_eq!(runtime.block_on(ready(&admin, &name)), 0);
+    runtime.block_on(async {
+        for queue in [&name, &dead] {
+            admin
+                .queue_delete(queue, QueueDeleteOptions::default())
+                .await
+                .expect("delete a queue");
+        }
+        for exchange in [&name, &dlx] {
+            admin
+                .exchange_delete(exchange, ExchangeDeleteOptions::default())
+                .await
+                .expect("delete an exchange");
+        }
+    });
+}
+
+#[test]
+fn a_message_no_queue_takes_or_for_a_missing_exchange_is_a_failure_never_delivered() {
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let name = unique_name("unroutable");
+    let admin = runtime.block_on(channel());
+    runtime
+        .block_on(admin.exchange_declare(
+            &name,
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions::default(),
+            FieldTable::default(),
+        ))
+        .expect("declare an exchange without bindings");
+
+    let db = idempotency::testing::SqliteFile::new();
+    let mut conn = db.conn();
+    let id = outbox::enqueue(&mut conn, "orders", &1).expect("enqueue");
+    let missing = unique_name("missing");
+    let target = std::sync::Arc::new(std::sync::Mutex::new(name.clone()));
+    let routed = std::sync::Arc::clone(&target);
+    let publisher = runtime
+        .block_on(RabbitPublisher::connect(URI, name.as_str()))
+        .expect("RabbitMQ on 127.0.0.1:5672 (.ci/run starts it)")
+        .route(move |message| Route::new(routed.lock().unwrap().clone(), message.topic.clone()));
+    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
+    // A failed message is due again after its backoff: the test's clock
+    // moves past it.
+    let clock = idempotency::testing::ManualClock::new();
+    let relay = Relay::default().clock(clock.source());
+    let again = || clock.advance(chrono::Duration::hours(1));
+
+    // Returned as unroutable (`mandatory`), after the broker's ack.
+    let report = relay
+        .run_once(&mut conn, |message| publisher.publish(message))
+        .expect("relay");
+    assert_eq!((report.delivered, report.retried), (0, 1));
+
+    // Refused for an exchange that does not exist: the broker closes the
+    // channel, and the next publish opens another.
+    *target.lock().unwrap() = missing;
+    again();
+    let report = relay
+        .run_once(&mut conn, |message| publisher.publish(message))
+        .expect("relay");
+    assert_eq!((report.delivered, report.retried), (0, 1));
+
+    // The broker reached on the new channel: returned again.
+    *target.lock().unwrap() = name.clone();
+    again();
+    let report = relay
+        .run_once(&mut conn, |message| publisher.publish(message))
+        .expect("relay");
+    assert_eq!((report.delivered, report.retried), (0, 1));
+
+    let stats = relay.stats(&mut conn).expect("the outbox's stats");
+    assert_eq!((stats.pending, stats.dead), (1, 0), "{id} is still to deliver");
+    runtime
+        .block_on(admin.exchange_delete(&name, ExchangeDeleteOptions::default()))
+        .expect("delete the exchange");
+}
