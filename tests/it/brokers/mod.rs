@@ -117,6 +117,27 @@ impl Shop {
             }
         }
     }
+
+    /// Relays the outbox with `publish` until every message is delivered:
+    /// a failed message is due again after its backoff, which the relay's
+    /// own clock is moved past whenever nothing else is due.
+    pub fn relay_through_failures(&self, mut publish: impl FnMut(&Message) -> Result<(), Failure>) -> Deliveries {
+        let clock = idempotency::testing::ManualClock::new();
+        // Attempts enough for a broker to come back between two of them.
+        let relay = Relay::default().clock(clock.source()).max_attempts(100);
+        let mut conn = self.db.conn();
+        let mut total = Deliveries::default();
+        loop {
+            let report = relay.run_once(&mut conn, &mut publish).expect("relay the outbox");
+            total += report;
+            if report.claimed == 0 {
+                if relay.stats(&mut conn).expect("the outbox's stats").pending == 0 {
+                    return total;
+                }
+                clock.advance(chrono::Duration::hours(1));
+            }
+        }
+    }
 }
 
 /// The consumer's database: one row per effect, in the order the consumer
@@ -205,5 +226,68 @@ impl Effects {
         for (customer, ids) in by_customer {
             assert!(ids.is_sorted(), "{customer}'s orders out of order: {ids:?}");
         }
+    }
+}
+
+/// A broker of the test's own, on a port of its own, that the test stops
+/// and starts again: the shared brokers are never restarted.
+#[cfg(any(feature = "nats", feature = "redis"))]
+pub struct PrivateBroker {
+    program: &'static str,
+    args: Vec<String>,
+    pub port: u16,
+    pub dir: tempfile::TempDir,
+    child: std::process::Child,
+}
+
+#[cfg(any(feature = "nats", feature = "redis"))]
+impl PrivateBroker {
+    /// Starts `program` with the arguments `args` makes of a free port and
+    /// a new directory; its output goes to `broker.log` there.
+    pub fn start(program: &'static str, args: impl Fn(u16, &std::path::Path) -> Vec<String>) -> PrivateBroker {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|listener| listener.local_addr())
+            .expect("a free port")
+            .port();
+        let dir = tempfile::tempdir().expect("a directory for the broker");
+        let args = args(port, dir.path());
+        let child = Self::spawn(program, &args, dir.path());
+        PrivateBroker {
+            program,
+            args,
+            port,
+            dir,
+            child,
+        }
+    }
+
+    fn spawn(program: &str, args: &[String], dir: &std::path::Path) -> std::process::Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("broker.log"))
+            .expect("the broker's log");
+        std::process::Command::new(program)
+            .args(args)
+            .stdout(log.try_clone().expect("the broker's log"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|error| panic!("start {program} (installed with the broker): {error}"))
+    }
+
+    /// Kills the broker (SIGKILL: no shutdown of its own) and starts it
+    /// again on the same port and directory.
+    pub fn restart(&mut self) {
+        self.child.kill().expect("kill the broker");
+        self.child.wait().expect("reap the broker");
+        self.child = Self::spawn(self.program, &self.args, self.dir.path());
+    }
+}
+
+#[cfg(any(feature = "nats", feature = "redis"))]
+impl Drop for PrivateBroker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }

@@ -8,7 +8,7 @@ use idempotency::brokers::redis::{HEADER_FIELD_PREFIX, KEY_FIELD, RedisConsumer,
 use redis::Commands;
 use tokio::runtime::Runtime;
 
-use super::{Effects, ORDERS, Shop};
+use super::{Effects, ORDERS, PrivateBroker, Shop};
 use crate::common::unique_name;
 use crate::common::wait::{join, wait_for};
 
@@ -100,4 +100,89 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
     let pending: redis::streams::StreamPendingReply = redis.xpending(&stream, "inbox").expect("XPENDING");
     assert_eq!(pending.count(), 0, "every entry acknowledged");
     let _: () = redis.del(&[&stream, &dead]).expect("DEL");
+}
+
+/// Whether the Redis at `url` answers.
+fn answers(url: &str) -> bool {
+    redis::Client::open(url)
+        .and_then(|client| client.get_connection())
+        .and_then(|mut conn| redis::cmd("PING").query::<String>(&mut conn))
+        .is_ok()
+}
+
+#[test]
+fn a_redis_killed_and_started_again_mid_stream_loses_no_order_and_repeats_none() {
+    // Appended and synced before each reply: what Redis confirmed survives
+    // the kill.
+    let mut broker = PrivateBroker::start("redis-server", |port, dir| {
+        let dir = dir.to_str().expect("a utf-8 path");
+        let port = port.to_string();
+        let args = [
+            "--port",
+            &port,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+        ];
+        args.into_iter()
+            .chain(["--appendfsync", "always", "--dir", dir])
+            .map(String::from)
+            .collect()
+    });
+    let url = format!("redis://127.0.0.1:{}", broker.port);
+    wait_for("the test's own Redis", || answers(&url));
+    let client = redis::Client::open(url.as_str()).expect("a redis url");
+
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let shop = Shop::with_orders("orders");
+    let effects = Effects::new();
+    let consumer = RedisConsumer::new(
+        client.clone(),
+        "orders",
+        "inbox",
+        "consumer-1",
+        effects.inbox("orders-inbox"),
+    )
+    .claim_idle(Duration::from_millis(200));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = runtime.spawn(async move {
+        consumer
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    let publisher = runtime
+        .block_on(RedisPublisher::connect(client.clone()))
+        .expect("the test's own Redis");
+    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone()).timeout(Duration::from_secs(2));
+    let mut published = 0;
+    let report = shop.relay_through_failures(|message| {
+        published += 1;
+        if published == ORDERS / 3 {
+            // Mid-stream: the consumer is reading, the relay publishing.
+            broker.restart();
+            wait_for("the test's own Redis again", || answers(&url));
+        }
+        publisher.publish(message)
+    });
+    assert_eq!(report.delivered, usize::try_from(ORDERS).unwrap());
+    assert!(report.retried >= 1, "a publish met the restart: {report:?}");
+
+    let mut redis = client.get_connection().expect("the test's own Redis");
+    wait_for("every entry acknowledged", || {
+        let groups: redis::streams::StreamInfoGroupsReply = redis.xinfo_groups("orders").expect("XINFO GROUPS");
+        let last: redis::streams::StreamRangeReply = redis.xrevrange_count("orders", "+", "-", 1).expect("XREVRANGE");
+        groups.groups.first().is_some_and(|group| {
+            group.pending == 0 && Some(&group.last_delivered_id) == last.ids.first().map(|entry| &entry.id)
+        })
+    });
+    stop.send(()).expect("the consumer runs");
+    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
+    ran.expect("the consumer's task").expect("the consumer ran");
+    effects.assert_each_order_once_in_order();
 }
