@@ -234,6 +234,8 @@ impl Effects {
 #[cfg(any(feature = "nats", feature = "redis"))]
 pub struct PrivateBroker {
     program: &'static str,
+    /// The signal `restart` stops it with.
+    signal: &'static str,
     args: Vec<String>,
     pub port: u16,
     pub dir: tempfile::TempDir,
@@ -243,8 +245,13 @@ pub struct PrivateBroker {
 #[cfg(any(feature = "nats", feature = "redis"))]
 impl PrivateBroker {
     /// Starts `program` with the arguments `args` makes of a free port and
-    /// a new directory; its output goes to `broker.log` there.
-    pub fn start(program: &'static str, args: impl Fn(u16, &std::path::Path) -> Vec<String>) -> PrivateBroker {
+    /// a new directory; its output goes to `broker.log` there. `restart`
+    /// stops it with `signal` (`KILL`, `TERM`).
+    pub fn start(
+        program: &'static str,
+        signal: &'static str,
+        args: impl Fn(u16, &std::path::Path) -> Vec<String>,
+    ) -> PrivateBroker {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|listener| listener.local_addr())
             .expect("a free port")
@@ -254,6 +261,7 @@ impl PrivateBroker {
         let child = Self::spawn(program, &args, dir.path());
         PrivateBroker {
             program,
+            signal,
             args,
             port,
             dir,
@@ -275,10 +283,14 @@ impl PrivateBroker {
             .unwrap_or_else(|error| panic!("start {program} (installed with the broker): {error}"))
     }
 
-    /// Kills the broker (SIGKILL: no shutdown of its own) and starts it
-    /// again on the same port and directory.
+    /// Stops the broker with its signal and starts it again on the same
+    /// port and directory once it has exited.
     pub fn restart(&mut self) {
-        self.child.kill().expect("kill the broker");
+        let signalled = std::process::Command::new("kill")
+            .args(["-s", self.signal, &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(signalled.success(), "signal the broker");
         self.child.wait().expect("reap the broker");
         self.child = Self::spawn(self.program, &self.args, self.dir.path());
     }

@@ -7,7 +7,7 @@ use idempotency::brokers::nats::{JetStreamConsumer, JetStreamPublisher};
 use idempotency::brokers::{BlockingPublisher, DEAD_LETTER_REASON_HEADER};
 use tokio::runtime::Runtime;
 
-use super::{Effects, ORDERS, Shop};
+use super::{Effects, ORDERS, PrivateBroker, Shop};
 use crate::common::unique_name;
 use crate::common::wait::{join, wait_for};
 
@@ -150,4 +150,96 @@ fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_includ
             .await
             .expect("delete the dead-letter stream");
     });
+}
+
+/// Whether the NATS server on `port` greets a connection with JetStream on.
+fn answers(port: u16) -> bool {
+    use std::io::{BufRead, BufReader};
+    let Ok(stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let mut info = String::new();
+    BufReader::new(stream).read_line(&mut info).is_ok() && info.contains("\"jetstream\":true")
+}
+
+#[test]
+fn a_nats_server_restarted_mid_stream_loses_no_order_and_repeats_none() {
+    // Stopped with SIGTERM, a restart the server shuts down for: its file
+    // store writes behind its acknowledgements, so a server killed
+    // outright may lose the last messages it acknowledged, which no client
+    // can make up for.
+    let mut broker = PrivateBroker::start("nats-server", "TERM", |port, dir| {
+        let dir = dir.to_str().expect("a utf-8 path");
+        let port = port.to_string();
+        ["-a", "127.0.0.1", "-p", &port, "-js", "-sd", dir]
+            .map(String::from)
+            .to_vec()
+    });
+    let port = broker.port;
+    wait_for("the test's own NATS server", || answers(port));
+
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let context = runtime.block_on(async {
+        let client = async_nats::connect(format!("127.0.0.1:{port}"))
+            .await
+            .expect("the test's own NATS server");
+        jetstream::new(client)
+    });
+    let orders_stream = runtime
+        .block_on(context.create_stream(stream::Config {
+            name: String::from("orders"),
+            subjects: vec![String::from("orders")],
+            ..stream::Config::default()
+        }))
+        .expect("create the stream");
+    let pull = runtime
+        .block_on(orders_stream.create_consumer(consumer::pull::Config {
+            durable_name: Some(String::from("inbox")),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..consumer::pull::Config::default()
+        }))
+        .expect("create the consumer");
+
+    let shop = Shop::with_orders("orders");
+    let effects = Effects::new();
+    let consumer = JetStreamConsumer::new(context.clone(), pull, effects.inbox("orders-inbox"))
+        .retry_delay(Duration::from_millis(10));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = runtime.spawn(async move {
+        consumer
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    let publisher = BlockingPublisher::new(JetStreamPublisher::new(context.clone()), runtime.handle().clone())
+        .timeout(Duration::from_secs(2));
+    let mut published = 0;
+    let report = shop.relay_through_failures(|message| {
+        published += 1;
+        if published == ORDERS / 3 {
+            // Mid-stream: the consumer is reading, the relay publishing.
+            broker.restart();
+            wait_for("the test's own NATS server again", || answers(port));
+        }
+        publisher.publish(message)
+    });
+    assert_eq!(report.delivered, usize::try_from(ORDERS).unwrap());
+
+    wait_for("every message handled and acknowledged", || {
+        runtime.block_on(async {
+            let Ok(mut inbox) = orders_stream.get_consumer::<consumer::pull::Config>("inbox").await else {
+                return false;
+            };
+            inbox
+                .info()
+                .await
+                .is_ok_and(|info| info.num_pending == 0 && info.num_ack_pending == 0)
+        })
+    });
+    stop.send(()).expect("the consumer runs");
+    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
+    ran.expect("the consumer's task").expect("the consumer ran");
+    effects.assert_each_order_once_in_order();
 }

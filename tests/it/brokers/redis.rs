@@ -112,9 +112,9 @@ fn answers(url: &str) -> bool {
 
 #[test]
 fn a_redis_killed_and_started_again_mid_stream_loses_no_order_and_repeats_none() {
-    // Appended and synced before each reply: what Redis confirmed survives
-    // the kill.
-    let mut broker = PrivateBroker::start("redis-server", |port, dir| {
+    // Killed (no shutdown of its own), but with every write appended and
+    // synced before its reply: what Redis confirmed survives the kill.
+    let mut broker = PrivateBroker::start("redis-server", "KILL", |port, dir| {
         let dir = dir.to_str().expect("a utf-8 path");
         let port = port.to_string();
         let args = [
