@@ -190,7 +190,8 @@ where
     }
 
     /// Handles the consumer's messages until `stop` completes; the message
-    /// in hand is finished first.
+    /// in hand is finished first. Messages pulled ahead and not handled
+    /// come again after the consumer's `ack_wait`.
     ///
     /// # Errors
     ///

@@ -50,6 +50,9 @@ const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
 /// failed, so that a failing database is not hammered.
 const DEFAULT_RETRY_DELAY: Duration = Duration::from_secs(1);
 
+/// AMQP's reply code for a normal close.
+const REPLY_SUCCESS: u16 = 200;
+
 /// How many unacknowledged messages the broker sends a consumer ahead.
 const DEFAULT_PREFETCH: u16 = 16;
 
@@ -307,13 +310,14 @@ where
         self
     }
 
-    /// Handles the queue's messages until `stop` completes; the message in
-    /// hand is finished first, those sent ahead go back to the queue when
-    /// the channel closes.
+    /// Handles the queue's messages until `stop` completes, then closes the
+    /// channel: the message in hand is finished first, and those sent ahead
+    /// go back to the queue.
     ///
     /// # Errors
     ///
-    /// When the queue could not be consumed, or the channel closed.
+    /// When the queue could not be consumed, or the channel closed (the
+    /// connection was lost: run a new consumer on a new channel).
     pub async fn run(&self, stop: impl Future<Output = ()>) -> Result<(), Error> {
         self.channel
             .basic_qos(self.prefetch, BasicQosOptions::default())
@@ -327,7 +331,7 @@ where
         let mut stop = std::pin::pin!(stop);
         loop {
             let next = tokio::select! {
-                () = &mut stop => return Ok(()),
+                () = &mut stop => break,
                 next = consumer.next() => next,
             };
             match next {
@@ -336,6 +340,12 @@ where
                 None => return Err(Error::new("the rabbitmq consumer ended", "channel closed")),
             }
         }
+        // The messages sent ahead and not handled go back to the queue, now
+        // rather than when the connection closes.
+        self.channel
+            .close(REPLY_SUCCESS, "consumer stopped")
+            .await
+            .map_err(|error| Error::new("the rabbitmq channel did not close", error))
     }
 
     async fn handle(&self, delivery: lapin::message::Delivery) {
