@@ -47,6 +47,9 @@ pub struct Order {
 pub struct Shop {
     pub db: SqliteFile,
     pub topic: String,
+    /// How many orders it placed, over how many customers.
+    pub orders: i64,
+    pub customers: i64,
 }
 
 impl Shop {
@@ -54,14 +57,20 @@ impl Shop {
     /// were placed in one transaction with a message each for `topic`,
     /// keyed by the customer, with a header and the trace context.
     pub fn with_orders(topic: &str) -> Shop {
+        Shop::with_orders_of(topic, ORDERS, CUSTOMERS)
+    }
+
+    /// A shop as [`Shop::with_orders`], with `orders` orders over
+    /// `customers` customers.
+    pub fn with_orders_of(topic: &str, orders: i64, customers: i64) -> Shop {
         let db = SqliteFile::new();
         let mut conn = db.conn();
         diesel::sql_query("CREATE TABLE orders (id BIGINT PRIMARY KEY, customer TEXT NOT NULL)")
             .execute(&mut conn)
             .expect("create the orders table");
         conn.transaction(|tx| {
-            for id in 1..=ORDERS {
-                let customer = format!("customer-{}", id % CUSTOMERS);
+            for id in 1..=orders {
+                let customer = format!("customer-{}", id % customers);
                 diesel::sql_query("INSERT INTO orders (id, customer) VALUES (?, ?)")
                     .bind::<BigInt, _>(id)
                     .bind::<Text, _>(&customer)
@@ -87,6 +96,8 @@ impl Shop {
         Shop {
             db,
             topic: topic.to_owned(),
+            orders,
+            customers,
         }
     }
 
@@ -202,27 +213,27 @@ impl Effects {
             .expect("read the effects")
     }
 
-    /// Every order has its effect once, the effects of each customer came
-    /// in the order the orders were placed, and each carried its header
-    /// and the shop's trace context.
-    pub fn assert_each_order_once_in_order(&self) {
+    /// Every order of `shop` has its effect once, the effects of each
+    /// customer came in the order the orders were placed, and each carried
+    /// its header and the shop's trace context.
+    pub fn assert_each_order_once_in_order(&self, shop: &Shop) {
         let rows = self.rows();
         let mut ids: Vec<i64> = rows.iter().map(|row| row.order_id).collect();
         let in_consumer_order = ids.clone();
         ids.sort_unstable();
         assert_eq!(
             ids,
-            (1..=ORDERS).collect::<Vec<_>>(),
+            (1..=shop.orders).collect::<Vec<_>>(),
             "each order once: {in_consumer_order:?}"
         );
         let mut by_customer: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
         for row in &rows {
             by_customer.entry(row.customer.as_str()).or_default().push(row.order_id);
-            assert_eq!(row.customer, format!("customer-{}", row.order_id % CUSTOMERS));
+            assert_eq!(row.customer, format!("customer-{}", row.order_id % shop.customers));
             assert_eq!(row.traceparent.as_deref(), Some(TRACEPARENT));
             assert_eq!(row.header, Some(row.order_id.to_string()));
         }
-        assert_eq!(by_customer.len(), usize::try_from(CUSTOMERS).unwrap());
+        assert_eq!(by_customer.len(), usize::try_from(shop.customers).unwrap());
         for (customer, ids) in by_customer {
             assert!(ids.is_sorted(), "{customer}'s orders out of order: {ids:?}");
         }

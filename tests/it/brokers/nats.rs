@@ -125,7 +125,7 @@ fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_includ
     let (ran, runtime) = ran.expect("the consumer's task");
     ran.expect("the consumer ran");
 
-    effects.assert_each_order_once_in_order();
+    effects.assert_each_order_once_in_order(&shop);
     let dead_stream = runtime
         .block_on(context.get_stream(&dead))
         .expect("the dead-letter stream");
@@ -241,5 +241,5 @@ fn a_nats_server_restarted_mid_stream_loses_no_order_and_repeats_none() {
     stop.send(()).expect("the consumer runs");
     let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
     ran.expect("the consumer's task").expect("the consumer ran");
-    effects.assert_each_order_once_in_order();
+    effects.assert_each_order_once_in_order(&shop);
 }

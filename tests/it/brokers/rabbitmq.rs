@@ -137,7 +137,7 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
     let (ran, runtime) = ran.expect("the consumer's task");
     ran.expect("the consumer ran");
 
-    effects.assert_each_order_once_in_order();
+    effects.assert_each_order_once_in_order(&shop);
     assert_eq!(runtime.block_on(ready(&admin, &name)), 0);
     runtime.block_on(async {
         for queue in [&name, &dead] {

@@ -1,10 +1,12 @@
 //! Redis Streams on 127.0.0.1:6379.
 
 use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
 
 use idempotency::brokers::BlockingPublisher;
 use idempotency::brokers::redis::{HEADER_FIELD_PREFIX, KEY_FIELD, RedisConsumer, RedisPublisher, Trim};
+use idempotency::outbox::{Deliveries, Failure, Message, Relay};
 use redis::Commands;
 use tokio::runtime::Runtime;
 
@@ -82,7 +84,7 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
     let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
     ran.expect("the consumer's task").expect("the consumer ran");
 
-    effects.assert_each_order_once_in_order();
+    effects.assert_each_order_once_in_order(&shop);
     let mut redis = connection();
     // Both copies of the poison message, each after its own bound.
     let letters: redis::streams::StreamRangeReply = redis.xrange_all(&dead).expect("XRANGE");
@@ -184,5 +186,101 @@ fn a_redis_killed_and_started_again_mid_stream_loses_no_order_and_repeats_none()
     stop.send(()).expect("the consumer runs");
     let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
     ran.expect("the consumer's task").expect("the consumer ran");
-    effects.assert_each_order_once_in_order();
+    effects.assert_each_order_once_in_order(&shop);
+}
+
+#[test]
+fn three_relays_with_failures_at_random_hand_each_customers_orders_over_in_order() {
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let stream = unique_name("orders");
+    let shop = Shop::with_orders_of("orders", 1000, 50);
+    let effects = Effects::new();
+    let target = stream.clone();
+    let publisher = runtime
+        .block_on(RedisPublisher::connect(client()))
+        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
+        .stream(move |_| target.clone());
+    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
+
+    // A fifth of the first two attempts fail, chosen by the message key:
+    // half of them before the publish (the broker never saw it), half after
+    // (the broker has it, and gets it again).
+    let handler = |message: &Message| {
+        let mut hasher = DefaultHasher::new();
+        (&message.key, message.attempt).hash(&mut hasher);
+        let draw = hasher.finish() % 10;
+        if message.attempt <= 2 && draw == 0 {
+            return Err(Failure::Retry(String::from("failed before the publish")));
+        }
+        publisher.publish(message)?;
+        if message.attempt <= 2 && draw == 1 {
+            return Err(Failure::Retry(String::from("failed after the publish")));
+        }
+        Ok(())
+    };
+    let relay = Relay::default()
+        .backoff(chrono::Duration::milliseconds(1), chrono::Duration::milliseconds(5))
+        .batch_size(20);
+    let totals: Vec<Deliveries> = std::thread::scope(|scope| {
+        let relays: Vec<_> = (0..3)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut conn = shop.db.conn();
+                    let mut total = Deliveries::default();
+                    loop {
+                        let report = relay.run_once(&mut conn, handler).expect("relay the outbox");
+                        total += report;
+                        if report.claimed == 0 {
+                            if relay.stats(&mut conn).expect("the outbox's stats").pending == 0 {
+                                return total;
+                            }
+                            // Backed-off messages are due within milliseconds.
+                            std::thread::yield_now();
+                        }
+                    }
+                })
+            })
+            .collect();
+        relays
+            .into_iter()
+            .map(|relay| relay.join().expect("a relay panicked"))
+            .collect()
+    });
+    let delivered: usize = totals.iter().map(|total| total.delivered).sum();
+    let retried: usize = totals.iter().map(|total| total.retried).sum();
+    assert_eq!(delivered, 1000);
+    assert!(retried > 0, "failures at random: {totals:?}");
+    assert!(
+        totals.iter().all(|total| total.delivered > 0),
+        "each relay delivered: {totals:?}"
+    );
+
+    let consumer = RedisConsumer::new(
+        client(),
+        stream.clone(),
+        "inbox",
+        "consumer-1",
+        effects.inbox("orders-inbox"),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = runtime.spawn(async move {
+        consumer
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let mut redis = connection();
+    wait_for("every entry acknowledged", || {
+        let groups: redis::streams::StreamInfoGroupsReply = redis.xinfo_groups(&stream).expect("XINFO GROUPS");
+        groups
+            .groups
+            .first()
+            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
+    });
+    stop.send(()).expect("the consumer runs");
+    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
+    ran.expect("the consumer's task").expect("the consumer ran");
+    effects.assert_each_order_once_in_order(&shop);
+    let _: () = redis.del(&stream).expect("DEL");
 }
