@@ -182,7 +182,10 @@ const BATCH: usize = 16;
 /// a consumer group.
 ///
 /// [`run`](RedisConsumer::run) creates the group (reading the stream from
-/// its start) when it does not exist. Each round claims the group's
+/// its start) when it does not exist, and first handles, in their order,
+/// the entries its consumer name left pending when it last stopped or died:
+/// restart a consumer under the same name to keep the order of what it
+/// held. Then each round claims the group's
 /// entries left pending for the [claim interval](RedisConsumer::claim_idle)
 /// (failed, or read by a consumer that died) and then reads new entries,
 /// and handles each in its turn: the inbox runs the handler in its own
@@ -300,9 +303,25 @@ where
             _ => {}
         }
         let mut stop = std::pin::pin!(stop);
+        // What this consumer held when it stopped or died comes first, in
+        // its order, before anything newer.
+        let mut recovered = false;
         // Looked at between rounds, so that a round (a read blocks for at
         // most the block time) finishes the entries it took.
         while stop.as_mut().now_or_never().is_none() {
+            if !recovered {
+                match self.recover(&mut conn).await {
+                    Ok(()) => recovered = true,
+                    Err(error) => {
+                        tracing::warn!(target: TARGET, stream = %self.stream, %error, "redis consumer: recovery failed");
+                        tokio::select! {
+                            () = &mut stop => break,
+                            () = tokio::time::sleep(self.block) => {}
+                        }
+                    }
+                }
+                continue;
+            }
             if let Err(error) = self.round(&mut conn).await {
                 tracing::warn!(target: TARGET, stream = %self.stream, %error, "redis consumer: round failed");
                 // Redis is down or restarting: wait before the next round,
@@ -314,6 +333,44 @@ where
             }
         }
         Ok(())
+    }
+
+    /// Handles once, in stream order, the entries this consumer's name
+    /// holds pending: those it read and did not settle before it stopped or
+    /// died.
+    async fn recover(&self, conn: &mut ConnectionManager) -> redis::RedisResult<()> {
+        let mut after = String::from("-");
+        loop {
+            let pending: StreamPendingCountReply = redis::cmd("XPENDING")
+                .arg(&self.stream)
+                .arg(&self.group)
+                .arg(&after)
+                .arg("+")
+                .arg(BATCH)
+                .arg(&self.consumer)
+                .query_async(conn)
+                .await?;
+            let Some(last) = pending.ids.last() else {
+                return Ok(());
+            };
+            // Exclusive: an entry that fails again stays pending behind.
+            after = format!("({}", last.id);
+            for entry in pending.ids {
+                // Claimed from itself with no idle time: counts the delivery.
+                let claimed: StreamClaimReply = redis::cmd("XCLAIM")
+                    .arg(&self.stream)
+                    .arg(&self.group)
+                    .arg(&self.consumer)
+                    .arg(0)
+                    .arg(&entry.id)
+                    .query_async(conn)
+                    .await?;
+                let attempt = u32::try_from(entry.times_delivered.saturating_add(1)).unwrap_or(u32::MAX);
+                for claimed in claimed.ids {
+                    self.handle(conn, claimed, attempt).await?;
+                }
+            }
+        }
     }
 
     /// Claims the entries pending too long, then reads new ones, and

@@ -187,12 +187,23 @@ impl Effects {
         scope: &str,
     ) -> Inbox<SqliteConnection, impl Fn(&mut SqliteConnection, &Delivery) -> Result<(), Failure> + Send + Sync + 'static>
     {
+        self.inbox_with(scope, |_| {})
+    }
+
+    /// An inbox as [`Effects::inbox`] that calls `before_commit` with each
+    /// order whose effect it wrote, inside the transaction.
+    pub fn inbox_with(
+        &self,
+        scope: &str,
+        before_commit: impl Fn(&Order) + Send + Sync + 'static,
+    ) -> Inbox<SqliteConnection, impl Fn(&mut SqliteConnection, &Delivery) -> Result<(), Failure> + Send + Sync + 'static>
+    {
         let url = self.db.path().to_str().expect("a utf-8 path").to_owned();
         let pool = Pool::builder()
             .max_size(2)
             .build(ConnectionManager::<SqliteConnection>::new(url))
             .expect("a pool on the effects database");
-        Inbox::new(pool, scope, |conn: &mut SqliteConnection, delivery: &Delivery| {
+        Inbox::new(pool, scope, move |conn: &mut SqliteConnection, delivery: &Delivery| {
             let order: Order = delivery.payload()?;
             if order.poison {
                 return Err(Failure::Retry(String::from("this message always fails")));
@@ -203,8 +214,14 @@ impl Effects {
                 .bind::<Nullable<Text>, _>(delivery.traceparent())
                 .bind::<Nullable<Text>, _>(delivery.header("x-order"))
                 .execute(conn)?;
+            before_commit(&order);
             Ok(())
         })
+    }
+
+    /// Whether the effect of order `id` is written.
+    pub fn has(&self, id: i64) -> bool {
+        self.rows().iter().any(|row| row.order_id == id)
     }
 
     fn rows(&self) -> Vec<Effect> {

@@ -5,14 +5,14 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
 
 use idempotency::brokers::BlockingPublisher;
-use idempotency::brokers::redis::{HEADER_FIELD_PREFIX, KEY_FIELD, RedisConsumer, RedisPublisher, Trim};
+use idempotency::brokers::redis::{HEADER_FIELD_PREFIX, KEY_FIELD, PAYLOAD_FIELD, RedisConsumer, RedisPublisher, Trim};
 use idempotency::outbox::{Deliveries, Failure, Message, Relay};
 use redis::Commands;
 use tokio::runtime::Runtime;
 
-use super::{Effects, ORDERS, PrivateBroker, Shop};
+use super::{Effects, ORDERS, Order, PrivateBroker, Shop};
 use crate::common::unique_name;
-use crate::common::wait::{join, wait_for};
+use crate::common::wait::{join, recv, wait_for};
 
 const URL: &str = "redis://127.0.0.1:6379";
 
@@ -280,6 +280,88 @@ fn three_relays_with_failures_at_random_hand_each_customers_orders_over_in_order
     });
     stop.send(()).expect("the consumer runs");
     let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
+    ran.expect("the consumer's task").expect("the consumer ran");
+    effects.assert_each_order_once_in_order(&shop);
+    let _: () = redis.del(&stream).expect("DEL");
+}
+
+#[test]
+fn a_consumer_gone_between_its_commit_and_its_ack_has_the_message_replayed_not_repeated() {
+    let stream = unique_name("orders");
+    let shop = Shop::with_orders("orders");
+    let effects = Effects::new();
+    let publishing = Runtime::new().expect("a tokio runtime");
+    let target = stream.clone();
+    let publisher = publishing
+        .block_on(RedisPublisher::connect(client()))
+        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
+        .stream(move |_| target.clone());
+    let publisher = BlockingPublisher::new(publisher, publishing.handle().clone());
+    shop.relay(|message| publisher.publish(message));
+
+    // The first consumer holds the transaction of order 20 open until its
+    // runtime is gone: the commit then happens, the ack never.
+    const HELD: i64 = 20;
+    let (reached, held) = std::sync::mpsc::channel::<()>();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(released);
+    let inbox = effects.inbox_with("orders-inbox", move |order| {
+        if order.id == HELD {
+            reached.send(()).expect("the test waits");
+            recv(&released.lock().expect("the gate"), "the release of the held order");
+        }
+    });
+    let first = Runtime::new().expect("a tokio runtime");
+    let consumer = RedisConsumer::new(client(), stream.clone(), "inbox", "consumer-1", inbox);
+    first.spawn(async move { consumer.run(std::future::pending()).await });
+    recv(&held, "the first consumer at order 20");
+    first.shutdown_background();
+    release.send(()).expect("the held handler waits");
+    wait_for("order 20's effect committed", || effects.has(HELD));
+    let mut redis = connection();
+    let entries: redis::streams::StreamRangeReply = redis.xrange_all(&stream).expect("XRANGE");
+    let held = entries
+        .ids
+        .iter()
+        .find(|entry| {
+            let payload: Option<String> = entry.get(PAYLOAD_FIELD);
+            payload.is_some_and(|payload| serde_json::from_str::<Order>(&payload).is_ok_and(|order| order.id == HELD))
+        })
+        .expect("order 20's entry");
+    let pending: redis::streams::StreamPendingCountReply =
+        redis.xpending_count(&stream, "inbox", "-", "+", 100).expect("XPENDING");
+    assert!(
+        pending.ids.iter().any(|entry| entry.id == held.id),
+        "order 20 committed, never acknowledged"
+    );
+
+    // The consumer started again under its name handles what it held
+    // first, in order: the inbox replays order 20.
+    let second = Runtime::new().expect("a tokio runtime");
+    let consumer = RedisConsumer::new(
+        client(),
+        stream.clone(),
+        "inbox",
+        "consumer-1",
+        effects.inbox("orders-inbox"),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = second.spawn(async move {
+        consumer
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    wait_for("every entry acknowledged", || {
+        let groups: redis::streams::StreamInfoGroupsReply = redis.xinfo_groups(&stream).expect("XINFO GROUPS");
+        groups
+            .groups
+            .first()
+            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
+    });
+    stop.send(()).expect("the consumer runs");
+    let ran = join(std::thread::spawn(move || second.block_on(running)), "the consumer");
     ran.expect("the consumer's task").expect("the consumer ran");
     effects.assert_each_order_once_in_order(&shop);
     let _: () = redis.del(&stream).expect("DEL");
