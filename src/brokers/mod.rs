@@ -418,6 +418,11 @@ pub(crate) const DEFAULT_MAX_DELIVERIES: u32 = 5;
 /// [`Permanent`](crate::outbox::Permanent) one dead-letters it at once. A
 /// panic counts as a failed delivery.
 ///
+/// Each delivery runs in a `debug` span `inbox_delivery` (target
+/// `idempotency`) with the scope, the key's digest, the attempt and the
+/// `traceparent` the message carries; the call's own span and the
+/// handler's run inside it.
+///
 /// Each broker's consumer takes an `Inbox`:
 /// [`JetStreamConsumer`](nats::JetStreamConsumer),
 /// [`RabbitConsumer`](rabbitmq::RabbitConsumer),
@@ -494,8 +499,17 @@ where
             self.config.clone(),
             Arc::clone(&self.handler),
         );
-        let key = delivery.key.clone();
+        // The message's key as its digest, as the calls record theirs: it
+        // came over the wire and is logged before the key rules checked it.
+        let key = crate::telemetry::key_digest(&delivery.key);
+        let span = tracing::debug_span!(
+            target: TARGET, "inbox_delivery",
+            scope = %self.scope, key_digest = %key, attempt = delivery.attempt,
+            traceparent = delivery.traceparent.as_deref(),
+        );
+        let in_span = span.clone();
         let ran = tokio::task::spawn_blocking(move || {
+            let _entered = in_span.enter();
             let mut conn = pool
                 .get()
                 .map_err(|error| Verdict::Retry(format!("no database connection: {error}")))?;
@@ -513,12 +527,12 @@ where
             Err(joined) => Verdict::Retry(format!("the handler did not run: {joined}")),
         };
         match &verdict {
-            Verdict::Done => tracing::debug!(target: TARGET, scope = %self.scope, key, "inbox: message handled"),
+            Verdict::Done => tracing::debug!(target: TARGET, parent: &span, "inbox: message handled"),
             Verdict::Retry(reason) => {
-                tracing::warn!(target: TARGET, scope = %self.scope, key, reason, "inbox: message failed, left for redelivery")
+                tracing::warn!(target: TARGET, parent: &span, reason, "inbox: message failed, left for redelivery")
             }
             Verdict::Dead(reason) => {
-                tracing::warn!(target: TARGET, scope = %self.scope, key, reason, "inbox: message can never be handled")
+                tracing::warn!(target: TARGET, parent: &span, reason, "inbox: message can never be handled")
             }
         }
         verdict
