@@ -15,6 +15,9 @@
 //! delivery, failed permanently or is no message of the crate's is
 //! appended to a dead-letter stream with the reason and acknowledged, in
 //! one `MULTI`.
+//!
+//! It needs Redis 6.2 or later (`XPENDING … IDLE`, exclusive ranges); it is
+//! tested on Redis 7.
 
 use std::fmt;
 use std::future::Future;
