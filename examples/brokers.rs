@@ -273,7 +273,7 @@ fn via_rabbitmq(runtime: &Runtime, shop: &SqlitePool, mailer: &SqlitePool, name:
     let publisher = runtime
         .block_on(RabbitPublisher::connect(URI, ""))?
         .route(move |_| Route::new("", queue.clone()));
-    let consumer = RabbitConsumer::new(runtime.block_on(connection.create_channel())?, name, inbox(mailer));
+    let consumer = RabbitConsumer::new(URI, name, inbox(mailer));
     let delivered = deliver(runtime, shop, mailer, publisher, |stop| async move {
         consumer.run(stop).await
     });

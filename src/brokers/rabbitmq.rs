@@ -242,16 +242,18 @@ impl Publisher for RabbitPublisher {
 ///
 /// The application declares the queue (a quorum queue, with
 /// `x-dead-letter-exchange` naming where given-up messages go) and its
-/// bindings. The consumer takes up to 16 messages ahead
-/// ([prefetch](RabbitConsumer::prefetch)) and handles them in their turn:
-/// the inbox runs the handler in its own transaction, and only after the
-/// commit is the message acknowledged. A failure requeues the message
-/// after the [retry delay](RabbitConsumer::retry_delay); a message that
-/// failed on its last allowed delivery, failed permanently or is no
-/// message of the crate's (no `message_id`, a payload that is not UTF-8)
-/// is rejected without requeue, into the dead-letter exchange.
+/// bindings. The consumer keeps a connection of its own, takes up to 16
+/// messages ahead ([prefetch](RabbitConsumer::prefetch)) and handles them
+/// in their turn: the inbox runs the handler in its own transaction, and
+/// only after the commit is the message acknowledged. A failure requeues
+/// the message after the [retry delay](RabbitConsumer::retry_delay); a
+/// message that failed on its last allowed delivery, failed permanently or
+/// is no message of the crate's (no `message_id`, a payload that is not
+/// UTF-8) is rejected without requeue, into the dead-letter exchange. When
+/// the connection is lost (the broker restarts), the messages it held go
+/// back to the queue and the consumer connects again.
 pub struct RabbitConsumer<C: R2D2Connection + 'static, H> {
-    channel: Channel,
+    uri: String,
     queue: String,
     inbox: Inbox<C, H>,
     max_deliveries: u32,
@@ -269,17 +271,25 @@ impl<C: R2D2Connection + 'static, H> fmt::Debug for RabbitConsumer<C, H> {
     }
 }
 
+/// How a consumer's session on one connection ended.
+enum Session {
+    /// Asked to stop.
+    Stopped,
+    /// The connection or the channel failed.
+    Lost(Error),
+}
+
 impl<C, H, E> RabbitConsumer<C, H>
 where
     C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
     H: Fn(&mut C, &Delivery) -> Result<(), E> + Send + Sync + 'static,
     E: HandlerError + 'static,
 {
-    /// Runs `inbox` for the messages of `queue`, consumed on `channel`; 5
+    /// Runs `inbox` for the messages of `queue` on the broker at `uri`; 5
     /// deliveries at most, 1 s before a failed message is requeued.
-    pub fn new(channel: Channel, queue: impl Into<String>, inbox: Inbox<C, H>) -> Self {
+    pub fn new(uri: impl Into<String>, queue: impl Into<String>, inbox: Inbox<C, H>) -> Self {
         RabbitConsumer {
-            channel,
+            uri: uri.into(),
             queue: queue.into(),
             inbox,
             max_deliveries: DEFAULT_MAX_DELIVERIES,
@@ -296,7 +306,8 @@ where
         self
     }
 
-    /// How long the consumer waits before it requeues a failed message.
+    /// How long the consumer waits before it requeues a failed message,
+    /// and before it connects again after losing its connection.
     #[must_use]
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
@@ -310,42 +321,87 @@ where
         self
     }
 
-    /// Handles the queue's messages until `stop` completes, then closes the
-    /// channel: the message in hand is finished first, and those sent ahead
-    /// go back to the queue.
+    /// Handles the queue's messages until `stop` completes, then closes its
+    /// connection: the message in hand is finished first, and those sent
+    /// ahead go back to the queue. A connection lost later is made again,
+    /// every retry delay, until it is back or `stop` completes.
     ///
     /// # Errors
     ///
-    /// When the queue could not be consumed, or the channel closed (the
-    /// connection was lost: run a new consumer on a new channel).
+    /// When the first connection could not be made, or the queue could not
+    /// be consumed on it (it does not exist).
     pub async fn run(&self, stop: impl Future<Output = ()>) -> Result<(), Error> {
-        self.channel
+        let mut stop = std::pin::pin!(stop);
+        let mut first = true;
+        loop {
+            match self.session(&mut stop, first).await {
+                Ok(Session::Stopped) => return Ok(()),
+                Ok(Session::Lost(error)) => {
+                    first = false;
+                    tracing::warn!(
+                        target: TARGET, queue = %self.queue, error = %error, source = %error.source,
+                        "rabbitmq consumer: connection lost, connecting again"
+                    );
+                }
+                Err(error) if first => return Err(error),
+                Err(error) => {
+                    tracing::warn!(
+                        target: TARGET, queue = %self.queue, error = %error, source = %error.source,
+                        "rabbitmq consumer: could not connect again"
+                    );
+                }
+            }
+            tokio::select! {
+                () = stop.as_mut() => return Ok(()),
+                () = tokio::time::sleep(self.retry_delay) => {}
+            }
+        }
+    }
+
+    /// Consumes on a connection of its own until `stop` completes or the
+    /// connection fails; `Err` when it could not start consuming.
+    async fn session<S: Future<Output = ()>>(
+        &self,
+        stop: &mut std::pin::Pin<&mut S>,
+        first: bool,
+    ) -> Result<Session, Error> {
+        let connection = connect(&self.uri).await?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|error| Error::new("could not open a rabbitmq channel", error))?;
+        channel
             .basic_qos(self.prefetch, BasicQosOptions::default())
             .await
             .map_err(|error| Error::new("rabbitmq refused the prefetch", error))?;
-        let mut consumer = self
-            .channel
+        let mut consumer = channel
             .basic_consume(&self.queue, "", BasicConsumeOptions::default(), FieldTable::default())
             .await
             .map_err(|error| Error::new("the rabbitmq queue could not be consumed", error))?;
-        let mut stop = std::pin::pin!(stop);
+        if !first {
+            tracing::info!(target: TARGET, queue = %self.queue, "rabbitmq consumer: connected again");
+        }
         loop {
             let next = tokio::select! {
-                () = &mut stop => break,
+                () = stop.as_mut() => break,
                 next = consumer.next() => next,
             };
             match next {
                 Some(Ok(delivery)) => self.handle(delivery).await,
-                Some(Err(error)) => return Err(Error::new("the rabbitmq consumer failed", error)),
-                None => return Err(Error::new("the rabbitmq consumer ended", "channel closed")),
+                Some(Err(error)) => return Ok(Session::Lost(Error::new("the rabbitmq consumer failed", error))),
+                None => {
+                    return Ok(Session::Lost(Error::new(
+                        "the rabbitmq consumer ended",
+                        "channel closed",
+                    )));
+                }
             }
         }
-        // The messages sent ahead and not handled go back to the queue, now
-        // rather than when the connection closes.
-        self.channel
-            .close(REPLY_SUCCESS, "consumer stopped")
-            .await
-            .map_err(|error| Error::new("the rabbitmq channel did not close", error))
+        // The messages sent ahead and not handled go back to the queue, now.
+        if let Err(error) = connection.close(REPLY_SUCCESS, "consumer stopped").await {
+            tracing::debug!(target: TARGET, %error, "rabbitmq consumer: the connection did not close cleanly");
+        }
+        Ok(Session::Stopped)
     }
 
     async fn handle(&self, delivery: lapin::message::Delivery) {

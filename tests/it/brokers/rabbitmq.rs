@@ -108,16 +108,12 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
     assert_eq!(report.delivered, usize::try_from(published).unwrap());
     assert_eq!(runtime.block_on(ready(&admin, &name)), 2 * published);
 
-    let consumer = RabbitConsumer::new(
-        runtime.block_on(channel()),
-        name.as_str(),
-        effects.inbox("orders-inbox"),
-    )
-    .max_deliveries(3)
-    .retry_delay(Duration::from_millis(10))
-    // One message in hand at a time: once the queue is empty, the one
-    // in hand is the last, and the stop lets it finish.
-    .prefetch(1);
+    let consumer = RabbitConsumer::new(URI, name.as_str(), effects.inbox("orders-inbox"))
+        .max_deliveries(3)
+        .retry_delay(Duration::from_millis(10))
+        // One message in hand at a time: once the queue is empty, the one
+        // in hand is the last, and the stop lets it finish.
+        .prefetch(1);
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = runtime.spawn(async move {
         consumer
