@@ -219,6 +219,11 @@ impl Effects {
         })
     }
 
+    /// How many effects are written.
+    pub fn count(&self) -> usize {
+        self.rows().len()
+    }
+
     /// Whether the effect of order `id` is written.
     pub fn has(&self, id: i64) -> bool {
         self.rows().iter().any(|row| row.order_id == id)
@@ -257,39 +262,42 @@ impl Effects {
     }
 }
 
+/// How a [`PrivateBroker`] is stopped for a restart.
+pub enum Stopping {
+    /// By this signal to its process (`KILL`, `TERM`).
+    Signal(&'static str),
+    /// By this command (its program and arguments), which returns once the
+    /// broker stopped.
+    Command(Vec<String>),
+}
+
 /// A broker of the test's own, on a port of its own, that the test stops
 /// and starts again: the shared brokers are never restarted.
-#[cfg(any(feature = "nats", feature = "redis"))]
 pub struct PrivateBroker {
     program: &'static str,
-    /// The signal `restart` stops it with.
-    signal: &'static str,
+    stopping: Stopping,
     args: Vec<String>,
     pub port: u16,
     pub dir: tempfile::TempDir,
     child: std::process::Child,
 }
 
-#[cfg(any(feature = "nats", feature = "redis"))]
 impl PrivateBroker {
     /// Starts `program` with the arguments `args` makes of a free port and
     /// a new directory; its output goes to `broker.log` there. `restart`
-    /// stops it with `signal` (`KILL`, `TERM`).
+    /// stops it as `stopping` says.
     pub fn start(
         program: &'static str,
-        signal: &'static str,
+        stopping: Stopping,
         args: impl Fn(u16, &std::path::Path) -> Vec<String>,
     ) -> PrivateBroker {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
+        let port = free_port();
         let dir = tempfile::tempdir().expect("a directory for the broker");
         let args = args(port, dir.path());
         let child = Self::spawn(program, &args, dir.path());
         PrivateBroker {
             program,
-            signal,
+            stopping,
             args,
             port,
             dir,
@@ -311,23 +319,47 @@ impl PrivateBroker {
             .unwrap_or_else(|error| panic!("start {program} (installed with the broker): {error}"))
     }
 
-    /// Stops the broker with its signal and starts it again on the same
-    /// port and directory once it has exited.
+    fn stop(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        match &self.stopping {
+            Stopping::Signal(signal) => std::process::Command::new("kill")
+                .args(["-s", signal, &self.child.id().to_string()])
+                .status(),
+            Stopping::Command(command) => std::process::Command::new(&command[0])
+                .args(&command[1..])
+                .stdout(std::process::Stdio::null())
+                .status(),
+        }
+    }
+
+    /// Stops the broker and starts it again on the same port and directory
+    /// once it has exited.
     pub fn restart(&mut self) {
-        let signalled = std::process::Command::new("kill")
-            .args(["-s", self.signal, &self.child.id().to_string()])
-            .status()
-            .expect("run kill");
-        assert!(signalled.success(), "signal the broker");
+        let stopped = self.stop().expect("stop the broker");
+        assert!(stopped.success(), "stop the broker");
         self.child.wait().expect("reap the broker");
         self.child = Self::spawn(self.program, &self.args, self.dir.path());
     }
 }
 
-#[cfg(any(feature = "nats", feature = "redis"))]
 impl Drop for PrivateBroker {
     fn drop(&mut self) {
+        if matches!(self.stopping, Stopping::Command(_)) {
+            let _ = self.stop();
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A port no one listens on now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Whether something accepts connections on `port`.
+pub fn listening(port: u16) -> bool {
+    std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
 }

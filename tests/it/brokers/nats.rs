@@ -7,7 +7,7 @@ use idempotency::brokers::nats::{JetStreamConsumer, JetStreamPublisher};
 use idempotency::brokers::{BlockingPublisher, DEAD_LETTER_REASON_HEADER};
 use tokio::runtime::Runtime;
 
-use super::{Effects, ORDERS, PrivateBroker, Shop};
+use super::{Effects, ORDERS, PrivateBroker, Shop, Stopping};
 use crate::common::unique_name;
 use crate::common::wait::{join, wait_for};
 
@@ -168,7 +168,7 @@ fn a_nats_server_restarted_mid_stream_loses_no_order_and_repeats_none() {
     // store writes behind its acknowledgements, so a server killed
     // outright may lose the last messages it acknowledged, which no client
     // can make up for.
-    let mut broker = PrivateBroker::start("nats-server", "TERM", |port, dir| {
+    let mut broker = PrivateBroker::start("nats-server", Stopping::Signal("TERM"), |port, dir| {
         let dir = dir.to_str().expect("a utf-8 path");
         let port = port.to_string();
         ["-a", "127.0.0.1", "-p", &port, "-js", "-sd", dir]

@@ -12,7 +12,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, ExchangeKind};
 use tokio::runtime::Runtime;
 
-use super::{Effects, ORDERS, Shop};
+use super::{Effects, ORDERS, PrivateBroker, Shop, Stopping, free_port, listening};
 use crate::common::unique_name;
 use crate::common::wait::{join, wait_for};
 
@@ -210,4 +210,132 @@ fn a_message_no_queue_takes_or_for_a_missing_exchange_is_a_failure_never_deliver
     runtime
         .block_on(admin.exchange_delete(&name, ExchangeDeleteOptions::default()))
         .expect("delete the exchange");
+}
+
+#[test]
+fn a_rabbitmq_stopped_and_started_again_mid_stream_loses_no_order_and_repeats_none() {
+    // A node of the test's own: its own name, ports, configuration and
+    // database, in a directory the broker's user owns.
+    let node = format!("{}@localhost", unique_name("rabbit_it"));
+    let stop = ["rabbitmqctl", "-n", &node, "stop"].map(String::from).to_vec();
+    let mut broker = PrivateBroker::start("env", Stopping::Command(stop), |port, dir| {
+        std::fs::write(
+            dir.join("rabbitmq.conf"),
+            format!("listeners.tcp.local = 127.0.0.1:{port}\n"),
+        )
+        .expect("the node's configuration");
+        std::fs::write(dir.join("enabled_plugins"), "[].\n").expect("the node's plugins");
+        std::fs::write(dir.join("env.conf"), "").expect("the node's environment");
+        let owned = std::process::Command::new("chown")
+            .args(["-R", "rabbitmq"])
+            .arg(dir)
+            .status()
+            .expect("run chown");
+        assert!(owned.success(), "give the node's directory to the broker's user");
+        let path = |name: &str| dir.join(name).to_str().expect("a utf-8 path").to_owned();
+        vec![
+            format!("RABBITMQ_NODENAME={node}"),
+            format!("RABBITMQ_CONF_ENV_FILE={}", path("env.conf")),
+            format!("RABBITMQ_CONFIG_FILE={}", path("rabbitmq.conf")),
+            format!("RABBITMQ_MNESIA_BASE={}", path("mnesia")),
+            format!("RABBITMQ_LOG_BASE={}", path("log")),
+            format!("RABBITMQ_ENABLED_PLUGINS_FILE={}", path("enabled_plugins")),
+            format!("RABBITMQ_FEATURE_FLAGS_FILE={}", path("feature_flags")),
+            format!("RABBITMQ_PLUGINS_EXPAND_DIR={}", path("plugins-expand")),
+            format!("RABBITMQ_DIST_PORT={}", free_port()),
+            String::from("ERL_EPMD_ADDRESS=127.0.0.1"),
+            String::from("rabbitmq-server"),
+        ]
+    });
+    let port = broker.port;
+    let uri = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
+    wait_for("the test's own RabbitMQ node", || listening(port));
+
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let admin = runtime.block_on(async {
+        let connection = rabbitmq::connect(&uri).await.expect("the test's own RabbitMQ node");
+        connection.create_channel().await.expect("a channel")
+    });
+    let mut quorum = FieldTable::default();
+    quorum.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    runtime
+        .block_on(admin.queue_declare("orders", durable, quorum))
+        .expect("declare the queue");
+
+    let shop = Shop::with_orders("orders");
+    let effects = Effects::new();
+    let consumer = RabbitConsumer::new(uri.as_str(), "orders", effects.inbox("orders-inbox"))
+        .retry_delay(Duration::from_millis(100))
+        // One message in hand at a time: once the queue is empty and every
+        // order has its effect, the stop lets the one in hand finish.
+        .prefetch(1);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = runtime.spawn(async move {
+        consumer
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    // Through the default exchange, which routes by queue name.
+    let publisher = runtime
+        .block_on(RabbitPublisher::connect(uri.as_str(), ""))
+        .expect("the test's own RabbitMQ node");
+    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone()).timeout(Duration::from_secs(2));
+    let mut published = 0;
+    let report = shop.relay_through_failures(|message| {
+        published += 1;
+        if published == ORDERS / 3 {
+            // Mid-stream: the consumer is reading, the relay publishing.
+            broker.restart();
+            wait_for("the test's own RabbitMQ node again", || listening(port));
+        }
+        publisher.publish(message)
+    });
+    assert_eq!(report.delivered, usize::try_from(ORDERS).unwrap());
+
+    let orders = usize::try_from(ORDERS).unwrap();
+    let ready = |admin: &lapin::Channel| {
+        runtime.block_on(async {
+            let passive = QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            };
+            admin
+                .queue_declare("orders", passive, FieldTable::default())
+                .await
+                .map(|queue| queue.message_count())
+        })
+    };
+    // The admin channel died with the first node.
+    let admin = runtime.block_on(async {
+        let connection = rabbitmq::connect(&uri).await.expect("the test's own RabbitMQ node");
+        connection.create_channel().await.expect("a channel")
+    });
+    wait_for("every order's effect and the queue empty", || {
+        effects.count() >= orders && ready(&admin).is_ok_and(|ready| ready == 0)
+    });
+    stop.send(()).expect("the consumer runs");
+    let ran = join(
+        std::thread::spawn(move || runtime.block_on(running).map(|ran| (ran, runtime))),
+        "the consumer",
+    );
+    let (ran, runtime) = ran.expect("the consumer's task");
+    ran.expect("the consumer ran");
+    // The consumer closed its connection: what it held unacknowledged
+    // would be back in the queue.
+    let left = runtime.block_on(async {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        admin.queue_declare("orders", passive, FieldTable::default()).await
+    });
+    assert_eq!(left.expect("the queue").message_count(), 0, "nothing left behind");
+    effects.assert_each_order_once_in_order(&shop);
 }

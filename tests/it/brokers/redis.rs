@@ -10,7 +10,7 @@ use idempotency::outbox::{Deliveries, Failure, Message, Relay};
 use redis::Commands;
 use tokio::runtime::Runtime;
 
-use super::{Effects, ORDERS, Order, PrivateBroker, Shop};
+use super::{Effects, ORDERS, Order, PrivateBroker, Shop, Stopping};
 use crate::common::unique_name;
 use crate::common::wait::{join, recv, wait_for};
 
@@ -116,7 +116,7 @@ fn answers(url: &str) -> bool {
 fn a_redis_killed_and_started_again_mid_stream_loses_no_order_and_repeats_none() {
     // Killed (no shutdown of its own), but with every write appended and
     // synced before its reply: what Redis confirmed survives the kill.
-    let mut broker = PrivateBroker::start("redis-server", "KILL", |port, dir| {
+    let mut broker = PrivateBroker::start("redis-server", Stopping::Signal("KILL"), |port, dir| {
         let dir = dir.to_str().expect("a utf-8 path");
         let port = port.to_string();
         let args = [
