@@ -220,11 +220,13 @@ impl Effects {
     }
 
     /// How many effects are written.
+    #[cfg(feature = "rabbitmq")]
     pub fn count(&self) -> usize {
         self.rows().len()
     }
 
     /// Whether the effect of order `id` is written.
+    #[cfg(feature = "redis")]
     pub fn has(&self, id: i64) -> bool {
         self.rows().iter().any(|row| row.order_id == id)
     }
@@ -265,9 +267,11 @@ impl Effects {
 /// How a [`PrivateBroker`] is stopped for a restart.
 pub enum Stopping {
     /// By this signal to its process (`KILL`, `TERM`).
+    #[cfg(any(feature = "nats", feature = "redis"))]
     Signal(&'static str),
     /// By this command (its program and arguments), which returns once the
     /// broker stopped.
+    #[cfg(feature = "rabbitmq")]
     Command(Vec<String>),
 }
 
@@ -321,9 +325,11 @@ impl PrivateBroker {
 
     fn stop(&mut self) -> std::io::Result<std::process::ExitStatus> {
         match &self.stopping {
+            #[cfg(any(feature = "nats", feature = "redis"))]
             Stopping::Signal(signal) => std::process::Command::new("kill")
                 .args(["-s", signal, &self.child.id().to_string()])
                 .status(),
+            #[cfg(feature = "rabbitmq")]
             Stopping::Command(command) => std::process::Command::new(&command[0])
                 .args(&command[1..])
                 .stdout(std::process::Stdio::null())
@@ -343,6 +349,9 @@ impl PrivateBroker {
 
 impl Drop for PrivateBroker {
     fn drop(&mut self) {
+        // A command stops a broker whose process is not the one started
+        // (RabbitMQ's script starts the node as its own user).
+        #[cfg(feature = "rabbitmq")]
         if matches!(self.stopping, Stopping::Command(_)) {
             let _ = self.stop();
         }
@@ -360,6 +369,7 @@ pub fn free_port() -> u16 {
 }
 
 /// Whether something accepts connections on `port`.
+#[cfg(feature = "rabbitmq")]
 pub fn listening(port: u16) -> bool {
     std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
 }
