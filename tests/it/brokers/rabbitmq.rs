@@ -1,6 +1,6 @@
 //! RabbitMQ on 127.0.0.1:5672 (guest/guest).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use idempotency::brokers::BlockingPublisher;
 use idempotency::brokers::rabbitmq::{self, RabbitConsumer, RabbitPublisher, Route};
@@ -212,6 +212,19 @@ fn a_message_no_queue_takes_or_for_a_missing_exchange_is_a_failure_never_deliver
         .expect("delete the exchange");
 }
 
+/// Waits until the node of `broker` listens: a node boots in seconds, and
+/// in many more on a loaded machine, so this waits up to two minutes.
+fn node_up(broker: &PrivateBroker) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !listening(broker.port) {
+        if Instant::now() > deadline {
+            let log = std::fs::read_to_string(broker.dir.path().join("broker.log")).unwrap_or_default();
+            panic!("the test's own RabbitMQ node did not listen within 2 minutes; its output:\n{log}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn a_rabbitmq_stopped_and_started_again_mid_stream_loses_no_order_and_repeats_none() {
     // A node of the test's own: its own name, ports, configuration and
@@ -249,7 +262,7 @@ fn a_rabbitmq_stopped_and_started_again_mid_stream_loses_no_order_and_repeats_no
     });
     let port = broker.port;
     let uri = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
-    wait_for("the test's own RabbitMQ node", || listening(port));
+    node_up(&broker);
 
     let runtime = Runtime::new().expect("a tokio runtime");
     let admin = runtime.block_on(async {
@@ -293,7 +306,7 @@ fn a_rabbitmq_stopped_and_started_again_mid_stream_loses_no_order_and_repeats_no
         if published == ORDERS / 3 {
             // Mid-stream: the consumer is reading, the relay publishing.
             broker.restart();
-            wait_for("the test's own RabbitMQ node again", || listening(port));
+            node_up(&broker);
         }
         publisher.publish(message)
     });
