@@ -2,17 +2,20 @@
 
 use std::time::{Duration, Instant};
 
-use idempotency::brokers::BlockingPublisher;
 use idempotency::brokers::rabbitmq::{self, RabbitConsumer, RabbitPublisher, Route};
-use idempotency::outbox::{self, Relay};
+use idempotency::brokers::{
+    BlockingPublisher, ORDERING_KEY_HEADER, TOPIC_HEADER, TRACEPARENT_HEADER, TRACESTATE_HEADER,
+};
+use idempotency::outbox::{self, Envelope, Relay};
 use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicGetOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, ExchangeKind};
 use tokio::runtime::Runtime;
 
-use super::{Effects, ORDERS, PrivateBroker, Shop, Stopping, free_port, listening};
+use super::{Effects, ORDERS, PrivateBroker, Shop, Stopping, TRACEPARENT, TRACESTATE, free_port, listening};
 use crate::common::unique_name;
 use crate::common::wait::{join, wait_for};
 
@@ -351,4 +354,64 @@ fn a_rabbitmq_stopped_and_started_again_mid_stream_loses_no_order_and_repeats_no
     });
     assert_eq!(left.expect("the queue").message_count(), 0, "nothing left behind");
     effects.assert_each_order_once_in_order(&shop);
+}
+
+#[test]
+fn a_message_goes_out_persistent_with_its_key_as_message_id_and_its_metadata_as_headers() {
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let queue = unique_name("wire");
+    let admin = runtime.block_on(channel());
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    runtime
+        .block_on(admin.queue_declare(&queue, durable, FieldTable::default()))
+        .expect("declare the queue");
+
+    let db = idempotency::testing::SqliteFile::new();
+    let key = Envelope::new("orders", &serde_json::json!({ "order": 7 }))
+        .header("x-tenant", "acme")
+        .ordering_key("customer-7")
+        .traceparent(TRACEPARENT)
+        .tracestate(TRACESTATE)
+        .enqueue(&mut db.conn())
+        .expect("enqueue");
+    let routed = queue.clone();
+    let publisher = runtime
+        .block_on(RabbitPublisher::connect(URI, ""))
+        .expect("RabbitMQ on 127.0.0.1:5672 (.ci/run starts it)")
+        .route(move |_| Route::new("", routed.clone()));
+    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
+    let report = Relay::default()
+        .run_once(&mut db.conn(), |message| publisher.publish(message))
+        .expect("relay");
+    assert_eq!(report.delivered, 1);
+
+    let got = runtime
+        .block_on(admin.basic_get(&queue, BasicGetOptions { no_ack: true }))
+        .expect("basic.get")
+        .expect("the message");
+    let properties = &got.delivery.properties;
+    assert_eq!(*properties.delivery_mode(), Some(2), "persistent");
+    assert_eq!(
+        properties.message_id().as_ref().map(|id| id.as_str()),
+        Some(key.as_str())
+    );
+    let headers = properties.headers().as_ref().expect("headers").inner();
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(AMQPValue::as_long_string)
+            .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
+    };
+    assert_eq!(header("x-tenant").as_deref(), Some("acme"));
+    assert_eq!(header(TOPIC_HEADER).as_deref(), Some("orders"));
+    assert_eq!(header(ORDERING_KEY_HEADER).as_deref(), Some("customer-7"));
+    assert_eq!(header(TRACEPARENT_HEADER).as_deref(), Some(TRACEPARENT));
+    assert_eq!(header(TRACESTATE_HEADER).as_deref(), Some(TRACESTATE));
+    assert_eq!(got.delivery.data, br#"{"order":7}"#);
+    runtime
+        .block_on(admin.queue_delete(&queue, QueueDeleteOptions::default()))
+        .expect("delete the queue");
 }
