@@ -108,6 +108,8 @@
 
 mod backend;
 pub mod batch;
+#[cfg(any(feature = "nats", feature = "rabbitmq", feature = "redis"))]
+pub mod brokers;
 mod clock;
 mod codec;
 mod config;
@@ -238,6 +240,10 @@ pub mod guide {
     }
     pub mod performance {
         #![doc = include_str!("../docs/performance.md")]
+    }
+    #[cfg(any(feature = "nats", feature = "rabbitmq", feature = "redis"))]
+    pub mod brokers {
+        #![doc = include_str!("../docs/brokers.md")]
     }
     pub mod asynchronous {
         #![doc = include_str!("../docs/async.md")]

@@ -23,6 +23,8 @@ mod asynchronous;
 mod batch;
 #[cfg(feature = "axum")]
 mod binding;
+#[cfg(any(feature = "nats", feature = "rabbitmq", feature = "redis"))]
+mod brokers;
 #[cfg(feature = "postgres")]
 mod clock_skew;
 mod concurrency;

@@ -1,0 +1,368 @@
+//! Redis Streams on 127.0.0.1:6379.
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::time::Duration;
+
+use idempotency::brokers::BlockingPublisher;
+use idempotency::brokers::redis::{HEADER_FIELD_PREFIX, KEY_FIELD, PAYLOAD_FIELD, RedisConsumer, RedisPublisher, Trim};
+use idempotency::outbox::{Deliveries, Failure, Message, Relay};
+use redis::Commands;
+use tokio::runtime::Runtime;
+
+use super::{Effects, ORDERS, Order, PrivateBroker, Shop, Stopping};
+use crate::common::unique_name;
+use crate::common::wait::{join, recv, wait_for};
+
+const URL: &str = "redis://127.0.0.1:6379";
+
+fn client() -> redis::Client {
+    redis::Client::open(URL).expect("a redis url")
+}
+
+fn connection() -> redis::Connection {
+    client()
+        .get_connection()
+        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
+}
+
+#[test]
+fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poison_is_dead_lettered() {
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let stream = unique_name("orders");
+    let dead = format!("{stream}:dead");
+    let shop = Shop::with_orders("orders");
+    let poison = shop.enqueue_poison();
+    let effects = Effects::new();
+
+    let target = stream.clone();
+    let publisher = runtime
+        .block_on(RedisPublisher::connect(client()))
+        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
+        .stream(move |_| target.clone())
+        .trim(Trim::AboutMaxLen(10_000));
+    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
+    // Every message published twice, as by a relay that died between the
+    // confirmation and its mark: Redis keeps both copies.
+    let report = shop.relay(|message| {
+        publisher.publish(message)?;
+        publisher.publish(message)
+    });
+    assert_eq!(report.delivered, usize::try_from(ORDERS).unwrap() + 1);
+    let length: usize = connection().xlen(&stream).expect("XLEN");
+    assert_eq!(length, 2 * (usize::try_from(ORDERS).unwrap() + 1));
+
+    let consumer = RedisConsumer::new(
+        client(),
+        stream.clone(),
+        "inbox",
+        "consumer-1",
+        effects.inbox("orders-inbox"),
+    )
+    .max_deliveries(3)
+    .claim_idle(Duration::from_millis(50));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = runtime.spawn(async move {
+        consumer
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    // Done when Redis reports every entry delivered to the group and none
+    // pending: each acknowledged or dead-lettered.
+    wait_for("every entry acknowledged", || {
+        let groups: redis::streams::StreamInfoGroupsReply = connection().xinfo_groups(&stream).expect("XINFO GROUPS");
+        // No group until the consumer created it.
+        groups
+            .groups
+            .first()
+            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
+    });
+    stop.send(()).expect("the consumer runs");
+    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
+    ran.expect("the consumer's task").expect("the consumer ran");
+
+    effects.assert_each_order_once_in_order(&shop);
+    let mut redis = connection();
+    // Both copies of the poison message, each after its own bound.
+    let letters: redis::streams::StreamRangeReply = redis.xrange_all(&dead).expect("XRANGE");
+    assert_eq!(letters.ids.len(), 2);
+    for letter in &letters.ids {
+        let fields: HashMap<String, String> = letter
+            .map
+            .keys()
+            .map(|name| (name.clone(), letter.get(name).expect("a text field")))
+            .collect();
+        assert_eq!(fields.get(KEY_FIELD), Some(&poison));
+        let reason = format!("{HEADER_FIELD_PREFIX}idempotency-dead-letter-reason");
+        assert!(fields[&reason].contains("delivery 3 of 3"), "{fields:?}");
+    }
+    let pending: redis::streams::StreamPendingReply = redis.xpending(&stream, "inbox").expect("XPENDING");
+    assert_eq!(pending.count(), 0, "every entry acknowledged");
+    let _: () = redis.del(&[&stream, &dead]).expect("DEL");
+}
+
+/// Whether the Redis at `url` answers.
+fn answers(url: &str) -> bool {
+    redis::Client::open(url)
+        .and_then(|client| client.get_connection())
+        .and_then(|mut conn| redis::cmd("PING").query::<String>(&mut conn))
+        .is_ok()
+}
+
+#[test]
+fn a_redis_killed_and_started_again_mid_stream_loses_no_order_and_repeats_none() {
+    // Killed (no shutdown of its own), but with every write appended and
+    // synced before its reply: what Redis confirmed survives the kill.
+    let mut broker = PrivateBroker::start("redis-server", Stopping::Signal("KILL"), |port, dir| {
+        let dir = dir.to_str().expect("a utf-8 path");
+        let port = port.to_string();
+        let args = [
+            "--port",
+            &port,
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+        ];
+        args.into_iter()
+            .chain(["--appendfsync", "always", "--dir", dir])
+            .map(String::from)
+            .collect()
+    });
+    let url = format!("redis://127.0.0.1:{}", broker.port);
+    wait_for("the test's own Redis", || answers(&url));
+    let client = redis::Client::open(url.as_str()).expect("a redis url");
+
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let shop = Shop::with_orders("orders");
+    let effects = Effects::new();
+    let consumer = RedisConsumer::new(
+        client.clone(),
+        "orders",
+        "inbox",
+        "consumer-1",
+        effects.inbox("orders-inbox"),
+    )
+    .claim_idle(Duration::from_millis(200));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = runtime.spawn(async move {
+        consumer
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+
+    let publisher = runtime
+        .block_on(RedisPublisher::connect(client.clone()))
+        .expect("the test's own Redis");
+    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone()).timeout(Duration::from_secs(2));
+    let mut published = 0;
+    let report = shop.relay_through_failures(|message| {
+        published += 1;
+        if published == ORDERS / 3 {
+            // Mid-stream: the consumer is reading, the relay publishing.
+            broker.restart();
+            wait_for("the test's own Redis again", || answers(&url));
+        }
+        publisher.publish(message)
+    });
+    assert_eq!(report.delivered, usize::try_from(ORDERS).unwrap());
+    assert!(report.retried >= 1, "a publish met the restart: {report:?}");
+
+    let mut redis = client.get_connection().expect("the test's own Redis");
+    wait_for("every entry acknowledged", || {
+        let groups: redis::streams::StreamInfoGroupsReply = redis.xinfo_groups("orders").expect("XINFO GROUPS");
+        let last: redis::streams::StreamRangeReply = redis.xrevrange_count("orders", "+", "-", 1).expect("XREVRANGE");
+        groups.groups.first().is_some_and(|group| {
+            group.pending == 0 && Some(&group.last_delivered_id) == last.ids.first().map(|entry| &entry.id)
+        })
+    });
+    stop.send(()).expect("the consumer runs");
+    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
+    ran.expect("the consumer's task").expect("the consumer ran");
+    effects.assert_each_order_once_in_order(&shop);
+}
+
+#[test]
+fn three_relays_with_failures_at_random_hand_each_customers_orders_over_in_order() {
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let stream = unique_name("orders");
+    let shop = Shop::with_orders_of("orders", 1000, 50);
+    let effects = Effects::new();
+    let target = stream.clone();
+    let publisher = runtime
+        .block_on(RedisPublisher::connect(client()))
+        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
+        .stream(move |_| target.clone());
+    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
+
+    // A fifth of the first two attempts fail, chosen by the message key:
+    // half of them before the publish (the broker never saw it), half after
+    // (the broker has it, and gets it again).
+    let handler = |message: &Message| {
+        let mut hasher = DefaultHasher::new();
+        (&message.key, message.attempt).hash(&mut hasher);
+        let draw = hasher.finish() % 10;
+        if message.attempt <= 2 && draw == 0 {
+            return Err(Failure::Retry(String::from("failed before the publish")));
+        }
+        publisher.publish(message)?;
+        if message.attempt <= 2 && draw == 1 {
+            return Err(Failure::Retry(String::from("failed after the publish")));
+        }
+        Ok(())
+    };
+    let relay = Relay::default()
+        .backoff(chrono::Duration::milliseconds(1), chrono::Duration::milliseconds(5))
+        .batch_size(20);
+    let totals: Vec<Deliveries> = std::thread::scope(|scope| {
+        let relays: Vec<_> = (0..3)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut conn = shop.db.conn();
+                    let mut total = Deliveries::default();
+                    loop {
+                        let report = relay.run_once(&mut conn, handler).expect("relay the outbox");
+                        total += report;
+                        if report.claimed == 0 {
+                            if relay.stats(&mut conn).expect("the outbox's stats").pending == 0 {
+                                return total;
+                            }
+                            // Backed-off messages are due within milliseconds.
+                            std::thread::yield_now();
+                        }
+                    }
+                })
+            })
+            .collect();
+        relays
+            .into_iter()
+            .map(|relay| relay.join().expect("a relay panicked"))
+            .collect()
+    });
+    let delivered: usize = totals.iter().map(|total| total.delivered).sum();
+    let retried: usize = totals.iter().map(|total| total.retried).sum();
+    assert_eq!(delivered, 1000);
+    assert!(retried > 0, "failures at random: {totals:?}");
+    assert!(
+        totals.iter().all(|total| total.delivered > 0),
+        "each relay delivered: {totals:?}"
+    );
+
+    let consumer = RedisConsumer::new(
+        client(),
+        stream.clone(),
+        "inbox",
+        "consumer-1",
+        effects.inbox("orders-inbox"),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = runtime.spawn(async move {
+        consumer
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let mut redis = connection();
+    wait_for("every entry acknowledged", || {
+        let groups: redis::streams::StreamInfoGroupsReply = redis.xinfo_groups(&stream).expect("XINFO GROUPS");
+        groups
+            .groups
+            .first()
+            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
+    });
+    stop.send(()).expect("the consumer runs");
+    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
+    ran.expect("the consumer's task").expect("the consumer ran");
+    effects.assert_each_order_once_in_order(&shop);
+    let _: () = redis.del(&stream).expect("DEL");
+}
+
+#[test]
+fn a_consumer_gone_between_its_commit_and_its_ack_has_the_message_replayed_not_repeated() {
+    let stream = unique_name("orders");
+    let shop = Shop::with_orders("orders");
+    let effects = Effects::new();
+    let publishing = Runtime::new().expect("a tokio runtime");
+    let target = stream.clone();
+    let publisher = publishing
+        .block_on(RedisPublisher::connect(client()))
+        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
+        .stream(move |_| target.clone());
+    let publisher = BlockingPublisher::new(publisher, publishing.handle().clone());
+    shop.relay(|message| publisher.publish(message));
+
+    // The first consumer holds the transaction of order 20 open until its
+    // runtime is gone: the commit then happens, the ack never.
+    const HELD: i64 = 20;
+    let (reached, held) = std::sync::mpsc::channel::<()>();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let released = std::sync::Mutex::new(released);
+    let inbox = effects.inbox_with("orders-inbox", move |order| {
+        if order.id == HELD {
+            reached.send(()).expect("the test waits");
+            recv(&released.lock().expect("the gate"), "the release of the held order");
+        }
+    });
+    let first = Runtime::new().expect("a tokio runtime");
+    let consumer = RedisConsumer::new(client(), stream.clone(), "inbox", "consumer-1", inbox);
+    first.spawn(async move { consumer.run(std::future::pending()).await });
+    recv(&held, "the first consumer at order 20");
+    first.shutdown_background();
+    release.send(()).expect("the held handler waits");
+    wait_for("order 20's effect committed", || effects.has(HELD));
+    let mut redis = connection();
+    let entries: redis::streams::StreamRangeReply = redis.xrange_all(&stream).expect("XRANGE");
+    let held = entries
+        .ids
+        .iter()
+        .find(|entry| {
+            let payload: Option<String> = entry.get(PAYLOAD_FIELD);
+            payload.is_some_and(|payload| serde_json::from_str::<Order>(&payload).is_ok_and(|order| order.id == HELD))
+        })
+        .expect("order 20's entry");
+    let pending: redis::streams::StreamPendingCountReply =
+        redis.xpending_count(&stream, "inbox", "-", "+", 100).expect("XPENDING");
+    assert!(
+        pending.ids.iter().any(|entry| entry.id == held.id),
+        "order 20 committed, never acknowledged"
+    );
+
+    // The consumer started again under its name handles what it held
+    // first, in order: the inbox replays order 20.
+    let second = Runtime::new().expect("a tokio runtime");
+    let consumer = RedisConsumer::new(
+        client(),
+        stream.clone(),
+        "inbox",
+        "consumer-1",
+        effects.inbox("orders-inbox"),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = second.spawn(async move {
+        consumer
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    wait_for("every entry acknowledged", || {
+        let groups: redis::streams::StreamInfoGroupsReply = redis.xinfo_groups(&stream).expect("XINFO GROUPS");
+        groups
+            .groups
+            .first()
+            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
+    });
+    stop.send(()).expect("the consumer runs");
+    let ran = join(std::thread::spawn(move || second.block_on(running)), "the consumer");
+    ran.expect("the consumer's task").expect("the consumer ran");
+    effects.assert_each_order_once_in_order(&shop);
+    let _: () = redis.del(&stream).expect("DEL");
+}
