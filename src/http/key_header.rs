@@ -7,7 +7,7 @@ use std::sync::Arc;
 use http::HeaderName;
 
 use super::header::{HeaderError, HeaderFields, Syntax, read_key};
-use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
+use super::headers::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 
 /// How [`IdempotencyKey`](super::IdempotencyKey) reads the key header, and
 /// the name of the header that advertises when the key expires.
