@@ -115,6 +115,10 @@ impl KeyNotClaimed {
     const FAILED: &str = "idempotency: the key was not claimed: the round trip that takes it failed";
 
     /// The error that says so, with the server's own.
+    #[cfg_attr(
+        not(feature = "postgres"),
+        expect(dead_code, reason = "only PostgreSQL claims at the database's time")
+    )]
     pub(crate) fn error(self, server: Box<dyn DatabaseErrorInformation + Send + Sync>) -> diesel::result::Error {
         diesel::result::Error::DatabaseError(DatabaseErrorKind::Unknown, Box::new(NotClaimed(self, server)))
     }
