@@ -188,10 +188,10 @@ where
     match status {
         KeyStatus::Completed {
             response, expires_at, ..
-        } => Ok(Answer::new(
+        } => Ok(Answer::marked(
             Outcome::Replayed(response),
             expires_at,
-            key.expiry_header().clone(),
+            key.marks().clone(),
         )),
         KeyStatus::InProgress => refused(
             ProblemKind::InProgress,

@@ -233,14 +233,14 @@ impl Phased {
     /// [`Parked`](KeyStatus::Parked) while it waits for a person. It never
     /// runs a step and never writes.
     ///
-    /// As [`Config::status`] for a single call, the lookup answers only
+    /// As [`Config::status`](crate::Config::status) for a single call, the lookup answers only
     /// what a retry would: an operation of another request or of another
     /// operation (another name) is [`NoRecord`](KeyStatus::NoRecord),
     /// exactly as a key without one.
     ///
     /// # Errors
     ///
-    /// As [`Config::status`].
+    /// As [`Config::status`](crate::Config::status).
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
