@@ -6,6 +6,7 @@
 
 use std::convert::Infallible;
 
+use chrono::NaiveDateTime;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -534,6 +535,12 @@ impl Config {
     /// transaction, so it can run beside live traffic. Returns how many rows
     /// were deleted in all.
     ///
+    /// Where the policy keeps [tombstones](Config::tombstones), a key
+    /// record is deleted only once its grace period has ended too; before
+    /// that the purge turns it into a tombstone, clearing its stored
+    /// response, and counts it among the rows it returns. Phased operations
+    /// are purged as without tombstones.
+    ///
     /// Called inside an open transaction, the batches become part of it.
     /// On PostgreSQL and MySQL rows that a live request is taking over are
     /// skipped, not waited for.
@@ -564,30 +571,63 @@ impl Config {
     /// # }
     /// ```
     pub fn purge_expired<C: StoreConnection>(&self, conn: &mut C, batch_size: usize) -> Result<usize, Error> {
-        self.purge_expired_until(conn, batch_size, &|| false)
+        let purged = self.purge_expired_until(conn, batch_size, &|| false, &mut None)?;
+        Ok(purged.deleted + purged.tombstoned)
     }
 
     /// [`purge_expired`](Config::purge_expired), ending after the batch in
-    /// which `stop` becomes true.
+    /// which `stop` becomes true. `swept`: the time up to which an earlier
+    /// purge on this policy turned every expired record into a tombstone
+    /// (`None` where unknown); the tombstones' pass begins after it, and
+    /// a complete pass moves it on.
     pub(crate) fn purge_expired_until<C: StoreConnection>(
         &self,
         conn: &mut C,
         batch_size: usize,
         stop: &dyn Fn() -> bool,
-    ) -> Result<usize, Error> {
+        swept: &mut Option<NaiveDateTime>,
+    ) -> Result<KeysPurged, Error> {
         let conn = conn.raw();
         // One fixed cut-off, so the loop ends even while records keep
         // expiring under it.
         let cutoff = self.clock.now(conn)?;
-        let keys = backend::purge_in_batches("idempotency_keys", batch_size, stop, |limit| {
-            conn.write_now(self.in_flight, |conn| conn.purge_batch(cutoff, limit))
-        })?;
+        let reusable_by = self.reusable_by(cutoff);
+        let mut purged = KeysPurged {
+            deleted: backend::purge_in_batches("idempotency_keys", batch_size, stop, |limit| {
+                conn.write_now(self.in_flight, |conn| conn.purge_batch(reusable_by, limit))
+            })?,
+            tombstoned: 0,
+        };
         if stop() {
-            return Ok(keys);
+            return Ok(purged);
         }
-        let operations = backend::purge_in_batches("idempotency_phases", batch_size, stop, |limit| {
+        if self.tombstones.is_some() {
+            // Records that expired up to `swept` were cleared by an earlier
+            // pass; one a live call held then (passed over, not waited
+            // for) keeps its response until it is deleted, which costs
+            // space, not correctness: a call answers an expired record as a
+            // tombstone whether or not its response was cleared.
+            let after = swept.map_or(reusable_by, |swept| swept.max(reusable_by));
+            purged.tombstoned = backend::purge_in_batches("idempotency_keys_tombstoned", batch_size, stop, |limit| {
+                conn.write_now(self.in_flight, |conn| conn.tombstone_batch(after, cutoff, limit))
+            })?;
+            if stop() {
+                return Ok(purged);
+            }
+            *swept = Some(cutoff);
+        }
+        purged.deleted += backend::purge_in_batches("idempotency_phases", batch_size, stop, |limit| {
             conn.write_now(self.in_flight, |conn| conn.purge_operations_batch(cutoff, limit))
         })?;
-        Ok(keys + operations)
+        Ok(purged)
     }
+}
+
+/// What one purge of [`Config::purge_expired_until`] did.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct KeysPurged {
+    /// Key records and phased operations deleted.
+    pub(crate) deleted: usize,
+    /// Key records turned into tombstones.
+    pub(crate) tombstoned: usize,
 }

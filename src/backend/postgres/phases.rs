@@ -33,6 +33,7 @@ impl BlockingPhaseStore for PgConnection {
             table: "idempotency_phases",
             key: "idempotency_key",
             condition: "status = $1 AND expires_at <= $2",
+            set: None,
             bind: &|rows| {
                 rows.bind::<Text, _>(OperationStatus::Completed)
                     .bind::<Timestamp, _>(cutoff)
