@@ -361,7 +361,7 @@ impl Config {
     /// is over. It applies to single calls
     /// ([`run`](Config::run) and what is built on it); a
     /// [phased operation](crate::phased) past its retention runs anew, as
-    /// without it (see [the contract](crate::guide::contract#tombstones)).
+    /// without it (see [the contract](crate::guide::contract#tombstones-fail-closed-expiry)).
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
