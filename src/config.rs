@@ -358,10 +358,9 @@ impl Config {
     /// process without it executes a key whose retention has ended. A
     /// [purge](Config::purge_expired) under this policy clears the response
     /// of each expired record and deletes the record once its grace period
-    /// is over. It applies to single calls
-    /// ([`run`](Config::run) and what is built on it); a
-    /// [phased operation](crate::phased) past its retention runs anew, as
-    /// without it (see [the contract](crate::guide::contract#tombstones-fail-closed-expiry)).
+    /// is over. [Phased operations](crate::phased) under this `Config`
+    /// follow the same policy (see
+    /// [the contract](crate::guide::contract#tombstones-fail-closed-expiry)).
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

@@ -17,8 +17,8 @@ use crate::service::{Next, Shutdown, Stopped, serve};
 /// Deletes expired key records, completed phased operations past their
 /// retention and delivered outbox messages in the background until
 /// stopped (under a policy that keeps [tombstones](Config::tombstones),
-/// it turns expired key records into tombstones and deletes them once their
-/// grace period has ended), so that a service starts it once at boot and
+/// it turns expired key records and completed phased operations into
+/// tombstones and deletes them once their grace period has ended), so that a service starts it once at boot and
 /// never thinks about retention again. Built with consuming builder methods:
 ///
 /// | setting | default |
@@ -85,8 +85,8 @@ pub struct Purged {
     pub rounds: usize,
     /// Expired key records and completed phased operations deleted.
     pub keys: usize,
-    /// Expired key records turned into tombstones (their responses
-    /// cleared), where the [`config`](Purger::config) keeps
+    /// Expired key records and completed phased operations turned into
+    /// tombstones (their responses cleared), where the [`config`](Purger::config) keeps
     /// [tombstones](Config::tombstones); each is counted in
     /// [`keys`](Purged::keys) as well once its grace period ends and it is
     /// deleted.

@@ -536,10 +536,11 @@ impl Config {
     /// were deleted in all.
     ///
     /// Where the policy keeps [tombstones](Config::tombstones), a key
-    /// record is deleted only once its grace period has ended too; before
-    /// that the purge turns it into a tombstone, clearing its stored
-    /// response, and counts it among the rows it returns. Phased operations
-    /// are purged as without tombstones.
+    /// record or completed phased operation is deleted only once its grace
+    /// period has ended too; before that the purge turns it into a
+    /// tombstone, clearing its stored response (and an operation's stored
+    /// request and recovery points), and counts it among the rows it
+    /// returns.
     ///
     /// Called inside an open transaction, the batches become part of it.
     /// On PostgreSQL and MySQL rows that a live request is taking over are
@@ -592,33 +593,39 @@ impl Config {
         // expiring under it.
         let cutoff = self.clock.now(conn)?;
         let reusable_by = self.reusable_by(cutoff);
-        let mut purged = KeysPurged {
-            deleted: backend::purge_in_batches("idempotency_keys", batch_size, stop, |limit| {
-                conn.write_now(self.in_flight, |conn| conn.purge_batch(reusable_by, limit))
-            })?,
-            tombstoned: 0,
-        };
+        // Where the tombstones' pass of the rounds before got to: records
+        // and operations that expired up to then were cleared by it. One a
+        // live call held then (passed over, not waited for) keeps its
+        // response until it is deleted, which costs space, not correctness:
+        // a call answers an expired record as a tombstone whether or not
+        // its response was cleared.
+        let after = swept.map_or(reusable_by, |swept| swept.max(reusable_by));
+        let mut purged = KeysPurged::default();
+        purged.deleted += backend::purge_in_batches("idempotency_keys", batch_size, stop, |limit| {
+            conn.write_now(self.in_flight, |conn| conn.purge_batch(reusable_by, limit))
+        })?;
+        if self.tombstones.is_some() && !stop() {
+            purged.tombstoned += backend::purge_in_batches("idempotency_keys_tombstoned", batch_size, stop, |limit| {
+                conn.write_now(self.in_flight, |conn| conn.tombstone_batch(after, cutoff, limit))
+            })?;
+        }
         if stop() {
             return Ok(purged);
         }
-        if self.tombstones.is_some() {
-            // Records that expired up to `swept` were cleared by an earlier
-            // pass; one a live call held then (passed over, not waited
-            // for) keeps its response until it is deleted, which costs
-            // space, not correctness: a call answers an expired record as a
-            // tombstone whether or not its response was cleared.
-            let after = swept.map_or(reusable_by, |swept| swept.max(reusable_by));
-            purged.tombstoned = backend::purge_in_batches("idempotency_keys_tombstoned", batch_size, stop, |limit| {
-                conn.write_now(self.in_flight, |conn| conn.tombstone_batch(after, cutoff, limit))
-            })?;
-            if stop() {
-                return Ok(purged);
-            }
-            *swept = Some(cutoff);
-        }
         purged.deleted += backend::purge_in_batches("idempotency_phases", batch_size, stop, |limit| {
-            conn.write_now(self.in_flight, |conn| conn.purge_operations_batch(cutoff, limit))
+            conn.write_now(self.in_flight, |conn| conn.purge_operations_batch(reusable_by, limit))
         })?;
+        if self.tombstones.is_some() && !stop() {
+            purged.tombstoned +=
+                backend::purge_in_batches("idempotency_phases_tombstoned", batch_size, stop, |limit| {
+                    conn.write_now(self.in_flight, |conn| {
+                        conn.tombstone_operations_batch(after, cutoff, limit)
+                    })
+                })?;
+            if !stop() {
+                *swept = Some(cutoff);
+            }
+        }
         Ok(purged)
     }
 }
@@ -628,6 +635,6 @@ impl Config {
 pub(crate) struct KeysPurged {
     /// Key records and phased operations deleted.
     pub(crate) deleted: usize,
-    /// Key records turned into tombstones.
+    /// Key records and phased operations turned into tombstones.
     pub(crate) tombstoned: usize,
 }

@@ -170,7 +170,7 @@ pub(super) async fn look_up<C: PhaseStore, R: DeserializeOwned>(
         };
         let read_at = *now.get_or_insert(config.clock.or_database(read_at));
         if let Some(row) = row.filter(|row| reader.answers_operation(row)) {
-            return operation_status(row, read_at);
+            return operation_status(config, row, read_at);
         }
     }
     let now = match now {
@@ -214,7 +214,7 @@ pub(super) async fn look_up<C: PhaseStore, R: DeserializeOwned>(
             })),
         // A claim this connection's own enclosing call holds.
         Ok((Some(_), _)) => Ok(KeyStatus::InProgress),
-        Ok((None, Some(row))) => operation_status(row, now),
+        Ok((None, Some(row))) => operation_status(config, row, now),
         Ok((None, None)) => Ok(KeyStatus::NoRecord),
         Err(error) => match call_error::<RulesOf<C>, Infallible>(error, false) {
             Error::InProgress => Ok(KeyStatus::InProgress),
@@ -231,13 +231,21 @@ fn is_answered(stored: &Stored, now: NaiveDateTime) -> bool {
 /// expired, and within the grace period of the policy's
 /// [tombstones](Config::tombstones).
 fn tombstone<R>(config: &Config, stored: &Stored, now: NaiveDateTime) -> Option<KeyStatus<R>> {
+    match stored.status {
+        RecordStatus::Completed => tombstoned(config, stored.expires_at, now),
+        RecordStatus::Processing => None,
+    }
+}
+
+/// [`KeyStatus::Tombstoned`] for what completed and expired at
+/// `expires_at`, if that is within the grace period of the policy's
+/// [tombstones](Config::tombstones) as of `now`.
+fn tombstoned<R>(config: &Config, expires_at: NaiveDateTime, now: NaiveDateTime) -> Option<KeyStatus<R>> {
     let grace = config.tombstones?;
-    let in_grace = stored.status == RecordStatus::Completed
-        && stored.expires_at <= now
-        && stored.expires_at > config.reusable_by(now);
+    let in_grace = expires_at <= now && expires_at > config.reusable_by(now);
     in_grace.then(|| KeyStatus::Tombstoned {
-        expired_at: stored.expires_at.and_utc(),
-        reusable_at: (stored.expires_at + grace).and_utc(),
+        expired_at: expires_at.and_utc(),
+        reusable_at: (expires_at + grace).and_utc(),
     })
 }
 
@@ -254,11 +262,16 @@ fn completed<R: DeserializeOwned>(stored: &Stored) -> Result<KeyStatus<R>, Error
 }
 
 /// What an operation in phases is as of `now`, as a retry would find it.
-fn operation_status<R: DeserializeOwned>(row: OperationRow, now: NaiveDateTime) -> Result<KeyStatus<R>, Error> {
+fn operation_status<R: DeserializeOwned>(
+    config: &Config,
+    row: OperationRow,
+    now: NaiveDateTime,
+) -> Result<KeyStatus<R>, Error> {
     match (row.status, row.expires_at) {
-        (OperationStatus::Completed, Some(expires_at)) if expires_at <= now => Ok(KeyStatus::Expired {
-            expired_at: expires_at.and_utc(),
-        }),
+        (OperationStatus::Completed, Some(expires_at)) if expires_at <= now => Ok(tombstoned(config, expires_at, now)
+            .unwrap_or(KeyStatus::Expired {
+                expired_at: expires_at.and_utc(),
+            })),
         (OperationStatus::Completed, expires_at) => Ok(KeyStatus::Completed {
             response: serde_json::from_str(row.response.as_deref().unwrap_or_default()).map_err(Error::Codec)?,
             created_at: row.created_at.and_utc(),

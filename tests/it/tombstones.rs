@@ -28,7 +28,7 @@ crate::common::backend_tests!(
     a_lookup_tells_a_tombstone_only_to_the_request_that_could_have_been_replayed,
     racing_retries_of_a_tombstoned_key_are_all_refused_and_run_nothing,
     racing_retries_after_the_grace_period_execute_once,
-    a_phased_operation_past_its_retention_runs_anew_under_the_policy,
+    a_phased_operation_past_its_retention_is_expired_until_the_grace_period_ends,
 );
 
 /// A retention of an hour, tombstones kept a day after it, by a manual
@@ -361,27 +361,51 @@ fn racing_retries_after_the_grace_period_execute_once<D: TestDb>() {
     assert_eq!((D::order_count(&mut conn), D::key_count(&mut conn)), (2, 1));
 }
 
-/// Tombstones are a policy of single calls: a phased operation whose
-/// retention has ended runs anew, as without it (the contract says why).
-fn a_phased_operation_past_its_retention_runs_anew_under_the_policy<D: TestDb>() {
+/// A phased operation follows the policy as a single call does: refused
+/// inside the grace period, its tombstone cleared by the purge, run anew
+/// after it.
+fn a_phased_operation_past_its_retention_is_expired_until_the_grace_period_ends<D: TestDb>() {
     let db = D::new();
     let mut conn = db.conn();
     let (clock, config) = policy();
-    let order = Phased::new("place_order").config(config);
+    let order = Phased::new("place_order").config(config.clone());
     let phases = AtomicUsize::new(0);
-    let run = |conn: &mut D::Conn| {
-        order.run(conn, "shop", "k", &"book", |s| {
+    let run = |conn: &mut D::Conn, item: &str| {
+        order.run(conn, "shop", "k", &item, |s| {
             let id = s.phase("placed", |tx| {
                 phases.fetch_add(1, Ordering::SeqCst);
-                D::place_order(tx, "book", 1)
+                D::place_order(tx, item, 1)
             })?;
             s.finish(|_| Ok::<_, diesel::result::Error>(id))
         })
     };
-    assert!(!run(&mut conn).expect("the first run").is_replayed());
+    let status = |conn: &mut D::Conn, item: &str| -> KeyStatus<i64> {
+        order.status(conn, "shop", "k", &item).expect("a lookup")
+    };
+    let first = run(&mut conn, "book").expect("the first run");
+    assert!(!first.is_replayed());
     clock.advance(Duration::hours(1));
-    assert!(!run(&mut conn).expect("runs anew").is_replayed());
+
+    let late = run(&mut conn, "book");
+    assert!(matches!(late, Err(Error::Expired)), "{late:?}");
+    assert!(matches!(run(&mut conn, "pen"), Err(Error::Mismatch)));
+    assert!(matches!(status(&mut conn, "book"), KeyStatus::Tombstoned { .. }));
+    assert_eq!(status(&mut conn, "pen"), KeyStatus::NoRecord);
+    assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 1, "one tombstone");
+    let late = run(&mut conn, "book");
+    assert!(matches!(late, Err(Error::Expired)), "{late:?}");
+    assert_eq!(phases.load(Ordering::SeqCst), 1, "no phase ran again");
+
+    clock.advance(Duration::days(1));
+    assert!(matches!(status(&mut conn, "book"), KeyStatus::Expired { .. }));
+    assert!(!run(&mut conn, "book").expect("runs anew").is_replayed());
     assert_eq!(phases.load(Ordering::SeqCst), 2);
+    clock.advance(Duration::hours(1) + Duration::days(1));
+    assert_eq!(
+        config.purge_expired(&mut conn, 10).expect("purge"),
+        1,
+        "deleted after its grace period"
+    );
 }
 
 #[test]

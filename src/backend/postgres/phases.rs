@@ -42,5 +42,25 @@ impl BlockingPhaseStore for PgConnection {
         purge(self, &expired, limit)
     }
 
+    fn tombstone_operations_batch(
+        &mut self,
+        after: NaiveDateTime,
+        cutoff: NaiveDateTime,
+        limit: usize,
+    ) -> QueryResult<usize> {
+        let expired = Expired {
+            table: "idempotency_phases",
+            key: "idempotency_key",
+            condition: "status = $1 AND expires_at > $2 AND expires_at <= $3 AND response IS NOT NULL",
+            set: Some("response = NULL, request = NULL, points = '[]'"),
+            bind: &|rows| {
+                rows.bind::<Text, _>(OperationStatus::Completed)
+                    .bind::<Timestamp, _>(after)
+                    .bind::<Timestamp, _>(cutoff)
+            },
+        };
+        purge(self, &expired, limit)
+    }
+
     phase_statements!(blocking schema: pick_abandoned, park_unheld, park_exhausted, parked_operations, requeue_operation);
 }
