@@ -50,7 +50,7 @@ fn place<D: TestDb>(
     key: &str,
     item: &str,
     runs: &AtomicUsize,
-) -> Result<Outcome<i64>, Error<diesel::result::Error>> {
+) -> Placed {
     config.run(conn, "shop", key, &item, |tx| {
         runs.fetch_add(1, Ordering::SeqCst);
         D::place_order(tx, item, 1)
@@ -306,9 +306,12 @@ fn a_lookup_tells_a_tombstone_only_to_the_request_that_could_have_been_replayed<
     assert_eq!(runs.load(Ordering::SeqCst), 1, "a lookup runs nothing");
 }
 
+/// What a call of [`place`] answers.
+type Placed = Result<Outcome<i64>, Error<diesel::result::Error>>;
+
 /// `THREADS` retries of one key from a pool, released together by a
 /// barrier; each one's result, and how often the operation ran.
-fn race<D: TestDb>(db: &D, config: &Config) -> (Vec<Result<Outcome<i64>, Error<diesel::result::Error>>>, usize) {
+fn race<D: TestDb>(db: &D, config: &Config) -> (Vec<Placed>, usize) {
     const THREADS: usize = 8;
     // Smaller than the thread count: the barrier comes before checkout.
     let pool = db.pool(4);
