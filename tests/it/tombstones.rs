@@ -44,13 +44,7 @@ fn policy() -> (ManualClock, Config) {
 
 /// Places an order of `item` under `key` in the scope `shop`, counting
 /// the operation's runs.
-fn place<D: TestDb>(
-    config: &Config,
-    conn: &mut D::Conn,
-    key: &str,
-    item: &str,
-    runs: &AtomicUsize,
-) -> Placed {
+fn place<D: TestDb>(config: &Config, conn: &mut D::Conn, key: &str, item: &str, runs: &AtomicUsize) -> Placed {
     config.run(conn, "shop", key, &item, |tx| {
         runs.fetch_add(1, Ordering::SeqCst);
         D::place_order(tx, item, 1)
