@@ -28,6 +28,7 @@ crate::common::backend_tests!(
     a_lookup_tells_a_tombstone_only_to_the_request_that_could_have_been_replayed,
     racing_retries_of_a_tombstoned_key_are_all_refused_and_run_nothing,
     racing_retries_after_the_grace_period_execute_once,
+    retries_beside_purges_that_make_and_delete_tombstones_never_run_an_expired_key,
     a_phased_operation_past_its_retention_is_expired_until_the_grace_period_ends,
 );
 
@@ -356,6 +357,65 @@ fn racing_retries_after_the_grace_period_execute_once<D: TestDb>() {
     crate::common::race::assert_one_executed_and_all_saw_it(outcomes);
     assert_eq!(runs, 1, "the operation ran once among the racers");
     assert_eq!((D::order_count(&mut conn), D::key_count(&mut conn)), (2, 1));
+}
+
+fn retries_beside_purges_that_make_and_delete_tombstones_never_run_an_expired_key<D: TestDb>() {
+    const THREADS: usize = 3;
+    const KEYS: usize = 12;
+    let db = D::new();
+    let mut conn = db.conn();
+    let (clock, config) = policy();
+    let runs = AtomicUsize::new(0);
+    let key = |i: usize| format!("k-{i}");
+    for i in 0..KEYS {
+        place::<D>(&config, &mut conn, &key(i), "book", &runs).expect("the first call");
+    }
+    // Every record expired: each round of retries meets records a purge
+    // is turning into tombstones at the same time.
+    clock.advance(Duration::hours(1));
+    let pool = db.pool(THREADS as u32 + 1);
+    let barrier = Barrier::new(THREADS + 1);
+    let purged = thread::scope(|scope| {
+        for _ in 0..THREADS {
+            let (pool, barrier, config, runs) = (&pool, &barrier, &config, &runs);
+            scope.spawn(move || {
+                let mut conn = pool.get().expect("a pooled connection");
+                barrier.wait();
+                for i in 0..KEYS {
+                    let late = place::<D>(config, &mut conn, &key(i), "book", runs);
+                    assert!(matches!(late, Err(Error::Expired)), "{late:?}");
+                }
+            });
+        }
+        let mut conn = pool.get().expect("a pooled connection");
+        barrier.wait();
+        config.purge_expired(&mut conn, 2).expect("a purge beside the retries")
+    });
+    assert_eq!(purged, KEYS, "every record a tombstone");
+    assert_eq!(runs.load(Ordering::SeqCst), KEYS, "no retry ran the operation");
+
+    // Once the grace period is over the purge deletes the tombstones while
+    // retries race it: each key runs once more, whoever came first.
+    clock.advance(Duration::days(1));
+    let barrier = Barrier::new(THREADS + 1);
+    thread::scope(|scope| {
+        for _ in 0..THREADS {
+            let (pool, barrier, config, runs) = (&pool, &barrier, &config, &runs);
+            scope.spawn(move || {
+                let mut conn = pool.get().expect("a pooled connection");
+                barrier.wait();
+                for i in 0..KEYS {
+                    place::<D>(config, &mut conn, &key(i), "book", runs).expect("executes or replays");
+                }
+            });
+        }
+        let mut conn = pool.get().expect("a pooled connection");
+        barrier.wait();
+        config.purge_expired(&mut conn, 2).expect("a purge beside the retries");
+    });
+    assert_eq!(runs.load(Ordering::SeqCst), 2 * KEYS, "each key ran once more");
+    assert_eq!(D::order_count(&mut conn), 2 * KEYS as i64);
+    assert_eq!(D::key_count(&mut conn), KEYS as i64);
 }
 
 /// A phased operation follows the policy as a single call does: refused
