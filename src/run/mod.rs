@@ -140,7 +140,10 @@ impl Config {
     /// or one operation's key would replay another's result.
     ///
     /// A record whose retention has ended is taken over as new, so after
-    /// [`retention`](Config::retention) a key may execute again.
+    /// [`retention`](Config::retention) a key may execute again; where the
+    /// policy keeps [tombstones](Config::tombstones), only once their grace
+    /// period has ended too, and before that the same request is
+    /// [`Error::Expired`].
     ///
     /// # Errors
     ///
@@ -150,6 +153,11 @@ impl Config {
     /// - [`Error::InvalidScope`], [`Error::InvalidKey`]: refused before
     ///   anything was read or written.
     /// - [`Error::Mismatch`]: the key was used with another request.
+    /// - [`Error::AlreadyCompleted`]: the same request completed, and the
+    ///   policy rejects completed keys ([`Config::on_completed`]).
+    /// - [`Error::Expired`]: the same request completed, its retention has
+    ///   ended, and the policy keeps its [tombstone](Config::tombstones)
+    ///   for a grace period that runs.
     /// - [`Error::InProgress`]: another transaction still holds the key when
     ///   the in-flight policy ran out.
     /// - [`Error::Operation`]: `op` failed; its writes were rolled back.
@@ -417,8 +425,10 @@ impl Config {
     }
 
     /// What became of the call for `request` under `key` in `scope`: no
-    /// record, in progress, completed with its stored result, or expired.
-    /// It never runs an operation and never writes.
+    /// record, in progress, completed with its stored result, expired, or
+    /// (where the policy keeps [tombstones](Config::tombstones)) expired
+    /// and still refusing its retries. It never runs an operation and never
+    /// writes.
     ///
     /// The lookup answers only what a replay would: the stored result is
     /// [`Completed`](KeyStatus::Completed) only when `request` has the
