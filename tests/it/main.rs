@@ -76,3 +76,4 @@ mod status;
 mod stored_values;
 mod telemetry;
 mod testing;
+mod tombstones;

@@ -207,7 +207,19 @@ impl BlockingStore for PgConnection {
             table: "idempotency_keys",
             key: "idempotency_key",
             condition: "expires_at <= $1",
+            set: None,
             bind: &|rows| rows.bind::<Timestamp, _>(cutoff),
+        };
+        purge(self, &expired, limit)
+    }
+
+    fn tombstone_batch(&mut self, after: NaiveDateTime, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+        let expired = Expired {
+            table: "idempotency_keys",
+            key: "idempotency_key",
+            condition: "expires_at > $1 AND expires_at <= $2 AND response IS NOT NULL",
+            set: Some("response = NULL"),
+            bind: &|rows| rows.bind::<Timestamp, _>(after).bind::<Timestamp, _>(cutoff),
         };
         purge(self, &expired, limit)
     }

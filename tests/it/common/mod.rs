@@ -132,6 +132,7 @@ diesel::table! {
         scope -> Text,
         idempotency_key -> Text,
         request_hash -> Text,
+        response -> Nullable<Text>,
     }
 }
 
@@ -256,6 +257,10 @@ pub trait TestDb: Sized + Send + Sync + 'static {
     /// The keys of the key records in `scope`.
     fn keys_in_scope(conn: &mut Self::Conn, scope: &str) -> Vec<String>;
 
+    /// The keys of the key records in `scope` with their stored responses,
+    /// in key order.
+    fn responses_in_scope(conn: &mut Self::Conn, scope: &str) -> Vec<(String, Option<String>)>;
+
     /// The outbox messages, in id order.
     fn outbox_messages(conn: &mut Self::Conn) -> Vec<OutboxRow>;
 
@@ -354,6 +359,16 @@ macro_rules! same_on_every_backend {
             k::table
                 .filter(k::scope.eq(scope))
                 .select(k::idempotency_key)
+                .load(conn)
+                .expect("read the key records")
+        }
+
+        fn responses_in_scope(conn: &mut $conn, scope: &str) -> Vec<(String, Option<String>)> {
+            use $crate::common::idempotency_keys as k;
+            k::table
+                .filter(k::scope.eq(scope))
+                .order(k::idempotency_key)
+                .select((k::idempotency_key, k::response))
                 .load(conn)
                 .expect("read the key records")
         }
