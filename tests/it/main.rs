@@ -76,3 +76,5 @@ mod status;
 mod stored_values;
 mod telemetry;
 mod testing;
+#[cfg(feature = "opentelemetry")]
+mod trace;
