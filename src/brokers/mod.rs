@@ -421,7 +421,9 @@ pub(crate) const DEFAULT_MAX_DELIVERIES: u32 = 5;
 /// Each delivery runs in a `debug` span `inbox_delivery` (target
 /// `idempotency`) with the scope, the key's digest, the attempt and the
 /// `traceparent` the message carries; the call's own span and the
-/// handler's run inside it.
+/// handler's run inside it. With the feature `opentelemetry`, that span is
+/// a child of the span the `traceparent` names, the one that enqueued the
+/// message ([the trace](crate::guide::brokers#the-trace)).
 ///
 /// Each broker's consumer takes an `Inbox`:
 /// [`JetStreamConsumer`](nats::JetStreamConsumer),

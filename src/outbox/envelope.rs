@@ -98,7 +98,11 @@ impl Envelope {
     /// The W3C `traceparent` of the request that enqueues the message, as
     /// its `traceparent` header had it or the application's tracer gives
     /// it: `version-traceid-parentid-flags` in lower-case hex
-    /// (`00-4bf9...4736-00f0...02b7-01`).
+    /// (`00-4bf9...4736-00f0...02b7-01`). With the feature
+    /// `opentelemetry`, an envelope given neither this nor a
+    /// [`tracestate`](Envelope::tracestate) takes both from the current
+    /// span when it is enqueued (see [the trace](crate::guide::outbox));
+    /// one given here is kept.
     pub fn traceparent(mut self, traceparent: impl Into<String>) -> Self {
         self.traceparent = Some(traceparent.into());
         self
