@@ -77,3 +77,5 @@ mod stored_values;
 mod telemetry;
 mod testing;
 mod tombstones;
+#[cfg(feature = "opentelemetry")]
+mod trace;

@@ -60,6 +60,8 @@ pub mod race;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod server;
 pub mod sqlite;
+#[cfg(feature = "opentelemetry")]
+pub mod traces;
 pub mod wait;
 
 pub use own::{OnServer, unique_name};
