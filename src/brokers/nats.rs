@@ -21,7 +21,10 @@ use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
 use diesel::r2d2::R2D2Connection;
 use futures_util::StreamExt;
 
-use super::{DEAD_LETTER_REASON_HEADER, DEFAULT_MAX_DELIVERIES, Delivery, Error, Inbox, Publisher, Verdict};
+use super::error::Error;
+use super::headers::{DEAD_LETTER_REASON_HEADER, outgoing_headers};
+use super::inbox::{DEFAULT_MAX_DELIVERIES, Delivery, Inbox, Verdict};
+use super::publisher::Publisher;
 use crate::StoreConnection;
 use crate::outbox::{Failure, HandlerError, Message};
 use crate::telemetry::TARGET;
@@ -86,7 +89,7 @@ impl JetStreamPublisher {
 impl Publisher for JetStreamPublisher {
     async fn publish(&self, message: &Message) -> Result<(), Failure> {
         let mut headers = HeaderMap::new();
-        for (name, value) in super::outgoing_headers(message) {
+        for (name, value) in outgoing_headers(message) {
             headers.insert(name, value);
         }
         headers.insert(MESSAGE_ID_HEADER, message.key.as_str());

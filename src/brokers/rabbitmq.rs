@@ -34,7 +34,10 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use tokio::sync::Mutex;
 
-use super::{DEFAULT_MAX_DELIVERIES, Delivery, Error, Inbox, Publisher, Verdict};
+use super::error::Error;
+use super::headers::outgoing_headers;
+use super::inbox::{DEFAULT_MAX_DELIVERIES, Delivery, Inbox, Verdict};
+use super::publisher::Publisher;
 use crate::StoreConnection;
 use crate::outbox::{Failure, HandlerError, Message};
 use crate::telemetry::TARGET;
@@ -191,7 +194,7 @@ async fn open(uri: &str) -> Result<(Connection, Channel), Error> {
 impl Publisher for RabbitPublisher {
     async fn publish(&self, message: &Message) -> Result<(), Failure> {
         let mut headers = FieldTable::default();
-        for (name, value) in super::outgoing_headers(message) {
+        for (name, value) in outgoing_headers(message) {
             headers.insert(ShortString::from(name), AMQPValue::LongString(LongString::from(value)));
         }
         let properties = BasicProperties::default()

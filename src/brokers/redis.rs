@@ -30,7 +30,10 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::streams::{StreamClaimReply, StreamId, StreamPendingCountReply, StreamReadReply};
 use redis::{Client, Value};
 
-use super::{DEAD_LETTER_REASON_HEADER, DEFAULT_MAX_DELIVERIES, Delivery, Error, Inbox, Publisher, Verdict};
+use super::error::Error;
+use super::headers::{DEAD_LETTER_REASON_HEADER, outgoing_headers};
+use super::inbox::{DEFAULT_MAX_DELIVERIES, Delivery, Inbox, Verdict};
+use super::publisher::Publisher;
 use crate::StoreConnection;
 use crate::outbox::{Failure, HandlerError, Message};
 use crate::telemetry::TARGET;
@@ -163,7 +166,7 @@ impl Publisher for RedisPublisher {
             .arg(&message.key)
             .arg(PAYLOAD_FIELD)
             .arg(&message.payload_json);
-        for (name, value) in super::outgoing_headers(message) {
+        for (name, value) in outgoing_headers(message) {
             xadd.arg(format!("{HEADER_FIELD_PREFIX}{name}")).arg(value);
         }
         let mut conn = self.conn.clone();
