@@ -51,41 +51,52 @@ where
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut C) -> Result<R, E>,
 {
+    let call = Call {
+        config,
+        scope,
+        key,
+        request_hash,
+        caller_hash,
+        trace,
+    };
     let reads_first = config
         .read_before_transaction
         .unwrap_or(<C::Rules as BackendRules>::READS_BEFORE_TRANSACTION);
     if reads_first || conn.transaction_depth()? > 0 {
-        return read_first(config, conn, (scope, key), (request_hash, caller_hash), trace, op).await;
+        return read_first(call, conn, op).await;
     }
     let retention = config.retention.num_microseconds();
-    let (op, config) = match (C::CLAIMS_AT_DATABASE_TIME, &config.clock, retention) {
-        (true, Clock::Database, Some(retention)) => {
-            let claim = (scope, key, request_hash, caller_hash, retention);
-            match claimed_at_database_time(config, conn, claim, trace, op).await {
-                Ok(answer) => return answer,
-                // A record the claim met is read as it would have been
-                // first; a failed round trip may have waited for the
-                // key's lock as long as the policy allows, so the call
-                // waits no longer.
-                Err((op, KeyNotClaimed::Taken)) => (op, config),
-                Err((op, KeyNotClaimed::Failed)) => (op, &config.clone().in_flight(InFlight::Reject)),
-            }
-        }
+    let (op, waited) = match (C::CLAIMS_AT_DATABASE_TIME, &config.clock, retention) {
+        (true, Clock::Database, Some(retention)) => match claimed_at_database_time(call, conn, retention, op).await {
+            Ok(answer) => return answer,
+            Err((op, reason)) => (op, reason == KeyNotClaimed::Failed),
+        },
         _ => {
             let now = config.clock.or_database_now(conn).await?;
-            return write_path(
-                config,
-                conn,
-                (scope, key),
-                (request_hash, caller_hash),
-                trace,
-                (now, false, true),
-                op,
-            )
-            .await;
+            return write_path(call, conn, (now, false, true), op).await;
         }
     };
-    read_first(config, conn, (scope, key), (request_hash, caller_hash), trace, op).await
+    // A record the claim met is read as it would have been first; a failed
+    // round trip may have waited for the key's lock as long as the policy
+    // allows, so the call waits no longer.
+    if waited {
+        let config = &config.clone().in_flight(InFlight::Reject);
+        return read_first(Call { config, ..call }, conn, op).await;
+    }
+    read_first(call, conn, op).await
+}
+
+/// A call once its key passed the key rules and its request is
+/// fingerprinted: what every path it may take reads.
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    config: &'a Config,
+    scope: &'a str,
+    key: &'a str,
+    request_hash: &'a str,
+    /// Whose lookups the record answers, where the call came over HTTP.
+    caller_hash: Option<&'a str>,
+    trace: &'a CallTrace,
 }
 
 /// A first call with no read before its transaction, on a backend that
@@ -95,10 +106,9 @@ where
 /// the claim is not made (the key has a record, or the round trip failed),
 /// nothing was written and `op` comes back with the reason.
 async fn claimed_at_database_time<C, R, E, F>(
-    config: &Config,
+    call: Call<'_>,
     conn: &mut C,
-    (scope, key, request_hash, caller_hash, retention): (&str, &str, &str, Option<&str>, i64),
-    trace: &CallTrace,
+    retention: i64,
     op: F,
 ) -> Result<Result<Recorded<R>, Error<E>>, (F, KeyNotClaimed)>
 where
@@ -106,6 +116,14 @@ where
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut C) -> Result<R, E>,
 {
+    let Call {
+        config,
+        scope,
+        key,
+        request_hash,
+        caller_hash,
+        trace,
+    } = call;
     let record = Record {
         scope,
         idempotency_key: key,
@@ -157,19 +175,19 @@ where
 
 /// A call that reads its key's record before its write transaction: a
 /// replay from that one read, or the write path.
-async fn read_first<C, R, E, F>(
-    config: &Config,
-    conn: &mut C,
-    (scope, key): (&str, &str),
-    (request_hash, caller_hash): (&str, Option<&str>),
-    trace: &CallTrace,
-    op: F,
-) -> Result<Recorded<R>, Error<E>>
+async fn read_first<C, R, E, F>(call: Call<'_>, conn: &mut C, op: F) -> Result<Recorded<R>, Error<E>>
 where
     C: KeyStore,
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut C) -> Result<R, E>,
 {
+    let Call {
+        config,
+        scope,
+        key,
+        request_hash,
+        ..
+    } = call;
     // `fresh`: the read found no record, so the backend may claim the key
     // in the round trip that takes it.
     let (now, claims_first, fresh) = match conn.read(scope, key).await {
@@ -202,16 +220,7 @@ where
         }
         Err(error) => return Err(Error::Storage(error)),
     };
-    write_path(
-        config,
-        conn,
-        (scope, key),
-        (request_hash, caller_hash),
-        trace,
-        (now, claims_first, fresh),
-        op,
-    )
-    .await
+    write_path(call, conn, (now, claims_first, fresh), op).await
 }
 
 /// The write path as of `now`: the transaction that holds the key, then
@@ -220,11 +229,8 @@ where
 /// operation; `fresh`: no record was found (or none was looked for), so the
 /// backend may claim the key in the round trip that takes it.
 async fn write_path<C, R, E, F>(
-    config: &Config,
+    call: Call<'_>,
     conn: &mut C,
-    (scope, key): (&str, &str),
-    (request_hash, caller_hash): (&str, Option<&str>),
-    trace: &CallTrace,
     (now, claims_first, fresh): (NaiveDateTime, bool, bool),
     op: F,
 ) -> Result<Recorded<R>, Error<E>>
@@ -233,6 +239,14 @@ where
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut C) -> Result<R, E>,
 {
+    let Call {
+        config,
+        scope,
+        key,
+        request_hash,
+        caller_hash,
+        trace,
+    } = call;
     // The record this call writes if it executes, claimed as of `now`: to
     // the microsecond, as PostgreSQL keeps times, so that the times an
     // execution reports are the ones its replays read back.
