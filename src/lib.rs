@@ -82,7 +82,7 @@
 //! Each layer uses only the ones below it:
 //!
 //! - **integrations**: [`http`] for axum (feature `axum`) and actix-web
-//!   (feature `actix`), one rule set with an adapter each, `grpc` for
+//!   (feature `actix`), one rule set with an adapter each, [`grpc`] for
 //!   tonic (feature `tonic`), [`testing`] for
 //!   domain tests (feature `testing`);
 //! - **services**, background loops stopped by a [`Shutdown`], each beside

@@ -7,7 +7,7 @@
 //! it is bound to the full method name (`/package.Service/Method`), to the
 //! principal where the application gives one, and to the request message.
 //! The call runs [`Config::run`] on tokio's blocking pool with a
-//! connection from an r2d2 pool, as [`http::run`](crate::http) does, and
+//! connection from an r2d2 pool, as the HTTP layer's `http::run` does, and
 //! its failures become statuses with a `google.rpc.ErrorInfo` (and a
 //! `google.rpc.RetryInfo` where a retry helps) in their details.
 //!
