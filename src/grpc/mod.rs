@@ -57,6 +57,7 @@ use sha2::{Digest, Sha256};
 use tonic::metadata::MetadataValue;
 use tonic::{Response, Status};
 
+use crate::backend::RulesOf;
 use crate::{Config, Error, StoreConnection};
 
 pub use key::GrpcKey;
@@ -97,7 +98,9 @@ pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 /// # Errors
 ///
 /// A [`Status`], as the [module](self) lists them: `op`'s own error
-/// converted, a mismatch, a call in progress, an invalid key, an unknown
+/// converted, a mismatch, a call in progress, an invalid key (refused
+/// before a connection is checked out, so at once even while the pool is
+/// exhausted), an unknown
 /// outcome, no connection from `pool` within its connection timeout
 /// (`UNAVAILABLE`), a storage failure, a stored response that no longer
 /// decodes as `R` (`INTERNAL`; the key stays spent), or a panic in `op`
@@ -157,6 +160,9 @@ where
     E: Into<Status> + Send + 'static,
     F: FnOnce(&mut C, &Q) -> Result<R, E> + Send + 'static,
 {
+    // A key that can never succeed is refused before the checkout: it
+    // must not wait for a busy pool and then be told to retry.
+    check_key::<C>(config, key)?;
     let bound = Bound {
         method: key.method().to_owned(),
         principal: key.principal().map(str::to_owned),
@@ -186,6 +192,15 @@ where
             .insert(IDEMPOTENT_REPLAYED, MetadataValue::from_static("true"));
     }
     Ok(response)
+}
+
+/// Refuses a scope or key that breaks the key rules of `config` on the
+/// backend of `C`. (Generic over `C` alone: with `C` its own `Raw`, as
+/// [`run`] has it, the compiler no longer sees that `Raw` stores keys.)
+fn check_key<C: StoreConnection>(config: &Config, key: &GrpcKey) -> Result<(), Status> {
+    config
+        .check_rules::<RulesOf<C::Raw>, Status>(key.scope(), key.key(), None)
+        .map_err(Status::from)
 }
 
 /// What a key is fingerprinted with: the method, the principal beside the

@@ -34,6 +34,7 @@ crate::common::backend_tests!(
     another_request_method_or_principal_with_the_key_is_failed_precondition,
     a_call_in_progress_runs_once_and_its_duplicate_is_aborted_with_a_retry_delay,
     a_missing_or_invalid_key_is_invalid_argument_and_runs_nothing,
+    an_invalid_key_is_refused_at_once_while_the_pool_is_exhausted,
     a_client_that_drops_its_connection_mid_call_gets_the_first_result_on_retry,
 );
 
@@ -179,8 +180,12 @@ struct Server<D: TestDb> {
 
 impl<D: TestDb> Server<D> {
     fn start(db: &D, config: Config, hold_first: Option<Arc<Barrier>>) -> Self {
+        Self::start_on(db.pool(4), config, hold_first)
+    }
+
+    fn start_on(pool: Pool<ConnectionManager<D::Conn>>, config: Config, hold_first: Option<Arc<Barrier>>) -> Self {
         let state = Arc::new(State::<D> {
-            pool: db.pool(4),
+            pool,
             config,
             calls: AtomicUsize::new(0),
             hold_first,
@@ -433,6 +438,33 @@ async fn a_missing_or_invalid_key_is_invalid_argument_and_runs_nothing<D: TestDb
 
     assert_eq!(server.calls(), 0);
     assert_eq!(order_count(&db).await, 0);
+}
+
+/// A key that can never succeed is answered before a connection is
+/// checked out: not after the pool's timeout, and not as `UNAVAILABLE`,
+/// which would tell the client to retry it.
+async fn an_invalid_key_is_refused_at_once_while_the_pool_is_exhausted<D: TestDb>() {
+    let db = new_db::<D>().await;
+    let pool = Pool::builder()
+        .max_size(1)
+        .connection_timeout(crate::common::wait::PATIENCE)
+        .build(ConnectionManager::<D::Conn>::new(db.url()))
+        .expect("a pool of one connection");
+    let held = tokio::task::block_in_place(|| pool.get().expect("the pool's one connection"));
+    let server = Server::<D>::start_on(pool, Config::default(), None);
+    let mut client = server.client().await;
+
+    let refused = tokio::time::timeout(
+        crate::common::wait::PATIENCE / 2,
+        call(&mut client, PLACE, "alice", Some("two words"), book()),
+    )
+    .await
+    .expect("answered before the pool's timeout")
+    .expect_err("refused");
+    assert_eq!(refused.code(), Code::InvalidArgument);
+    assert_eq!(reason(&refused), "IDEMPOTENCY_KEY_INVALID");
+    assert_eq!(server.calls(), 0);
+    drop(held);
 }
 
 /// The client goes away while its operation runs: the server drops the
