@@ -131,3 +131,81 @@ pub(super) fn of<E: Into<Status>>(error: Error<E>) -> Status {
         other => internal(&other),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use diesel::result::{DatabaseErrorKind, Error as DieselError};
+    use tonic::{Code, Status};
+    use tonic_types::StatusExt;
+
+    use super::ERROR_DOMAIN;
+    use crate::Error;
+
+    /// The code, the `ErrorInfo` reason and the `RetryInfo` delay of `error`'s status.
+    fn mapped(error: Error<Status>) -> (Code, String, Option<Duration>) {
+        let status = Status::from(error);
+        let info = status.get_details_error_info().expect("an ErrorInfo");
+        assert_eq!(info.domain, ERROR_DOMAIN);
+        let delay = status.get_details_retry_info().and_then(|retry| retry.retry_delay);
+        (status.code(), info.reason, delay)
+    }
+
+    fn lost() -> DieselError {
+        DieselError::DatabaseError(
+            DatabaseErrorKind::ClosedConnection,
+            Box::new(String::from("server closed the connection unexpectedly")),
+        )
+    }
+
+    #[test]
+    fn every_failure_is_its_status_with_its_reason_and_a_delay_where_a_retry_helps() {
+        let second = Some(Duration::from_secs(1));
+        let cases = [
+            (
+                Error::Mismatch,
+                Code::FailedPrecondition,
+                "IDEMPOTENCY_KEY_REUSED",
+                None,
+            ),
+            (Error::InProgress, Code::Aborted, "IDEMPOTENCY_KEY_IN_PROGRESS", second),
+            (
+                Error::AlreadyCompleted,
+                Code::AlreadyExists,
+                "IDEMPOTENCY_KEY_COMPLETED",
+                None,
+            ),
+            (
+                Error::OutcomeUnknown(lost()),
+                Code::Unavailable,
+                "OUTCOME_UNKNOWN",
+                second,
+            ),
+            (Error::Storage(lost()), Code::Unavailable, "UNAVAILABLE", second),
+            (Error::Storage(DieselError::NotFound), Code::Internal, "INTERNAL", None),
+            (
+                Error::ResponseTooLarge { len: 2048, max: 1024 },
+                Code::Internal,
+                "RESPONSE_TOO_LARGE",
+                None,
+            ),
+            (Error::Parked, Code::Internal, "INTERNAL", None),
+        ];
+        for (error, code, reason, delay) in cases {
+            let described = format!("{error:?}");
+            assert_eq!(mapped(error), (code, reason.to_owned(), delay), "{described}");
+        }
+    }
+
+    #[test]
+    fn the_operations_own_status_goes_out_as_it_is() {
+        let declined = Status::failed_precondition("card declined");
+        let status = Status::from(Error::Operation(declined));
+        assert_eq!(
+            (status.code(), status.message()),
+            (Code::FailedPrecondition, "card declined")
+        );
+        assert!(status.get_details_error_info().is_none());
+    }
+}
