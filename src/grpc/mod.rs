@@ -89,6 +89,10 @@ pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 /// fields must use `BTreeMap` (prost-build's `btree_map(["."])`), or two
 /// identical retries may be told apart as a mismatch.
 ///
+/// The response is stored as the hex of its prost encoding, in the
+/// record's JSON text: twice its encoded length counts against
+/// [`Config::max_response_len`].
+///
 /// A client that goes away changes nothing: the blocking task is not
 /// cancelled with the handler's future, the transaction commits or rolls
 /// back as a whole, and the client's retry replays the result (or, while
