@@ -15,6 +15,7 @@
 //! | --- | --- |
 //! | [`GrpcKey`] | the key of one call: read from the metadata or given from a message field, with the method, the scope and the principal it is bound to |
 //! | [`run`] | the key's call: the operation at most once, the response stored as its prost encoding and replayed with `idempotent-replayed: true` |
+//! | `run_async` (feature `diesel-async`) | the same on a diesel-async connection, the operation an async closure, in the handler's own future |
 //! | `From<Error<E>> for Status` | every failure as its status, for applications that call [`Config::run`] themselves |
 //!
 //! The statuses, by case ([`ERROR_DOMAIN`] is the `ErrorInfo` domain):
@@ -167,11 +168,7 @@ where
     // A key that can never succeed is refused before the checkout: it
     // must not wait for a busy pool and then be told to retry.
     check_key::<C>(config, key)?;
-    let bound = Bound {
-        method: key.method().to_owned(),
-        principal: key.principal().map(str::to_owned),
-        message: sha256_hex(&request.encode_to_vec()),
-    };
+    let bound = Bound::of(key, &request);
     let (pool, config, key) = (pool.clone(), config.clone(), key.clone());
     let task = tokio::task::spawn_blocking(move || {
         let mut conn = pool.get().map_err(|error| status::unavailable(&error))?;
@@ -187,6 +184,98 @@ where
         // task ran: either way nothing was committed.
         Err(error) => return Err(status::internal(&error)),
     };
+    answer(outcome)
+}
+
+/// [`run`] on a diesel-async connection (feature `diesel-async`), checked
+/// out by the application from its bb8 or deadpool pool: `op` is an async
+/// closure, run on `conn` inside the transaction that also holds the key
+/// record, in the handler's own future; nothing runs on the blocking
+/// pool. What the key is bound to, the stored response, the replay marker
+/// and the statuses are [`run`]'s.
+///
+/// One thing differs, by design: tonic drops the handler's future when
+/// the client goes away (a cancelled call, a deadline, a closed
+/// connection), and a call dropped before its commit rolls back as a
+/// whole: the key stays free, and the client's retry executes. (The
+/// blocking call of [`run`] goes on and commits, and the retry replays.)
+/// Either way nothing is left by halves; see the
+/// [async guide](crate::guide::asynchronous) for what a dropped call does
+/// to its connection.
+///
+/// # Errors
+///
+/// As [`run`], without the pool's: `op`'s own error converted, a mismatch,
+/// a call in progress, an invalid key, an unknown outcome, a storage
+/// failure, a stored response that no longer decodes as `R`.
+///
+/// ```
+/// # #[cfg(not(feature = "sqlite-async"))] fn main() {}
+/// # #[cfg(feature = "sqlite-async")]
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use idempotency::grpc::{self, GrpcKey};
+/// use idempotency::Config;
+///
+/// #[derive(Clone, PartialEq, prost::Message)]
+/// struct Charge {
+///     #[prost(uint32, tag = "1")]
+///     cents: u32,
+/// }
+///
+/// // From your pool; an in-memory database here.
+/// let mut conn = idempotency::testing::sqlite_memory_async();
+/// let config = Config::default();
+/// let key = GrpcKey::from_field("c-1", "/pay.Payments/Charge", "acct-1")?;
+/// for _ in 0..2 {
+///     let charged = grpc::run_async(&mut conn, &config, &key, Charge { cents: 500 }, async |_: &mut _, charge: &Charge| {
+///         Ok::<_, tonic::Status>(charge.clone())
+///     })
+///     .await?;
+///     assert_eq!(charged.into_inner(), Charge { cents: 500 });
+/// }
+/// let refused = grpc::run_async(&mut conn, &config, &key, Charge { cents: 900 }, async |_: &mut _, charge: &Charge| {
+///     Ok::<_, tonic::Status>(charge.clone())
+/// })
+/// .await;
+/// assert!(matches!(refused, Err(status) if status.code() == tonic::Code::FailedPrecondition));
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "diesel-async")]
+pub async fn run_async<C, Q, R, E, F>(
+    conn: &mut C,
+    config: &Config,
+    key: &GrpcKey,
+    request: Q,
+    op: F,
+) -> Result<Response<R>, Status>
+where
+    C: crate::AsyncStoreConnection,
+    Q: Message,
+    R: Message + Default,
+    E: Into<Status>,
+    F: AsyncFnOnce(&mut C, &Q) -> Result<R, E>,
+{
+    config
+        .check_rules::<RulesOf<C>, Status>(key.scope(), key.key(), None)
+        .map_err(Status::from)?;
+    let bound = Bound::of(key, &request);
+    let outcome = config
+        .run_async(conn, key.scope(), key.key(), &bound, async |tx: &mut C| {
+            op(tx, &request).await.map(|response| StoredMessage::of(&response))
+        })
+        .await
+        .map_err(Status::from)?;
+    answer(outcome)
+}
+
+/// The response of `outcome`, decoded, a replay marked.
+///
+/// # Errors
+///
+/// `INTERNAL` for a stored response that does not decode as `R`.
+fn answer<R: Message + Default>(outcome: crate::Outcome<StoredMessage>) -> Result<Response<R>, Status> {
     let replayed = outcome.is_replayed();
     let message = outcome.into_inner().decode::<R>()?;
     let mut response = Response::new(message);
@@ -216,6 +305,16 @@ struct Bound {
     #[serde(skip_serializing_if = "Option::is_none")]
     principal: Option<String>,
     message: String,
+}
+
+impl Bound {
+    fn of(key: &GrpcKey, request: &impl Message) -> Self {
+        Bound {
+            method: key.method().to_owned(),
+            principal: key.principal().map(str::to_owned),
+            message: sha256_hex(&request.encode_to_vec()),
+        }
+    }
 }
 
 /// A response message as it is stored: its prost encoding in hex, a JSON

@@ -502,3 +502,202 @@ async fn a_client_that_drops_its_connection_mid_call_gets_the_first_result_on_re
     assert_eq!(server.calls(), 1, "the operation ran once");
     assert_eq!(order_count(&db).await, 1);
 }
+
+/// `grpc::run_async` on each backend's diesel-async connection, in the
+/// handler's own future, served and called over real TCP as above. A
+/// service's future must be `Send`, which the compiler proves only for a
+/// concrete connection: each backend gets its module from one macro.
+#[cfg(feature = "diesel-async")]
+mod asynchronous {
+    macro_rules! async_grpc_tests {
+        ($backend:ident, $db:ty, $conn:ty) => {
+            mod $backend {
+                use super::super::*;
+                use crate::common::asynchronous::AsyncDb;
+
+                type Db = $db;
+                type Conn = $conn;
+
+                struct AsyncState {
+                    db: Db,
+                    calls: AtomicUsize,
+                    /// Awaited by the first operation, which the test never
+                    /// lets go: it waits there until its client goes away.
+                    hold_first: Option<Arc<tokio::sync::Barrier>>,
+                    handler_ended: Notify,
+                }
+
+                #[derive(Clone)]
+                struct AsyncShop(Arc<AsyncState>);
+
+                impl NamedService for AsyncShop {
+                    const NAME: &'static str = "shop.Orders";
+                }
+
+                impl tower::Service<http::Request<Body>> for AsyncShop {
+                    type Response = http::Response<Body>;
+                    type Error = Infallible;
+                    type Future = BoxFuture<Result<Self::Response, Infallible>>;
+
+                    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+                        Poll::Ready(Ok(()))
+                    }
+
+                    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+                        if req.uri().path() != PLACE {
+                            return Box::pin(async { Ok(Status::unimplemented("no such method").into_http()) });
+                        }
+                        let place = AsyncPlace(self.0.clone());
+                        Box::pin(async move { Ok(Grpc::new(ProstCodec::default()).unary(place, req).await) })
+                    }
+                }
+
+                struct AsyncPlace(Arc<AsyncState>);
+
+                /// Tells the state when the handler ends, done or dropped.
+                struct AsyncEnding(Arc<AsyncState>);
+
+                impl Drop for AsyncEnding {
+                    fn drop(&mut self) {
+                        self.0.handler_ended.notify_one();
+                    }
+                }
+
+                impl UnaryService<PlaceOrder> for AsyncPlace {
+                    type Response = Order;
+                    type Future = BoxFuture<Result<Response<Order>, Status>>;
+
+                    fn call(&mut self, request: Request<PlaceOrder>) -> Self::Future {
+                        let state = self.0.clone();
+                        Box::pin(async move {
+                            let _ending = AsyncEnding(state.clone());
+                            let key = GrpcKey::from_metadata(request.metadata(), PLACE, "shop-1")?;
+                            // A connection of the call's own; a pool lends one the same way.
+                            let mut conn = state.db.connect().await;
+                            grpc::run_async(
+                                &mut conn,
+                                &Config::default(),
+                                &key,
+                                request.into_inner(),
+                                async |conn: &mut Conn, order: &PlaceOrder| {
+                                    let first = state.calls.fetch_add(1, Ordering::SeqCst) == 0;
+                                    <Db as AsyncDb>::insert_order(conn, &order.item)
+                                        .await
+                                        .map_err(|_| Status::internal("the order was not placed"))?;
+                                    if let Some(barrier) = state.hold_first.as_ref().filter(|_| first) {
+                                        // Entered, its order written in the transaction.
+                                        barrier.wait().await;
+                                        std::future::pending::<()>().await;
+                                    }
+                                    Ok::<_, Status>(Order {
+                                        id: 0,
+                                        item: order.item.clone(),
+                                    })
+                                },
+                            )
+                            .await
+                        })
+                    }
+                }
+
+                /// The shop on `db`, served on a free port until the runtime ends.
+                async fn serve(db: Db, hold_first: Option<Arc<tokio::sync::Barrier>>) -> (Arc<AsyncState>, SocketAddr) {
+                    let state = Arc::new(AsyncState {
+                        db,
+                        calls: AtomicUsize::new(0),
+                        hold_first,
+                        handler_ended: Notify::new(),
+                    });
+                    let incoming = TcpIncoming::bind(SocketAddr::from(([127, 0, 0, 1], 0))).expect("bind a free port");
+                    let addr = incoming.local_addr().expect("the bound address");
+                    let router = tonic::transport::Server::builder().add_service(AsyncShop(state.clone()));
+                    tokio::spawn(async move {
+                        router.serve_with_incoming(incoming).await.expect("serve");
+                    });
+                    (state, addr)
+                }
+
+                async fn client(addr: SocketAddr) -> tonic::client::Grpc<Channel> {
+                    let channel = Channel::from_shared(format!("http://{addr}"))
+                        .expect("a valid address")
+                        .connect()
+                        .await
+                        .expect("connect");
+                    tonic::client::Grpc::new(channel)
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn an_async_call_executes_once_and_its_retry_replays_it_marked() {
+                    let (state, addr) = serve(new_db::<Db>().await, None).await;
+                    let mut client = client(addr).await;
+
+                    let first = call(&mut client, PLACE, "alice", Some("o-1"), book())
+                        .await
+                        .expect("placed");
+                    assert_eq!(replayed(&first), None);
+                    let retry = call(&mut client, PLACE, "alice", Some("o-1"), book())
+                        .await
+                        .expect("replayed");
+                    assert_eq!(replayed(&retry), Some("true"));
+                    assert_eq!(retry.get_ref(), first.get_ref());
+                    let pen = PlaceOrder {
+                        item: "pen".into(),
+                        ..book()
+                    };
+                    let refused = call(&mut client, PLACE, "alice", Some("o-1"), pen)
+                        .await
+                        .expect_err("refused");
+                    assert_eq!(refused.code(), Code::FailedPrecondition);
+                    assert_eq!(reason(&refused), "IDEMPOTENCY_KEY_REUSED");
+                    assert_eq!(state.calls.load(Ordering::SeqCst), 1);
+                    assert_eq!(order_count(&state.db).await, 1);
+                }
+
+                /// tonic drops the handler of a client that went away; the
+                /// async call in it rolls back as a whole, its order with
+                /// it, and the retry with the key executes, once.
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn an_async_call_whose_client_drops_it_rolls_back_and_its_retry_executes() {
+                    let held = Arc::new(tokio::sync::Barrier::new(2));
+                    let (state, addr) = serve(new_db::<Db>().await, Some(held.clone())).await;
+
+                    let mut gone_client = client(addr).await;
+                    let gone =
+                        tokio::spawn(async move { call(&mut gone_client, PLACE, "alice", Some("o-2"), book()).await });
+                    held.wait().await;
+                    gone.abort();
+                    assert!(gone.await.expect_err("cancelled").is_cancelled());
+                    tokio::time::timeout(crate::common::wait::PATIENCE, state.handler_ended.notified())
+                        .await
+                        .expect("the server drops the call of the client that went away");
+
+                    let mut client = client(addr).await;
+                    let retry = call(&mut client, PLACE, "alice", Some("o-2"), book())
+                        .await
+                        .expect("placed");
+                    assert_eq!(
+                        replayed(&retry),
+                        None,
+                        "the dropped call committed nothing to replay"
+                    );
+                    assert_eq!(state.calls.load(Ordering::SeqCst), 2);
+                    assert_eq!(
+                        order_count(&state.db).await,
+                        1,
+                        "the dropped call's order rolled back"
+                    );
+                }
+            }
+        };
+    }
+
+    async_grpc_tests!(
+        sqlite,
+        crate::common::sqlite::Db,
+        diesel_async::sync_connection_wrapper::SyncConnectionWrapper<diesel::SqliteConnection>
+    );
+    #[cfg(feature = "postgres")]
+    async_grpc_tests!(postgres, crate::common::pg::Db, diesel_async::AsyncPgConnection);
+    #[cfg(feature = "mysql")]
+    async_grpc_tests!(mysql, crate::common::mysql::Db, diesel_async::AsyncMysqlConnection);
+}
