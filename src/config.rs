@@ -5,7 +5,7 @@
 
 use std::fmt;
 
-use chrono::{DateTime, Duration, Utc};
+use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 use serde::Serialize;
 
 use crate::backend::BackendRules;
@@ -42,6 +42,7 @@ pub enum OnCompleted {
 /// | [`durable_replays`](Config::durable_replays) | `false` |
 /// | [`on_completed`](Config::on_completed) | [`OnCompleted::Replay`] |
 /// | [`read_before_transaction`](Config::read_before_transaction) | the backend's: no on PostgreSQL, yes on SQLite, MySQL and MariaDB |
+/// | [`tombstones`](Config::tombstones) | none: after its retention a key executes again |
 ///
 /// A `Config` is cheap to clone and can be shared between threads; build it
 /// once at start-up.
@@ -68,6 +69,9 @@ pub struct Config {
     pub(crate) on_completed: OnCompleted,
     /// `None`: the backend's choice.
     pub(crate) read_before_transaction: Option<bool>,
+    /// The grace period of [`tombstones`](Config::tombstones); `None`
+    /// without them.
+    pub(crate) tombstones: Option<Duration>,
 }
 
 impl Default for Config {
@@ -82,6 +86,7 @@ impl Default for Config {
             durable_replays: false,
             on_completed: OnCompleted::Replay,
             read_before_transaction: None,
+            tombstones: None,
         }
     }
 }
@@ -97,6 +102,7 @@ impl fmt::Debug for Config {
             .field("durable_replays", &self.durable_replays)
             .field("on_completed", &self.on_completed)
             .field("read_before_transaction", &self.read_before_transaction)
+            .field("tombstones", &self.tombstones)
             .finish_non_exhaustive()
     }
 }
@@ -384,9 +390,80 @@ impl Config {
         self
     }
 
+    /// Keeps a tombstone of every key whose retention has ended for a
+    /// further `grace` period, and answers a retry inside it with
+    /// [`Error::Expired`] instead of executing it again (default: no
+    /// tombstones, so a key executes again as soon as its retention ends).
+    ///
+    /// For operations where a late retry must never run twice: a client
+    /// that retries after the retention gets an error it can act on (HTTP
+    /// 410), not a second execution. The tombstone is the key's record
+    /// with its response cleared: its scope, key, request fingerprint and
+    /// the time its retention ended. A retry with the same request inside
+    /// the grace period is [`Error::Expired`]; the same key with another
+    /// request is [`Error::Mismatch`], as during the retention; nothing is
+    /// run or written for either. Once `retention + grace` has passed, the
+    /// key executes again, as without tombstones.
+    ///
+    /// The policy is read when a record is read, not when it is written:
+    /// a record whose retention ended is a tombstone whether or not a purge
+    /// has cleared its response yet. Every process that shares the key
+    /// table must run with the same policy, as with the same retention; a
+    /// process without it executes a key whose retention has ended. A
+    /// [purge](Config::purge_expired) under this policy clears the response
+    /// of each expired record and deletes the record once its grace period
+    /// is over. [Phased operations](crate::phased) under this `Config`
+    /// follow the same policy (see
+    /// [the contract](crate::guide::contract#tombstones-fail-closed-expiry)).
+    ///
+    /// ```
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// use chrono::Duration;
+    /// use idempotency::testing::ManualClock;
+    /// use idempotency::{Config, Error};
+    ///
+    /// let clock = ManualClock::new();
+    /// let config = Config::default()
+    ///     .retention(Duration::hours(24))
+    ///     .tombstones(Duration::days(7))
+    ///     .clock(clock.source());
+    /// let mut conn = idempotency::testing::sqlite_memory();
+    /// let pay = |conn: &mut _| config.run(conn, "payments", "pay-1", &500, |_| Ok::<_, std::convert::Infallible>(500));
+    ///
+    /// assert!(!pay(&mut conn)?.is_replayed());
+    /// clock.advance(Duration::hours(25));
+    /// assert!(matches!(pay(&mut conn), Err(Error::Expired)), "fails closed");
+    /// clock.advance(Duration::days(7));
+    /// assert!(!pay(&mut conn)?.is_replayed(), "after the grace period it executes again");
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `grace` is not positive or longer than 100 years.
+    pub fn tombstones(mut self, grace: Duration) -> Self {
+        assert_duration(grace, "tombstone grace period");
+        self.tombstones = Some(grace);
+        self
+    }
+
     /// The configured retention.
     pub fn retention_period(&self) -> Duration {
         self.retention
+    }
+
+    /// The grace period of [`tombstones`](Config::tombstones), if the
+    /// policy keeps them.
+    pub fn tombstone_grace(&self) -> Option<Duration> {
+        self.tombstones
+    }
+
+    /// The time at or before which a record must have expired for a call at
+    /// `now` to take its key over: `now` itself, or, with tombstones, the
+    /// start of the grace period that ends at `now`.
+    pub(crate) fn reusable_by(&self, now: NaiveDateTime) -> NaiveDateTime {
+        self.tombstones.map_or(now, |grace| now - grace)
     }
 
     /// The longest key or scope accepted on backend `R`: the configured

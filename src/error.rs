@@ -17,6 +17,10 @@ use std::fmt;
 /// database refusing it, so it may have committed (retry with the same key:
 /// the retry replays if it did); and [`Error::Codec`] on a replay, where an
 /// earlier call spent the key and its stored response no longer decodes.
+/// Nor do the errors that answer a key an earlier call spent:
+/// [`Error::Mismatch`], [`Error::AlreadyCompleted`] and [`Error::Expired`]
+/// leave it as it was (spent, or for `Expired`, spent and expired until its
+/// tombstone's grace period ends).
 /// [`is_retryable`](Error::is_retryable) tells which errors call for a retry
 /// with the same key. A [phased operation](crate::phased) keeps its key spent
 /// after its first commit; see there.
@@ -77,6 +81,14 @@ pub enum Error<E = Infallible> {
     /// stored result ([`OnCompleted::Reject`](crate::OnCompleted::Reject));
     /// nothing was run or written. HTTP 409.
     AlreadyCompleted,
+    /// The same request with this key was carried out, its retention has
+    /// ended, and the [`Config`](crate::Config) keeps the key's tombstone
+    /// for a grace period ([`Config::tombstones`](crate::Config::tombstones)):
+    /// the stored result is gone, and the key is not executed again until
+    /// the grace period ends. Nothing was run or written. Not retryable: the
+    /// same request with the same key gets this until the grace period ends;
+    /// a new request takes a new key. HTTP 410.
+    Expired,
     /// The operation returned this error; its writes and the key record were
     /// rolled back and the key is not spent. HTTP 500 unless the application
     /// maps its own errors.
@@ -142,7 +154,8 @@ pub enum Error<E = Infallible> {
 
 impl<E> Error<E> {
     /// The HTTP status for this error: 400 for an invalid key or scope, 422
-    /// for a mismatched request, 409 for a key in progress, 503 for an
+    /// for a mismatched request, 409 for a key in progress, 410 for an
+    /// expired key that keeps its tombstone, 503 for an
     /// unknown outcome (retry later, with the same key), 500 otherwise.
     ///
     /// This is the generic mapping, where the scope may come from the
@@ -161,6 +174,7 @@ impl<E> Error<E> {
             Error::InvalidKey(_) | Error::InvalidScope(_) => 400,
             Error::Mismatch => 422,
             Error::InProgress | Error::AlreadyCompleted => 409,
+            Error::Expired => 410,
             Error::OutcomeUnknown(_) => 503,
             Error::Operation(_)
             | Error::Storage(_)
@@ -236,6 +250,7 @@ impl<E> Error<E> {
             Error::Mismatch => Error::Mismatch,
             Error::InProgress => Error::InProgress,
             Error::AlreadyCompleted => Error::AlreadyCompleted,
+            Error::Expired => Error::Expired,
             Error::Storage(error) => Error::Storage(error),
             Error::OutcomeUnknown(error) => Error::OutcomeUnknown(error),
             Error::Codec(error) => Error::Codec(error),
@@ -359,6 +374,9 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             Error::Mismatch => f.write_str("idempotency key was already used with a different request"),
             Error::InProgress => f.write_str("a request with this idempotency key is in progress"),
             Error::AlreadyCompleted => f.write_str("the request with this idempotency key has already completed"),
+            Error::Expired => {
+                f.write_str("the request with this idempotency key was carried out and its result is no longer kept")
+            }
             Error::Operation(error) => error.fmt(f),
             Error::Storage(_) => f.write_str("idempotency storage failed"),
             Error::OutcomeUnknown(_) => f.write_str(
@@ -400,6 +418,7 @@ where
             | Error::Mismatch
             | Error::InProgress
             | Error::AlreadyCompleted
+            | Error::Expired
             | Error::ResponseTooLarge { .. }
             | Error::Parked
             | Error::PhaseRenamed { .. } => None,

@@ -140,6 +140,8 @@ mod service;
 mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
+#[cfg(feature = "opentelemetry")]
+mod trace_context;
 
 #[cfg(feature = "diesel-async")]
 pub use backend::AsyncStoreConnection;

@@ -16,7 +16,9 @@ use crate::service::{Next, Shutdown, Stopped, serve};
 
 /// Deletes expired key records, completed phased operations past their
 /// retention and delivered outbox messages in the background until
-/// stopped, so that a service starts it once at boot and
+/// stopped (under a policy that keeps [tombstones](Config::tombstones),
+/// it turns expired key records and completed phased operations into
+/// tombstones and deletes them once their grace period has ended), so that a service starts it once at boot and
 /// never thinks about retention again. Built with consuming builder methods:
 ///
 /// | setting | default |
@@ -83,6 +85,12 @@ pub struct Purged {
     pub rounds: usize,
     /// Expired key records and completed phased operations deleted.
     pub keys: usize,
+    /// Expired key records and completed phased operations turned into
+    /// tombstones (their responses cleared), where the [`config`](Purger::config) keeps
+    /// [tombstones](Config::tombstones); each is counted in
+    /// [`keys`](Purged::keys) as well once its grace period ends and it is
+    /// deleted.
+    pub tombstoned: usize,
     /// Delivered outbox messages deleted.
     pub messages: usize,
 }
@@ -91,6 +99,7 @@ impl AddAssign for Purged {
     fn add_assign(&mut self, other: Purged) {
         self.rounds += other.rounds;
         self.keys += other.keys;
+        self.tombstoned += other.tombstoned;
         self.messages += other.messages;
     }
 }
@@ -153,6 +162,9 @@ impl Purger {
         C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
     {
         let stop = || shutdown.is_triggered();
+        // Where the tombstones' pass of the rounds before got to, so that a
+        // round clears only what expired since.
+        let mut swept = None;
         serve(
             "purger",
             pool,
@@ -161,7 +173,11 @@ impl Purger {
             &stop,
             |conn, purged: &mut Purged| {
                 let conn: &mut C = conn;
-                purged.keys += self.config.purge_expired_until(conn, self.batch_size, &stop)?;
+                let keys = self
+                    .config
+                    .purge_expired_until(conn, self.batch_size, &stop, &mut swept)?;
+                purged.keys += keys.deleted;
+                purged.tombstoned += keys.tombstoned;
                 if !stop() {
                     purged.messages += outbox::purge_delivered(
                         conn,

@@ -140,6 +140,7 @@ impl CallTrace {
             Error::InvalidScope(reason) => info!(target: TARGET, parent: span, %reason, "invalid scope"),
             Error::Mismatch => info!(target: TARGET, parent: span, "key reused with a different request"),
             Error::AlreadyCompleted => info!(target: TARGET, parent: span, "key already completed; not replayed"),
+            Error::Expired => info!(target: TARGET, parent: span, "key expired; its tombstone refuses it"),
             Error::InProgress => {
                 info!(target: TARGET, parent: span, elapsed_ms = millis(self.started.elapsed()), "key in progress");
             }
@@ -177,6 +178,7 @@ impl CallTrace {
             Err(Error::Mismatch) => "mismatch",
             Err(Error::InProgress) => "in_progress",
             Err(Error::AlreadyCompleted) => "already_completed",
+            Err(Error::Expired) => "expired",
             Err(Error::Operation(_)) => "operation_error",
             Err(Error::Storage(_)) => "storage_error",
             Err(Error::OutcomeUnknown(_)) => "outcome_unknown",

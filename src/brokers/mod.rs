@@ -421,7 +421,9 @@ pub(crate) const DEFAULT_MAX_DELIVERIES: u32 = 5;
 /// Each delivery runs in a `debug` span `inbox_delivery` (target
 /// `idempotency`) with the scope, the key's digest, the attempt and the
 /// `traceparent` the message carries; the call's own span and the
-/// handler's run inside it.
+/// handler's run inside it. With the feature `opentelemetry`, that span is
+/// a child of the span the `traceparent` names, the one that enqueued the
+/// message ([the trace](crate::guide::brokers#the-trace)).
 ///
 /// Each broker's consumer takes an `Inbox`:
 /// [`JetStreamConsumer`](nats::JetStreamConsumer),
@@ -507,8 +509,16 @@ where
             scope = %self.scope, key_digest = %key, attempt = delivery.attempt,
             traceparent = delivery.traceparent.as_deref(),
         );
+        // Before the span is entered: OpenTelemetry starts it then.
+        #[cfg(feature = "opentelemetry")]
+        crate::trace_context::continue_in(&span, delivery.traceparent.as_deref(), delivery.tracestate.as_deref());
         let in_span = span.clone();
+        // The handler reports where the consumer's task does: to its
+        // subscriber (also one it was given by `with_subscriber`), which a
+        // thread of the blocking pool does not have as its default.
+        let dispatch = tracing::dispatcher::get_default(tracing::Dispatch::clone);
         let ran = tokio::task::spawn_blocking(move || {
+            let _default = tracing::dispatcher::set_default(&dispatch);
             let _entered = in_span.enter();
             let mut conn = pool
                 .get()
@@ -624,6 +634,99 @@ mod tests {
             Delivery::from_parts(Some("k".into()), vec![0xff], [], 1),
             Err(Malformed::PayloadNotUtf8)
         );
+    }
+
+    /// The inbox's trace with OpenTelemetry: deliveries built by hand, run
+    /// by an inbox on SQLite under a subscriber that exports its spans to
+    /// memory.
+    #[cfg(feature = "opentelemetry")]
+    mod trace {
+        use std::sync::Mutex;
+
+        use diesel::SqliteConnection;
+        use opentelemetry::trace::{SpanId, TraceContextExt, TraceId, TracerProvider};
+        use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+        use tracing::instrument::WithSubscriber;
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        use tracing_subscriber::layer::SubscriberExt;
+
+        use super::*;
+
+        const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+        const SPAN_ID: &str = "00f067aa0ba902b7";
+
+        /// What one delivery left: the inbox's span as exported, and the
+        /// trace the handler saw itself in.
+        struct Traced {
+            verdict: Verdict,
+            inbox_span: SpanData,
+            handler_trace: TraceId,
+        }
+
+        fn deliver(traceparent: Option<&str>) -> Traced {
+            let exporter = InMemorySpanExporter::default();
+            let provider = SdkTracerProvider::builder()
+                .with_simple_exporter(exporter.clone())
+                .build();
+            let subscriber = tracing_subscriber::registry()
+                .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("inbox-test")));
+            let database = tempfile::NamedTempFile::new().unwrap();
+            let pool = Pool::new(ConnectionManager::<SqliteConnection>::new(
+                database.path().to_string_lossy(),
+            ))
+            .unwrap();
+            crate::run_migrations(&mut pool.get().unwrap()).unwrap();
+            let seen = Arc::new(Mutex::new(TraceId::INVALID));
+            let recorded = Arc::clone(&seen);
+            let inbox = Inbox::new(pool, "trace-inbox", move |_: &mut SqliteConnection, _: &Delivery| {
+                *recorded.lock().unwrap() = tracing::Span::current().context().span().span_context().trace_id();
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+            });
+            let headers = traceparent.map(|traceparent| (TRACEPARENT_HEADER.to_owned(), traceparent.to_owned()));
+            let delivery = Delivery::from_parts(Some("message-1".into()), b"1".to_vec(), headers, 1).unwrap();
+            let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let verdict = runtime.block_on(inbox.receive(delivery).with_subscriber(subscriber));
+            let inbox_span = exporter
+                .get_finished_spans()
+                .unwrap()
+                .into_iter()
+                .find(|span| span.name == "inbox_delivery")
+                .expect("the inbox's span was exported");
+            let handler_trace = *seen.lock().unwrap();
+            Traced {
+                verdict,
+                inbox_span,
+                handler_trace,
+            }
+        }
+
+        #[test]
+        fn a_delivery_with_a_traceparent_is_handled_in_a_child_of_its_remote_span() {
+            let traced = deliver(Some(&format!("00-{TRACE_ID}-{SPAN_ID}-01")));
+            assert_eq!(traced.verdict, Verdict::Done);
+            let trace_id = TraceId::from_hex(TRACE_ID).unwrap();
+            assert_eq!(traced.inbox_span.span_context.trace_id(), trace_id);
+            assert_eq!(traced.inbox_span.parent_span_id, SpanId::from_hex(SPAN_ID).unwrap());
+            assert!(traced.inbox_span.parent_span_is_remote);
+            assert_eq!(traced.handler_trace, trace_id, "the handler runs in the same trace");
+        }
+
+        #[test]
+        fn a_delivery_without_a_trace_context_or_with_an_invalid_one_starts_a_fresh_trace() {
+            for traceparent in [None, Some("00-not-a-trace-01"), Some("garbage")] {
+                let traced = deliver(traceparent);
+                assert_eq!(traced.verdict, Verdict::Done, "{traceparent:?}");
+                let span = traced.inbox_span.span_context;
+                assert!(span.is_valid(), "{traceparent:?}");
+                assert_ne!(span.trace_id(), TraceId::from_hex(TRACE_ID).unwrap());
+                assert_eq!(
+                    traced.inbox_span.parent_span_id,
+                    SpanId::INVALID,
+                    "{traceparent:?}: a root"
+                );
+                assert_eq!(traced.handler_trace, span.trace_id(), "{traceparent:?}");
+            }
+        }
     }
 
     #[test]

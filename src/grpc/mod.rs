@@ -27,6 +27,7 @@
 //! | same key, another request, method or principal | `FAILED_PRECONDITION` | `IDEMPOTENCY_KEY_REUSED` | |
 //! | a call with the same key still in progress after the in-flight wait | `ABORTED` | `IDEMPOTENCY_KEY_IN_PROGRESS` | 1 s |
 //! | the key's call completed and [`OnCompleted::Reject`](crate::OnCompleted::Reject) refuses replays | `ALREADY_EXISTS` | `IDEMPOTENCY_KEY_COMPLETED` | |
+//! | the key's call was carried out, its result is gone and its tombstone kept ([`Error::Expired`]) | `ALREADY_EXISTS` | `IDEMPOTENCY_KEY_EXPIRED` | |
 //! | a commit whose outcome is unknown | `UNAVAILABLE` | `OUTCOME_UNKNOWN` | 1 s |
 //! | no database connection in time, a storage failure of the moment | `UNAVAILABLE` | `UNAVAILABLE` | 1 s |
 //! | the response is beyond [`Config::max_response_len`] | `INTERNAL` | `RESPONSE_TOO_LARGE` | |

@@ -27,6 +27,7 @@ pub(super) enum Reason {
     KeyReused,
     InProgress,
     KeyCompleted,
+    KeyExpired,
     OutcomeUnknown,
     Unavailable,
     ResponseTooLarge,
@@ -41,6 +42,7 @@ impl Reason {
             Reason::KeyReused => "IDEMPOTENCY_KEY_REUSED",
             Reason::InProgress => "IDEMPOTENCY_KEY_IN_PROGRESS",
             Reason::KeyCompleted => "IDEMPOTENCY_KEY_COMPLETED",
+            Reason::KeyExpired => "IDEMPOTENCY_KEY_EXPIRED",
             Reason::OutcomeUnknown => "OUTCOME_UNKNOWN",
             Reason::Unavailable => "UNAVAILABLE",
             Reason::ResponseTooLarge => "RESPONSE_TOO_LARGE",
@@ -55,7 +57,7 @@ impl Reason {
             Reason::KeyMissing | Reason::KeyInvalid => (Code::InvalidArgument, false),
             Reason::KeyReused => (Code::FailedPrecondition, false),
             Reason::InProgress => (Code::Aborted, true),
-            Reason::KeyCompleted => (Code::AlreadyExists, false),
+            Reason::KeyCompleted | Reason::KeyExpired => (Code::AlreadyExists, false),
             Reason::OutcomeUnknown | Reason::Unavailable => (Code::Unavailable, true),
             Reason::ResponseTooLarge | Reason::Internal => (Code::Internal, false),
         }
@@ -104,6 +106,11 @@ pub(super) fn of<E: Into<Status>>(error: Error<E>) -> Status {
         Error::AlreadyCompleted => refused(
             Reason::KeyCompleted,
             "the call with this idempotency key has already completed; a new call takes a new key",
+        ),
+        Error::Expired => refused(
+            Reason::KeyExpired,
+            "the call with this idempotency key was carried out, but its result is no longer kept; \
+             a new call takes a new key",
         ),
         Error::OutcomeUnknown(cause) => {
             tracing::warn!(target: TARGET, %cause, "a gRPC call's commit has an unknown outcome");

@@ -336,8 +336,8 @@ impl<R: Responder> Responder for Answer<R> {
     type Body = BoxBody;
 
     fn respond_to(self, req: &HttpRequest) -> HttpResponse {
-        let (outcome, added) = self.into_parts();
-        let mut response = outcome.respond_to(req);
+        let (response, added) = self.into_parts();
+        let mut response = response.respond_to(req).map_into_boxed_body();
         for (name, value) in added {
             let (name, value) = field(&name, &value);
             response.headers_mut().insert(name, value);

@@ -6,13 +6,16 @@ use std::ops::Deref;
 use chrono::{DateTime, Utc};
 use http::{HeaderName, HeaderValue, header};
 
+use super::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 use crate::Outcome;
 
 /// The [`Outcome`] of [`run`](super::run), [`run_phased`](super::run_phased)
 /// or [`lookup`](super::lookup), with the end of the key's retention.
 ///
 /// As a response it is the outcome's (`R`'s response, with
-/// `Idempotent-Replayed: true` on a replay) plus the expiry header
+/// `Idempotent-Replayed: true` on a replay, or the name
+/// [`KeyHeader::replay_header`](super::KeyHeader::replay_header) gives) plus
+/// the expiry header
 /// ([`KeyHeader::expiry_header`](super::KeyHeader::expiry_header), by
 /// default `Idempotency-Expires`) whose value is the moment the key may
 /// execute again, as an HTTP-date (RFC 9110 §5.6.7, the IMF-fixdate form),
@@ -44,7 +47,7 @@ use crate::Outcome;
 pub struct Answer<R> {
     outcome: Outcome<R>,
     expires_at: DateTime<Utc>,
-    header: HeaderName,
+    marks: Marks,
     /// Answered with `Cache-Control: no-store`, as every answer of a
     /// lookup is.
     no_store: bool,
@@ -54,10 +57,21 @@ impl<R> Answer<R> {
     /// The outcome, whose key is kept until `expires_at`, advertised in a
     /// header named `header`.
     pub fn new(outcome: Outcome<R>, expires_at: DateTime<Utc>, header: HeaderName) -> Self {
+        let marks = Marks {
+            expiry: header,
+            replayed: IDEMPOTENT_REPLAYED,
+            echo: None,
+        };
+        Answer::marked(outcome, expires_at, marks)
+    }
+
+    /// The outcome of a key whose [`KeyHeader`](super::KeyHeader) chose
+    /// the headers its answers carry.
+    pub(super) fn marked(outcome: Outcome<R>, expires_at: DateTime<Utc>, marks: Marks) -> Self {
         Answer {
             outcome,
             expires_at,
-            header,
+            marks,
             no_store: false,
         }
     }
@@ -79,19 +93,49 @@ impl<R> Answer<R> {
         self.outcome
     }
 
-    /// The outcome, and the headers an adapter adds to its response: the
-    /// expiry header and, for a lookup, `Cache-Control: no-store`.
-    pub(super) fn into_parts(self) -> (Outcome<R>, Vec<(HeaderName, HeaderValue)>) {
+    /// The response, and the headers an adapter adds to it: the replay
+    /// header on a replay (and with `false` on a first response where the
+    /// key marks them), the key where it is echoed, the expiry header and,
+    /// for a lookup, `Cache-Control: no-store`.
+    pub(super) fn into_parts(self) -> (R, Vec<(HeaderName, HeaderValue)>) {
+        let Marks { expiry, replayed, echo } = self.marks;
         // An HTTP-date has whole seconds: the second the retention ends in,
         // rounded down, so that the header never promises more than is kept.
         let date = self.expires_at.format("%a, %d %b %Y %H:%M:%S GMT").to_string();
         let value = HeaderValue::try_from(date).expect("an HTTP-date is visible ASCII");
-        let mut headers = vec![(self.header, value)];
+        let mut headers = vec![(expiry, value)];
+        let response = match self.outcome {
+            Outcome::Replayed(response) => {
+                headers.push((replayed, HeaderValue::from_static("true")));
+                response
+            }
+            Outcome::Executed(response) => {
+                if echo.is_some() {
+                    headers.push((replayed, HeaderValue::from_static("false")));
+                }
+                response
+            }
+        };
+        if let Some(key) = echo {
+            headers.push((IDEMPOTENCY_KEY, key));
+        }
         if self.no_store {
             headers.push((header::CACHE_CONTROL, HeaderValue::from_static("no-store")));
         }
-        (self.outcome, headers)
+        (response, headers)
     }
+}
+
+/// The headers besides its own that a key's answer carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Marks {
+    /// The header that tells when the key expires.
+    pub(super) expiry: HeaderName,
+    /// The header that marks a replay.
+    pub(super) replayed: HeaderName,
+    /// The key as an sf-string, where every response echoes it and marks
+    /// a first response as well.
+    pub(super) echo: Option<HeaderValue>,
 }
 
 impl<R> Deref for Answer<R> {

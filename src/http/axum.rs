@@ -161,8 +161,8 @@ impl<R: IntoResponse> IntoResponse for Outcome<R> {
 
 impl<R: IntoResponse> IntoResponse for Answer<R> {
     fn into_response(self) -> Response {
-        let (outcome, added) = self.into_parts();
-        let mut response = outcome.into_response();
+        let (response, added) = self.into_parts();
+        let mut response = response.into_response();
         for (name, value) in added {
             response.headers_mut().insert(name, value);
         }

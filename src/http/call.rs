@@ -394,7 +394,7 @@ where
         .map_err(|cause| Failure::unavailable(problems, cause))?;
     let bound = BoundRequest::new(key.endpoint().cloned(), key.principal_beside_scope(), request);
     match crate::backend::catch_unwind(call(&mut *conn, &bound)).await {
-        Ok(Ok((outcome, expires_at))) => Ok(Answer::new(outcome, expires_at, key.expiry_header().clone())),
+        Ok(Ok((outcome, expires_at))) => Ok(Answer::marked(outcome, expires_at, key.marks().clone())),
         Ok(Err(error)) => Err(Failure::of(error, problems)),
         // The transaction the panic was in rolled back before the panic
         // went on: a single call committed nothing; a phased operation
@@ -429,7 +429,7 @@ where
         call(conn, scope, key, &bound)
     })
     .await?;
-    Ok(Answer::new(outcome, expires_at, key.expiry_header().clone()))
+    Ok(Answer::marked(outcome, expires_at, key.marks().clone()))
 }
 
 /// Makes `call` with a connection of `pool` and the key on tokio's blocking

@@ -93,6 +93,13 @@ impl<E> Failure<E> {
                 );
                 return Failure::Refused(problem);
             }
+            Error::Expired => {
+                let problem = problems.problem(ProblemKind::KeyExpired).with_detail(
+                    "the request with this idempotency key was carried out, but its result is no longer kept; \
+                     a new request takes a new key",
+                );
+                return Failure::Refused(problem);
+            }
             Error::InProgress => {
                 let problem = problems
                     .problem(ProblemKind::InProgress)

@@ -3,8 +3,7 @@
 
 use std::borrow::Cow;
 
-use http::HeaderName;
-
+use super::answer::Marks;
 use super::endpoint::Endpoint;
 use super::header::HeaderFields;
 use super::{IdempotencyKeyRejection, KeyHeader, ProblemKind, Problems};
@@ -197,7 +196,8 @@ pub struct IdempotencyKey<A> {
     principal: String,
     key: String,
     problems: Problems,
-    expiry_header: HeaderName,
+    /// The headers its answers carry.
+    marks: Marks,
     endpoint: Endpoint,
     /// Whether the key is bound to `endpoint` (not made
     /// [`across_endpoints`](IdempotencyKey::across_endpoints)).
@@ -279,9 +279,9 @@ impl<A> IdempotencyKey<A> {
         &self.problems
     }
 
-    /// The name of the response header that tells when the key expires.
-    pub(super) fn expiry_header(&self) -> &HeaderName {
-        &self.expiry_header
+    /// The headers its answers carry besides their own.
+    pub(super) fn marks(&self) -> &Marks {
+        &self.marks
     }
 
     /// The endpoint the key is bound to, if it is.
@@ -344,13 +344,14 @@ impl<A: Caller> IdempotencyKey<A> {
     pub(super) fn new(caller: A, key: String, problems: Problems, header: &KeyHeader, endpoint: Endpoint) -> Self {
         let scope = caller.scope().into_owned();
         let principal = caller.principal().into_owned();
+        let marks = header.marks(&key);
         IdempotencyKey {
             caller,
             scope,
             principal,
             key,
             problems,
-            expiry_header: header.expiry_header_name().clone(),
+            marks,
             endpoint,
             bound_to_endpoint: true,
         }

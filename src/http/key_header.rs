@@ -4,13 +4,14 @@
 
 use std::sync::Arc;
 
-use http::HeaderName;
+use http::{HeaderName, HeaderValue};
 
+use super::answer::Marks;
 use super::header::{HeaderError, HeaderFields, Syntax, read_key};
-use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
+use super::headers::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 
 /// How [`IdempotencyKey`](super::IdempotencyKey) reads the key header, and
-/// the name of the header that advertises when the key expires.
+/// the headers an [`Answer`](super::Answer) of the key carries.
 ///
 /// | setting | default |
 /// | --- | --- |
@@ -18,6 +19,8 @@ use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY};
 /// | syntax | lenient: an RFC 9651 sf-string (`"8e03978e"`), or a bare value of visible ASCII without a comma (`8e03978e`) taken as it is, as Stripe's clients send it |
 /// | [`strict`](KeyHeader::strict) | an sf-string only, as the IETF draft (§2.1) requires; a bare value is a 400 |
 /// | [`expiry_header`](KeyHeader::expiry_header) | `Idempotency-Expires`: the response header of every [`Answer`](super::Answer) |
+/// | [`replay_header`](KeyHeader::replay_header) | `Idempotent-Replayed`: `true` on a replay |
+/// | [`mark_first_responses`](KeyHeader::mark_first_responses) | `false`: a first response carries neither the replay header nor the key |
 ///
 /// A request with two fields among the names accepted, of one name or of
 /// two (`Idempotency-Key: a` and `X-Idempotency-Key: a`), has two keys: it
@@ -86,6 +89,8 @@ struct Settings {
     names: Vec<HeaderName>,
     syntax: Syntax,
     expiry: HeaderName,
+    replayed: HeaderName,
+    mark_first: bool,
 }
 
 impl Default for KeyHeader {
@@ -95,6 +100,8 @@ impl Default for KeyHeader {
                 names: vec![IDEMPOTENCY_KEY],
                 syntax: Syntax::Lenient,
                 expiry: IDEMPOTENCY_EXPIRES,
+                replayed: IDEMPOTENT_REPLAYED,
+                mark_first: false,
             }),
         }
     }
@@ -135,6 +142,41 @@ impl KeyHeader {
         &self.settings.expiry
     }
 
+    /// Names the response header that marks a replay with `true` (default
+    /// `Idempotent-Replayed`, as Stripe's API sends it). An API that
+    /// documented another name, such as Crunchy Bridge's
+    /// `Idempotency-Replay`, keeps it. A browser reads it only where CORS
+    /// exposes it: the [HTTP guide](crate::guide::http#browsers-and-cors)
+    /// lists the headers to expose.
+    pub fn replay_header(mut self, name: HeaderName) -> Self {
+        Arc::make_mut(&mut self.settings).replayed = name;
+        self
+    }
+
+    /// The name of the response header that marks a replay.
+    pub fn replay_header_name(&self) -> &HeaderName {
+        &self.settings.replayed
+    }
+
+    /// Whether every response of a key also says what it is (default
+    /// `false`): a first response carries the replay header with `false`,
+    /// and every response, first or replayed, echoes the key in an
+    /// `Idempotency-Key` header as an sf-string, so that a client that logs
+    /// responses can tell which request each answered and whether it ran.
+    pub fn mark_first_responses(mut self, mark: bool) -> Self {
+        Arc::make_mut(&mut self.settings).mark_first = mark;
+        self
+    }
+
+    /// The headers an answer of `key` carries besides its own.
+    pub(super) fn marks(&self, key: &str) -> Marks {
+        Marks {
+            expiry: self.settings.expiry.clone(),
+            replayed: self.settings.replayed.clone(),
+            echo: self.settings.mark_first.then(|| sf_string(key)).flatten(),
+        }
+    }
+
     /// The header names accepted, `Idempotency-Key` first.
     pub fn names(&self) -> &[HeaderName] {
         &self.settings.names
@@ -157,4 +199,12 @@ impl KeyHeader {
     pub(crate) fn read(&self, fields: &impl HeaderFields) -> Result<Option<String>, HeaderError> {
         read_key(fields, &self.settings.names, self.settings.syntax)
     }
+}
+
+/// `key` as an RFC 9651 sf-string: in double quotes, with `"` and `\`
+/// escaped. `None` for a key with a byte an sf-string cannot hold, which the
+/// key rules refuse anyway.
+fn sf_string(key: &str) -> Option<HeaderValue> {
+    let escaped = key.replace('\\', "\\\\").replace('"', "\\\"");
+    HeaderValue::try_from(format!("\"{escaped}\"")).ok()
 }

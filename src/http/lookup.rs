@@ -49,7 +49,7 @@ use crate::{Config, InFlight, KeyStatus, Outcome};
 /// | in progress | 409 problem ([`ProblemKind::InProgress`]), `Retry-After`: ask again later; a phased operation that has not finished is in progress |
 /// | parked | 500 problem ([`ProblemKind::OperationParked`]): a phased operation stopped partway waits for the service's operators; never send it under a new key |
 /// | no record | 404 problem ([`ProblemKind::KeyUnknown`]): nothing was done for this caller here, sending the request again with the key is safe |
-/// | expired | 410 problem ([`ProblemKind::KeyExpired`]): it ran, its result is no longer kept |
+/// | expired | 410 problem ([`ProblemKind::KeyExpired`]): it ran, its result is no longer kept; under [`Config::tombstones`] a retry inside the grace period is refused with the same 410 |
 ///
 /// Every answer, the failures below included, carries
 /// `Cache-Control: no-store`: it is one caller's, and it changes.
@@ -188,16 +188,23 @@ where
     match status {
         KeyStatus::Completed {
             response, expires_at, ..
-        } => Ok(Answer::new(
+        } => Ok(Answer::marked(
             Outcome::Replayed(response),
             expires_at,
-            key.expiry_header().clone(),
+            key.marks().clone(),
         )),
         KeyStatus::InProgress => refused(
             ProblemKind::InProgress,
             "a request with this idempotency key is still being processed; look again later",
         ),
         KeyStatus::Parked => refused(ProblemKind::OperationParked, PARKED),
+        // A retry is refused as expired until the grace period ends, and
+        // the lookup says what a retry would hear.
+        KeyStatus::Tombstoned { .. } => refused(
+            ProblemKind::KeyExpired,
+            "the request with this idempotency key was carried out, but its result is no longer kept; \
+             sending it again with the key is refused",
+        ),
         KeyStatus::Expired { .. } => refused(
             ProblemKind::KeyExpired,
             "the request with this idempotency key was carried out, but its result is no longer kept",

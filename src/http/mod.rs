@@ -154,8 +154,6 @@
 //! # }
 //! ```
 
-use http::HeaderName;
-
 #[cfg(feature = "actix")]
 mod actix;
 mod answer;
@@ -168,6 +166,7 @@ mod endpoint;
 mod failure;
 mod gate;
 mod header;
+mod headers;
 mod key;
 mod key_header;
 mod lookup;
@@ -187,6 +186,7 @@ pub use call::{run, run_phased};
 #[cfg(feature = "diesel-async")]
 pub use call::{run_async, run_phased_async};
 pub use failure::Failure;
+pub use headers::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 pub use key::{Caller, IdempotencyKey};
 pub use key_header::KeyHeader;
 pub use lookup::lookup;
@@ -194,14 +194,3 @@ pub use pool::ConnectionPool;
 pub use problem::{Problem, ProblemKind, Problems};
 pub use rejection::IdempotencyKeyRejection;
 pub use response::StoredResponse;
-
-/// `Idempotency-Key`, the request header of the IETF draft.
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// `Idempotency-Expires`, the default name of the response header that
-/// tells when a key's guarantee ends ([`Answer`]).
-pub const IDEMPOTENCY_EXPIRES: HeaderName = HeaderName::from_static("idempotency-expires");
-
-/// `Idempotent-Replayed`, the response header that marks a replay (`true`),
-/// as Stripe's API sends it.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");

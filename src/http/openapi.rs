@@ -13,7 +13,8 @@ use utoipa::openapi::schema::{ObjectBuilder, Ref, Schema, SchemaFormat, Type};
 use utoipa::openapi::{ComponentsBuilder, OpenApi, RefOr, Required};
 use utoipa::{IntoParams, IntoResponses, Modify, PartialSchema, ToSchema};
 
-use super::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, Problem, ProblemKind};
+use super::headers::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use super::problem::{Problem, ProblemKind};
 
 /// The media type of a problem details body.
 const PROBLEM_JSON: &str = "application/problem+json";

@@ -98,7 +98,11 @@ impl Envelope {
     /// The W3C `traceparent` of the request that enqueues the message, as
     /// its `traceparent` header had it or the application's tracer gives
     /// it: `version-traceid-parentid-flags` in lower-case hex
-    /// (`00-4bf9...4736-00f0...02b7-01`).
+    /// (`00-4bf9...4736-00f0...02b7-01`). With the feature
+    /// `opentelemetry`, an envelope given neither this nor a
+    /// [`tracestate`](Envelope::tracestate) takes both from the current
+    /// span when it is enqueued (see [the trace](crate::guide::outbox));
+    /// one given here is kept.
     pub fn traceparent(mut self, traceparent: impl Into<String>) -> Self {
         self.traceparent = Some(traceparent.into());
         self
@@ -168,7 +172,20 @@ impl Envelope {
 
     /// Checks everything, then writes the message on either kind of
     /// connection with the scope of the call executing on `conn`.
-    async fn write<C: OutboxStore>(self, conn: &mut C, not_before: Option<NaiveDateTime>) -> Result<String, Error> {
+    async fn write<C: OutboxStore>(
+        #[cfg_attr(not(feature = "opentelemetry"), allow(unused_mut))] mut self,
+        conn: &mut C,
+        not_before: Option<NaiveDateTime>,
+    ) -> Result<String, Error> {
+        // Read here, in the caller's span (the request's), never at
+        // delivery; a context given by hand, even a part of one, wins.
+        #[cfg(feature = "opentelemetry")]
+        if self.traceparent.is_none() && self.tracestate.is_none() {
+            if let Some((traceparent, tracestate)) = crate::trace_context::current() {
+                self.traceparent = Some(traceparent);
+                self.tracestate = tracestate;
+            }
+        }
         crate::key::validate_topic(&self.topic, MAX_TOPIC_LEN).map_err(Error::InvalidTopic)?;
         if let Some(key) = &self.ordering_key {
             crate::key::validate_topic(key, MAX_TOPIC_LEN).map_err(Error::InvalidOrderingKey)?;

@@ -7,7 +7,7 @@ use serde::de::DeserializeOwned;
 
 use crate::backend::outbox::Settlement;
 
-/// One delivery of a message, as a [`Relay`] hands it to its handler.
+/// One delivery of a message, as a [`Relay`](super::Relay) hands it to its handler.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Message {
@@ -58,7 +58,7 @@ impl Message {
         serde_json::from_str(&self.payload_json)
     }
 
-    /// The headers it was enqueued with ([`Envelope::header`]), by name;
+    /// The headers it was enqueued with ([`Envelope::header`](super::Envelope::header)), by name;
     /// empty for a message enqueued without.
     pub fn headers(&self) -> &BTreeMap<String, String> {
         &self.headers
@@ -70,13 +70,13 @@ impl Message {
         self.headers.get(name).map(String::as_str)
     }
 
-    /// Its ordering key ([`Envelope::ordering_key`]), if it has one.
+    /// Its ordering key ([`Envelope::ordering_key`](super::Envelope::ordering_key)), if it has one.
     pub fn ordering_key(&self) -> Option<&str> {
         self.ordering_key.as_deref()
     }
 
     /// The W3C `traceparent` captured when it was enqueued
-    /// ([`Envelope::traceparent`]): hand it on to the broker so the
+    /// ([`Envelope::traceparent`](super::Envelope::traceparent)): hand it on to the broker so the
     /// consumer's span joins the trace of the request that caused the
     /// message, not the relay's.
     pub fn traceparent(&self) -> Option<&str> {
@@ -90,7 +90,7 @@ impl Message {
     }
 }
 
-/// What a relay did: one [`Relay::run_once`], or all of them added up.
+/// What a relay did: one [`Relay::run_once`](super::Relay::run_once), or all of them added up.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Deliveries {

@@ -382,6 +382,9 @@ impl<'a, C: PhaseStore> Attempt<'a, C> {
             updated_at: now,
             caller_hash: self.caller_hash,
         });
+        // A completed operation this attempt replaces expired by then (its
+        // tombstone's grace period ended too, where the policy keeps one).
+        let reusable_by = self.phased.config.reusable_by(now);
         let held = (self.lease.scope, self.lease.key);
         let points_kept = &mut points;
         let result = within_key(
@@ -393,7 +396,7 @@ impl<'a, C: PhaseStore> Attempt<'a, C> {
             async |tx, guard, _| {
                 if let (Some((replace, _)), Some(operation)) = (&claim, &new_operation) {
                     if *replace {
-                        tx.delete_expired_operation(operation.scope, operation.idempotency_key, now)
+                        tx.delete_expired_operation(operation.scope, operation.idempotency_key, reusable_by)
                             .await?;
                     }
                     if !tx.insert_operation(operation).await? {

@@ -45,6 +45,13 @@ impl Phased {
     ///   anything was read or written.
     /// - [`Error::Mismatch`]: the key is bound to another request or to
     ///   another operation (another name).
+    /// - [`Error::AlreadyCompleted`]: the operation has finished, and the
+    ///   [`Config`](crate::Config) rejects completed keys rather than
+    ///   replaying them.
+    /// - [`Error::Expired`]: the operation finished, its retention has
+    ///   ended, and the [`Config`](crate::Config) keeps its
+    ///   [tombstone](crate::Config::tombstones) for a grace period that
+    ///   runs; nothing runs again until it ends.
     /// - [`Error::InProgress`]: another attempt holds the operation beyond
     ///   the in-flight policy, or took it over from this one.
     /// - [`Error::Operation`]: a step's closure failed. Before the first
@@ -229,18 +236,20 @@ impl Phased {
     /// while it runs (an attempt holds it, or it waits for a retry or a
     /// [`Completer`](super::Completer) to resume it),
     /// [`Completed`](KeyStatus::Completed) with its response once finished,
-    /// [`Expired`](KeyStatus::Expired) after its retention,
+    /// [`Tombstoned`](KeyStatus::Tombstoned) after its retention where the
+    /// policy keeps [tombstones](crate::Config::tombstones), until their
+    /// grace period ends, [`Expired`](KeyStatus::Expired) after that,
     /// [`Parked`](KeyStatus::Parked) while it waits for a person. It never
     /// runs a step and never writes.
     ///
-    /// As [`Config::status`] for a single call, the lookup answers only
+    /// As [`Config::status`](crate::Config::status) for a single call, the lookup answers only
     /// what a retry would: an operation of another request or of another
     /// operation (another name) is [`NoRecord`](KeyStatus::NoRecord),
     /// exactly as a key without one.
     ///
     /// # Errors
     ///
-    /// As [`Config::status`].
+    /// As [`Config::status`](crate::Config::status).
     ///
     /// ```
     /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -335,7 +344,12 @@ impl Phased {
             let Some(row) = row else {
                 return Ok(attempt(conn, OperationHold::Unclaimed { replace: false }, clock));
             };
-            if row.status == OperationStatus::Completed && row.expires_at.is_some_and(|expires_at| expires_at <= now) {
+            // Past its retention, and past the grace period of its
+            // tombstone where the policy keeps one: run anew.
+            let reusable_by = self.config.reusable_by(now);
+            if row.status == OperationStatus::Completed
+                && row.expires_at.is_some_and(|expires_at| expires_at <= reusable_by)
+            {
                 return Ok(attempt(conn, OperationHold::Unclaimed { replace: true }, clock));
             }
             // The key is bound to the operation as well as to the request:
@@ -347,6 +361,10 @@ impl Phased {
                 return Err(Error::Mismatch);
             }
             match row.status {
+                // A tombstone: past its retention, inside the grace period.
+                OperationStatus::Completed if row.expires_at.is_some_and(|expires_at| expires_at <= now) => {
+                    return Err(Error::Expired);
+                }
                 OperationStatus::Completed => {
                     if self.config.on_completed == OnCompleted::Reject {
                         return Err(Error::AlreadyCompleted);

@@ -68,7 +68,7 @@ impl<'a, C: BlockingPhaseStore> Steps<'a, C> {
     ///
     /// The call is recorded as started before it is first made. A resume
     /// finding it started but without a result calls again with the same
-    /// key, up to the [`provider_horizon`](Phased::provider_horizon) after
+    /// key, up to the [`provider_horizon`](super::Phased::provider_horizon) after
     /// the first call; past it the operation is parked. A failure the
     /// provider answered definitively (a declined card) should be returned
     /// as `Ok`, so that it is stored and replayed.

@@ -116,6 +116,8 @@ where
         created_at: NaiveDateTime::MIN,
         completed_at: None,
         expires_at: NaiveDateTime::MIN,
+        // Not read: the claim is a plain insert, which takes over no record.
+        reusable_by: NaiveDateTime::MIN,
         caller_hash,
     };
     // The work runs at most once, and only once the key is claimed; until
@@ -178,11 +180,15 @@ where
         }) => {
             let now = config.clock.or_database(now);
             match record {
-                Some(stored) if stored.status == RecordStatus::Completed && stored.expires_at > now => {
+                // Unexpired, or a tombstone (answered from this read as a
+                // replay is).
+                Some(stored)
+                    if stored.status == RecordStatus::Completed && stored.expires_at > config.reusable_by(now) =>
+                {
                     if config.durable_replays {
                         conn.await_replication().await?;
                     }
-                    return replay(config, stored, request_hash);
+                    return replay(config, stored, request_hash, now);
                 }
                 record => (now, claims_first, record.is_none()),
             }
@@ -241,6 +247,7 @@ where
         completed_at: None,
         expires_at: C::Rules::storable_time(now + config.retention),
         caller_hash,
+        reusable_by: config.reusable_by(now),
     };
     let claim = fresh.then_some(Claim::Bound(&record));
     let work = async |tx: &mut C, guard: &mut KeyWork, claimed| {
@@ -253,7 +260,7 @@ where
                 if config.durable_replays {
                     tx.await_replication().await?;
                 }
-                return replay(config, stored, request_hash);
+                return replay(config, stored, request_hash, now);
             }
             Hold::ClaimedElsewhere => return Err(Error::InProgress),
             hold @ (Hold::Expired | Hold::Claimed { took_over: true }) => {
@@ -281,15 +288,23 @@ where
     within_key(conn, config, (scope, key), Some(trace), claim, work).await
 }
 
-/// The answer from a stored record: its response when the request matches
-/// and the policy replays ([`Config::on_completed`]).
+/// The answer from a stored record as of `now`: its response when the
+/// request matches and the policy replays ([`Config::on_completed`]);
+/// [`Error::Expired`] when the record is a tombstone (the policy keeps
+/// [tombstones](Config::tombstones) and the record's retention has ended),
+/// whose request is still compared first, so that only the request that
+/// could have been replayed learns that it expired.
 fn replay<R: DeserializeOwned, E>(
     config: &Config,
     stored: Stored,
     request_hash: &str,
+    now: NaiveDateTime,
 ) -> Result<Recorded<R>, Error<E>> {
     if stored.request_hash != request_hash {
         return Err(Error::Mismatch);
+    }
+    if stored.status == RecordStatus::Completed && stored.expires_at <= now {
+        return Err(Error::Expired);
     }
     match stored.response {
         Some(_) if stored.status == RecordStatus::Completed && config.on_completed == OnCompleted::Reject => {

@@ -6,6 +6,7 @@
 
 use std::convert::Infallible;
 
+use chrono::NaiveDateTime;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -139,7 +140,10 @@ impl Config {
     /// or one operation's key would replay another's result.
     ///
     /// A record whose retention has ended is taken over as new, so after
-    /// [`retention`](Config::retention) a key may execute again.
+    /// [`retention`](Config::retention) a key may execute again; where the
+    /// policy keeps [tombstones](Config::tombstones), only once their grace
+    /// period has ended too, and before that the same request is
+    /// [`Error::Expired`].
     ///
     /// # Errors
     ///
@@ -149,6 +153,11 @@ impl Config {
     /// - [`Error::InvalidScope`], [`Error::InvalidKey`]: refused before
     ///   anything was read or written.
     /// - [`Error::Mismatch`]: the key was used with another request.
+    /// - [`Error::AlreadyCompleted`]: the same request completed, and the
+    ///   policy rejects completed keys ([`Config::on_completed`]).
+    /// - [`Error::Expired`]: the same request completed, its retention has
+    ///   ended, and the policy keeps its [tombstone](Config::tombstones)
+    ///   for a grace period that runs.
     /// - [`Error::InProgress`]: another transaction still holds the key when
     ///   the in-flight policy ran out.
     /// - [`Error::Operation`]: `op` failed; its writes were rolled back.
@@ -416,8 +425,10 @@ impl Config {
     }
 
     /// What became of the call for `request` under `key` in `scope`: no
-    /// record, in progress, completed with its stored result, or expired.
-    /// It never runs an operation and never writes.
+    /// record, in progress, completed with its stored result, expired, or
+    /// (where the policy keeps [tombstones](Config::tombstones)) expired
+    /// and still refusing its retries. It never runs an operation and never
+    /// writes.
     ///
     /// The lookup answers only what a replay would: the stored result is
     /// [`Completed`](KeyStatus::Completed) only when `request` has the
@@ -534,6 +545,13 @@ impl Config {
     /// transaction, so it can run beside live traffic. Returns how many rows
     /// were deleted in all.
     ///
+    /// Where the policy keeps [tombstones](Config::tombstones), a key
+    /// record or completed phased operation is deleted only once its grace
+    /// period has ended too; before that the purge turns it into a
+    /// tombstone, clearing its stored response (and an operation's stored
+    /// request and recovery points), and counts it among the rows it
+    /// returns.
+    ///
     /// Called inside an open transaction, the batches become part of it.
     /// On PostgreSQL and MySQL rows that a live request is taking over are
     /// skipped, not waited for.
@@ -564,30 +582,69 @@ impl Config {
     /// # }
     /// ```
     pub fn purge_expired<C: StoreConnection>(&self, conn: &mut C, batch_size: usize) -> Result<usize, Error> {
-        self.purge_expired_until(conn, batch_size, &|| false)
+        let purged = self.purge_expired_until(conn, batch_size, &|| false, &mut None)?;
+        Ok(purged.deleted + purged.tombstoned)
     }
 
     /// [`purge_expired`](Config::purge_expired), ending after the batch in
-    /// which `stop` becomes true.
+    /// which `stop` becomes true. `swept`: the time up to which an earlier
+    /// purge on this policy turned every expired record into a tombstone
+    /// (`None` where unknown); the tombstones' pass begins after it, and
+    /// a complete pass moves it on.
     pub(crate) fn purge_expired_until<C: StoreConnection>(
         &self,
         conn: &mut C,
         batch_size: usize,
         stop: &dyn Fn() -> bool,
-    ) -> Result<usize, Error> {
+        swept: &mut Option<NaiveDateTime>,
+    ) -> Result<KeysPurged, Error> {
         let conn = conn.raw();
         // One fixed cut-off, so the loop ends even while records keep
         // expiring under it.
         let cutoff = self.clock.now(conn)?;
-        let keys = backend::purge_in_batches("idempotency_keys", batch_size, stop, |limit| {
-            conn.write_now(self.in_flight, |conn| conn.purge_batch(cutoff, limit))
+        let reusable_by = self.reusable_by(cutoff);
+        // Where the tombstones' pass of the rounds before got to: records
+        // and operations that expired up to then were cleared by it. One a
+        // live call held then (passed over, not waited for) keeps its
+        // response until it is deleted, which costs space, not correctness:
+        // a call answers an expired record as a tombstone whether or not
+        // its response was cleared.
+        let after = swept.map_or(reusable_by, |swept| swept.max(reusable_by));
+        let mut purged = KeysPurged::default();
+        purged.deleted += backend::purge_in_batches("idempotency_keys", batch_size, stop, |limit| {
+            conn.write_now(self.in_flight, |conn| conn.purge_batch(reusable_by, limit))
         })?;
-        if stop() {
-            return Ok(keys);
+        if self.tombstones.is_some() && !stop() {
+            purged.tombstoned += backend::purge_in_batches("idempotency_keys_tombstoned", batch_size, stop, |limit| {
+                conn.write_now(self.in_flight, |conn| conn.tombstone_batch(after, cutoff, limit))
+            })?;
         }
-        let operations = backend::purge_in_batches("idempotency_phases", batch_size, stop, |limit| {
-            conn.write_now(self.in_flight, |conn| conn.purge_operations_batch(cutoff, limit))
+        if stop() {
+            return Ok(purged);
+        }
+        purged.deleted += backend::purge_in_batches("idempotency_phases", batch_size, stop, |limit| {
+            conn.write_now(self.in_flight, |conn| conn.purge_operations_batch(reusable_by, limit))
         })?;
-        Ok(keys + operations)
+        if self.tombstones.is_some() && !stop() {
+            purged.tombstoned +=
+                backend::purge_in_batches("idempotency_phases_tombstoned", batch_size, stop, |limit| {
+                    conn.write_now(self.in_flight, |conn| {
+                        conn.tombstone_operations_batch(after, cutoff, limit)
+                    })
+                })?;
+            if !stop() {
+                *swept = Some(cutoff);
+            }
+        }
+        Ok(purged)
     }
+}
+
+/// What one purge of [`Config::purge_expired_until`] did.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct KeysPurged {
+    /// Key records and phased operations deleted.
+    pub(crate) deleted: usize,
+    /// Key records and phased operations turned into tombstones.
+    pub(crate) tombstoned: usize,
 }

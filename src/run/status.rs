@@ -44,11 +44,23 @@ pub enum KeyStatus<R> {
         /// When the retention of the record ends (UTC).
         expires_at: DateTime<Utc>,
     },
-    /// The operation ran, but the record's retention has ended: its result
-    /// is no longer answered, and a call with the key executes as new.
+    /// The operation ran, but the record's retention (and the grace period
+    /// of its tombstone, where the [`Config`] keeps
+    /// [tombstones](Config::tombstones)) has ended: its result is no longer
+    /// answered, and a call with the key executes as new.
     Expired {
         /// When the retention ended (UTC).
         expired_at: DateTime<Utc>,
+    },
+    /// The operation ran and the record's retention has ended, but the
+    /// [`Config`] keeps its tombstone ([`Config::tombstones`]): its result
+    /// is no longer answered, and a call with the same request is
+    /// [`Error::Expired`] until `reusable_at`, when the key executes as new.
+    Tombstoned {
+        /// When the retention ended (UTC).
+        expired_at: DateTime<Utc>,
+        /// When the grace period ends and the key may execute again (UTC).
+        reusable_at: DateTime<Utc>,
     },
     /// A [phased operation](crate::phased) was stopped partway and waits
     /// for a person ([`Error::Parked`]): some of it may have been carried
@@ -142,9 +154,12 @@ pub(super) async fn look_up<C: PhaseStore, R: DeserializeOwned>(
             Err(error) => return Err(Error::Storage(error)),
         };
         let read_at = *now.insert(config.clock.or_database(read_at));
-        let answered = record.filter(|stored| reader.answers_record(stored) && is_answered(stored, read_at));
-        if let Some(stored) = answered {
-            return completed(&stored);
+        let answered = record.filter(|stored| reader.answers_record(stored));
+        if let Some(stored) = answered.as_ref().filter(|stored| is_answered(stored, read_at)) {
+            return completed(stored);
+        }
+        if let Some(tombstone) = answered.and_then(|stored| tombstone(config, &stored, read_at)) {
+            return Ok(tombstone);
         }
     }
     if reader.reads_operations() {
@@ -155,7 +170,7 @@ pub(super) async fn look_up<C: PhaseStore, R: DeserializeOwned>(
         };
         let read_at = *now.get_or_insert(config.clock.or_database(read_at));
         if let Some(row) = row.filter(|row| reader.answers_operation(row)) {
-            return operation_status(row, read_at);
+            return operation_status(config, row, read_at);
         }
     }
     let now = match now {
@@ -193,12 +208,13 @@ pub(super) async fn look_up<C: PhaseStore, R: DeserializeOwned>(
         .await;
     match found {
         Ok((Some(stored), _)) if is_answered(&stored, now) => completed(&stored),
-        Ok((Some(stored), _)) if stored.status == RecordStatus::Completed => Ok(KeyStatus::Expired {
-            expired_at: stored.expires_at.and_utc(),
-        }),
+        Ok((Some(stored), _)) if stored.status == RecordStatus::Completed => Ok(tombstone(config, &stored, now)
+            .unwrap_or(KeyStatus::Expired {
+                expired_at: stored.expires_at.and_utc(),
+            })),
         // A claim this connection's own enclosing call holds.
         Ok((Some(_), _)) => Ok(KeyStatus::InProgress),
-        Ok((None, Some(row))) => operation_status(row, now),
+        Ok((None, Some(row))) => operation_status(config, row, now),
         Ok((None, None)) => Ok(KeyStatus::NoRecord),
         Err(error) => match call_error::<RulesOf<C>, Infallible>(error, false) {
             Error::InProgress => Ok(KeyStatus::InProgress),
@@ -209,6 +225,28 @@ pub(super) async fn look_up<C: PhaseStore, R: DeserializeOwned>(
 
 fn is_answered(stored: &Stored, now: NaiveDateTime) -> bool {
     stored.status == RecordStatus::Completed && stored.expires_at > now
+}
+
+/// The status of `stored` as of `now` where it is a tombstone: completed,
+/// expired, and within the grace period of the policy's
+/// [tombstones](Config::tombstones).
+fn tombstone<R>(config: &Config, stored: &Stored, now: NaiveDateTime) -> Option<KeyStatus<R>> {
+    match stored.status {
+        RecordStatus::Completed => tombstoned(config, stored.expires_at, now),
+        RecordStatus::Processing => None,
+    }
+}
+
+/// [`KeyStatus::Tombstoned`] for what completed and expired at
+/// `expires_at`, if that is within the grace period of the policy's
+/// [tombstones](Config::tombstones) as of `now`.
+fn tombstoned<R>(config: &Config, expires_at: NaiveDateTime, now: NaiveDateTime) -> Option<KeyStatus<R>> {
+    let grace = config.tombstones?;
+    let in_grace = expires_at <= now && expires_at > config.reusable_by(now);
+    in_grace.then(|| KeyStatus::Tombstoned {
+        expired_at: expires_at.and_utc(),
+        reusable_at: (expires_at + grace).and_utc(),
+    })
 }
 
 fn completed<R: DeserializeOwned>(stored: &Stored) -> Result<KeyStatus<R>, Error> {
@@ -224,11 +262,16 @@ fn completed<R: DeserializeOwned>(stored: &Stored) -> Result<KeyStatus<R>, Error
 }
 
 /// What an operation in phases is as of `now`, as a retry would find it.
-fn operation_status<R: DeserializeOwned>(row: OperationRow, now: NaiveDateTime) -> Result<KeyStatus<R>, Error> {
+fn operation_status<R: DeserializeOwned>(
+    config: &Config,
+    row: OperationRow,
+    now: NaiveDateTime,
+) -> Result<KeyStatus<R>, Error> {
     match (row.status, row.expires_at) {
-        (OperationStatus::Completed, Some(expires_at)) if expires_at <= now => Ok(KeyStatus::Expired {
-            expired_at: expires_at.and_utc(),
-        }),
+        (OperationStatus::Completed, Some(expires_at)) if expires_at <= now => Ok(tombstoned(config, expires_at, now)
+            .unwrap_or(KeyStatus::Expired {
+                expired_at: expires_at.and_utc(),
+            })),
         (OperationStatus::Completed, expires_at) => Ok(KeyStatus::Completed {
             response: serde_json::from_str(row.response.as_deref().unwrap_or_default()).map_err(Error::Codec)?,
             created_at: row.created_at.and_utc(),

@@ -400,3 +400,63 @@ fn a_tenants_batch_job_reruns_replaying_what_finished() {
         assert_eq!(crate::orders_and_key_records(&mut conn, tenant), (20, 20), "{tenant}");
     }
 }
+
+#[test]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
+fn tombstones_refuse_late_retries_and_purges_keep_them_bounded_on_every_shard() {
+    let (_db, mut conn, tenants) = with_tenants(6);
+    let clock = idempotency::testing::ManualClock::new();
+    let config = Config::default()
+        .retention(Duration::hours(1))
+        .tombstones(Duration::days(1))
+        .clock(clock.source());
+    let operation = Phased::new("operation").config(config.clone());
+    let call = |conn: &mut PgConnection, tenant: &str| {
+        config.run(conn, tenant, "k", &PlaceOrder { item: "book" }, |tx| {
+            place_order(tx, tenant, "book")
+        })
+    };
+    let phased = |conn: &mut PgConnection, tenant: &str| {
+        operation.run(conn, tenant, "op", &1, |s| {
+            s.finish(|tx| place_order(tx, tenant, "phased"))
+        })
+    };
+    let responses_kept = |conn: &mut PgConnection| -> i64 {
+        #[derive(QueryableByName)]
+        struct Kept {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        diesel::sql_query(
+            "SELECT (SELECT count(*) FROM idempotency_keys WHERE response IS NOT NULL) \
+                  + (SELECT count(*) FROM idempotency_phases WHERE response IS NOT NULL) AS n",
+        )
+        .get_result::<Kept>(conn)
+        .expect("count the responses kept")
+        .n
+    };
+    for tenant in &tenants {
+        call(&mut conn, tenant).expect("a call");
+        phased(&mut conn, tenant).expect("an operation");
+    }
+    clock.advance(Duration::hours(1));
+    for tenant in &tenants {
+        assert!(matches!(call(&mut conn, tenant), Err(Error::Expired)), "{tenant}");
+        assert!(matches!(phased(&mut conn, tenant), Err(Error::Expired)), "{tenant}");
+    }
+
+    // Batches of four across the shards: every record and operation a
+    // tombstone, its response gone, still refusing its retry.
+    assert_eq!(config.purge_expired(&mut conn, 4).expect("purge"), tenants.len() * 2);
+    assert_eq!(responses_kept(&mut conn), 0);
+    assert!(matches!(call(&mut conn, &tenants[0]), Err(Error::Expired)));
+
+    clock.advance(Duration::days(1));
+    assert_eq!(config.purge_expired(&mut conn, 4).expect("purge"), tenants.len() * 2);
+    let keys: i64 = idempotency_keys::table
+        .count()
+        .get_result(&mut conn)
+        .expect("count key records");
+    assert_eq!(keys, 0, "deleted after the grace period");
+    assert!(!call(&mut conn, &tenants[0]).expect("executes again").is_replayed());
+}

@@ -1117,6 +1117,66 @@ mod library {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replay_is_marked_under_the_configured_name_and_first_responses_only_when_asked() {
+        let db = idempotency::testing::SqliteFile::new();
+        let (app, _) = notes_app(&db, 2, Config::default());
+        let renamed =
+            http::KeyHeader::default().replay_header(axum::http::HeaderName::from_static("idempotency-replay"));
+        let app = app.layer(Extension(renamed));
+        let first = app
+            .clone()
+            .oneshot(note(Some("n-replay-named")))
+            .await
+            .expect("infallible");
+        assert_eq!(first.status(), StatusCode::CREATED);
+        for name in ["idempotency-replay", "idempotent-replayed", "idempotency-key"] {
+            assert!(
+                first.headers().get(name).is_none(),
+                "{name} on a first response by default"
+            );
+        }
+        let replay = app
+            .clone()
+            .oneshot(note(Some("n-replay-named")))
+            .await
+            .expect("infallible");
+        assert_eq!(replay.status(), StatusCode::CREATED);
+        assert_eq!(replay.headers()["idempotency-replay"], "true");
+        assert!(
+            replay.headers().get("idempotent-replayed").is_none(),
+            "only the configured name"
+        );
+
+        let (app, _) = notes_app(&db, 2, Config::default());
+        let app = app.layer(Extension(http::KeyHeader::default().mark_first_responses(true)));
+        let first = app
+            .clone()
+            .oneshot(note(Some(r#""n-\\marked""#)))
+            .await
+            .expect("infallible");
+        assert_eq!(first.status(), StatusCode::CREATED);
+        assert_eq!(first.headers()["idempotent-replayed"], "false");
+        assert_eq!(
+            first.headers()["idempotency-key"],
+            r#""n-\\marked""#,
+            "the key, as the client sent it"
+        );
+        let replay = app
+            .clone()
+            .oneshot(note(Some(r#""n-\\marked""#)))
+            .await
+            .expect("infallible");
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(replay.headers()["idempotency-key"], r#""n-\\marked""#);
+        let bare = app.clone().oneshot(note(Some("n-bare"))).await.expect("infallible");
+        assert_eq!(
+            bare.headers()["idempotency-key"],
+            r#""n-bare""#,
+            "echoed as an sf-string"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_response_beyond_the_bound_is_a_500_problem_naming_it_and_spends_no_key() {
         let db = idempotency::testing::SqliteFile::new();
         let (app, _) = notes_app(&db, 2, Config::default().max_response_len(8));

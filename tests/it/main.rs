@@ -78,3 +78,6 @@ mod status;
 mod stored_values;
 mod telemetry;
 mod testing;
+mod tombstones;
+#[cfg(feature = "opentelemetry")]
+mod trace;

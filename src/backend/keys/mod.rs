@@ -154,6 +154,11 @@ pub trait BlockingStore:
 
     /// Deletes at most `limit` records expired at `cutoff`.
     fn purge_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
+
+    /// Turns at most `limit` records that expired after `after` and at or
+    /// before `cutoff` into tombstones, clearing their responses; records
+    /// already cleared are not counted.
+    fn tombstone_batch(&mut self, after: NaiveDateTime, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
 }
 
 /// The key a call holds, and how long it waits for another holder.
@@ -195,7 +200,13 @@ pub enum Claim<'a> {
     /// time (or the clock is injected). A claim the primary key refuses
     /// (a holder committed a record meanwhile) is rolled back, and the
     /// transaction takes the key again and reads the record.
-    Bound(&'a Record<'a>),
+    Bound(
+        #[cfg_attr(
+            not(feature = "postgres"),
+            expect(dead_code, reason = "only PostgreSQL claims in the round trip that takes the key")
+        )]
+        &'a Record<'a>,
+    ),
     /// The record stamped with the database's time at the claim, and
     /// `retention` after it as its expiry, its own times not written: no
     /// read came before. Where the claim is not made, the transaction ends
@@ -213,12 +224,14 @@ pub enum Claim<'a> {
     },
 }
 
-/// What a record read under the key's lock means for `record`.
+/// What a record read under the key's lock means for `record`: a record
+/// that expired but keeps its tombstone is still there
+/// ([`Hold::Recorded`]), and the call answers it.
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) fn hold_of(stored: Option<Stored>, record: &Record<'_>) -> Hold {
     match stored {
         None => Hold::Free,
-        Some(stored) if stored.expires_at <= record.created_at => Hold::Expired,
+        Some(stored) if stored.expires_at <= record.reusable_by => Hold::Expired,
         Some(stored) => Hold::Recorded(stored),
     }
 }

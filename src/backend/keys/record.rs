@@ -24,6 +24,12 @@ pub struct Record<'a> {
     /// Who may look the record up (written by the HTTP layer: the hash of
     /// the caller's principal and endpoint); `None` for no HTTP lookup.
     pub(crate) caller_hash: Option<&'a str>,
+    /// A record of the key that expired at or before this time may be
+    /// taken over: `created_at`, or the start of the grace period that ends
+    /// then where the policy keeps [tombstones](crate::Config::tombstones).
+    /// Not a column.
+    #[diesel(skip_insertion, skip_update)]
+    pub(crate) reusable_by: NaiveDateTime,
 }
 
 /// What a replay, and a lookup, needs of a stored record.
@@ -56,7 +62,7 @@ pub enum ClaimOutcome {
     Inserted,
     /// There was an expired record: the claim replaced it.
     TookOver,
-    /// An unexpired record holds the key.
+    /// An unexpired record, or a tombstone, holds the key.
     Refused,
 }
 
@@ -87,8 +93,9 @@ pub enum Hold {
         /// Whether the claim replaced an expired record.
         took_over: bool,
     },
-    /// An unexpired record: the answer is a replay, a mismatch, or (for a
-    /// record an enclosing call has claimed) in progress.
+    /// An unexpired record, or the tombstone of an expired one: the answer
+    /// is a replay, a mismatch, [`Error::Expired`](crate::Error::Expired)
+    /// or (for a record an enclosing call has claimed) in progress.
     Recorded(Stored),
     /// The key was freed and claimed again by another call while this
     /// transaction looked at it: in progress elsewhere.
@@ -115,6 +122,10 @@ impl KeyNotClaimed {
     const FAILED: &str = "idempotency: the key was not claimed: the round trip that takes it failed";
 
     /// The error that says so, with the server's own.
+    #[cfg_attr(
+        not(feature = "postgres"),
+        expect(dead_code, reason = "only PostgreSQL claims at the database's time")
+    )]
     pub(crate) fn error(self, server: Box<dyn DatabaseErrorInformation + Send + Sync>) -> diesel::result::Error {
         diesel::result::Error::DatabaseError(DatabaseErrorKind::Unknown, Box::new(NotClaimed(self, server)))
     }

@@ -48,7 +48,9 @@ macro_rules! key_statements {
             // DO NOTHING, not DO UPDATE: the claim then knows whether it
             // replaced an expired record, and a fresh key costs PostgreSQL
             // measurably less. A record that is already there is taken over
-            // by a second, guarded statement only if its retention has ended.
+            // by a second, guarded statement only if its retention (and the
+            // grace period of its tombstone, where the policy keeps one) has
+            // ended.
             let inserted = diesel::insert_into(k::table)
                 .values(record)
                 .on_conflict_do_nothing()
@@ -58,7 +60,7 @@ macro_rules! key_statements {
                 return Ok(ClaimOutcome::Inserted);
             }
             let taken_over = diesel::update(k::table.find((record.scope, record.idempotency_key)))
-                .filter(k::expires_at.le(record.created_at))
+                .filter(k::expires_at.le(record.reusable_by))
                 .set(record)
                 .execute(self)
                 $($await)*?;
@@ -87,7 +89,7 @@ macro_rules! key_statements {
                     $($await)*?,
                 Hold::Expired => {
                     let replaced = diesel::update(k::table.find((record.scope, record.idempotency_key)))
-                        .filter(k::expires_at.le(record.created_at))
+                        .filter(k::expires_at.le(record.reusable_by))
                         .set(completed)
                         .execute(self)
                         $($await)*?;

@@ -186,7 +186,7 @@ pub(super) async fn hold<C: Session>(conn: &mut C, record: &Record<'_>) -> Query
     // take over, so the record is read first, with a lock: a locking read
     // sees the latest commit whatever the transaction's snapshot.
     match conn.find_for_update(record.scope, record.idempotency_key).await? {
-        Some(stored) if stored.expires_at > record.created_at => Ok(Hold::Recorded(stored)),
+        Some(stored) if stored.expires_at > record.reusable_by => Ok(Hold::Recorded(stored)),
         // Expired (and now locked by this transaction), or purged since the
         // claim met it.
         _ => Ok(claim(conn, record).await?.hold().unwrap_or(Hold::ClaimedElsewhere)),

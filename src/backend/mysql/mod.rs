@@ -202,6 +202,25 @@ impl BlockingStore for MysqlConnection {
             .execute(tx)
         })
     }
+
+    fn tombstone_batch(&mut self, after: NaiveDateTime, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+        // Picked as the purge picks, then updated by primary key.
+        read_committed(self, |tx| {
+            diesel::sql_query(
+                "UPDATE \
+             (SELECT scope, idempotency_key FROM idempotency_keys FORCE INDEX (idempotency_keys_expires_at) \
+              WHERE expires_at > ? AND expires_at <= ? AND response IS NOT NULL \
+              ORDER BY expires_at LIMIT ? FOR UPDATE SKIP LOCKED) AS expired \
+             STRAIGHT_JOIN idempotency_keys AS k FORCE INDEX (PRIMARY) \
+             ON k.scope = expired.scope AND k.idempotency_key = expired.idempotency_key \
+             SET k.response = NULL",
+            )
+            .bind::<Datetime, _>(after)
+            .bind::<Datetime, _>(cutoff)
+            .bind::<BigInt, _>(super::sql_limit(limit))
+            .execute(tx)
+        })
+    }
 }
 
 #[cfg(test)]

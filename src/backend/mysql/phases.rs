@@ -51,5 +51,30 @@ impl BlockingPhaseStore for MysqlConnection {
         })
     }
 
+    fn tombstone_operations_batch(
+        &mut self,
+        after: NaiveDateTime,
+        cutoff: NaiveDateTime,
+        limit: usize,
+    ) -> QueryResult<usize> {
+        // Picked as the purge picks, then updated by primary key.
+        read_committed(self, |tx| {
+            diesel::sql_query(
+                "UPDATE \
+             (SELECT scope, idempotency_key FROM idempotency_phases FORCE INDEX (idempotency_phases_expires_at) \
+              WHERE expires_at > ? AND expires_at <= ? AND status = ? AND response IS NOT NULL \
+              ORDER BY expires_at LIMIT ? FOR UPDATE SKIP LOCKED) AS expired \
+             STRAIGHT_JOIN idempotency_phases AS p FORCE INDEX (PRIMARY) \
+             ON p.scope = expired.scope AND p.idempotency_key = expired.idempotency_key \
+             SET p.response = NULL, p.request = NULL, p.points = '[]'",
+            )
+            .bind::<Datetime, _>(after)
+            .bind::<Datetime, _>(cutoff)
+            .bind::<Text, _>(OperationStatus::Completed)
+            .bind::<BigInt, _>(sql_limit(limit))
+            .execute(tx)
+        })
+    }
+
     phase_statements!(blocking schema: pick_abandoned, park_unheld, park_exhausted, parked_operations, requeue_operation);
 }

@@ -124,7 +124,7 @@ macro_rules! sends {
             use diesel::{ExpressionMethods, QueryDsl};
             use $crate::backend::mysql::schema::idempotency_keys as k;
             diesel::update(k::table.find((record.scope, record.idempotency_key)))
-                .filter(k::expires_at.le(record.created_at))
+                .filter(k::expires_at.le(record.reusable_by))
                 .set($crate::backend::mysql::session::written(record))
                 .execute(self)
                 $($await)*

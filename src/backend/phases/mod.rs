@@ -52,7 +52,8 @@ pub trait PhaseStore: KeyStore {
     fn insert_operation(&mut self, operation: &NewOperation<'_>) -> impl Future<Output = QueryResult<bool>>;
 
     /// Deletes the completed operation of `(scope, key)` if its retention
-    /// ended at `now`, so that the key can start anew.
+    /// ended at or before `now` (which a policy that keeps tombstones sets
+    /// a grace period back), so that the key can start anew.
     fn delete_expired_operation(
         &mut self,
         scope: &str,
@@ -150,4 +151,15 @@ pub trait BlockingPhaseStore: PhaseStore + BlockingStore {
 
     /// Deletes at most `limit` completed operations expired at `cutoff`.
     fn purge_operations_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
+
+    /// Turns at most `limit` completed operations that expired after
+    /// `after` and at or before `cutoff` into tombstones: their response,
+    /// stored request and recovery points cleared. Operations already
+    /// cleared are not counted.
+    fn tombstone_operations_batch(
+        &mut self,
+        after: NaiveDateTime,
+        cutoff: NaiveDateTime,
+        limit: usize,
+    ) -> QueryResult<usize>;
 }

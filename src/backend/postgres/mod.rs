@@ -6,12 +6,17 @@
 //! `lock_timeout` that is put back to the caller's value in the same round
 //! trip, so it bounds the lock and never the operation.
 //!
-//! A key the replay read found no record for is claimed in that same round
-//! trip, after the lock: a plain `INSERT` of its record, which the primary
-//! key refuses if a holder committed one while this call waited, and the
-//! operation's result completes it. A first call thus sends one statement
-//! more than its transaction with one insert of the record would. A refused
-//! or failed claim is rolled back and the key taken again without one.
+//! A top-level call claims its key in that same round trip, after the lock:
+//! a plain `INSERT` of its record, stamped with the database's time, which
+//! the primary key refuses if the key has a record (a retry, or a holder
+//! that committed while this call waited), and the operation's result
+//! completes it. A first call thus sends as many statements as its
+//! transaction with one insert of the record would. A refused or failed
+//! claim is rolled back, and the call reads the record outside any
+//! transaction, as a call that reads first does
+//! ([`Config::read_before_transaction`](crate::Config::read_before_transaction));
+//! a key such a read found free is claimed in the lock's round trip too,
+//! with the read's time.
 //!
 //! A key whose record the read found is read again after the lock: at `READ
 //! COMMITTED` that read sees the holder's commit, so an expired record is
@@ -202,7 +207,19 @@ impl BlockingStore for PgConnection {
             table: "idempotency_keys",
             key: "idempotency_key",
             condition: "expires_at <= $1",
+            set: None,
             bind: &|rows| rows.bind::<Timestamp, _>(cutoff),
+        };
+        purge(self, &expired, limit)
+    }
+
+    fn tombstone_batch(&mut self, after: NaiveDateTime, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+        let expired = Expired {
+            table: "idempotency_keys",
+            key: "idempotency_key",
+            condition: "expires_at > $1 AND expires_at <= $2 AND response IS NOT NULL",
+            set: Some("response = NULL"),
+            bind: &|rows| rows.bind::<Timestamp, _>(after).bind::<Timestamp, _>(cutoff),
         };
         purge(self, &expired, limit)
     }

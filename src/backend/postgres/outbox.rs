@@ -60,6 +60,7 @@ impl BlockingOutboxStore for PgConnection {
             table: "idempotency_outbox",
             key: "id",
             condition: "status = $1 AND delivered_at <= $2",
+            set: None,
             bind: &|rows| {
                 rows.bind::<Text, _>(MessageStatus::Delivered)
                     .bind::<Timestamp, _>(cutoff)

@@ -33,8 +33,29 @@ impl BlockingPhaseStore for PgConnection {
             table: "idempotency_phases",
             key: "idempotency_key",
             condition: "status = $1 AND expires_at <= $2",
+            set: None,
             bind: &|rows| {
                 rows.bind::<Text, _>(OperationStatus::Completed)
+                    .bind::<Timestamp, _>(cutoff)
+            },
+        };
+        purge(self, &expired, limit)
+    }
+
+    fn tombstone_operations_batch(
+        &mut self,
+        after: NaiveDateTime,
+        cutoff: NaiveDateTime,
+        limit: usize,
+    ) -> QueryResult<usize> {
+        let expired = Expired {
+            table: "idempotency_phases",
+            key: "idempotency_key",
+            condition: "status = $1 AND expires_at > $2 AND expires_at <= $3 AND response IS NOT NULL",
+            set: Some("response = NULL, request = NULL, points = '[]'"),
+            bind: &|rows| {
+                rows.bind::<Text, _>(OperationStatus::Completed)
+                    .bind::<Timestamp, _>(after)
                     .bind::<Timestamp, _>(cutoff)
             },
         };

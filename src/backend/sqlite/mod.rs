@@ -156,4 +156,16 @@ impl BlockingStore for SqliteConnection {
         .bind::<BigInt, _>(super::sql_limit(limit))
         .execute(self)
     }
+
+    fn tombstone_batch(&mut self, after: NaiveDateTime, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize> {
+        diesel::sql_query(
+            "UPDATE idempotency_keys SET response = NULL WHERE (scope, idempotency_key) IN \
+             (SELECT scope, idempotency_key FROM idempotency_keys \
+              WHERE expires_at > ? AND expires_at <= ? AND response IS NOT NULL LIMIT ?)",
+        )
+        .bind::<Timestamp, _>(after)
+        .bind::<Timestamp, _>(cutoff)
+        .bind::<BigInt, _>(super::sql_limit(limit))
+        .execute(self)
+    }
 }

@@ -45,5 +45,24 @@ impl BlockingPhaseStore for SqliteConnection {
         .execute(self)
     }
 
+    fn tombstone_operations_batch(
+        &mut self,
+        after: NaiveDateTime,
+        cutoff: NaiveDateTime,
+        limit: usize,
+    ) -> QueryResult<usize> {
+        diesel::sql_query(
+            "UPDATE idempotency_phases SET response = NULL, request = NULL, points = '[]' \
+             WHERE (scope, idempotency_key) IN \
+             (SELECT scope, idempotency_key FROM idempotency_phases \
+              WHERE status = ? AND expires_at > ? AND expires_at <= ? AND response IS NOT NULL LIMIT ?)",
+        )
+        .bind::<Text, _>(OperationStatus::Completed)
+        .bind::<Timestamp, _>(after)
+        .bind::<Timestamp, _>(cutoff)
+        .bind::<BigInt, _>(sql_limit(limit))
+        .execute(self)
+    }
+
     phase_statements!(blocking schema: pick_abandoned, park_unheld, park_exhausted, parked_operations, requeue_operation);
 }

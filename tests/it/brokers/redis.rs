@@ -366,3 +366,85 @@ fn a_consumer_gone_between_its_commit_and_its_ack_has_the_message_replayed_not_r
     effects.assert_each_order_once_in_order(&shop);
     let _: () = redis.del(&stream).expect("DEL");
 }
+
+/// The trace of the request that enqueued an order, continued by the
+/// consumer's span on the other side of Redis (feature `opentelemetry`).
+#[cfg(feature = "opentelemetry")]
+#[test]
+fn the_consumers_span_is_a_child_of_the_span_that_enqueued_the_message() {
+    use idempotency::outbox::Envelope;
+    use tracing::instrument::WithSubscriber;
+
+    use crate::common::traces::Traces;
+
+    let traces = Traces::new();
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let stream = unique_name("traced");
+    let shop = idempotency::testing::SqliteFile::new();
+    let effects = Effects::new();
+    let order = Order {
+        id: 1,
+        customer: String::from("customer-1"),
+        poison: false,
+    };
+    traces.in_span("request", || {
+        Envelope::new("orders", &order)
+            .ordering_key("customer-1")
+            .enqueue(&mut shop.conn())
+            .expect("enqueue the order's message")
+    });
+
+    let target = stream.clone();
+    let publisher = runtime
+        .block_on(RedisPublisher::connect(client()))
+        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
+        .stream(move |_| target.clone());
+    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
+    // The relay runs in a span of its own, of another trace: what is
+    // current at delivery is not what the message carries.
+    let report = traces.in_span("relay", || {
+        Relay::default()
+            .run_once(&mut shop.conn(), |message| publisher.publish(message))
+            .expect("relay the outbox")
+    });
+    assert_eq!(report.delivered, 1);
+
+    let consumer = RedisConsumer::new(
+        client(),
+        stream.clone(),
+        "inbox",
+        "consumer-1",
+        effects.inbox("traced-inbox"),
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = runtime.spawn(
+        async move {
+            consumer
+                .run(async {
+                    let _ = stopped.await;
+                })
+                .await
+        }
+        .with_subscriber(traces.dispatch.clone()),
+    );
+    wait_for("the entry acknowledged", || {
+        let groups: redis::streams::StreamInfoGroupsReply = connection().xinfo_groups(&stream).expect("XINFO GROUPS");
+        groups
+            .groups
+            .first()
+            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
+    });
+    stop.send(()).expect("the consumer runs");
+    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
+    ran.expect("the consumer's task").expect("the consumer ran");
+    assert!(effects.has(1));
+
+    let request = traces.span("request").span_context;
+    let relay = traces.span("relay").span_context;
+    let inbox = traces.span("inbox_delivery");
+    assert_ne!(relay.trace_id(), request.trace_id());
+    assert_eq!(inbox.span_context.trace_id(), request.trace_id());
+    assert_eq!(inbox.parent_span_id, request.span_id());
+    assert!(inbox.parent_span_is_remote);
+    let _: () = connection().del(&stream).expect("DEL");
+}

@@ -60,6 +60,8 @@ pub mod race;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub mod server;
 pub mod sqlite;
+#[cfg(feature = "opentelemetry")]
+pub mod traces;
 pub mod wait;
 
 pub use own::{OnServer, unique_name};
@@ -132,6 +134,7 @@ diesel::table! {
         scope -> Text,
         idempotency_key -> Text,
         request_hash -> Text,
+        response -> Nullable<Text>,
     }
 }
 
@@ -256,6 +259,10 @@ pub trait TestDb: Sized + Send + Sync + 'static {
     /// The keys of the key records in `scope`.
     fn keys_in_scope(conn: &mut Self::Conn, scope: &str) -> Vec<String>;
 
+    /// The keys of the key records in `scope` with their stored responses,
+    /// in key order.
+    fn responses_in_scope(conn: &mut Self::Conn, scope: &str) -> Vec<(String, Option<String>)>;
+
     /// The outbox messages, in id order.
     fn outbox_messages(conn: &mut Self::Conn) -> Vec<OutboxRow>;
 
@@ -354,6 +361,16 @@ macro_rules! same_on_every_backend {
             k::table
                 .filter(k::scope.eq(scope))
                 .select(k::idempotency_key)
+                .load(conn)
+                .expect("read the key records")
+        }
+
+        fn responses_in_scope(conn: &mut $conn, scope: &str) -> Vec<(String, Option<String>)> {
+            use $crate::common::idempotency_keys as k;
+            k::table
+                .filter(k::scope.eq(scope))
+                .order(k::idempotency_key)
+                .select((k::idempotency_key, k::response))
                 .load(conn)
                 .expect("read the key records")
         }

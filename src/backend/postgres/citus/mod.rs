@@ -140,8 +140,9 @@ pub(crate) fn distributed(conn: &mut PgConnection, table: &str) -> QueryResult<b
 
 /// `postgres::purge` on a distributed table: the scopes with expired rows
 /// are read across shards without locks, and each scope's rows are then
-/// deleted by a statement on its shard, passing over rows a live
-/// transaction holds, until `limit` rows are deleted.
+/// deleted (or updated, with [`Expired::set`]) by a statement on its shard,
+/// passing over rows a live transaction holds, until `limit` rows are
+/// deleted.
 pub(crate) fn purge(conn: &mut PgConnection, expired: &Expired<'_>, limit: usize) -> QueryResult<usize> {
     #[derive(QueryableByName)]
     struct Scope {
@@ -159,8 +160,9 @@ pub(crate) fn purge(conn: &mut PgConnection, expired: &Expired<'_>, limit: usize
         .bind::<BigInt, _>(sql_limit(limit))
         .load(conn)?;
     let delete = format!(
-        "DELETE FROM {table} WHERE scope = ${scope} AND {key} IN \
-         (SELECT {key} FROM {table} WHERE scope = ${scope} AND {condition} LIMIT ${left} FOR UPDATE SKIP LOCKED)"
+        "{} WHERE scope = ${scope} AND {key} IN \
+         (SELECT {key} FROM {table} WHERE scope = ${scope} AND {condition} LIMIT ${left} FOR UPDATE SKIP LOCKED)",
+        expired.head()
     );
     let mut deleted = 0;
     for Scope { scope } in scopes {

@@ -1,0 +1,54 @@
+//! Spans exported to memory through OpenTelemetry (feature
+//! `opentelemetry`): a `tracing` subscriber with the OpenTelemetry layer,
+//! which a test sets for its own thread or gives a future, and the spans it
+//! finished.
+
+use opentelemetry::trace::TracerProvider;
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
+use tracing::Dispatch;
+use tracing_subscriber::layer::SubscriberExt;
+
+/// A subscriber that exports every span it ends to memory.
+pub struct Traces {
+    pub dispatch: Dispatch,
+    exporter: InMemorySpanExporter,
+}
+
+impl Traces {
+    pub fn new() -> Traces {
+        // The crate's callsites stay wanted whichever test's thread meets
+        // them first (see `global_subscriber`).
+        super::global_subscriber::install();
+        let exporter = InMemorySpanExporter::default();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("idempotency-tests")));
+        Traces {
+            dispatch: Dispatch::new(subscriber),
+            exporter,
+        }
+    }
+
+    /// Runs `f` on this thread inside a new span `name`, and returns what
+    /// `f` returned.
+    pub fn in_span<T>(&self, name: &'static str, f: impl FnOnce() -> T) -> T {
+        tracing::dispatcher::with_default(&self.dispatch, || {
+            tracing::info_span!("span", otel.name = name).in_scope(f)
+        })
+    }
+
+    /// The one finished span named `name`.
+    pub fn span(&self, name: &str) -> SpanData {
+        let mut named: Vec<SpanData> = self
+            .exporter
+            .get_finished_spans()
+            .expect("the exported spans")
+            .into_iter()
+            .filter(|span| span.name == name)
+            .collect();
+        assert_eq!(named.len(), 1, "one span {name}");
+        named.remove(0)
+    }
+}
