@@ -19,7 +19,9 @@
 //!   has a complete service, the `Idempotency-Key` extractor and stored
 //!   responses; on diesel-async connections, the
 //!   [async guide](guide::asynchronous). **An actix-web handler** (feature
-//!   `actix`): the same rules, in the [actix guide](guide::actix).
+//!   `actix`): the same rules, in the [actix guide](guide::actix). **A
+//!   tonic service** (feature `tonic`): keys on gRPC calls, in the
+//!   [gRPC guide](guide::grpc).
 //! - **An outbox**: messages to other systems committed with the
 //!   operation and delivered afterwards, in the [outbox guide](guide::outbox).
 //!
@@ -80,7 +82,8 @@
 //! Each layer uses only the ones below it:
 //!
 //! - **integrations**: [`http`] for axum (feature `axum`) and actix-web
-//!   (feature `actix`), one rule set with an adapter each, [`testing`] for
+//!   (feature `actix`), one rule set with an adapter each, [`grpc`] for
+//!   tonic (feature `tonic`), [`testing`] for
 //!   domain tests (feature `testing`);
 //! - **services**, background loops stopped by a [`Shutdown`], each beside
 //!   the feature it serves and all on one loop (`src/service/`): the outbox
@@ -116,6 +119,8 @@ mod config;
 mod error;
 mod executing;
 mod fingerprint;
+#[cfg(feature = "tonic")]
+pub mod grpc;
 #[cfg(any(feature = "axum", feature = "actix"))]
 pub mod http;
 mod id;
@@ -182,6 +187,7 @@ compile_error!(
 /// | [`contract`](guide::contract) | what spends a key, retention, fingerprints, which errors spend a key, racing requests on each backend, HTTP statuses |
 /// | [`http`](guide::http) | the `Idempotency-Key` header with axum: a working handler, the answers, the example service |
 /// | [`actix`](guide::actix) | the same rules on actix-web: the extractor, the optional key, a working handler, the endpoint a key is bound to |
+/// | [`grpc`](guide::grpc) | keys on gRPC calls with tonic: from metadata or a `request_id` field, what a key is bound to, the statuses, a working service |
 /// | [`backends`](guide::backends) | connection types, versions tested, code for every backend, the tables, the test suites |
 /// | [`sqlite`](guide::sqlite), [`postgres`](guide::postgres), [`mysql`](guide::mysql) | what each backend does underneath and asks of its sessions |
 /// | [`repository`](guide::repository) | existing repository functions made idempotent |
@@ -203,6 +209,9 @@ pub mod guide {
     }
     pub mod actix {
         #![doc = include_str!("../docs/actix.md")]
+    }
+    pub mod grpc {
+        #![doc = include_str!("../docs/grpc.md")]
     }
     pub mod backends {
         #![doc = include_str!("../docs/backends.md")]

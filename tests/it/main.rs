@@ -38,6 +38,8 @@ mod durable_replays;
 mod errors;
 mod fingerprint;
 mod generic;
+#[cfg(feature = "tonic")]
+mod grpc;
 #[cfg(feature = "axum")]
 mod http;
 #[cfg(feature = "axum")]
