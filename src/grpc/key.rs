@@ -3,8 +3,14 @@
 use tonic::Status;
 use tonic::metadata::MetadataMap;
 
-use super::IDEMPOTENCY_KEY;
 use super::status::{self, Reason};
+
+/// `idempotency-key`, the metadata entry [`GrpcKey::from_metadata`] reads.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+
+/// `idempotent-replayed`, the response metadata entry that marks a replay
+/// (`true`).
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
 /// The idempotency key of one gRPC call, with what it is bound to: the
 /// full method name (`/package.Service/Method`), the scope of the

@@ -62,15 +62,8 @@ use tonic::{Response, Status};
 use crate::backend::RulesOf;
 use crate::{Config, Error, StoreConnection};
 
-pub use key::GrpcKey;
+pub use key::{GrpcKey, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 pub use status::ERROR_DOMAIN;
-
-/// `idempotency-key`, the metadata entry [`GrpcKey::from_metadata`] reads.
-pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
-
-/// `idempotent-replayed`, the response metadata entry that marks a replay
-/// (`true`).
-pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 
 /// Runs `op` at most once for `key`, as [`Config::run`] does, from a tonic
 /// handler: a connection is checked out of `pool` and the call made on
