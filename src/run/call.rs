@@ -99,6 +99,26 @@ struct Call<'a> {
     trace: &'a CallTrace,
 }
 
+impl<'a> Call<'a> {
+    /// The record this call claims its key with: `processing`, without a
+    /// response, created at `created_at`, expiring at `expires_at`, and
+    /// taking over a record of the key that expired by `reusable_by`.
+    fn claim(&self, created_at: NaiveDateTime, expires_at: NaiveDateTime, reusable_by: NaiveDateTime) -> Record<'a> {
+        Record {
+            scope: self.scope,
+            idempotency_key: self.key,
+            request_hash: self.request_hash,
+            status: RecordStatus::Processing,
+            response: None,
+            created_at,
+            completed_at: None,
+            expires_at,
+            caller_hash: self.caller_hash,
+            reusable_by,
+        }
+    }
+}
+
 /// A first call with no read before its transaction, on a backend that
 /// claims a key at the database's time in the round trip that takes it
 /// ([`Claim::AtDatabaseTime`]): the claim, the operation and the
@@ -116,28 +136,9 @@ where
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut C) -> Result<R, E>,
 {
-    let Call {
-        config,
-        scope,
-        key,
-        request_hash,
-        caller_hash,
-        trace,
-    } = call;
-    let record = Record {
-        scope,
-        idempotency_key: key,
-        request_hash,
-        status: RecordStatus::Processing,
-        response: None,
-        // Not written: the claim stamps the record with the database's time.
-        created_at: NaiveDateTime::MIN,
-        completed_at: None,
-        expires_at: NaiveDateTime::MIN,
-        // Not read: the claim is a plain insert, which takes over no record.
-        reusable_by: NaiveDateTime::MIN,
-        caller_hash,
-    };
+    // Its times are not written, for the claim stamps the record with the
+    // database's, and a plain insert takes over no record.
+    let record = call.claim(NaiveDateTime::MIN, NaiveDateTime::MIN, NaiveDateTime::MIN);
     // The work runs at most once, and only once the key is claimed; until
     // then `op` stays here, for the read that follows a claim not made.
     let mut op = Some(op);
@@ -149,7 +150,7 @@ where
             return Err(Error::Storage(KeyRecordChanged::error()));
         };
         let value = guard.catching_panic(tx, op).await?.map_err(Error::Operation)?;
-        let response = stored_json(config, &value)?;
+        let response = stored_json(call.config, &value)?;
         let completed = Record {
             status: RecordStatus::Completed,
             response: Some(&response),
@@ -163,7 +164,15 @@ where
         record: &record,
         retention_micros: retention,
     };
-    let answer = within_key(conn, config, (scope, key), Some(trace), Some(claim), work).await;
+    let answer = within_key(
+        conn,
+        call.config,
+        (call.scope, call.key),
+        Some(call.trace),
+        Some(claim),
+        work,
+    )
+    .await;
     match (answer, op) {
         (Err(Error::Storage(error)), Some(op)) => match KeyNotClaimed::of(&error) {
             Some(reason) => Err((op, reason)),
@@ -244,25 +253,18 @@ where
         scope,
         key,
         request_hash,
-        caller_hash,
         trace,
+        ..
     } = call;
     // The record this call writes if it executes, claimed as of `now`: to
     // the microsecond, as PostgreSQL keeps times, so that the times an
     // execution reports are the ones its replays read back.
     let now = now.trunc_subsecs(6);
-    let record = Record {
-        scope,
-        idempotency_key: key,
-        request_hash,
-        status: RecordStatus::Processing,
-        response: None,
-        created_at: now,
-        completed_at: None,
-        expires_at: C::Rules::storable_time(now + config.retention),
-        caller_hash,
-        reusable_by: config.reusable_by(now),
-    };
+    let record = call.claim(
+        now,
+        C::Rules::storable_time(now + config.retention),
+        config.reusable_by(now),
+    );
     let claim = fresh.then_some(Claim::Bound(&record));
     let work = async |tx: &mut C, guard: &mut KeyWork, claimed| {
         let hold = match claimed {
