@@ -154,7 +154,7 @@ pub use config::{Config, OnCompleted};
 pub use error::UnsupportedRuntime;
 pub use error::{Error, KeyError};
 pub use in_flight::InFlight;
-pub use outcome::{Outcome, Recorded};
+pub use outcome::{Origin, Outcome, Recorded};
 pub use purging::{Purged, Purger};
 pub use repository::Idempotent;
 #[cfg(feature = "diesel-async")]

@@ -54,14 +54,90 @@ pub struct Recorded<R> {
     /// When the retention of the record ends (UTC): from then on the key may
     /// execute again.
     pub expires_at: DateTime<Utc>,
+    /// Where the result came from: the execution that produced it, this
+    /// call's on [`Outcome::Executed`], the first call's on a replay.
+    pub origin: Origin,
 }
 
 impl<R> Recorded<R> {
-    pub(crate) fn new(outcome: Outcome<R>, created_at: NaiveDateTime, expires_at: NaiveDateTime) -> Self {
+    pub(crate) fn new(
+        outcome: Outcome<R>,
+        created_at: NaiveDateTime,
+        expires_at: NaiveDateTime,
+        origin: Origin,
+    ) -> Self {
         Recorded {
             outcome,
             created_at: created_at.and_utc(),
             expires_at: expires_at.and_utc(),
+            origin,
         }
+    }
+}
+
+/// Where a stored result came from: what the key record keeps of the call
+/// that executed the operation, so that a replay and a lookup can be
+/// correlated with that execution ([`Recorded::origin`],
+/// [`KeyStatus::Completed`](crate::KeyStatus::Completed)).
+///
+/// - `traceparent`: the W3C trace context of the span the operation ran in,
+///   kept with the `opentelemetry` feature where the application's
+///   `tracing` subscriber has an OpenTelemetry layer. A replay's span links
+///   to that span.
+/// - `request_id`: the id the application gave the request that executed;
+///   over HTTP, the request header
+///   [`KeyHeader::request_id_header`](crate::guide::http#where-a-replay-came-from)
+///   names (`X-Request-Id` by default), kept when it is 1 to 128 visible
+///   ASCII characters.
+///
+/// Either is `None` where there was none, and on every record written before
+/// the columns existed (migration `2026-12-07-000000_idempotency_origin`).
+/// A lookup or a replay tells them only to the reader it would answer the
+/// stored result, as it does the result.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use idempotency::Config;
+///
+/// let mut conn = idempotency::testing::sqlite_memory();
+/// let config = Config::default();
+/// let first = config.run_recorded(&mut conn, "shop", "order-1", &"book", |_| Ok::<_, std::convert::Infallible>(1))?;
+/// let retry = config.run_recorded(&mut conn, "shop", "order-1", &"book", |_| Ok::<_, std::convert::Infallible>(2))?;
+/// assert!(retry.outcome.is_replayed());
+/// assert_eq!(retry.origin, first.origin, "a replay names the execution it replays");
+/// // Without an OpenTelemetry layer, or outside the HTTP layer, neither is known.
+/// assert_eq!((first.origin.trace_id(), first.origin.request_id.as_deref()), (None, None));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Origin {
+    /// The W3C `traceparent` (version `00`) of the span the operation ran
+    /// in: `00-{trace id}-{span id}-{flags}`.
+    pub traceparent: Option<String>,
+    /// The id the application gave the request that executed.
+    pub request_id: Option<String>,
+}
+
+impl Origin {
+    /// The trace id (32 lowercase hex digits) of the span the operation ran
+    /// in, as tracing backends search for it.
+    pub fn trace_id(&self) -> Option<&str> {
+        self.traceparent
+            .as_deref()
+            .and_then(|traceparent| traceparent.get(3..35))
+    }
+
+    /// The longest request id a record keeps, in bytes.
+    pub(crate) const MAX_REQUEST_ID_LEN: usize = 128;
+
+    /// Whether a record keeps `id` as its request id: 1 to
+    /// [`MAX_REQUEST_ID_LEN`](Origin::MAX_REQUEST_ID_LEN) visible ASCII
+    /// characters, as request ids are (UUIDs, `req_…`, a proxy's hex). Any
+    /// other is not kept, and the call goes on without it: an id is for
+    /// correlation, not a reason to refuse a request.
+    pub(crate) fn keeps_request_id(id: &str) -> bool {
+        (1..=Origin::MAX_REQUEST_ID_LEN).contains(&id.len()) && id.bytes().all(|byte| byte.is_ascii_graphic())
     }
 }

@@ -11,6 +11,8 @@ diesel::table! {
         completed_at -> Nullable<Timestamp>,
         expires_at -> Timestamp,
         caller_hash -> Nullable<Text>,
+        traceparent -> Nullable<Text>,
+        request_id -> Nullable<Text>,
     }
 }
 

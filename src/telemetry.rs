@@ -99,6 +99,27 @@ impl CallTrace {
         }
     }
 
+    /// The W3C `traceparent` of the span the call runs in, which the
+    /// record of an execution keeps: this call's span, or the nearest
+    /// enclosing one the subscriber records where it filtered this one out.
+    /// Read inside the call's span.
+    pub(crate) fn traceparent(&self) -> Option<String> {
+        #[cfg(feature = "opentelemetry")]
+        return crate::trace_context::current().map(|(traceparent, _)| traceparent);
+        #[cfg(not(feature = "opentelemetry"))]
+        None
+    }
+
+    /// The call answers the result of the execution that ran in the span
+    /// `traceparent` names: the call's span links to it.
+    #[cfg_attr(not(feature = "opentelemetry"), allow(unused_variables))]
+    pub(crate) fn replays(&self, traceparent: Option<&str>) {
+        #[cfg(feature = "opentelemetry")]
+        if let Some(traceparent) = traceparent {
+            crate::trace_context::link_to(&self.span, traceparent);
+        }
+    }
+
     /// An expired record is replaced by this call.
     pub(crate) fn took_over(&self) {
         debug!(target: TARGET, parent: &self.span, "expired record taken over");

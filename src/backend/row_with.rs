@@ -112,13 +112,16 @@ pub(crate) struct KeyRecord<Time>(PhantomData<Time>);
 
 impl<Time: 'static> Lookup for KeyRecord<Time> {
     const TABLE: &'static str = "idempotency_keys";
-    const COLUMNS: &'static str = "r.request_hash, r.status, r.response, r.created_at, r.expires_at, r.caller_hash";
+    const COLUMNS: &'static str =
+        "r.request_hash, r.status, r.response, r.created_at, r.expires_at, r.caller_hash, r.traceparent, r.request_id";
     type SqlType = (
         Nullable<Text>,
         Nullable<Text>,
         Nullable<Text>,
         Nullable<Time>,
         Nullable<Time>,
+        Nullable<Text>,
+        Nullable<Text>,
         Nullable<Text>,
     );
 }
@@ -129,6 +132,8 @@ pub(crate) type KeyRecordRow = (
     Option<String>,
     Option<NaiveDateTime>,
     Option<NaiveDateTime>,
+    Option<String>,
+    Option<String>,
     Option<String>,
 );
 
@@ -147,13 +152,24 @@ where
 /// The key record of a [`KeyRecord`] lookup's columns, if it found one.
 pub(crate) fn stored_of(row: KeyRecordRow) -> Option<Stored> {
     match row {
-        (Some(request_hash), Some(status), response, Some(created_at), Some(expires_at), caller_hash) => Some(Stored {
+        (
+            Some(request_hash),
+            Some(status),
+            response,
+            Some(created_at),
+            Some(expires_at),
+            caller_hash,
+            traceparent,
+            request_id,
+        ) => Some(Stored {
             request_hash,
             status,
             response,
             created_at,
             expires_at,
             caller_hash,
+            traceparent,
+            request_id,
         }),
         _ => None,
     }

@@ -159,7 +159,13 @@ fn read<A: Caller, R>(caller: A, req: &HttpRequest) -> Result<IdempotencyKey<A>,
             .with_detail("the request's path is not UTF-8 once percent-decoded");
         return Err(IdempotencyKeyRejection::InvalidPath(problem));
     };
-    Ok(IdempotencyKey::new(caller, key, problems, &header, endpoint))
+    Ok(IdempotencyKey::new(
+        caller,
+        key,
+        problems,
+        (&header, req.headers()),
+        endpoint,
+    ))
 }
 
 /// The endpoint of `req`: the pattern of the resource that matched (the

@@ -6,8 +6,8 @@ use std::ops::Deref;
 use chrono::{DateTime, Utc};
 use http::{HeaderName, HeaderValue, header};
 
-use super::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
-use crate::Outcome;
+use super::headers::{IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, ORIGINAL_REQUEST};
+use crate::{Origin, Outcome};
 
 /// The [`Outcome`] of [`run`](super::run), [`run_phased`](super::run_phased)
 /// or [`lookup`](super::lookup), with the end of the key's retention.
@@ -19,7 +19,11 @@ use crate::Outcome;
 /// ([`KeyHeader::expiry_header`](super::KeyHeader::expiry_header), by
 /// default `Idempotency-Expires`) whose value is the moment the key may
 /// execute again, as an HTTP-date (RFC 9110 §5.6.7, the IMF-fixdate form),
-/// the same on the first response and on every replay. A lookup's answer
+/// the same on the first response and on every replay. A replay, and a
+/// lookup's answer, also carries `Original-Request` with the id of the
+/// request that executed, where its record keeps one
+/// ([`KeyHeader::request_id_header`](super::KeyHeader::request_id_header)).
+/// A lookup's answer
 /// also carries `Cache-Control: no-store`: it is one caller's. It
 /// dereferences to the outcome, so `answer.is_replayed()` reads as before.
 ///
@@ -47,6 +51,7 @@ use crate::Outcome;
 pub struct Answer<R> {
     outcome: Outcome<R>,
     expires_at: DateTime<Utc>,
+    origin: Origin,
     marks: Marks,
     /// Answered with `Cache-Control: no-store`, as every answer of a
     /// lookup is.
@@ -62,15 +67,16 @@ impl<R> Answer<R> {
             replayed: IDEMPOTENT_REPLAYED,
             echo: None,
         };
-        Answer::marked(outcome, expires_at, marks)
+        Answer::marked((outcome, expires_at, Origin::default()), marks)
     }
 
     /// The outcome of a key whose [`KeyHeader`](super::KeyHeader) chose
-    /// the headers its answers carry.
-    pub(super) fn marked(outcome: Outcome<R>, expires_at: DateTime<Utc>, marks: Marks) -> Self {
+    /// the headers its answers carry, with its expiry and its origin.
+    pub(super) fn marked((outcome, expires_at, origin): (Outcome<R>, DateTime<Utc>, Origin), marks: Marks) -> Self {
         Answer {
             outcome,
             expires_at,
+            origin,
             marks,
             no_store: false,
         }
@@ -86,6 +92,12 @@ impl<R> Answer<R> {
     /// executes again.
     pub fn expires_at(&self) -> DateTime<Utc> {
         self.expires_at
+    }
+
+    /// Where the result came from: the execution that produced it, this
+    /// request's or, on a replay and a lookup, the first request's.
+    pub fn origin(&self) -> &Origin {
+        &self.origin
     }
 
     /// The outcome alone.
@@ -107,6 +119,10 @@ impl<R> Answer<R> {
         let response = match self.outcome {
             Outcome::Replayed(response) => {
                 headers.push((replayed, HeaderValue::from_static("true")));
+                let original = self.origin.request_id.as_deref().map(HeaderValue::try_from);
+                if let Some(Ok(original)) = original {
+                    headers.push((ORIGINAL_REQUEST, original));
+                }
                 response
             }
             Outcome::Executed(response) => {

@@ -60,7 +60,13 @@ async fn read<A: Caller, R>(caller: A, parts: &mut Parts) -> Result<IdempotencyK
     let header = parts.extensions.get::<KeyHeader>().cloned().unwrap_or_default();
     let key = IdempotencyKey::<A>::read_key(&parts.headers, &header, &problems)?;
     let endpoint = endpoint(parts).await.map_err(IdempotencyKeyRejection::PathParams)?;
-    Ok(IdempotencyKey::new(caller, key, problems, &header, endpoint))
+    Ok(IdempotencyKey::new(
+        caller,
+        key,
+        problems,
+        (&header, &parts.headers),
+        endpoint,
+    ))
 }
 
 /// The endpoint of the request in `parts`: the route axum matched (the

@@ -12,8 +12,9 @@ use super::gate;
 use super::pool::sealed::Unavailable;
 use super::{Answer, ConnectionPool, Failure, IdempotencyKey};
 use crate::backend::{BackendRules, RulesOf};
-use crate::outcome::Recorded;
+use crate::outcome::{Origin, Recorded};
 use crate::phased::{Finished, Phased, Steps};
+use crate::run::Sender;
 use crate::telemetry::CallTrace;
 use crate::{Config, Error, InFlight, Outcome, StoreConnection};
 
@@ -161,11 +162,14 @@ where
 {
     let owned = config.clone();
     let caller_hash = key.caller_hash();
+    let request_id = key.request_id().map(str::to_owned);
     bound_call(pool, config, key, request, move |conn, scope, key, bound| {
-        let recorded = owned.run_recorded_by(conn, scope, key, bound, Some(&caller_hash), |tx| {
-            op(tx, bound.request())
-        })?;
-        Ok((recorded.outcome, recorded.expires_at))
+        let sender = Sender {
+            caller_hash: Some(&caller_hash),
+            request_id: request_id.as_deref(),
+        };
+        let recorded = owned.run_recorded_by(conn, scope, key, bound, sender, |tx| op(tx, bound.request()))?;
+        Ok((recorded.outcome, recorded.expires_at, recorded.origin))
     })
     .await
 }
@@ -254,17 +258,21 @@ where
         request,
         async |conn: &mut P::Connection, bound: &BoundRequest<Q>| {
             let caller_hash = key.caller_hash();
+            let sender = Sender {
+                caller_hash: Some(&caller_hash),
+                request_id: key.request_id(),
+            };
             let recorded = config
                 .run_recorded_by_async(
                     conn,
                     key.scope(),
                     key.key(),
                     bound,
-                    Some(&caller_hash),
+                    sender,
                     async |tx: &mut P::Connection| op(tx, bound.request()).await,
                 )
                 .await?;
-            Ok((recorded.outcome, recorded.expires_at))
+            Ok((recorded.outcome, recorded.expires_at, recorded.origin))
         },
     )
     .await
@@ -301,9 +309,12 @@ where
     let owned = phased.clone();
     let caller_hash = key.caller_hash();
     bound_call(pool, &phased.config, key, request, move |conn, scope, key, bound| {
-        owned.run_recorded(conn, scope, key, bound, Some(&caller_hash), |steps| {
-            body(steps, bound.request())
-        })
+        // An operation in phases keeps no origin.
+        owned
+            .run_recorded(conn, scope, key, bound, Some(&caller_hash), |steps| {
+                body(steps, bound.request())
+            })
+            .map(|(outcome, expires_at)| (outcome, expires_at, Origin::default()))
     })
     .await
 }
@@ -361,6 +372,7 @@ where
                     async |steps: &mut AsyncSteps<'_, P::Connection>| body(steps, bound.request()).await,
                 )
                 .await
+                .map(|(outcome, expires_at)| (outcome, expires_at, Origin::default()))
         },
     )
     .await
@@ -377,7 +389,7 @@ async fn lent_call<A, P, Q, R, E>(
     config: &Config,
     key: &IdempotencyKey<A>,
     request: Q,
-    call: impl AsyncFnOnce(&mut P::Connection, &BoundRequest<Q>) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>,
+    call: impl AsyncFnOnce(&mut P::Connection, &BoundRequest<Q>) -> Result<Answered<R>, Error<E>>,
 ) -> Result<Answer<R>, Failure<E>>
 where
     P: super::AsyncConnectionPool,
@@ -394,7 +406,7 @@ where
         .map_err(|cause| Failure::unavailable(problems, cause))?;
     let bound = BoundRequest::new(key.endpoint().cloned(), key.principal_beside_scope(), request);
     match crate::backend::catch_unwind(call(&mut *conn, &bound)).await {
-        Ok(Ok((outcome, expires_at))) => Ok(Answer::marked(outcome, expires_at, key.marks().clone())),
+        Ok(Ok(answered)) => Ok(Answer::marked(answered, key.marks().clone())),
         Ok(Err(error)) => Err(Failure::of(error, problems)),
         // The transaction the panic was in rolled back before the panic
         // went on: a single call committed nothing; a phased operation
@@ -420,17 +432,19 @@ where
     Q: Serialize + Send + 'static,
     R: Send + 'static,
     E: Send + 'static,
-    F: FnOnce(&mut P::Connection, &str, &str, &BoundRequest<Q>) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>
-        + Send
-        + 'static,
+    F: FnOnce(&mut P::Connection, &str, &str, &BoundRequest<Q>) -> Result<Answered<R>, Error<E>> + Send + 'static,
 {
     let bound = BoundRequest::new(key.endpoint().cloned(), key.principal_beside_scope(), request);
-    let (outcome, expires_at) = blocking(pool, config, config.in_flight, key, move |conn, scope, key| {
+    let answered = blocking(pool, config, config.in_flight, key, move |conn, scope, key| {
         call(conn, scope, key, &bound)
     })
     .await?;
-    Ok(Answer::marked(outcome, expires_at, key.marks().clone()))
+    Ok(Answer::marked(answered, key.marks().clone()))
 }
+
+/// What a call answers: its outcome, when its key expires, and where its
+/// result came from.
+type Answered<R> = (Outcome<R>, DateTime<Utc>, Origin);
 
 /// Makes `call` with a connection of `pool` and the key on tokio's blocking
 /// pool, once the key rules of `config` pass and the key's turn in this

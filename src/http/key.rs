@@ -202,6 +202,8 @@ pub struct IdempotencyKey<A> {
     /// Whether the key is bound to `endpoint` (not made
     /// [`across_endpoints`](IdempotencyKey::across_endpoints)).
     bound_to_endpoint: bool,
+    /// The request's id, where its header held one the record keeps.
+    request_id: Option<String>,
 }
 
 impl<A> IdempotencyKey<A> {
@@ -218,6 +220,14 @@ impl<A> IdempotencyKey<A> {
     /// The principal, from [`Caller::principal`].
     pub fn principal(&self) -> &str {
         &self.principal
+    }
+
+    /// The request's id, read from the header
+    /// [`KeyHeader::request_id_header`](super::KeyHeader::request_id_header)
+    /// names (`X-Request-Id` by default) where it held one a record keeps;
+    /// the record of the call that executes keeps it.
+    pub fn request_id(&self) -> Option<&str> {
+        self.request_id.as_deref()
     }
 
     /// The authenticated caller.
@@ -340,8 +350,15 @@ impl<A: Caller> IdempotencyKey<A> {
     }
 
     /// The `key` of the authenticated `caller`, sent to `endpoint` (to
-    /// which it is bound) with the request's `problems` and key `header`.
-    pub(super) fn new(caller: A, key: String, problems: Problems, header: &KeyHeader, endpoint: Endpoint) -> Self {
+    /// which it is bound) with the request's `problems`, key `header` and
+    /// header `fields`, where its id is read.
+    pub(super) fn new(
+        caller: A,
+        key: String,
+        problems: Problems,
+        (header, fields): (&KeyHeader, &impl HeaderFields),
+        endpoint: Endpoint,
+    ) -> Self {
         let scope = caller.scope().into_owned();
         let principal = caller.principal().into_owned();
         let marks = header.marks(&key);
@@ -354,6 +371,7 @@ impl<A: Caller> IdempotencyKey<A> {
             marks,
             endpoint,
             bound_to_endpoint: true,
+            request_id: header.read_request_id(fields),
         }
     }
 }

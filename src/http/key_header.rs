@@ -8,7 +8,8 @@ use http::{HeaderName, HeaderValue};
 
 use super::answer::Marks;
 use super::header::{HeaderError, HeaderFields, Syntax, read_key};
-use super::headers::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+use super::headers::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, X_REQUEST_ID};
+use crate::outcome::Origin;
 
 /// How [`IdempotencyKey`](super::IdempotencyKey) reads the key header, and
 /// the headers an [`Answer`](super::Answer) of the key carries.
@@ -21,6 +22,7 @@ use super::headers::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
 /// | [`expiry_header`](KeyHeader::expiry_header) | `Idempotency-Expires`: the response header of every [`Answer`](super::Answer) |
 /// | [`replay_header`](KeyHeader::replay_header) | `Idempotent-Replayed`: `true` on a replay |
 /// | [`mark_first_responses`](KeyHeader::mark_first_responses) | `false`: a first response carries neither the replay header nor the key |
+/// | [`request_id_header`](KeyHeader::request_id_header) | `X-Request-Id`: the request header whose value the record keeps as the request's id, sent back in `Original-Request` on replays and lookups |
 ///
 /// A request with two fields among the names accepted, of one name or of
 /// two (`Idempotency-Key: a` and `X-Idempotency-Key: a`), has two keys: it
@@ -91,6 +93,7 @@ struct Settings {
     expiry: HeaderName,
     replayed: HeaderName,
     mark_first: bool,
+    request_id: Option<HeaderName>,
 }
 
 impl Default for KeyHeader {
@@ -102,6 +105,7 @@ impl Default for KeyHeader {
                 expiry: IDEMPOTENCY_EXPIRES,
                 replayed: IDEMPOTENT_REPLAYED,
                 mark_first: false,
+                request_id: Some(X_REQUEST_ID),
             }),
         }
     }
@@ -166,6 +170,38 @@ impl KeyHeader {
     pub fn mark_first_responses(mut self, mark: bool) -> Self {
         Arc::make_mut(&mut self.settings).mark_first = mark;
         self
+    }
+
+    /// Names the request header whose value the key record keeps as the id
+    /// of the request that executed (default `X-Request-Id`; `None` keeps
+    /// none). A replay and a lookup send it back in an `Original-Request`
+    /// header, as Stripe's API does, and
+    /// [`KeyStatus::Completed`](crate::KeyStatus::Completed) and
+    /// [`Answer::origin`](super::Answer::origin) tell it: a client, or an
+    /// operator reading its logs, finds the request that did the work. A
+    /// value kept is one field of 1 to 128 visible ASCII characters; any
+    /// other (two fields, a longer or a non-ASCII value) is not kept, and
+    /// the request goes on without it.
+    pub fn request_id_header(mut self, name: impl Into<Option<HeaderName>>) -> Self {
+        Arc::make_mut(&mut self.settings).request_id = name.into();
+        self
+    }
+
+    /// The name of the request header whose value is kept as the request's
+    /// id, if any.
+    pub fn request_id_header_name(&self) -> Option<&HeaderName> {
+        self.settings.request_id.as_ref()
+    }
+
+    /// The request's id in its header `fields`, where it is one the record
+    /// keeps.
+    pub(crate) fn read_request_id(&self, fields: &impl HeaderFields) -> Option<String> {
+        let mut values = fields.values(self.settings.request_id.as_ref()?);
+        let (Some(value), None) = (values.next(), values.next()) else {
+            return None;
+        };
+        let id = std::str::from_utf8(value).ok()?;
+        Origin::keeps_request_id(id).then(|| id.to_owned())
     }
 
     /// The headers an answer of `key` carries besides its own.

@@ -187,10 +187,12 @@ where
     let refused = |kind, detail: &str| Err(Failure::Refused(problems.problem(kind).with_detail(detail)));
     match status {
         KeyStatus::Completed {
-            response, expires_at, ..
-        } => Ok(Answer::marked(
-            Outcome::Replayed(response),
+            response,
             expires_at,
+            origin,
+            ..
+        } => Ok(Answer::marked(
+            (Outcome::Replayed(response), expires_at, origin),
             key.marks().clone(),
         )),
         KeyStatus::InProgress => refused(

@@ -21,14 +21,13 @@ use crate::config::{Config, OnCompleted};
 use crate::error::Error;
 use crate::executing::Executing;
 use crate::in_flight::InFlight;
-use crate::outcome::{Outcome, Recorded};
+use crate::outcome::{Origin, Outcome, Recorded};
 use crate::row_status::RecordStatus;
 use crate::telemetry::CallTrace;
 
 /// The call of [`Config::run_recorded`] once `scope` and `key` passed the
-/// key rules and the request is fingerprinted (`request_hash`), the record
-/// it writes answered to the lookups of `caller_hash` alone (where the call
-/// came over HTTP): a replay
+/// key rules and the request is fingerprinted (`request_hash`), sent by
+/// `sender`: a replay
 /// from one read, or the write path, which holds the key (a key the read
 /// found no record for claimed in the round trip that takes it, where the
 /// backend can; by a claim at once where the read found that the database
@@ -42,7 +41,7 @@ pub(super) async fn recorded<C, R, E, F>(
     conn: &mut C,
     scope: &str,
     key: &str,
-    (request_hash, caller_hash): (&str, Option<&str>),
+    (request_hash, sender): (&str, Sender<'_>),
     trace: &CallTrace,
     op: F,
 ) -> Result<Recorded<R>, Error<E>>
@@ -51,12 +50,15 @@ where
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut C) -> Result<R, E>,
 {
+    let traceparent = trace.traceparent();
     let call = Call {
         config,
         scope,
         key,
         request_hash,
-        caller_hash,
+        caller_hash: sender.caller_hash,
+        traceparent: traceparent.as_deref(),
+        request_id: sender.request_id.filter(|id| Origin::keeps_request_id(id)),
         trace,
     };
     let reads_first = config
@@ -86,6 +88,18 @@ where
     read_first(call, conn, op).await
 }
 
+/// Who sent a call, where the application or its HTTP layer knows: whose
+/// lookups the record answers, and the id the application gave the
+/// request, which the record keeps as its [`Origin`]'s.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Sender<'a> {
+    /// The hash of the caller and endpoint (the HTTP layer's).
+    pub(crate) caller_hash: Option<&'a str>,
+    /// The request's id; one [`Origin::keeps_request_id`] refuses is not
+    /// kept.
+    pub(crate) request_id: Option<&'a str>,
+}
+
 /// A call once its key passed the key rules and its request is
 /// fingerprinted: what every path it may take reads.
 #[derive(Clone, Copy)]
@@ -96,6 +110,10 @@ struct Call<'a> {
     request_hash: &'a str,
     /// Whose lookups the record answers, where the call came over HTTP.
     caller_hash: Option<&'a str>,
+    /// The `traceparent` of the span the call runs in, if traced.
+    traceparent: Option<&'a str>,
+    /// The request's id, if the sender gave one the record keeps.
+    request_id: Option<&'a str>,
     trace: &'a CallTrace,
 }
 
@@ -114,7 +132,17 @@ impl<'a> Call<'a> {
             completed_at: None,
             expires_at,
             caller_hash: self.caller_hash,
+            traceparent: self.traceparent,
+            request_id: self.request_id,
             reusable_by,
+        }
+    }
+
+    /// The origin of a result this call executes.
+    fn origin(&self) -> Origin {
+        Origin {
+            traceparent: self.traceparent.map(str::to_owned),
+            request_id: self.request_id.map(str::to_owned),
         }
     }
 }
@@ -158,7 +186,12 @@ where
         };
         let (created_at, expires_at) = tx.complete_at_database_time(&completed).await?;
         guard.committing();
-        Ok(Recorded::new(Outcome::Executed(value), created_at, expires_at))
+        Ok(Recorded::new(
+            Outcome::Executed(value),
+            created_at,
+            expires_at,
+            call.origin(),
+        ))
     };
     let claim = Claim::AtDatabaseTime {
         record: &record,
@@ -190,13 +223,7 @@ where
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut C) -> Result<R, E>,
 {
-    let Call {
-        config,
-        scope,
-        key,
-        request_hash,
-        ..
-    } = call;
+    let Call { config, scope, key, .. } = call;
     // `fresh`: the read found no record, so the backend may claim the key
     // in the round trip that takes it.
     let (now, claims_first, fresh) = match conn.read(scope, key).await {
@@ -215,7 +242,7 @@ where
                     if config.durable_replays {
                         conn.await_replication().await?;
                     }
-                    return replay(config, stored, request_hash, now);
+                    return replay(call, stored, now);
                 }
                 record => (now, claims_first, record.is_none()),
             }
@@ -252,7 +279,6 @@ where
         config,
         scope,
         key,
-        request_hash,
         trace,
         ..
     } = call;
@@ -276,7 +302,7 @@ where
                 if config.durable_replays {
                     tx.await_replication().await?;
                 }
-                return replay(config, stored, request_hash, now);
+                return replay(call, stored, now);
             }
             Hold::ClaimedElsewhere => return Err(Error::InProgress),
             hold @ (Hold::Expired | Hold::Claimed { took_over: true }) => {
@@ -299,7 +325,12 @@ where
         )
         .await?;
         guard.committing();
-        Ok(Recorded::new(Outcome::Executed(value), now, record.expires_at))
+        Ok(Recorded::new(
+            Outcome::Executed(value),
+            now,
+            record.expires_at,
+            call.origin(),
+        ))
     };
     within_key(conn, config, (scope, key), Some(trace), claim, work).await
 }
@@ -309,26 +340,33 @@ where
 /// [`Error::Expired`] when the record is a tombstone (the policy keeps
 /// [tombstones](Config::tombstones) and the record's retention has ended),
 /// whose request is still compared first, so that only the request that
-/// could have been replayed learns that it expired.
-fn replay<R: DeserializeOwned, E>(
-    config: &Config,
-    stored: Stored,
-    request_hash: &str,
-    now: NaiveDateTime,
-) -> Result<Recorded<R>, Error<E>> {
+/// could have been replayed learns that it expired. A replay's span links
+/// to the span of the execution it answers.
+fn replay<R: DeserializeOwned, E>(call: Call<'_>, stored: Stored, now: NaiveDateTime) -> Result<Recorded<R>, Error<E>> {
+    let Call {
+        config, request_hash, ..
+    } = call;
     if stored.request_hash != request_hash {
         return Err(Error::Mismatch);
     }
     if stored.status == RecordStatus::Completed && stored.expires_at <= now {
         return Err(Error::Expired);
     }
-    match stored.response {
+    match stored.response.as_deref() {
         Some(_) if stored.status == RecordStatus::Completed && config.on_completed == OnCompleted::Reject => {
             Err(Error::AlreadyCompleted)
         }
-        Some(response) if stored.status == RecordStatus::Completed => serde_json::from_str(&response)
-            .map(|value| Recorded::new(Outcome::Replayed(value), stored.created_at, stored.expires_at))
-            .map_err(Error::Codec),
+        Some(response) if stored.status == RecordStatus::Completed => {
+            let value = serde_json::from_str(response).map_err(Error::Codec)?;
+            call.trace.replays(stored.traceparent.as_deref());
+            let origin = stored.origin();
+            Ok(Recorded::new(
+                Outcome::Replayed(value),
+                stored.created_at,
+                stored.expires_at,
+                origin,
+            ))
+        }
         // Claimed by an enclosing call on this same connection whose
         // operation has not finished.
         _ => Err(Error::InProgress),

@@ -20,6 +20,7 @@ use crate::telemetry::CallTrace;
 pub(crate) mod call;
 mod status;
 
+pub(crate) use call::Sender;
 pub use status::KeyStatus;
 use status::Reader;
 
@@ -252,18 +253,19 @@ impl Config {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut C::Raw) -> Result<R, E>,
     {
-        self.run_recorded_by(conn, scope, key, request, None, op)
+        self.run_recorded_by(conn, scope, key, request, Sender::default(), op)
     }
 
-    /// [`run_recorded`](Config::run_recorded), the record answered to the
-    /// lookups of `caller_hash` alone (the HTTP layer's lookup).
+    /// [`run_recorded`](Config::run_recorded) for `sender`: the record
+    /// answered to the lookups of its caller alone (the HTTP layer's
+    /// lookup), and keeping its request id.
     pub(crate) fn run_recorded_by<C, Q, R, E, F>(
         &self,
         conn: &mut C,
         scope: &str,
         key: &str,
         request: &Q,
-        caller_hash: Option<&str>,
+        sender: Sender<'_>,
         op: F,
     ) -> Result<Recorded<R>, Error<E>>
     where
@@ -284,7 +286,7 @@ impl Config {
                 conn,
                 scope,
                 key,
-                (&request_hash, caller_hash),
+                (&request_hash, sender),
                 &trace,
                 op,
             ))
@@ -384,11 +386,12 @@ impl Config {
         R: Serialize + DeserializeOwned,
         F: AsyncFnOnce(&mut C) -> Result<R, E>,
     {
-        self.run_recorded_by_async(conn, scope, key, request, None, op).await
+        self.run_recorded_by_async(conn, scope, key, request, Sender::default(), op)
+            .await
     }
 
-    /// [`run_recorded_async`](Config::run_recorded_async), the record
-    /// answered to the lookups of `caller_hash` alone.
+    /// [`run_recorded_async`](Config::run_recorded_async) for `sender`, as
+    /// [`run_recorded_by`](Config::run_recorded_by).
     #[cfg(feature = "diesel-async")]
     pub(crate) async fn run_recorded_by_async<C, Q, R, E, F>(
         &self,
@@ -396,7 +399,7 @@ impl Config {
         scope: &str,
         key: &str,
         request: &Q,
-        caller_hash: Option<&str>,
+        sender: Sender<'_>,
         op: F,
     ) -> Result<Recorded<R>, Error<E>>
     where
@@ -415,7 +418,7 @@ impl Config {
         let result = Box::pin(
             async {
                 let request_hash = self.admit::<C::Rules, Q, E>(scope, key, request, &trace)?;
-                call::recorded(self, conn, scope, key, (&request_hash, caller_hash), &trace, op).await
+                call::recorded(self, conn, scope, key, (&request_hash, sender), &trace, op).await
             }
             .instrument(span),
         )

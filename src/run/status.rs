@@ -14,6 +14,7 @@ use crate::backend::{BackendRules, HeldKey, Read, RulesOf, Stored};
 use crate::config::Config;
 use crate::error::Error;
 use crate::in_flight::InFlight;
+use crate::outcome::Origin;
 use crate::row_status::{OperationStatus, RecordStatus};
 
 /// What a lookup ([`Config::status`],
@@ -43,6 +44,10 @@ pub enum KeyStatus<R> {
         created_at: DateTime<Utc>,
         /// When the retention of the record ends (UTC).
         expires_at: DateTime<Utc>,
+        /// Where the result came from: the trace and the request id of the
+        /// call that executed, where its record keeps them (an operation in
+        /// phases keeps neither).
+        origin: Origin,
     },
     /// The operation ran, but the record's retention (and the grace period
     /// of its tombstone, where the [`Config`] keeps
@@ -258,6 +263,7 @@ fn completed<R: DeserializeOwned>(stored: &Stored) -> Result<KeyStatus<R>, Error
         response: serde_json::from_str(response).map_err(Error::Codec)?,
         created_at: stored.created_at.and_utc(),
         expires_at: stored.expires_at.and_utc(),
+        origin: stored.origin(),
     })
 }
 
@@ -276,6 +282,8 @@ fn operation_status<R: DeserializeOwned>(
             response: serde_json::from_str(row.response.as_deref().unwrap_or_default()).map_err(Error::Codec)?,
             created_at: row.created_at.and_utc(),
             expires_at: expires_at.unwrap_or(now).and_utc(),
+            // An operation in phases keeps none.
+            origin: Origin::default(),
         }),
         (OperationStatus::Parked, _) => Ok(KeyStatus::Parked),
         (OperationStatus::Running, _) => Ok(KeyStatus::InProgress),

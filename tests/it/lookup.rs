@@ -11,11 +11,11 @@ use std::sync::Arc;
 use axum::Router;
 use axum::body::{Body, to_bytes};
 use axum::extract::{FromRequestParts, State};
-use axum::http::{HeaderMap, Method, Request, StatusCode, request::Parts};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use diesel::r2d2::{ConnectionManager, Pool};
-use idempotency::http::{self, Answer, Caller, Failure, IdempotencyKey, Problem, StoredResponse};
+use idempotency::http::{self, Answer, Caller, Failure, IdempotencyKey, KeyHeader, Problem, StoredResponse};
 use idempotency::phased::Phased;
 use idempotency::{Config, InFlight};
 use serde_json::{Value, json};
@@ -35,6 +35,9 @@ crate::common::backend_tests!(
     a_phased_operation_is_in_progress_while_it_runs_then_its_response,
     a_parked_phased_operation_says_so,
     every_lookup_answer_is_not_to_be_stored,
+    a_replay_and_a_lookup_name_the_request_that_executed,
+    a_request_id_the_record_cannot_keep_is_left_out_and_one_with_quotes_is_kept_as_sent,
+    the_request_id_header_is_the_apis_to_name,
 );
 
 /// A user of a tenant, as `Authorization: Bearer tenant:user` names it:
@@ -189,13 +192,28 @@ impl Seen {
 }
 
 async fn send(app: &Router, method: Method, path: &str, token: &str, key: &str, body: &'static str) -> Seen {
-    let request = Request::builder()
+    send_with(app, method, path, (token, key), &[], body).await
+}
+
+/// [`send`], with the request header fields `fields` besides the
+/// credentials and the key.
+async fn send_with(
+    app: &Router,
+    method: Method,
+    path: &str,
+    (token, key): (&str, &str),
+    fields: &[(&str, &[u8])],
+    body: &'static str,
+) -> Seen {
+    let mut request = Request::builder()
         .method(method)
         .uri(path)
         .header("authorization", format!("Bearer {token}"))
-        .header("idempotency-key", key)
-        .body(Body::from(body))
-        .expect("a request");
+        .header("idempotency-key", key);
+    for (name, value) in fields {
+        request = request.header(*name, HeaderValue::from_bytes(value).expect("a header value"));
+    }
+    let request = request.body(Body::from(body)).expect("a request");
     let response = app.clone().oneshot(request).await.expect("infallible");
     let status = response.status();
     let headers = response.headers().clone();
@@ -402,4 +420,99 @@ async fn every_lookup_answer_is_not_to_be_stored<D: TestDb>() {
     // The call's own answers are the application's to cache or not.
     let replay = post_to(&app, "/refunds", "acme:user-1", "k-5").await;
     assert!(!replay.headers.contains_key("cache-control"));
+}
+
+/// The `Original-Request` header of `seen`, if any.
+fn original_request(seen: &Seen) -> Option<&str> {
+    seen.headers
+        .get("original-request")
+        .map(|value| value.to_str().expect("visible ASCII"))
+}
+
+async fn a_replay_and_a_lookup_name_the_request_that_executed<D: TestDb>() {
+    let db = D::new();
+    let app = app(&db);
+    // Unique: PostgreSQL's key locks span every schema of the database.
+    let key = crate::common::own::unique_name("refund");
+    let post = async |request_id: &[u8]| {
+        let fields: &[(&str, &[u8])] = &[("x-request-id", request_id)];
+        send_with(&app, Method::POST, "/refunds", ("acme:ann", &key), fields, "").await
+    };
+    let first = post(b"req-1").await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(
+        original_request(&first),
+        None,
+        "a first response names no other request"
+    );
+    let retry = post(b"req-2").await;
+    assert_replayed(&retry, json!({ "reference": "re_1" }));
+    assert_eq!(original_request(&retry), Some("req-1"));
+    let fields: &[(&str, &[u8])] = &[("x-request-id", b"req-3")];
+    let looked = send_with(&app, Method::GET, "/refunds/status", ("acme:ann", &key), fields, "").await;
+    assert_eq!(looked.status, StatusCode::CREATED);
+    assert_eq!(original_request(&looked), Some("req-1"));
+    // Another user of the tenant learns nothing, the request id included.
+    assert_answered_as_unknown(&app, "/refunds/status", "acme:bob", &key).await;
+}
+
+async fn a_request_id_the_record_cannot_keep_is_left_out_and_one_with_quotes_is_kept_as_sent<D: TestDb>() {
+    let db = D::new();
+    let app = app(&db);
+    // No space: a request id is visible ASCII.
+    let quoted: &[u8] = br#"O'Brien\";DROP/**/TABLE/**/idempotency_keys;--"#;
+    let too_long = [b'r'; 129];
+    let longest = [b'r'; 128];
+    let cases: [(&str, Vec<(&str, &[u8])>, Option<&[u8]>); 6] = [
+        ("quoted", vec![("x-request-id", quoted)], Some(quoted)),
+        ("longest", vec![("x-request-id", &longest)], Some(&longest)),
+        ("too-long", vec![("x-request-id", &too_long)], None),
+        ("non-ascii", vec![("x-request-id", "réq-1".as_bytes())], None),
+        ("space", vec![("x-request-id", b"req 1")], None),
+        (
+            "two-fields",
+            vec![("x-request-id", b"req-1"), ("x-request-id", b"req-2")],
+            None,
+        ),
+    ];
+    for (case, fields, kept) in cases {
+        let key = crate::common::own::unique_name(case);
+        let first = send_with(&app, Method::POST, "/refunds", ("acme:ann", &key), &fields, "").await;
+        assert_eq!(first.status, StatusCode::CREATED, "{case}: the request goes on");
+        let retry = post_to(&app, "/refunds", "acme:ann", &key).await;
+        assert_replayed(&retry, json!({ "reference": "re_1" }));
+        let kept = kept.map(|id| std::str::from_utf8(id).expect("ASCII"));
+        assert_eq!(original_request(&retry), kept, "{case}");
+        let looked = look_up(&app, "/refunds/status", "acme:ann", &key).await;
+        assert_eq!(original_request(&looked), kept, "{case}");
+    }
+    assert_eq!(D::key_count(&mut db.conn()), 6, "one record per case, the table intact");
+}
+
+async fn the_request_id_header_is_the_apis_to_name<D: TestDb>() {
+    let db = D::new();
+    let config = Config::default().in_flight(InFlight::Reject);
+    let named = |header: KeyHeader| {
+        let app = App::<D> {
+            pool: db.pool(2),
+            config: config.clone(),
+            ride_gate: Arc::new(Barrier::new(2)),
+        };
+        app_on(app).layer(axum::Extension(header))
+    };
+    let fields: &[(&str, &[u8])] = &[("x-request-id", b"x-1"), ("request-id", b"r-1")];
+    for (header, kept) in [
+        (
+            KeyHeader::default().request_id_header(HeaderName::from_static("request-id")),
+            Some("r-1"),
+        ),
+        (KeyHeader::default().request_id_header(None), None),
+    ] {
+        let app = named(header);
+        let key = crate::common::own::unique_name("refund");
+        let first = send_with(&app, Method::POST, "/refunds", ("acme:ann", &key), fields, "").await;
+        assert_eq!(first.status, StatusCode::CREATED);
+        let retry = post_to(&app, "/refunds", "acme:ann", &key).await;
+        assert_eq!(original_request(&retry), kept);
+    }
 }

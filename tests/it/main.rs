@@ -57,6 +57,8 @@ mod mysql;
 mod on_completed;
 #[cfg(feature = "openapi")]
 mod openapi;
+#[cfg(feature = "opentelemetry")]
+mod origin;
 mod outbox;
 mod phased;
 #[cfg(feature = "postgres")]

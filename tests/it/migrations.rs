@@ -178,7 +178,8 @@ fn mysql_migrations_keep_the_versions_of_the_other_sets_and_revert_cleanly() {
             "20261203000000",
             "20261204000000",
             "20261205000000",
-            "20261206000000"
+            "20261206000000",
+            "20261207000000"
         ]
     );
     let sqlite = versions::<diesel::sqlite::Sqlite>();

@@ -49,6 +49,7 @@ fn a_completed_key_gives_its_stored_result_and_times_until_it_expires<D: TestDb>
             response: id,
             created_at: first.created_at,
             expires_at: first.expires_at,
+            origin: first.origin,
         }
     );
     clock.advance(Duration::minutes(1));

@@ -20,7 +20,7 @@ pub(crate) use complete::Complete;
 pub use record::{ClaimOutcome, Hold, KeyNotClaimed, KeyRecordChanged, Read, Record, Stored};
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
 pub(crate) use statements::key_statements;
-pub(crate) use statements::record_values;
+pub(crate) use statements::{record_values, stored_columns};
 
 /// The key records' statements, one implementation per kind of
 /// connection: a supertrait of the crate's public connection traits

@@ -5,6 +5,7 @@ use chrono::NaiveDateTime;
 use diesel::prelude::*;
 use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind};
 
+use crate::outcome::Origin;
 use crate::row_status::RecordStatus;
 use crate::schema::idempotency_keys;
 
@@ -24,6 +25,11 @@ pub struct Record<'a> {
     /// Who may look the record up (written by the HTTP layer: the hash of
     /// the caller's principal and endpoint); `None` for no HTTP lookup.
     pub(crate) caller_hash: Option<&'a str>,
+    /// The W3C `traceparent` of the span the operation executed in, where
+    /// the application traces with OpenTelemetry.
+    pub(crate) traceparent: Option<&'a str>,
+    /// The id the application gave the request that executed.
+    pub(crate) request_id: Option<&'a str>,
     /// A record of the key that expired at or before this time may be
     /// taken over: `created_at`, or the start of the grace period that ends
     /// then where the policy keeps [tombstones](crate::Config::tombstones).
@@ -41,6 +47,18 @@ pub struct Stored {
     pub(crate) created_at: NaiveDateTime,
     pub(crate) expires_at: NaiveDateTime,
     pub(crate) caller_hash: Option<String>,
+    pub(crate) traceparent: Option<String>,
+    pub(crate) request_id: Option<String>,
+}
+
+impl Stored {
+    /// Where the stored result came from.
+    pub(crate) fn origin(&self) -> Origin {
+        Origin {
+            traceparent: self.traceparent.clone(),
+            request_id: self.request_id.clone(),
+        }
+    }
 }
 
 /// What the replay read outside the write transaction found.

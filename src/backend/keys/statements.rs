@@ -33,7 +33,7 @@ macro_rules! key_statements {
             // SQLite prepare the statement again on every call.
             k::table
                 .find((scope, key))
-                .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at, k::caller_hash))
+                .select($crate::backend::keys::stored_columns!(k))
                 .get_result(self)
                 $($await)*
                 .optional()
@@ -134,7 +134,27 @@ macro_rules! record_values {
             $k::completed_at.eq($record.completed_at),
             $k::expires_at.eq($record.expires_at),
             $k::caller_hash.eq($record.caller_hash),
+            $k::traceparent.eq($record.traceparent),
+            $k::request_id.eq($record.request_id),
         )
     };
 }
 pub(crate) use record_values;
+
+/// The columns of a [`Stored`](crate::backend::Stored) record, in table
+/// `$k` (a backend's `idempotency_keys` module), in its fields' order.
+macro_rules! stored_columns {
+    ($k:ident) => {
+        (
+            $k::request_hash,
+            $k::status,
+            $k::response,
+            $k::created_at,
+            $k::expires_at,
+            $k::caller_hash,
+            $k::traceparent,
+            $k::request_id,
+        )
+    };
+}
+pub(crate) use stored_columns;

@@ -14,6 +14,8 @@ diesel::table! {
         completed_at -> Nullable<Datetime>,
         expires_at -> Datetime,
         caller_hash -> Nullable<Char>,
+        traceparent -> Nullable<Varchar>,
+        request_id -> Nullable<Varchar>,
     }
 }
 

@@ -140,7 +140,7 @@ macro_rules! sends {
             use $crate::backend::mysql::schema::idempotency_keys as k;
             k::table
                 .find((scope, key))
-                .select((k::request_hash, k::status, k::response, k::created_at, k::expires_at, k::caller_hash))
+                .select($crate::backend::keys::stored_columns!(k))
                 .for_update()
                 .get_result(self)
                 $($await)*
@@ -229,6 +229,8 @@ pub(super) type Written<'a> = (
     Eq<k::completed_at, Option<NaiveDateTime>>,
     Eq<k::expires_at, NaiveDateTime>,
     Eq<k::caller_hash, Option<&'a str>>,
+    Eq<k::traceparent, Option<&'a str>>,
+    Eq<k::request_id, Option<&'a str>>,
 );
 
 pub(super) fn written<'a>(record: &Record<'a>) -> Written<'a> {

@@ -119,7 +119,7 @@ pub(super) fn claim_sql(record: &Record<'_>) -> Option<String> {
     };
     Some(format!(
         "INSERT INTO idempotency_keys \
-         (scope, idempotency_key, request_hash, status, created_at, expires_at, caller_hash) \
+         (scope, idempotency_key, request_hash, status, created_at, expires_at, {BESIDE_TIMES}) \
          VALUES ({}, {}, {}, {}, {}, {}, {})",
         text_literal(record.scope),
         text_literal(record.idempotency_key),
@@ -127,7 +127,7 @@ pub(super) fn claim_sql(record: &Record<'_>) -> Option<String> {
         text_literal(record.status.as_str()),
         time(record.created_at)?,
         time(record.expires_at)?,
-        record.caller_hash.map_or_else(|| String::from("NULL"), text_literal),
+        beside_times(record),
     ))
 }
 
@@ -137,13 +137,27 @@ pub(super) fn claim_at_database_time_sql(record: &Record<'_>, micros: i64) -> St
     let now = "timezone('UTC', statement_timestamp())";
     format!(
         "INSERT INTO idempotency_keys \
-         (scope, idempotency_key, request_hash, status, created_at, expires_at, caller_hash) \
+         (scope, idempotency_key, request_hash, status, created_at, expires_at, {BESIDE_TIMES}) \
          VALUES ({}, {}, {}, {}, {now}, {now} + interval '{micros} microseconds', {})",
         text_literal(record.scope),
         text_literal(record.idempotency_key),
         text_literal(record.request_hash),
         text_literal(record.status.as_str()),
-        record.caller_hash.map_or_else(|| String::from("NULL"), text_literal),
+        beside_times(record),
+    )
+}
+
+/// The optional columns a claim writes after its times.
+const BESIDE_TIMES: &str = "caller_hash, traceparent, request_id";
+
+/// The literals of [`BESIDE_TIMES`] for `record`, `NULL` where it has none.
+fn beside_times(record: &Record<'_>) -> String {
+    let literal = |value: Option<&str>| value.map_or_else(|| String::from("NULL"), text_literal);
+    format!(
+        "{}, {}, {}",
+        literal(record.caller_hash),
+        literal(record.traceparent),
+        literal(record.request_id)
     )
 }
 

@@ -39,16 +39,30 @@ impl Traces {
         })
     }
 
+    /// Awaits `future` inside a new span `name`, every poll of it with this
+    /// subscriber, and returns its output.
+    #[cfg(feature = "diesel-async")]
+    pub async fn in_span_async<F: Future>(&self, name: &'static str, future: F) -> F::Output {
+        use tracing::instrument::{Instrument, WithSubscriber};
+
+        let span = tracing::dispatcher::with_default(&self.dispatch, || tracing::info_span!("span", otel.name = name));
+        future.instrument(span).with_subscriber(self.dispatch.clone()).await
+    }
+
     /// The one finished span named `name`.
     pub fn span(&self, name: &str) -> SpanData {
-        let mut named: Vec<SpanData> = self
-            .exporter
+        let mut named = self.spans(name);
+        assert_eq!(named.len(), 1, "one span {name}");
+        named.remove(0)
+    }
+
+    /// The finished spans named `name`, in the order they ended.
+    pub fn spans(&self, name: &str) -> Vec<SpanData> {
+        self.exporter
             .get_finished_spans()
             .expect("the exported spans")
             .into_iter()
             .filter(|span| span.name == name)
-            .collect();
-        assert_eq!(named.len(), 1, "one span {name}");
-        named.remove(0)
+            .collect()
     }
 }

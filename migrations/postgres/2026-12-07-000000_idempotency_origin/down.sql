@@ -1,0 +1,2 @@
+ALTER TABLE idempotency_keys DROP COLUMN request_id;
+ALTER TABLE idempotency_keys DROP COLUMN traceparent;

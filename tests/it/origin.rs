@@ -1,0 +1,132 @@
+//! Where a stored result came from (feature `opentelemetry`): the record of
+//! an execution keeps the trace context of the span it ran in, a replay's
+//! span links to that span, and `Recorded::origin` and `Config::status`
+//! tell it, on every backend, sync and async. A call no OpenTelemetry layer
+//! records keeps none.
+
+use std::convert::Infallible;
+
+use idempotency::{Config, KeyStatus, Origin, Recorded};
+use opentelemetry::trace::{SpanId, TraceId};
+use opentelemetry_sdk::trace::SpanData;
+
+use crate::common::TestDb;
+use crate::common::own::unique_name;
+use crate::common::traces::Traces;
+
+crate::common::backend_tests!(
+    an_execution_keeps_its_trace_and_a_replay_links_to_it,
+    a_call_no_opentelemetry_layer_records_keeps_no_trace,
+);
+
+/// The trace and span ids of a span.
+fn ids(span: &SpanData) -> (TraceId, SpanId) {
+    (span.span_context.trace_id(), span.span_context.span_id())
+}
+
+/// Asserts what `first` and its replay `retry` recorded in `traces`: the
+/// first call's record keeps its span's trace context, the replay tells
+/// the same origin, in a trace of its own whose call span links to the
+/// span that executed.
+fn assert_replay_links_to_its_execution(traces: &Traces, first: &Recorded<i64>, retry: &Recorded<i64>) {
+    assert!(!first.outcome.is_replayed() && retry.outcome.is_replayed());
+    let calls = traces.spans("idempotent_call");
+    let [executed, replayed] = calls.as_slice() else {
+        panic!("two calls, got {}", calls.len());
+    };
+    let (trace_id, span_id) = ids(executed);
+    assert_eq!(
+        first.origin.traceparent,
+        Some(format!("00-{trace_id}-{span_id}-01")),
+        "the record keeps the context of the span that executed"
+    );
+    assert_eq!(first.origin.trace_id(), Some(trace_id.to_string().as_str()));
+    assert_eq!(retry.origin, first.origin, "a replay names the execution it replays");
+    assert_ne!(
+        replayed.span_context.trace_id(),
+        trace_id,
+        "the retry has a trace of its own"
+    );
+    let links: Vec<(TraceId, SpanId)> = replayed
+        .links
+        .iter()
+        .map(|link| (link.span_context.trace_id(), link.span_context.span_id()))
+        .collect();
+    assert_eq!(links, [(trace_id, span_id)], "the replay's span links to the execution");
+    assert!(executed.links.is_empty(), "an execution links to nothing");
+}
+
+/// The origin `config`'s lookup of `key` tells.
+fn looked_up_origin<C: idempotency::StoreConnection>(config: &Config, conn: &mut C, key: &str) -> Origin {
+    match config.status::<_, i64>(conn, "shop", key, &"book").expect("status") {
+        KeyStatus::Completed { origin, .. } => origin,
+        other => panic!("not completed: {other:?}"),
+    }
+}
+
+fn an_execution_keeps_its_trace_and_a_replay_links_to_it<D: TestDb>() {
+    let traces = Traces::new();
+    let db = D::new();
+    let mut conn = db.conn();
+    let config = Config::default();
+    // Unique: PostgreSQL's key locks span every schema of the database.
+    let key = unique_name("order");
+    let mut call = |value: i64| {
+        config
+            .run_recorded(&mut conn, "shop", &key, &"book", |_| Ok::<_, Infallible>(value))
+            .expect("call")
+    };
+    let first = traces.in_span("request", || call(1));
+    let retry = traces.in_span("retry", || call(2));
+    assert_eq!(retry.outcome.clone().into_inner(), 1);
+    assert_replay_links_to_its_execution(&traces, &first, &retry);
+    assert_eq!(looked_up_origin(&config, &mut conn, &key), first.origin);
+}
+
+fn a_call_no_opentelemetry_layer_records_keeps_no_trace<D: TestDb>() {
+    let traces = Traces::new();
+    let db = D::new();
+    let mut conn = db.conn();
+    let config = Config::default();
+    let key = unique_name("order");
+    let first = config
+        .run_recorded(&mut conn, "shop", &key, &"book", |_| Ok::<_, Infallible>(1))
+        .expect("call with no subscriber");
+    assert_eq!(first.origin, Origin::default());
+    // The retry is traced; the execution it replays was not, so it links
+    // to nothing.
+    let retry = traces.in_span("retry", || {
+        config
+            .run_recorded(&mut conn, "shop", &key, &"book", |_| Ok::<_, Infallible>(2))
+            .expect("retry")
+    });
+    assert!(retry.outcome.is_replayed());
+    assert_eq!(retry.origin, Origin::default());
+    assert!(traces.span("idempotent_call").links.is_empty());
+    assert_eq!(looked_up_origin(&config, &mut conn, &key), Origin::default());
+}
+
+#[cfg(feature = "diesel-async")]
+mod asynchronous {
+    use super::*;
+    use crate::common::asynchronous::AsyncDb;
+
+    crate::common::asynchronous::async_backend_tests!(an_async_execution_keeps_its_trace_and_a_replay_links_to_it);
+
+    async fn an_async_execution_keeps_its_trace_and_a_replay_links_to_it<D: AsyncDb>() {
+        let traces = Traces::new();
+        let db = D::new();
+        let mut conn = db.connect().await;
+        let config = Config::default();
+        let key = unique_name("order");
+        let mut recorded = Vec::new();
+        for (span, value) in [("request", 1), ("retry", 2)] {
+            let call = config.run_recorded_async(&mut conn, "shop", &key, &"book", async |_: &mut D::Async| {
+                Ok::<_, Infallible>(value)
+            });
+            recorded.push(traces.in_span_async(span, call).await.expect("call"));
+        }
+        assert_replay_links_to_its_execution(&traces, &recorded[0], &recorded[1]);
+        assert_eq!(looked_up_origin(&config, &mut db.conn(), &key), recorded[0].origin);
+    }
+}
