@@ -111,12 +111,15 @@ impl CallTrace {
     }
 
     /// The call answers the result of the execution that ran in the span
-    /// `traceparent` names: the call's span links to it.
+    /// `traceparent` names: the span the call runs in links to it (the
+    /// call's, or the nearest enclosing one the subscriber records where it
+    /// filtered this one out, as [`traceparent`](CallTrace::traceparent)
+    /// reads). Called inside the call's span.
     #[cfg_attr(not(feature = "opentelemetry"), allow(unused_variables))]
     pub(crate) fn replays(&self, traceparent: Option<&str>) {
         #[cfg(feature = "opentelemetry")]
         if let Some(traceparent) = traceparent {
-            crate::trace_context::link_to(&self.span, traceparent);
+            crate::trace_context::link_to(&Span::current(), traceparent);
         }
     }
 

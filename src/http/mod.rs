@@ -186,7 +186,7 @@ pub use call::{run, run_phased};
 #[cfg(feature = "diesel-async")]
 pub use call::{run_async, run_phased_async};
 pub use failure::Failure;
-pub use headers::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+pub use headers::{IDEMPOTENCY_EXPIRES, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, ORIGINAL_REQUEST, X_REQUEST_ID};
 pub use key::{Caller, IdempotencyKey};
 pub use key_header::KeyHeader;
 pub use lookup::lookup;

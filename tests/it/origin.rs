@@ -9,6 +9,7 @@ use std::convert::Infallible;
 use idempotency::{Config, KeyStatus, Origin, Recorded};
 use opentelemetry::trace::{SpanId, TraceId};
 use opentelemetry_sdk::trace::SpanData;
+use tracing_subscriber::filter::LevelFilter;
 
 use crate::common::TestDb;
 use crate::common::own::unique_name;
@@ -17,11 +18,20 @@ use crate::common::traces::Traces;
 crate::common::backend_tests!(
     an_execution_keeps_its_trace_and_a_replay_links_to_it,
     a_call_no_opentelemetry_layer_records_keeps_no_trace,
+    where_the_calls_span_is_filtered_out_the_enclosing_spans_keep_and_link_the_trace,
 );
 
 /// The trace and span ids of a span.
 fn ids(span: &SpanData) -> (TraceId, SpanId) {
     (span.span_context.trace_id(), span.span_context.span_id())
+}
+
+/// The trace and span ids of the spans `span` links to.
+fn links(span: &SpanData) -> Vec<(TraceId, SpanId)> {
+    span.links
+        .iter()
+        .map(|link| (link.span_context.trace_id(), link.span_context.span_id()))
+        .collect()
 }
 
 /// Asserts what `first` and its replay `retry` recorded in `traces`: the
@@ -47,12 +57,11 @@ fn assert_replay_links_to_its_execution(traces: &Traces, first: &Recorded<i64>, 
         trace_id,
         "the retry has a trace of its own"
     );
-    let links: Vec<(TraceId, SpanId)> = replayed
-        .links
-        .iter()
-        .map(|link| (link.span_context.trace_id(), link.span_context.span_id()))
-        .collect();
-    assert_eq!(links, [(trace_id, span_id)], "the replay's span links to the execution");
+    assert_eq!(
+        links(replayed),
+        [(trace_id, span_id)],
+        "the replay's span links to the execution"
+    );
     assert!(executed.links.is_empty(), "an execution links to nothing");
 }
 
@@ -81,6 +90,30 @@ fn an_execution_keeps_its_trace_and_a_replay_links_to_it<D: TestDb>() {
     assert_eq!(retry.outcome.clone().into_inner(), 1);
     assert_replay_links_to_its_execution(&traces, &first, &retry);
     assert_eq!(looked_up_origin(&config, &mut conn, &key), first.origin);
+}
+
+fn where_the_calls_span_is_filtered_out_the_enclosing_spans_keep_and_link_the_trace<D: TestDb>() {
+    let traces = Traces::at(LevelFilter::INFO);
+    let db = D::new();
+    let mut conn = db.conn();
+    let config = Config::default();
+    let key = unique_name("order");
+    let mut call = |value: i64| {
+        config
+            .run_recorded(&mut conn, "shop", &key, &"book", |_| Ok::<_, Infallible>(value))
+            .expect("call")
+    };
+    let first = traces.in_span("request", || call(1));
+    let retry = traces.in_span("retry", || call(2));
+    assert!(retry.outcome.is_replayed());
+    assert!(
+        traces.spans("idempotent_call").is_empty(),
+        "the calls' debug spans are left out"
+    );
+    let (trace_id, span_id) = ids(&traces.span("request"));
+    assert_eq!(first.origin.traceparent, Some(format!("00-{trace_id}-{span_id}-01")));
+    assert_eq!(retry.origin, first.origin);
+    assert_eq!(links(&traces.span("retry")), [(trace_id, span_id)]);
 }
 
 fn a_call_no_opentelemetry_layer_records_keeps_no_trace<D: TestDb>() {

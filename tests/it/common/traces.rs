@@ -6,6 +6,7 @@
 use opentelemetry::trace::TracerProvider;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use tracing::Dispatch;
+use tracing_subscriber::filter::LevelFilter;
 use tracing_subscriber::layer::SubscriberExt;
 
 /// A subscriber that exports every span it ends to memory.
@@ -16,6 +17,12 @@ pub struct Traces {
 
 impl Traces {
     pub fn new() -> Traces {
+        Traces::at(LevelFilter::TRACE)
+    }
+
+    /// A subscriber that records the spans of `level` and above only, as
+    /// `RUST_LOG=info` leaves out the crate's debug spans.
+    pub fn at(level: LevelFilter) -> Traces {
         // The crate's callsites stay wanted whichever test's thread meets
         // them first (see `global_subscriber`).
         super::global_subscriber::install();
@@ -23,7 +30,10 @@ impl Traces {
         let provider = SdkTracerProvider::builder()
             .with_simple_exporter(exporter.clone())
             .build();
+        // The filter is the subscriber's, as `EnvFilter` usually is: a
+        // span it leaves out does not exist for any layer.
         let subscriber = tracing_subscriber::registry()
+            .with(level)
             .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("idempotency-tests")));
         Traces {
             dispatch: Dispatch::new(subscriber),
