@@ -4,6 +4,7 @@ use tonic::Status;
 use tonic::metadata::MetadataMap;
 
 use super::status::{self, Reason};
+use crate::outcome::Origin;
 
 /// `idempotency-key`, the metadata entry [`GrpcKey::from_metadata`] reads.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
@@ -11,6 +12,14 @@ pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// `idempotent-replayed`, the response metadata entry that marks a replay
 /// (`true`).
 pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
+
+/// `x-request-id`, the metadata entry [`GrpcKey::from_metadata`] reads the
+/// request's id from, which the record of the call that executes keeps.
+pub const X_REQUEST_ID: &str = "x-request-id";
+
+/// `original-request`, the response metadata entry of a replay that names
+/// the request that executed, by its id, where its record keeps one.
+pub const ORIGINAL_REQUEST: &str = "original-request";
 
 /// The idempotency key of one gRPC call, with what it is bound to: the
 /// full method name (`/package.Service/Method`), the scope of the
@@ -51,12 +60,15 @@ pub struct GrpcKey {
     method: String,
     scope: String,
     principal: Option<String>,
+    request_id: Option<String>,
 }
 
 impl GrpcKey {
     /// The key in the `idempotency-key` entry of `metadata`, sent to
     /// `method` (the full name, `/package.Service/Method`) by a caller of
-    /// `scope`. The value is taken as it is, a bare token.
+    /// `scope`. The value is taken as it is, a bare token. The request's id
+    /// is read from its `x-request-id` entry, where it has one it can keep
+    /// (see [`with_request_id`](GrpcKey::with_request_id)).
     ///
     /// # Errors
     ///
@@ -85,7 +97,16 @@ impl GrpcKey {
         let key = value
             .to_str()
             .map_err(|_| status::refused(Reason::KeyInvalid, "the idempotency key is not visible ASCII"))?;
-        Ok(GrpcKey::bound(key.to_owned(), method.into(), scope.into()))
+        let mut ids = metadata.get_all(X_REQUEST_ID).iter();
+        let request_id = match (ids.next(), ids.next()) {
+            (Some(id), None) => id.to_str().ok(),
+            _ => None,
+        };
+        let key = GrpcKey::bound(key.to_owned(), method.into(), scope.into());
+        Ok(match request_id {
+            Some(id) => key.with_request_id(id),
+            None => key,
+        })
     }
 
     /// The key the application read from a field of the request message,
@@ -110,7 +131,23 @@ impl GrpcKey {
             method,
             scope,
             principal: None,
+            request_id: None,
         }
+    }
+
+    /// Gives the call's request id, which the record of the call that
+    /// executes keeps and a replay sends back in its `original-request`
+    /// metadata entry: 1 to 128 visible ASCII characters; any other is not
+    /// kept, and the call goes on without it.
+    pub fn with_request_id(mut self, id: impl Into<String>) -> Self {
+        let id = id.into();
+        self.request_id = Origin::keeps_request_id(&id).then_some(id);
+        self
+    }
+
+    /// The request's id, where one was given that a record keeps.
+    pub fn request_id(&self) -> Option<&str> {
+        self.request_id.as_deref()
     }
 
     /// Binds the key to `principal` as well: another principal of the

@@ -60,9 +60,10 @@ use tonic::metadata::MetadataValue;
 use tonic::{Response, Status};
 
 use crate::backend::RulesOf;
-use crate::{Config, Error, StoreConnection};
+use crate::run::Sender;
+use crate::{Config, Error, Recorded, StoreConnection};
 
-pub use key::{GrpcKey, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+pub use key::{GrpcKey, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED, ORIGINAL_REQUEST, X_REQUEST_ID};
 pub use status::ERROR_DOMAIN;
 
 /// Runs `op` at most once for `key`, as [`Config::run`] does, from a tonic
@@ -167,18 +168,18 @@ where
     let task = tokio::task::spawn_blocking(move || {
         let mut conn = pool.get().map_err(|error| status::unavailable(&error))?;
         config
-            .run(&mut conn, key.scope(), key.key(), &bound, |tx| {
+            .run_recorded_by(&mut conn, key.scope(), key.key(), &bound, sender(&key), |tx| {
                 op(tx, &request).map(|response| StoredMessage::of(&response))
             })
             .map_err(Status::from)
     });
-    let outcome = match task.await {
-        Ok(outcome) => outcome?,
+    let recorded = match task.await {
+        Ok(recorded) => recorded?,
         // A panic in the operation, or a runtime shutting down before the
         // task ran: either way nothing was committed.
         Err(error) => return Err(status::internal(&error)),
     };
-    answer(outcome)
+    answer(recorded)
 }
 
 /// [`run`] on a diesel-async connection (feature `diesel-async`), checked
@@ -255,28 +256,40 @@ where
         .check_rules::<RulesOf<C>, Status>(key.scope(), key.key(), None)
         .map_err(Status::from)?;
     let bound = Bound::of(key, &request);
-    let outcome = config
-        .run_async(conn, key.scope(), key.key(), &bound, async |tx: &mut C| {
+    let recorded = config
+        .run_recorded_by_async(conn, key.scope(), key.key(), &bound, sender(key), async |tx: &mut C| {
             op(tx, &request).await.map(|response| StoredMessage::of(&response))
         })
         .await
         .map_err(Status::from)?;
-    answer(outcome)
+    answer(recorded)
 }
 
-/// The response of `outcome`, decoded, a replay marked.
+/// Who sent the call of `key`: its request id, where it has one.
+fn sender(key: &GrpcKey) -> Sender<'_> {
+    Sender {
+        caller_hash: None,
+        request_id: key.request_id(),
+    }
+}
+
+/// The response of `recorded`, decoded, a replay marked and naming the
+/// request that executed where its record keeps its id.
 ///
 /// # Errors
 ///
 /// `INTERNAL` for a stored response that does not decode as `R`.
-fn answer<R: Message + Default>(outcome: crate::Outcome<StoredMessage>) -> Result<Response<R>, Status> {
-    let replayed = outcome.is_replayed();
-    let message = outcome.into_inner().decode::<R>()?;
+fn answer<R: Message + Default>(recorded: Recorded<StoredMessage>) -> Result<Response<R>, Status> {
+    let replayed = recorded.outcome.is_replayed();
+    let message = recorded.outcome.into_inner().decode::<R>()?;
     let mut response = Response::new(message);
     if replayed {
-        response
-            .metadata_mut()
-            .insert(IDEMPOTENT_REPLAYED, MetadataValue::from_static("true"));
+        let metadata = response.metadata_mut();
+        metadata.insert(IDEMPOTENT_REPLAYED, MetadataValue::from_static("true"));
+        let original = recorded.origin.request_id.as_deref().map(MetadataValue::try_from);
+        if let Some(Ok(original)) = original {
+            metadata.insert(ORIGINAL_REQUEST, original);
+        }
     }
     Ok(response)
 }

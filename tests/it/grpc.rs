@@ -30,6 +30,7 @@ use crate::common::TestDb;
 crate::common::backend_tests!(
     async:
     a_first_call_executes_and_its_retry_replays_it_marked,
+    a_replay_names_the_request_that_executed_by_its_id,
     a_request_id_field_is_the_key_as_aip_155_has_it,
     another_request_method_or_principal_with_the_key_is_failed_precondition,
     a_call_in_progress_runs_once_and_its_duplicate_is_aborted_with_a_retry_delay,
@@ -228,6 +229,17 @@ async fn call(
     key: Option<&str>,
     order: PlaceOrder,
 ) -> Result<Response<Order>, Status> {
+    call_with(client, (method, member, key), &[], order).await
+}
+
+/// [`call`], with the metadata entries `entries` besides the credentials
+/// and the key.
+async fn call_with(
+    client: &mut tonic::client::Grpc<Channel>,
+    (method, member, key): (&'static str, &str, Option<&str>),
+    entries: &[(&'static str, &str)],
+    order: PlaceOrder,
+) -> Result<Response<Order>, Status> {
     let mut request = Request::new(order);
     let bearer = format!("Bearer {member}").parse().expect("an ASCII value");
     request.metadata_mut().insert("authorization", bearer);
@@ -235,6 +247,11 @@ async fn call(
         request
             .metadata_mut()
             .insert("idempotency-key", key.parse().expect("an ASCII value"));
+    }
+    for (name, value) in entries {
+        request
+            .metadata_mut()
+            .append(*name, value.parse().expect("an ASCII value"));
     }
     client
         .ready()
@@ -292,6 +309,44 @@ async fn a_first_call_executes_and_its_retry_replays_it_marked<D: TestDb>() {
     assert_eq!(retry.get_ref(), first.get_ref());
     assert_eq!(server.calls(), 1);
     assert_eq!(order_count(&db).await, 1);
+}
+
+async fn a_replay_names_the_request_that_executed_by_its_id<D: TestDb>() {
+    let db = new_db::<D>().await;
+    let server = Server::start(&db, Config::default(), None);
+    let mut client = server.client().await;
+    let original = |response: &Response<Order>| {
+        response
+            .metadata()
+            .get("original-request")
+            .map(|value| value.to_str().expect("ASCII").to_owned())
+    };
+    let sent = |id: &'static str| [("x-request-id", id)];
+
+    let first = call_with(&mut client, (PLACE, "alice", Some("o-1")), &sent("req-1"), book())
+        .await
+        .expect("placed");
+    assert_eq!(original(&first), None);
+    let retry = call_with(&mut client, (PLACE, "alice", Some("o-1")), &sent("req-2"), book())
+        .await
+        .expect("replayed");
+    assert_eq!(replayed(&retry), Some("true"));
+    assert_eq!(original(&retry).as_deref(), Some("req-1"));
+    // An id the record cannot keep (two entries, a space) is left out,
+    // and the call goes on.
+    for (key, entries) in [
+        ("o-2", vec![("x-request-id", "a"), ("x-request-id", "b")]),
+        ("o-3", vec![("x-request-id", "req 3")]),
+    ] {
+        call_with(&mut client, (PLACE, "alice", Some(key)), &entries, book())
+            .await
+            .expect("placed");
+        let retry = call(&mut client, PLACE, "alice", Some(key), book())
+            .await
+            .expect("replayed");
+        assert_eq!(original(&retry), None, "{key}");
+    }
+    assert_eq!(server.calls(), 3);
 }
 
 async fn a_request_id_field_is_the_key_as_aip_155_has_it<D: TestDb>() {
