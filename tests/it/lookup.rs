@@ -463,7 +463,9 @@ async fn a_request_id_the_record_cannot_keep_is_left_out_and_one_with_quotes_is_
     let quoted: &[u8] = br#"O'Brien\";DROP/**/TABLE/**/idempotency_keys;--"#;
     let too_long = [b'r'; 129];
     let longest = [b'r'; 128];
-    let cases: [(&str, Vec<(&str, &[u8])>, Option<&[u8]>); 6] = [
+    // A case: its name, the request's header fields, the id kept.
+    type Case<'a> = (&'a str, Vec<(&'a str, &'a [u8])>, Option<&'a [u8]>);
+    let cases: [Case<'_>; 6] = [
         ("quoted", vec![("x-request-id", quoted)], Some(quoted)),
         ("longest", vec![("x-request-id", &longest)], Some(&longest)),
         ("too-long", vec![("x-request-id", &too_long)], None),
