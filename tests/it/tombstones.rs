@@ -391,7 +391,11 @@ fn retries_beside_purges_that_make_and_delete_tombstones_never_run_an_expired_ke
         barrier.wait();
         config.purge_expired(&mut conn, 2).expect("a purge beside the retries")
     });
-    assert_eq!(purged, KEYS, "every record a tombstone");
+    // A purge skips the records a retry holds locked (MySQL's retries
+    // read them FOR UPDATE), and a purge after the retries clears those:
+    // it counts only records still holding a response.
+    let purged = purged + config.purge_expired(&mut conn, 2).expect("a purge after the retries");
+    assert_eq!(purged, KEYS, "every record a tombstone, once");
     assert_eq!(runs.load(Ordering::SeqCst), KEYS, "no retry ran the operation");
 
     // Once the grace period is over the purge deletes the tombstones while

@@ -20,6 +20,7 @@ use idempotency::{Config, Error, InFlight, KeyStatus, Outcome};
 
 use crate::common::TestDb;
 use crate::common::asynchronous::{AsyncDb, AsyncServerDb, async_backend_tests, lent_outside_a_transaction};
+use crate::common::own::unique_name;
 use crate::common::wait::{PATIENCE, wait_for};
 
 async_backend_tests!(
@@ -78,9 +79,12 @@ async fn cut_at_every_wait<D: AsyncServerDb>(reads_first: bool) {
     let mut admin = db.conn();
     let (mut dropped_inside, mut dropped_outside) = (0, 0);
     let (mut waits, mut sweeps) = (0, 0);
+    // Keys of this test's own: PostgreSQL's key locks span every schema of
+    // the database, where the other tests run at once.
+    let prefix = unique_name("order");
     for attempt in 0.. {
         assert!(waits < 2_000, "a call never finished within {waits} waits");
-        let key = format!("order-{attempt}");
+        let key = format!("{prefix}-{attempt}");
         let mut conn = pool.get().await.expect("a connection from the pool");
         let session = D::session_of(&mut conn).await;
         let call = config.run_async(&mut *conn, "shop", &key, &key, async |tx: &mut D::Async| {
@@ -201,10 +205,11 @@ async fn an_async_call_dropped_while_it_waits_for_its_key_leaves_its_connection_
     let (pool, own_bound) = pool_of_one(&db).await;
     let config = Config::default().in_flight(InFlight::Wait(chrono::Duration::seconds(30)));
     let mut admin = db.conn();
+    let key = &unique_name("order");
     let (inside_tx, inside) = tokio::sync::oneshot::channel();
     let (release, released) = tokio::sync::oneshot::channel::<()>();
     let mut holding = db.connect().await;
-    let holder = config.run_async(&mut holding, "shop", "order-1", &"book", async |tx: &mut D::Async| {
+    let holder = config.run_async(&mut holding, "shop", key, &"book", async |tx: &mut D::Async| {
         D::insert_order(tx, "book").await?;
         inside_tx.send(()).expect("the test waits");
         released.await.expect("the test releases the holder");
@@ -215,7 +220,7 @@ async fn an_async_call_dropped_while_it_waits_for_its_key_leaves_its_connection_
         let mut conn = pool.get().await.expect("a connection from the pool");
         let session = D::session_of(&mut conn).await;
         {
-            let call = config.run_async(&mut *conn, "shop", "order-1", &"book", async |_: &mut D::Async| {
+            let call = config.run_async(&mut *conn, "shop", key, &"book", async |_: &mut D::Async| {
                 Ok::<_, Infallible>(2)
             });
             let mut call = std::pin::pin!(call);
@@ -245,7 +250,7 @@ async fn an_async_call_dropped_while_it_waits_for_its_key_leaves_its_connection_
     tokio::task::block_in_place(|| {
         D::wait_until_gone(&mut admin, dropped);
         wait_for("the ended session's locks to be free", || {
-            db.key_lock_holder(&mut admin, "shop", "order-1").is_none()
+            db.key_lock_holder(&mut admin, "shop", key).is_none()
         });
     });
 
@@ -261,7 +266,7 @@ async fn an_async_call_dropped_while_it_waits_for_its_key_leaves_its_connection_
         "the lent session has its own idle bound"
     );
     let retried = config
-        .run_async(&mut *conn, "shop", "order-1", &"book", async |_: &mut D::Async| {
+        .run_async(&mut *conn, "shop", key, &"book", async |_: &mut D::Async| {
             Ok::<_, Infallible>(2)
         })
         .await;
@@ -306,11 +311,12 @@ async fn a_connection_whose_call_was_dropped_inside_its_transaction_refuses_ever
     let config = Config::default();
     let mut check = db.conn();
     let mut conn = db.connect().await;
-    drop_inside_the_transaction::<D>(&config, &mut conn, "order-1").await;
+    let (one, two) = (&unique_name("order"), &unique_name("order"));
+    drop_inside_the_transaction::<D>(&config, &mut conn, one).await;
 
     // Neither another key nor the same one again: each would run in the
     // transaction left open, which nothing ever commits.
-    for key in ["order-2", "order-1", "order-1"] {
+    for key in [two, one, one] {
         let refused = place::<D>(&config, &mut conn, key).await;
         assert!(
             matches!(refused, Err(Error::Storage(DieselError::BrokenTransactionManager))),
@@ -323,19 +329,15 @@ async fn a_connection_whose_call_was_dropped_inside_its_transaction_refuses_ever
     assert_eq!(seen(), (0, 0), "nothing was committed");
     assert_eq!(
         config
-            .status::<_, i32>(&mut check, "shop", "order-1", &"order-1")
+            .status::<_, i32>(&mut check, "shop", one, &one)
             .expect("the key's status"),
         KeyStatus::NoRecord
     );
 
     let mut conn = db.connect().await;
-    let retried = place::<D>(&config, &mut conn, "order-1").await;
+    let retried = place::<D>(&config, &mut conn, one).await;
     assert_eq!(retried.expect("the retry on another connection"), Outcome::Executed(1));
-    assert_eq!(
-        orders_of::<D>(&mut check, "order-1"),
-        1,
-        "one order for the key, the retry's"
-    );
+    assert_eq!(orders_of::<D>(&mut check, one), 1, "one order for the key, the retry's");
 }
 
 async fn a_pool_never_lends_again_a_connection_whose_call_was_dropped_inside_its_transaction<D>()
@@ -351,21 +353,18 @@ where
         .await
         .expect("a pool of one async connection");
     let mut check = db.conn();
+    let key = &unique_name("order");
     {
         let mut conn = pool.get().await.expect("a connection from the pool");
-        drop_inside_the_transaction::<D>(&config, &mut conn, "order-1").await;
+        drop_inside_the_transaction::<D>(&config, &mut conn, key).await;
         assert!(conn.is_broken(), "the pool is told to drop the connection");
     }
 
     let mut conn = pool.get().await.expect("a connection from the pool");
     assert!(!conn.is_broken(), "the pool lends no connection inside a transaction");
-    let retried = place::<D>(&config, &mut conn, "order-1").await;
+    let retried = place::<D>(&config, &mut conn, key).await;
     assert_eq!(retried.expect("the retry on the lent connection"), Outcome::Executed(1));
-    assert_eq!(
-        orders_of::<D>(&mut check, "order-1"),
-        1,
-        "one order for the key, the retry's"
-    );
+    assert_eq!(orders_of::<D>(&mut check, key), 1, "one order for the key, the retry's");
 }
 
 /// On a current-thread runtime, where diesel-async's SQLite wrapper would

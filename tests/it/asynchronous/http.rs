@@ -38,6 +38,15 @@ fn config() -> Config {
         .max_key_len(MAX_KEY_LEN)
 }
 
+/// The key a test's `key` is sent as to the server at `addr`: prefixed with
+/// its port, so that tests that run at once never share a key. They share
+/// one database server, whose key locks on PostgreSQL span every schema,
+/// and a lookup or a call under `InFlight::Reject` meeting another test's
+/// call of the same key would answer 409.
+fn sent_key(addr: std::net::SocketAddr, key: &str) -> String {
+    format!("{}-{key}", addr.port())
+}
+
 /// Sends `POST /orders` with `key` and the order of `item` to `addr`;
 /// returns the status and whether the answer is a replay.
 async fn post(addr: std::net::SocketAddr, key: &str, item: &str) -> (StatusCode, bool) {
@@ -49,7 +58,7 @@ async fn post(addr: std::net::SocketAddr, key: &str, item: &str) -> (StatusCode,
 async fn look_up(addr: std::net::SocketAddr, path: &str, key: &str) -> (StatusCode, bool) {
     let response = crate::common::http::client()
         .get(format!("http://{addr}{path}"))
-        .header("Idempotency-Key", key)
+        .header("Idempotency-Key", sent_key(addr, key))
         .send()
         .await
         .expect("an answer");
@@ -64,7 +73,7 @@ async fn look_up(addr: std::net::SocketAddr, path: &str, key: &str) -> (StatusCo
 async fn post_to(addr: std::net::SocketAddr, path: &str, key: &str, item: &str) -> (StatusCode, bool) {
     let response = crate::common::http::client()
         .post(format!("http://{addr}{path}"))
-        .header("Idempotency-Key", key)
+        .header("Idempotency-Key", sent_key(addr, key))
         .json(&NewOrder { item: item.to_owned() })
         .send()
         .await
@@ -86,6 +95,7 @@ async fn hang_up(addr: std::net::SocketAddr, key: &str, item: &str, inside: &tok
 /// [`hang_up`] at `path`.
 async fn hang_up_at(addr: std::net::SocketAddr, path: &str, key: &str, item: &str, inside: &tokio::sync::Notify) {
     let body = serde_json::to_string(&NewOrder { item: item.to_owned() }).expect("json");
+    let key = sent_key(addr, key);
     let request = format!(
         "POST {path} HTTP/1.1\r\nHost: {addr}\r\nIdempotency-Key: {key}\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\n\r\n{body}",
@@ -409,7 +419,7 @@ macro_rules! async_http_tests {
                 // within it is told to come back later.
                 let held = crate::common::http::client()
                     .post(format!("http://{addr}/rides"))
-                    .header("Idempotency-Key", "r-1")
+                    .header("Idempotency-Key", super::sent_key(addr, "r-1"))
                     .json(&NewOrder {
                         item: "book".to_owned(),
                     })
