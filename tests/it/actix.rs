@@ -32,7 +32,7 @@ crate::common::backend_tests!(
     a_key_sent_to_another_endpoint_is_refused,
     another_principal_of_the_scope_is_refused_and_cannot_look_the_call_up,
     an_optional_key_still_authenticates,
-    a_lookup_answers_the_stored_response_to_its_caller,
+    a_lookup_answers_the_stored_response_and_the_first_request_to_its_caller,
     a_request_whose_client_hung_up_still_runs_once_and_its_retry_replays_it,
 );
 
@@ -629,7 +629,7 @@ async fn an_optional_key_still_authenticates<D: TestDb>() {
     assert_eq!(order_count(&db).await, 1);
 }
 
-async fn a_lookup_answers_the_stored_response_to_its_caller<D: TestDb>() {
+async fn a_lookup_answers_the_stored_response_and_the_first_request_to_its_caller<D: TestDb>() {
     let (_db, server) = shop::<D>(Config::default()).await;
     let key = ("idempotency-key", "o-7");
     let status = |shop: &str| {
@@ -639,10 +639,28 @@ async fn a_lookup_answers_the_stored_response_to_its_caller<D: TestDb>() {
             .header(key.0, key.1)
     };
     reply(status("north")).await.problem(404);
-    let first = post(server.url("/shops/north/orders"), &[ALICE, JSON, key], ORDER).await;
+    let first = post(
+        server.url("/shops/north/orders"),
+        &[ALICE, JSON, key, ("x-request-id", "req-1")],
+        ORDER,
+    )
+    .await;
+    assert_eq!(first.header("original-request"), None);
+    let retry = post(
+        server.url("/shops/north/orders"),
+        &[ALICE, JSON, key, ("x-request-id", "req-2")],
+        ORDER,
+    )
+    .await;
+    assert_eq!(
+        retry.header("original-request"),
+        Some("req-1"),
+        "the replay names the first request"
+    );
     let looked = reply(status("north")).await;
     assert_eq!(looked.status, 201);
     assert_eq!(looked.header("idempotent-replayed"), Some("true"));
+    assert_eq!(looked.header("original-request"), Some("req-1"));
     assert_eq!(looked.header("cache-control"), Some("no-store"));
     assert_eq!(looked.header("location"), first.header("location"));
     assert_eq!(looked.body, first.body);
