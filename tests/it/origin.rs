@@ -73,38 +73,40 @@ fn looked_up_origin<C: idempotency::StoreConnection>(config: &Config, conn: &mut
     }
 }
 
-fn an_execution_keeps_its_trace_and_a_replay_links_to_it<D: TestDb>() {
-    let traces = Traces::new();
-    let db = D::new();
-    let mut conn = db.conn();
-    let config = Config::default();
+/// A first call of a key of its own on `conn` in a span `request` of
+/// `traces`, and its retry in a span `retry`, with the default policy:
+/// the key, the first call and the retry.
+fn first_and_retry<D: TestDb>(traces: &Traces, conn: &mut D::Conn) -> (String, Recorded<i64>, Recorded<i64>) {
     // Unique: PostgreSQL's key locks span every schema of the database.
     let key = unique_name("order");
     let mut call = |value: i64| {
-        config
-            .run_recorded(&mut conn, "shop", &key, &"book", |_| Ok::<_, Infallible>(value))
+        Config::default()
+            .run_recorded(&mut *conn, "shop", &key, &"book", |_| Ok::<_, Infallible>(value))
             .expect("call")
     };
     let first = traces.in_span("request", || call(1));
     let retry = traces.in_span("retry", || call(2));
-    assert_eq!(retry.outcome.clone().into_inner(), 1);
+    assert_eq!(
+        retry.outcome.clone().into_inner(),
+        1,
+        "the retry replays the first call"
+    );
+    (key, first, retry)
+}
+
+fn an_execution_keeps_its_trace_and_a_replay_links_to_it<D: TestDb>() {
+    let traces = Traces::new();
+    let db = D::new();
+    let mut conn = db.conn();
+    let (key, first, retry) = first_and_retry::<D>(&traces, &mut conn);
     assert_replay_links_to_its_execution(&traces, &first, &retry);
-    assert_eq!(looked_up_origin(&config, &mut conn, &key), first.origin);
+    assert_eq!(looked_up_origin(&Config::default(), &mut conn, &key), first.origin);
 }
 
 fn where_the_calls_span_is_filtered_out_the_enclosing_spans_keep_and_link_the_trace<D: TestDb>() {
     let traces = Traces::at(LevelFilter::INFO);
     let db = D::new();
-    let mut conn = db.conn();
-    let config = Config::default();
-    let key = unique_name("order");
-    let mut call = |value: i64| {
-        config
-            .run_recorded(&mut conn, "shop", &key, &"book", |_| Ok::<_, Infallible>(value))
-            .expect("call")
-    };
-    let first = traces.in_span("request", || call(1));
-    let retry = traces.in_span("retry", || call(2));
+    let (_, first, retry) = first_and_retry::<D>(&traces, &mut db.conn());
     assert!(retry.outcome.is_replayed());
     assert!(
         traces.spans("idempotent_call").is_empty(),
