@@ -17,6 +17,9 @@ use idempotency::brokers::{Delivery, Inbox};
 use idempotency::outbox::{Deliveries, Envelope, Failure, Message, Relay};
 use idempotency::testing::SqliteFile;
 use serde::{Deserialize, Serialize};
+use tokio::runtime::Runtime;
+
+use crate::common::wait::PATIENCE;
 
 #[cfg(feature = "nats")]
 mod nats;
@@ -24,6 +27,44 @@ mod nats;
 mod rabbitmq;
 #[cfg(feature = "redis")]
 mod redis;
+
+/// A consumer running on a tokio runtime until the test stops it.
+pub struct Consuming {
+    stop: tokio::sync::oneshot::Sender<()>,
+    running: tokio::task::JoinHandle<Result<(), idempotency::brokers::Error>>,
+}
+
+/// The future a consumer's `run` is given to stop on.
+pub type Stopped = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl Consuming {
+    /// Spawns `consume` on `runtime`: a consumer's `run` with the future
+    /// that ends when the test calls [`Consuming::stop`].
+    pub fn start<F>(runtime: &Runtime, consume: impl FnOnce(Stopped) -> F) -> Consuming
+    where
+        F: Future<Output = Result<(), idempotency::brokers::Error>> + Send + 'static,
+    {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let stopped: Stopped = Box::pin(async {
+            let _ = stopped.await;
+        });
+        Consuming {
+            stop,
+            running: runtime.spawn(consume(stopped)),
+        }
+    }
+
+    /// Stops the consumer and asserts that it ran without an error and
+    /// stopped within the tests' patience.
+    pub fn stop(self, runtime: &Runtime) {
+        self.stop.send(()).expect("the consumer runs");
+        // The timer is made inside the runtime, whose clock it needs.
+        let ran = runtime
+            .block_on(async { tokio::time::timeout(PATIENCE, self.running).await })
+            .expect("the consumer stops in time");
+        ran.expect("the consumer's task").expect("the consumer ran");
+    }
+}
 
 /// The trace context the shop's request had when it enqueued its messages.
 pub const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";

@@ -7,9 +7,9 @@ use idempotency::brokers::nats::{JetStreamConsumer, JetStreamPublisher};
 use idempotency::brokers::{BlockingPublisher, DEAD_LETTER_REASON_HEADER};
 use tokio::runtime::Runtime;
 
-use super::{Effects, ORDERS, PrivateBroker, Shop, Stopping};
+use super::{Consuming, Effects, ORDERS, PrivateBroker, Shop, Stopping};
 use crate::common::unique_name;
-use crate::common::wait::{join, wait_for};
+use crate::common::wait::wait_for;
 
 async fn context() -> jetstream::Context {
     let client = async_nats::connect("127.0.0.1:4222")
@@ -102,14 +102,7 @@ fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_includ
         .max_deliveries(3)
         .retry_delay(Duration::from_millis(10))
         .dead_letter_subject(dead.clone());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = runtime.spawn(async move {
-        consumer
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
     wait_for("every message handled and acknowledged", || {
         runtime.block_on(async {
             let mut inbox: consumer::PullConsumer = orders_stream.get_consumer("inbox").await.expect("the consumer");
@@ -117,13 +110,7 @@ fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_includ
             info.num_pending == 0 && info.num_ack_pending == 0
         })
     });
-    stop.send(()).expect("the consumer runs");
-    let ran = join(
-        std::thread::spawn(move || runtime.block_on(running).map(|ran| (ran, runtime))),
-        "the consumer",
-    );
-    let (ran, runtime) = ran.expect("the consumer's task");
-    ran.expect("the consumer ran");
+    consuming.stop(&runtime);
 
     effects.assert_each_order_once_in_order(&shop);
     let dead_stream = runtime
@@ -204,14 +191,7 @@ fn a_nats_server_restarted_mid_stream_loses_no_order_and_repeats_none() {
     let effects = Effects::new();
     let consumer = JetStreamConsumer::new(context.clone(), pull, effects.inbox("orders-inbox"))
         .retry_delay(Duration::from_millis(10));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = runtime.spawn(async move {
-        consumer
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
 
     let publisher = BlockingPublisher::new(JetStreamPublisher::new(context.clone()), runtime.handle().clone())
         .timeout(Duration::from_secs(2));
@@ -238,8 +218,6 @@ fn a_nats_server_restarted_mid_stream_loses_no_order_and_repeats_none() {
                 .is_ok_and(|info| info.num_pending == 0 && info.num_ack_pending == 0)
         })
     });
-    stop.send(()).expect("the consumer runs");
-    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
-    ran.expect("the consumer's task").expect("the consumer ran");
+    consuming.stop(&runtime);
     effects.assert_each_order_once_in_order(&shop);
 }

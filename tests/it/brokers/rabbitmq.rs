@@ -15,9 +15,9 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{Channel, ExchangeKind};
 use tokio::runtime::Runtime;
 
-use super::{Effects, ORDERS, PrivateBroker, Shop, Stopping, TRACEPARENT, TRACESTATE, free_port, listening};
+use super::{Consuming, Effects, ORDERS, PrivateBroker, Shop, Stopping, TRACEPARENT, TRACESTATE, free_port, listening};
 use crate::common::unique_name;
-use crate::common::wait::{join, wait_for};
+use crate::common::wait::wait_for;
 
 const URI: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
@@ -117,24 +117,11 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
         // One message in hand at a time: once the queue is empty, the one
         // in hand is the last, and the stop lets it finish.
         .prefetch(1);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = runtime.spawn(async move {
-        consumer
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
     wait_for("the queue emptied, the poison message's copies dead-lettered", || {
         runtime.block_on(async { (ready(&admin, &name).await, ready(&admin, &dead).await) }) == (0, 2)
     });
-    stop.send(()).expect("the consumer runs");
-    let ran = join(
-        std::thread::spawn(move || runtime.block_on(running).map(|ran| (ran, runtime))),
-        "the consumer",
-    );
-    let (ran, runtime) = ran.expect("the consumer's task");
-    ran.expect("the consumer ran");
+    consuming.stop(&runtime);
 
     effects.assert_each_order_once_in_order(&shop);
     assert_eq!(runtime.block_on(ready(&admin, &name)), 0);
@@ -289,14 +276,7 @@ fn a_rabbitmq_stopped_and_started_again_mid_stream_loses_no_order_and_repeats_no
         // One message in hand at a time: once the queue is empty and every
         // order has its effect, the stop lets the one in hand finish.
         .prefetch(1);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = runtime.spawn(async move {
-        consumer
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
 
     // Through the default exchange, which routes by queue name.
     let publisher = runtime
@@ -336,13 +316,7 @@ fn a_rabbitmq_stopped_and_started_again_mid_stream_loses_no_order_and_repeats_no
     wait_for("every order's effect and the queue empty", || {
         effects.count() >= orders && ready(&admin).is_ok_and(|ready| ready == 0)
     });
-    stop.send(()).expect("the consumer runs");
-    let ran = join(
-        std::thread::spawn(move || runtime.block_on(running).map(|ran| (ran, runtime))),
-        "the consumer",
-    );
-    let (ran, runtime) = ran.expect("the consumer's task");
-    ran.expect("the consumer ran");
+    consuming.stop(&runtime);
     // The consumer closed its connection: what it held unacknowledged
     // would be back in the queue.
     let left = runtime.block_on(async {

@@ -4,15 +4,16 @@ use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Duration;
 
-use idempotency::brokers::BlockingPublisher;
+use diesel::SqliteConnection;
 use idempotency::brokers::redis::{HEADER_FIELD_PREFIX, KEY_FIELD, PAYLOAD_FIELD, RedisConsumer, RedisPublisher, Trim};
+use idempotency::brokers::{BlockingPublisher, Delivery, Inbox};
 use idempotency::outbox::{Deliveries, Failure, Message, Relay};
 use redis::Commands;
 use tokio::runtime::Runtime;
 
-use super::{Effects, ORDERS, Order, PrivateBroker, Shop, Stopping};
+use super::{Consuming, Effects, ORDERS, Order, PrivateBroker, Shop, Stopping};
 use crate::common::unique_name;
-use crate::common::wait::{join, recv, wait_for};
+use crate::common::wait::{recv, wait_for};
 
 const URL: &str = "redis://127.0.0.1:6379";
 
@@ -24,6 +25,28 @@ fn connection() -> redis::Connection {
     client()
         .get_connection()
         .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
+}
+
+/// The consumer `consumer-1` of the group `inbox` on `stream`, running
+/// `inbox`.
+fn consumer_of<H>(stream: &str, inbox: Inbox<SqliteConnection, H>) -> RedisConsumer<SqliteConnection, H>
+where
+    H: Fn(&mut SqliteConnection, &Delivery) -> Result<(), Failure> + Send + Sync + 'static,
+{
+    RedisConsumer::new(client(), stream.to_owned(), "inbox", "consumer-1", inbox)
+}
+
+/// Waits until Redis reports every entry of `stream` delivered to the
+/// group `inbox` and none pending: each acknowledged or dead-lettered.
+fn wait_until_all_acknowledged(redis: &mut redis::Connection, stream: &str) {
+    wait_for("every entry acknowledged", || {
+        let groups: redis::streams::StreamInfoGroupsReply = redis.xinfo_groups(stream).expect("XINFO GROUPS");
+        // No group until the consumer created it.
+        groups
+            .groups
+            .first()
+            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
+    });
 }
 
 #[test]
@@ -52,37 +75,13 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
     let length: usize = connection().xlen(&stream).expect("XLEN");
     assert_eq!(length, 2 * (usize::try_from(ORDERS).unwrap() + 1));
 
-    let consumer = RedisConsumer::new(
-        client(),
-        stream.clone(),
-        "inbox",
-        "consumer-1",
-        effects.inbox("orders-inbox"),
-    )
-    .max_deliveries(3)
-    .claim_idle(Duration::from_millis(50));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = runtime.spawn(async move {
-        consumer
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let consumer = consumer_of(&stream, effects.inbox("orders-inbox"))
+        .max_deliveries(3)
+        .claim_idle(Duration::from_millis(50));
+    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
 
-    // Done when Redis reports every entry delivered to the group and none
-    // pending: each acknowledged or dead-lettered.
-    wait_for("every entry acknowledged", || {
-        let groups: redis::streams::StreamInfoGroupsReply = connection().xinfo_groups(&stream).expect("XINFO GROUPS");
-        // No group until the consumer created it.
-        groups
-            .groups
-            .first()
-            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
-    });
-    stop.send(()).expect("the consumer runs");
-    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
-    ran.expect("the consumer's task").expect("the consumer ran");
+    wait_until_all_acknowledged(&mut connection(), &stream);
+    consuming.stop(&runtime);
 
     effects.assert_each_order_once_in_order(&shop);
     let mut redis = connection();
@@ -149,14 +148,7 @@ fn a_redis_killed_and_started_again_mid_stream_loses_no_order_and_repeats_none()
         effects.inbox("orders-inbox"),
     )
     .claim_idle(Duration::from_millis(200));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = runtime.spawn(async move {
-        consumer
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
 
     let publisher = runtime
         .block_on(RedisPublisher::connect(client.clone()))
@@ -183,9 +175,7 @@ fn a_redis_killed_and_started_again_mid_stream_loses_no_order_and_repeats_none()
             group.pending == 0 && Some(&group.last_delivered_id) == last.ids.first().map(|entry| &entry.id)
         })
     });
-    stop.send(()).expect("the consumer runs");
-    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
-    ran.expect("the consumer's task").expect("the consumer ran");
+    consuming.stop(&runtime);
     effects.assert_each_order_once_in_order(&shop);
 }
 
@@ -255,32 +245,11 @@ fn three_relays_with_failures_at_random_hand_each_customers_orders_over_in_order
         "each relay delivered: {totals:?}"
     );
 
-    let consumer = RedisConsumer::new(
-        client(),
-        stream.clone(),
-        "inbox",
-        "consumer-1",
-        effects.inbox("orders-inbox"),
-    );
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = runtime.spawn(async move {
-        consumer
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let consumer = consumer_of(&stream, effects.inbox("orders-inbox"));
+    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
     let mut redis = connection();
-    wait_for("every entry acknowledged", || {
-        let groups: redis::streams::StreamInfoGroupsReply = redis.xinfo_groups(&stream).expect("XINFO GROUPS");
-        groups
-            .groups
-            .first()
-            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
-    });
-    stop.send(()).expect("the consumer runs");
-    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
-    ran.expect("the consumer's task").expect("the consumer ran");
+    wait_until_all_acknowledged(&mut redis, &stream);
+    consuming.stop(&runtime);
     effects.assert_each_order_once_in_order(&shop);
     let _: () = redis.del(&stream).expect("DEL");
 }
@@ -312,7 +281,7 @@ fn a_consumer_gone_between_its_commit_and_its_ack_has_the_message_replayed_not_r
         }
     });
     let first = Runtime::new().expect("a tokio runtime");
-    let consumer = RedisConsumer::new(client(), stream.clone(), "inbox", "consumer-1", inbox);
+    let consumer = consumer_of(&stream, inbox);
     first.spawn(async move { consumer.run(std::future::pending()).await });
     recv(&held, "the first consumer at order 20");
     first.shutdown_background();
@@ -338,31 +307,10 @@ fn a_consumer_gone_between_its_commit_and_its_ack_has_the_message_replayed_not_r
     // The consumer started again under its name handles what it held
     // first, in order: the inbox replays order 20.
     let second = Runtime::new().expect("a tokio runtime");
-    let consumer = RedisConsumer::new(
-        client(),
-        stream.clone(),
-        "inbox",
-        "consumer-1",
-        effects.inbox("orders-inbox"),
-    );
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = second.spawn(async move {
-        consumer
-            .run(async {
-                let _ = stopped.await;
-            })
-            .await
-    });
-    wait_for("every entry acknowledged", || {
-        let groups: redis::streams::StreamInfoGroupsReply = redis.xinfo_groups(&stream).expect("XINFO GROUPS");
-        groups
-            .groups
-            .first()
-            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
-    });
-    stop.send(()).expect("the consumer runs");
-    let ran = join(std::thread::spawn(move || second.block_on(running)), "the consumer");
-    ran.expect("the consumer's task").expect("the consumer ran");
+    let consumer = consumer_of(&stream, effects.inbox("orders-inbox"));
+    let consuming = Consuming::start(&second, |stopped| async move { consumer.run(stopped).await });
+    wait_until_all_acknowledged(&mut redis, &stream);
+    consuming.stop(&second);
     effects.assert_each_order_once_in_order(&shop);
     let _: () = redis.del(&stream).expect("DEL");
 }
@@ -409,34 +357,13 @@ fn the_consumers_span_is_a_child_of_the_span_that_enqueued_the_message() {
     });
     assert_eq!(report.delivered, 1);
 
-    let consumer = RedisConsumer::new(
-        client(),
-        stream.clone(),
-        "inbox",
-        "consumer-1",
-        effects.inbox("traced-inbox"),
-    );
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = runtime.spawn(
-        async move {
-            consumer
-                .run(async {
-                    let _ = stopped.await;
-                })
-                .await
-        }
-        .with_subscriber(traces.dispatch.clone()),
-    );
-    wait_for("the entry acknowledged", || {
-        let groups: redis::streams::StreamInfoGroupsReply = connection().xinfo_groups(&stream).expect("XINFO GROUPS");
-        groups
-            .groups
-            .first()
-            .is_some_and(|group| (group.lag, group.pending) == (Some(0), 0))
+    let consumer = consumer_of(&stream, effects.inbox("traced-inbox"));
+    let dispatch = traces.dispatch.clone();
+    let consuming = Consuming::start(&runtime, |stopped| {
+        async move { consumer.run(stopped).await }.with_subscriber(dispatch)
     });
-    stop.send(()).expect("the consumer runs");
-    let ran = join(std::thread::spawn(move || runtime.block_on(running)), "the consumer");
-    ran.expect("the consumer's task").expect("the consumer ran");
+    wait_until_all_acknowledged(&mut connection(), &stream);
+    consuming.stop(&runtime);
     assert!(effects.has(1));
 
     let request = traces.span("request").span_context;
