@@ -75,6 +75,11 @@ impl<R> Recorded<R> {
     }
 }
 
+/// What a call answers where no record times but the expiry matter (the
+/// HTTP layer's and a phased operation's): its outcome, when its key's
+/// retention ends, and where its result came from.
+pub(crate) type Answered<R> = (Outcome<R>, DateTime<Utc>, Origin);
+
 /// Where a stored result came from: what the key record keeps of the call
 /// that executed the operation, so that a replay and a lookup can be
 /// correlated with that execution ([`Recorded::origin`],
@@ -127,6 +132,15 @@ impl Origin {
         self.traceparent
             .as_deref()
             .and_then(|traceparent| traceparent.get(3..35))
+    }
+
+    /// The origin a record keeps in its columns `traceparent` and
+    /// `request_id`.
+    pub(crate) fn kept(traceparent: Option<&str>, request_id: Option<&str>) -> Origin {
+        Origin {
+            traceparent: traceparent.map(str::to_owned),
+            request_id: request_id.map(str::to_owned),
+        }
     }
 
     /// The longest request id a record keeps, in bytes.

@@ -56,6 +56,8 @@ diesel::table! {
         updated_at -> Timestamp,
         expires_at -> Nullable<Timestamp>,
         caller_hash -> Nullable<Text>,
+        traceparent -> Nullable<Text>,
+        request_id -> Nullable<Text>,
     }
 }
 

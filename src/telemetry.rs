@@ -34,6 +34,29 @@ pub(crate) fn key_digest(key: &str) -> String {
     digest
 }
 
+/// The W3C `traceparent` of the span a call runs in, which the record of
+/// an execution keeps: the call's span, or the nearest enclosing one the
+/// subscriber records where it filtered the call's out. Read inside the
+/// call's span.
+pub(crate) fn execution_traceparent() -> Option<String> {
+    #[cfg(feature = "opentelemetry")]
+    return crate::trace_context::current().map(|(traceparent, _)| traceparent);
+    #[cfg(not(feature = "opentelemetry"))]
+    None
+}
+
+/// A call answers the result of the execution that ran in the span
+/// `traceparent` names: the span the call runs in (as
+/// [`execution_traceparent`] reads it) links to it. Called inside the
+/// call's span.
+#[cfg_attr(not(feature = "opentelemetry"), allow(unused_variables))]
+pub(crate) fn link_to_execution(traceparent: Option<&str>) {
+    #[cfg(feature = "opentelemetry")]
+    if let Some(traceparent) = traceparent {
+        crate::trace_context::link_to(&Span::current(), traceparent);
+    }
+}
+
 /// The span of one idempotent call, and the decision it ended with.
 ///
 /// The scope and the key are recorded only once they passed validation: a
@@ -96,30 +119,6 @@ impl CallTrace {
         metrics::histogram!("idempotency_in_flight_wait_seconds", "backend" => self.backend).record(wait);
         if wait >= Duration::from_millis(1) {
             debug!(target: TARGET, parent: &self.span, wait_ms = millis(wait), "waited for the key");
-        }
-    }
-
-    /// The W3C `traceparent` of the span the call runs in, which the
-    /// record of an execution keeps: this call's span, or the nearest
-    /// enclosing one the subscriber records where it filtered this one out.
-    /// Read inside the call's span.
-    pub(crate) fn traceparent(&self) -> Option<String> {
-        #[cfg(feature = "opentelemetry")]
-        return crate::trace_context::current().map(|(traceparent, _)| traceparent);
-        #[cfg(not(feature = "opentelemetry"))]
-        None
-    }
-
-    /// The call answers the result of the execution that ran in the span
-    /// `traceparent` names: the span the call runs in links to it (the
-    /// call's, or the nearest enclosing one the subscriber records where it
-    /// filtered this one out, as [`traceparent`](CallTrace::traceparent)
-    /// reads). Called inside the call's span.
-    #[cfg_attr(not(feature = "opentelemetry"), allow(unused_variables))]
-    pub(crate) fn replays(&self, traceparent: Option<&str>) {
-        #[cfg(feature = "opentelemetry")]
-        if let Some(traceparent) = traceparent {
-            crate::trace_context::link_to(&Span::current(), traceparent);
         }
     }
 

@@ -5,8 +5,9 @@
 //! `20261203000000` operations in phases (MySQL's set was written with its
 //! final columns and has no others), `20261204000000` the outbox's scope,
 //! `20261205000000` the callers a record is answered to (`caller_hash`),
-//! `20261206000000` the outbox's metadata, `20261207000000` where a key
-//! record's result came from (`traceparent`, `request_id`).
+//! `20261206000000` the outbox's metadata, `20261207000000` where the
+//! result of a key record or an operation came from (`traceparent`,
+//! `request_id`).
 //! Where a backend needs a step the others lack (SQLite's key table without
 //! a rowid, PostgreSQL's outbox notifications), its set has a migration
 //! under a version no other set uses, so a database records the same

@@ -180,7 +180,7 @@ pub(crate) struct OperationColumns<Time>(PhantomData<Time>);
 impl<Time: 'static> Lookup for OperationColumns<Time> {
     const TABLE: &'static str = "idempotency_phases";
     const COLUMNS: &'static str = "r.operation, r.request_hash, r.op_id, r.status, r.points, r.response, \
-         r.lease_until, r.expires_at, r.created_at, r.caller_hash";
+         r.lease_until, r.expires_at, r.created_at, r.caller_hash, r.traceparent, r.request_id";
     type SqlType = (
         Nullable<Text>,
         Nullable<Text>,
@@ -191,6 +191,8 @@ impl<Time: 'static> Lookup for OperationColumns<Time> {
         Nullable<Time>,
         Nullable<Time>,
         Nullable<Time>,
+        Nullable<Text>,
+        Nullable<Text>,
         Nullable<Text>,
     );
 }
@@ -205,6 +207,8 @@ pub(crate) type OperationColumnsRow = (
     Option<NaiveDateTime>,
     Option<NaiveDateTime>,
     Option<NaiveDateTime>,
+    Option<String>,
+    Option<String>,
     Option<String>,
 );
 
@@ -240,6 +244,8 @@ pub(crate) fn operation_of(columns: OperationColumnsRow) -> Option<OperationRow>
             expires_at,
             Some(created_at),
             caller_hash,
+            traceparent,
+            request_id,
         ) => Some(OperationRow {
             operation,
             request_hash,
@@ -251,6 +257,8 @@ pub(crate) fn operation_of(columns: OperationColumnsRow) -> Option<OperationRow>
             expires_at,
             created_at,
             caller_hash,
+            traceparent,
+            request_id,
         }),
         _ => None,
     }

@@ -3,7 +3,6 @@
 //! sync diesel work on a pooled connection on tokio's blocking pool; its
 //! errors as responses.
 
-use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -12,16 +11,15 @@ use super::gate;
 use super::pool::sealed::Unavailable;
 use super::{Answer, ConnectionPool, Failure, IdempotencyKey};
 use crate::backend::{BackendRules, RulesOf};
-use crate::outcome::{Origin, Recorded};
+use crate::outcome::{Answered, Recorded};
 use crate::phased::{Finished, Phased, Steps};
-use crate::run::Sender;
 use crate::telemetry::CallTrace;
-use crate::{Config, Error, InFlight, Outcome, StoreConnection};
+use crate::{Config, Error, InFlight, StoreConnection};
 
 /// Runs `op` at most once for the key, as [`Config::run`] does, from an
 /// async handler: a connection is checked out of `pool` and the call made
 /// on tokio's blocking pool, and the result comes back as something a
-/// handler returns: an [`Answer`], the [`Outcome`] with
+/// handler returns: an [`Answer`], the [`Outcome`](crate::Outcome) with
 /// the expiry header.
 ///
 /// `op` gets the connection, inside the transaction that also holds the
@@ -161,14 +159,10 @@ where
     F: FnOnce(&mut P::Connection, &Q) -> Result<R, E> + Send + 'static,
 {
     let owned = config.clone();
-    let caller_hash = key.caller_hash();
-    let request_id = key.request_id().map(str::to_owned);
+    let sent = key.sender();
     bound_call(pool, config, key, request, move |conn, scope, key, bound| {
-        let sender = Sender {
-            caller_hash: Some(&caller_hash),
-            request_id: request_id.as_deref(),
-        };
-        let recorded = owned.run_recorded_by(conn, scope, key, bound, sender, |tx| op(tx, bound.request()))?;
+        let recorded =
+            owned.run_recorded_by(conn, scope, key, bound, sent.as_sender(), |tx| op(tx, bound.request()))?;
         Ok((recorded.outcome, recorded.expires_at, recorded.origin))
     })
     .await
@@ -257,18 +251,14 @@ where
         key,
         request,
         async |conn: &mut P::Connection, bound: &BoundRequest<Q>| {
-            let caller_hash = key.caller_hash();
-            let sender = Sender {
-                caller_hash: Some(&caller_hash),
-                request_id: key.request_id(),
-            };
+            let sent = key.sender();
             let recorded = config
                 .run_recorded_by_async(
                     conn,
                     key.scope(),
                     key.key(),
                     bound,
-                    sender,
+                    sent.as_sender(),
                     async |tx: &mut P::Connection| op(tx, bound.request()).await,
                 )
                 .await?;
@@ -307,14 +297,11 @@ where
     F: FnOnce(&mut Steps<'_, P::Connection>, &Q) -> Result<Finished<R>, Error<E>> + Send + 'static,
 {
     let owned = phased.clone();
-    let caller_hash = key.caller_hash();
+    let sent = key.sender();
     bound_call(pool, &phased.config, key, request, move |conn, scope, key, bound| {
-        // An operation in phases keeps no origin.
-        owned
-            .run_recorded(conn, scope, key, bound, Some(&caller_hash), |steps| {
-                body(steps, bound.request())
-            })
-            .map(|(outcome, expires_at)| (outcome, expires_at, Origin::default()))
+        owned.run_recorded(conn, scope, key, bound, sent.as_sender(), |steps| {
+            body(steps, bound.request())
+        })
     })
     .await
 }
@@ -361,18 +348,17 @@ where
         key,
         request,
         async |conn: &mut P::Connection, bound: &BoundRequest<Q>| {
-            let caller_hash = key.caller_hash();
+            let sent = key.sender();
             phased
                 .run_recorded_async(
                     conn,
                     key.scope(),
                     key.key(),
                     bound,
-                    Some(&caller_hash),
+                    sent.as_sender(),
                     async |steps: &mut AsyncSteps<'_, P::Connection>| body(steps, bound.request()).await,
                 )
                 .await
-                .map(|(outcome, expires_at)| (outcome, expires_at, Origin::default()))
         },
     )
     .await
@@ -441,10 +427,6 @@ where
     .await?;
     Ok(Answer::marked(answered, key.marks().clone()))
 }
-
-/// What a call answers: its outcome, when its key expires, and where its
-/// result came from.
-type Answered<R> = (Outcome<R>, DateTime<Utc>, Origin);
 
 /// Makes `call` with a connection of `pool` and the key on tokio's blocking
 /// pool, once the key rules of `config` pass and the key's turn in this

@@ -7,6 +7,7 @@ use super::answer::Marks;
 use super::endpoint::Endpoint;
 use super::header::HeaderFields;
 use super::{IdempotencyKeyRejection, KeyHeader, ProblemKind, Problems};
+use crate::run::Sender;
 
 /// A caller as the application's authentication knows it, naming the
 /// idempotency scope its keys live in: a stable id of the principal, the
@@ -311,12 +312,38 @@ impl<A> IdempotencyKey<A> {
         (self.principal != self.scope).then(|| self.principal.clone())
     }
 
+    /// Who sends the calls of this key, as the record keeps it: whose
+    /// lookups it answers and the request's id.
+    pub(super) fn sender(&self) -> KeySender {
+        KeySender {
+            caller_hash: self.caller_hash(),
+            request_id: self.request_id.clone(),
+        }
+    }
+
     /// Who may look up the record of a call with this key: the principal,
     /// at the endpoint the key is bound to.
     pub(super) fn caller_hash(&self) -> String {
         match self.endpoint() {
             Some(endpoint) => endpoint.caller_hash(&self.principal),
             None => super::endpoint::caller_hash(&self.principal, None),
+        }
+    }
+}
+
+/// [`IdempotencyKey::sender`]: what a call's record keeps of who sent it,
+/// owned, for a call made on the blocking pool.
+pub(super) struct KeySender {
+    caller_hash: String,
+    request_id: Option<String>,
+}
+
+impl KeySender {
+    /// The sender as the call takes it.
+    pub(super) fn as_sender(&self) -> Sender<'_> {
+        Sender {
+            caller_hash: Some(&self.caller_hash),
+            request_id: self.request_id.as_deref(),
         }
     }
 }

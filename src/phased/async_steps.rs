@@ -4,14 +4,13 @@
 
 use std::fmt;
 
-use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::attempt::{Attempt, Finished, Repeat};
 use crate::backend::{AsyncStoreConnection, catch_unwind};
 use crate::error::Error;
-use crate::outcome::Outcome;
+use crate::outcome::Answered;
 
 /// The steps of one attempt of a [`Phased`](super::Phased) operation on a diesel-async
 /// connection, as the body of [`Phased::run_async`](super::Phased::run_async) receives them: the
@@ -37,7 +36,7 @@ impl<'a, C: AsyncStoreConnection> AsyncSteps<'a, C> {
     pub(super) async fn attempt<R, E>(
         attempt: Attempt<'a, C>,
         body: impl AsyncFnOnce(&mut Self) -> Result<Finished<R>, Error<E>>,
-    ) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>> {
+    ) -> Result<Answered<R>, Error<E>> {
         let mut steps = AsyncSteps { attempt };
         let ended = catch_unwind(body(&mut steps)).await;
         steps.attempt.end(ended).await

@@ -10,7 +10,7 @@
 
 use std::panic;
 
-use chrono::{DateTime, NaiveDateTime, Utc};
+use chrono::NaiveDateTime;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -19,7 +19,7 @@ use crate::backend::phases::{Lease, NewOperation, OperationRow, PhaseStore};
 use crate::backend::{BackendRules, KeyStore, Panic};
 use crate::clock::Reading;
 use crate::error::Error;
-use crate::outcome::Outcome;
+use crate::outcome::{Answered, Origin, Outcome};
 use crate::row_status::OperationStatus;
 use crate::run::call::{call_error, stored_json, within_key};
 use crate::{codec, id, key, telemetry};
@@ -89,6 +89,8 @@ pub(super) struct Attempt<'a, C> {
     request_hash: &'a str,
     request: Option<&'a str>,
     caller_hash: Option<&'a str>,
+    /// Where the operation's result comes from: the attempt that claimed it.
+    origin: Origin,
     clock: Reading,
     held: OperationHold,
     /// When the stored response's retention ends, once `finish` stored it.
@@ -111,7 +113,7 @@ impl<'a, C: PhaseStore> Attempt<'a, C> {
         conn: &'a mut C,
         lease: Lease<'a>,
         admitted: &'a Admitted,
-        held: OperationHold,
+        (held, origin): (OperationHold, Origin),
         clock: Reading,
     ) -> Self {
         Attempt {
@@ -121,6 +123,7 @@ impl<'a, C: PhaseStore> Attempt<'a, C> {
             request_hash: &admitted.request_hash,
             request: admitted.request.as_deref(),
             caller_hash: admitted.caller_hash.as_deref(),
+            origin,
             clock,
             held,
             expires_at: None,
@@ -135,10 +138,12 @@ impl<'a, C: PhaseStore> Attempt<'a, C> {
     pub(super) async fn end<R, E>(
         &mut self,
         ended: Result<Result<Finished<R>, Error<E>>, Panic>,
-    ) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>> {
+    ) -> Result<Answered<R>, Error<E>> {
         match ended {
             Ok(Ok(Finished(response))) => match (&self.held, self.expires_at) {
-                (OperationHold::Done, Some(expires_at)) => Ok((Outcome::Executed(response), expires_at.and_utc())),
+                (OperationHold::Done, Some(expires_at)) => {
+                    Ok((Outcome::Executed(response), expires_at.and_utc(), self.origin.clone()))
+                }
                 _ => {
                     // Kept from another operation's `finish`: this operation
                     // stored no response, so it must not answer with one.
@@ -381,6 +386,8 @@ impl<'a, C: PhaseStore> Attempt<'a, C> {
             created_at: now,
             updated_at: now,
             caller_hash: self.caller_hash,
+            traceparent: self.origin.traceparent.as_deref(),
+            request_id: self.origin.request_id.as_deref(),
         });
         // A completed operation this attempt replaces expired by then (its
         // tombstone's grace period ended too, where the policy keeps one).

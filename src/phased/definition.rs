@@ -6,6 +6,7 @@ use chrono::Duration;
 
 use crate::clock::assert_duration;
 use crate::config::Config;
+use crate::outcome::Origin;
 
 /// An operation in phases, named for the [`Completer`](super::Completer),
 /// and its policy. Built with consuming builder methods:
@@ -104,4 +105,6 @@ pub(super) struct Admitted {
     pub(super) request: Option<String>,
     pub(super) token: String,
     pub(super) caller_hash: Option<String>,
+    /// Where a result this attempt executes comes from, if it is the first.
+    pub(super) origin: Origin,
 }

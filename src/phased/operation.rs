@@ -5,7 +5,6 @@
 
 use std::time::Instant;
 
-use chrono::{DateTime, NaiveDateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -21,9 +20,9 @@ use crate::backend::{BackendRules, RulesOf, StoreConnection, block_on};
 use crate::clock::Reading;
 use crate::config::OnCompleted;
 use crate::error::Error;
-use crate::outcome::Outcome;
+use crate::outcome::{Answered, Origin, Outcome};
 use crate::row_status::OperationStatus;
-use crate::run::KeyStatus;
+use crate::run::{KeyStatus, Sender};
 use crate::telemetry::CallTrace;
 use crate::{codec, id, telemetry};
 
@@ -87,22 +86,23 @@ impl Phased {
         R: Serialize + DeserializeOwned,
         F: FnOnce(&mut Steps<'_, C::Raw>) -> Result<Finished<R>, Error<E>>,
     {
-        self.run_recorded(conn, scope, key, request, None, body)
-            .map(|(outcome, _)| outcome)
+        self.run_recorded(conn, scope, key, request, Sender::default(), body)
+            .map(|(outcome, ..)| outcome)
     }
 
     /// [`run`](Phased::run), also telling when the operation's retention
-    /// ends: the HTTP layer sends it to the client. The operation is
-    /// answered to the lookups of `caller_hash` alone.
+    /// ends and where its result came from: the HTTP layer sends them to
+    /// the client. The operation is answered to the lookups of `sender`'s
+    /// caller alone, and keeps its request id.
     pub(crate) fn run_recorded<C, Q, R, E, F>(
         &self,
         conn: &mut C,
         scope: &str,
         key: &str,
         request: &Q,
-        caller_hash: Option<&str>,
+        sender: Sender<'_>,
         body: F,
-    ) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>
+    ) -> Result<Answered<R>, Error<E>>
     where
         C: StoreConnection,
         Q: Serialize + ?Sized,
@@ -114,13 +114,13 @@ impl Phased {
         // In the attempt's span, so that its events carry the operation, the
         // scope, the key and the backend.
         let result = trace.span().in_scope(|| {
-            let admitted = self.admit::<RulesOf<C::Raw>, Q, E>(scope, key, request, caller_hash, &trace)?;
+            let admitted = self.admit::<RulesOf<C::Raw>, Q, E>(scope, key, request, sender, &trace)?;
             match block_on(self.start(conn, scope, key, &admitted))? {
-                Begin::Replay(outcome, expires_at) => Ok((outcome, expires_at.and_utc())),
+                Begin::Replay(answered) => Ok(answered),
                 Begin::Attempt(attempt) => Steps::attempt(*attempt, body),
             }
         });
-        trace.finish_phased(result.as_ref().map(|(outcome, _)| outcome));
+        trace.finish_phased(result.as_ref().map(|(outcome, ..)| outcome));
         result
     }
 
@@ -187,13 +187,14 @@ impl Phased {
         R: Serialize + DeserializeOwned,
         F: AsyncFnOnce(&mut AsyncSteps<'_, C>) -> Result<Finished<R>, Error<E>>,
     {
-        self.run_recorded_async(conn, scope, key, request, None, body)
+        self.run_recorded_async(conn, scope, key, request, Sender::default(), body)
             .await
-            .map(|(outcome, _)| outcome)
+            .map(|(outcome, ..)| outcome)
     }
 
     /// [`run_async`](Phased::run_async), also telling when the operation's
-    /// retention ends; answered to the lookups of `caller_hash` alone.
+    /// retention ends and where its result came from, for `sender`, as
+    /// [`run_recorded`](Phased::run_recorded).
     #[cfg(feature = "diesel-async")]
     pub(crate) async fn run_recorded_async<C, Q, R, E, F>(
         &self,
@@ -201,9 +202,9 @@ impl Phased {
         scope: &str,
         key: &str,
         request: &Q,
-        caller_hash: Option<&str>,
+        sender: Sender<'_>,
         body: F,
-    ) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>>
+    ) -> Result<Answered<R>, Error<E>>
     where
         C: AsyncStoreConnection,
         Q: Serialize + ?Sized,
@@ -218,16 +219,16 @@ impl Phased {
         // held the attempt whole would be deeper than rustc lays out.
         let result = Box::pin(
             async {
-                let admitted = self.admit::<C::Rules, Q, E>(scope, key, request, caller_hash, &trace)?;
+                let admitted = self.admit::<C::Rules, Q, E>(scope, key, request, sender, &trace)?;
                 match self.start(conn, scope, key, &admitted).await? {
-                    Begin::Replay(outcome, expires_at) => Ok((outcome, expires_at.and_utc())),
+                    Begin::Replay(answered) => Ok(answered),
                     Begin::Attempt(attempt) => AsyncSteps::attempt(*attempt, body).await,
                 }
             }
             .instrument(span),
         )
         .await;
-        trace.finish_phased(result.as_ref().map(|(outcome, _)| outcome));
+        trace.finish_phased(result.as_ref().map(|(outcome, ..)| outcome));
         result
     }
 
@@ -290,13 +291,14 @@ impl Phased {
 
     /// What every attempt does before it reads: the key rules, the
     /// request's fingerprint, the request to store, the token of the lease
-    /// it may take, and whom its lookups answer.
+    /// it may take, whom its lookups answer, and where a result it executes
+    /// comes from. Called inside the attempt's span.
     fn admit<R: BackendRules, Q: Serialize + ?Sized, E>(
         &self,
         scope: &str,
         key: &str,
         request: &Q,
-        caller_hash: Option<&str>,
+        sender: Sender<'_>,
         trace: &CallTrace,
     ) -> Result<Admitted, Error<E>> {
         let request_hash = self.config.admit::<R, Q, E>(scope, key, request, trace)?;
@@ -308,7 +310,14 @@ impl Phased {
             request_hash,
             request,
             token: id::new(),
-            caller_hash: caller_hash.map(str::to_owned),
+            caller_hash: sender.caller_hash.map(str::to_owned),
+            origin: Origin {
+                traceparent: crate::telemetry::execution_traceparent(),
+                request_id: sender
+                    .request_id
+                    .filter(|id| Origin::keeps_request_id(id))
+                    .map(str::to_owned),
+            },
         })
     }
 
@@ -333,8 +342,16 @@ impl Phased {
             key,
             token: &admitted.token,
         };
-        let attempt =
-            |conn, held, clock| Begin::Attempt(Box::new(Attempt::new(self, conn, lease, admitted, held, clock)));
+        let attempt = |conn, (held, origin), clock| {
+            Begin::Attempt(Box::new(Attempt::new(
+                self,
+                conn,
+                lease,
+                admitted,
+                (held, origin),
+                clock,
+            )))
+        };
         let wait = std::time::Duration::from_millis(u64::try_from(self.config.in_flight.wait_millis()).unwrap_or(0));
         let deadline = Instant::now() + wait;
         loop {
@@ -342,7 +359,8 @@ impl Phased {
             let now = self.config.clock.or_database(database_now);
             let clock = Reading::new(&self.config.clock, now);
             let Some(row) = row else {
-                return Ok(attempt(conn, OperationHold::Unclaimed { replace: false }, clock));
+                let held = OperationHold::Unclaimed { replace: false };
+                return Ok(attempt(conn, (held, admitted.origin.clone()), clock));
             };
             // Past its retention, and past the grace period of its
             // tombstone where the policy keeps one: run anew.
@@ -350,7 +368,8 @@ impl Phased {
             if row.status == OperationStatus::Completed
                 && row.expires_at.is_some_and(|expires_at| expires_at <= reusable_by)
             {
-                return Ok(attempt(conn, OperationHold::Unclaimed { replace: true }, clock));
+                let held = OperationHold::Unclaimed { replace: true };
+                return Ok(attempt(conn, (held, admitted.origin.clone()), clock));
             }
             // The key is bound to the operation as well as to the request:
             // another operation's response is not this one's, nor are its
@@ -369,13 +388,14 @@ impl Phased {
                     if self.config.on_completed == OnCompleted::Reject {
                         return Err(Error::AlreadyCompleted);
                     }
-                    let response = row.response.unwrap_or_default();
-                    let value = serde_json::from_str(&response).map_err(Error::Codec)?;
+                    let value =
+                        serde_json::from_str(row.response.as_deref().unwrap_or_default()).map_err(Error::Codec)?;
                     if self.config.durable_replays {
                         conn.await_replication().await?;
                     }
-                    let expires_at = row.expires_at.unwrap_or(now);
-                    return Ok(Begin::Replay(Outcome::Replayed(value), expires_at));
+                    let expires_at = row.expires_at.unwrap_or(now).and_utc();
+                    crate::telemetry::link_to_execution(row.traceparent.as_deref());
+                    return Ok(Begin::Replay((Outcome::Replayed(value), expires_at, row.origin())));
                 }
                 OperationStatus::Parked => return Err(Error::Parked),
                 OperationStatus::Running => {}
@@ -395,8 +415,9 @@ impl Phased {
                     .map_err(write_failed::<C, E>)?;
                 if let Some(row) = taken {
                     tracing::info!(target: telemetry::TARGET, "resuming from the last recovery point");
+                    let origin = row.origin();
                     let held = OperationHold::resumed(row).map_err(Error::Codec)?;
-                    return Ok(attempt(conn, held, clock));
+                    return Ok(attempt(conn, (held, origin), clock));
                 }
             } else if Instant::now() >= deadline {
                 return Err(Error::InProgress);
@@ -410,6 +431,6 @@ impl Phased {
 
 /// What [`Phased::start`] decided.
 enum Begin<'a, C, R> {
-    Replay(Outcome<R>, NaiveDateTime),
+    Replay(Answered<R>),
     Attempt(Box<Attempt<'a, C>>),
 }

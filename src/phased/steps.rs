@@ -5,7 +5,6 @@
 use std::fmt;
 use std::panic::{self, AssertUnwindSafe};
 
-use chrono::{DateTime, Utc};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -13,7 +12,7 @@ use super::attempt::{Attempt, Finished, Repeat};
 use crate::backend::block_on;
 use crate::backend::phases::BlockingPhaseStore;
 use crate::error::Error;
-use crate::outcome::Outcome;
+use crate::outcome::Answered;
 
 /// The steps of one attempt of a [`Phased`](super::Phased) operation, as its body receives
 /// them.
@@ -38,7 +37,7 @@ impl<'a, C: BlockingPhaseStore> Steps<'a, C> {
     pub(super) fn attempt<R, E>(
         attempt: Attempt<'a, C>,
         body: impl FnOnce(&mut Self) -> Result<Finished<R>, Error<E>>,
-    ) -> Result<(Outcome<R>, DateTime<Utc>), Error<E>> {
+    ) -> Result<Answered<R>, Error<E>> {
         let mut steps = Steps { attempt };
         let ended = panic::catch_unwind(AssertUnwindSafe(|| body(&mut steps)));
         block_on(steps.attempt.end(ended))

@@ -50,7 +50,7 @@ where
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut C) -> Result<R, E>,
 {
-    let traceparent = trace.traceparent();
+    let traceparent = crate::telemetry::execution_traceparent();
     let call = Call {
         config,
         scope,
@@ -140,10 +140,7 @@ impl<'a> Call<'a> {
 
     /// The origin of a result this call executes.
     fn origin(&self) -> Origin {
-        Origin {
-            traceparent: self.traceparent.map(str::to_owned),
-            request_id: self.request_id.map(str::to_owned),
-        }
+        Origin::kept(self.traceparent, self.request_id)
     }
 }
 
@@ -358,7 +355,7 @@ fn replay<R: DeserializeOwned, E>(call: Call<'_>, stored: Stored, now: NaiveDate
         }
         Some(response) if stored.status == RecordStatus::Completed => {
             let value = serde_json::from_str(response).map_err(Error::Codec)?;
-            call.trace.replays(stored.traceparent.as_deref());
+            crate::telemetry::link_to_execution(stored.traceparent.as_deref());
             let origin = stored.origin();
             Ok(Recorded::new(
                 Outcome::Replayed(value),

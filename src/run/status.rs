@@ -45,8 +45,8 @@ pub enum KeyStatus<R> {
         /// When the retention of the record ends (UTC).
         expires_at: DateTime<Utc>,
         /// Where the result came from: the trace and the request id of the
-        /// call that executed, where its record keeps them (an operation in
-        /// phases keeps neither).
+        /// call that executed (of an operation in phases, its first
+        /// attempt), where its record keeps them.
         origin: Origin,
     },
     /// The operation ran, but the record's retention (and the grace period
@@ -282,8 +282,7 @@ fn operation_status<R: DeserializeOwned>(
             response: serde_json::from_str(row.response.as_deref().unwrap_or_default()).map_err(Error::Codec)?,
             created_at: row.created_at.and_utc(),
             expires_at: expires_at.unwrap_or(now).and_utc(),
-            // An operation in phases keeps none.
-            origin: Origin::default(),
+            origin: row.origin(),
         }),
         (OperationStatus::Parked, _) => Ok(KeyStatus::Parked),
         (OperationStatus::Running, _) => Ok(KeyStatus::InProgress),

@@ -432,28 +432,30 @@ fn original_request(seen: &Seen) -> Option<&str> {
 async fn a_replay_and_a_lookup_name_the_request_that_executed<D: TestDb>() {
     let db = D::new();
     let app = app(&db);
-    // Unique: PostgreSQL's key locks span every schema of the database.
-    let key = crate::common::own::unique_name("refund");
-    let post = async |request_id: &[u8]| {
-        let fields: &[(&str, &[u8])] = &[("x-request-id", request_id)];
-        send_with(&app, Method::POST, "/refunds", ("acme:ann", &key), fields, "").await
-    };
-    let first = post(b"req-1").await;
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(
-        original_request(&first),
-        None,
-        "a first response names no other request"
-    );
-    let retry = post(b"req-2").await;
-    assert_replayed(&retry, json!({ "reference": "re_1" }));
-    assert_eq!(original_request(&retry), Some("req-1"));
-    let fields: &[(&str, &[u8])] = &[("x-request-id", b"req-3")];
-    let looked = send_with(&app, Method::GET, "/refunds/status", ("acme:ann", &key), fields, "").await;
-    assert_eq!(looked.status, StatusCode::CREATED);
-    assert_eq!(original_request(&looked), Some("req-1"));
-    // Another user of the tenant learns nothing, the request id included.
-    assert_answered_as_unknown(&app, "/refunds/status", "acme:bob", &key).await;
+    // A single call and an operation in phases.
+    for (path, status_path) in [("/refunds", "/refunds/status"), ("/rides", "/rides/status")] {
+        // Unique: PostgreSQL's key locks span every schema of the database.
+        let key = crate::common::own::unique_name("request");
+        let send = async |method: Method, path: &str, request_id: &[u8]| {
+            let fields: &[(&str, &[u8])] = &[("x-request-id", request_id)];
+            send_with(&app, method, path, ("acme:ann", &key), fields, "").await
+        };
+        let first = send(Method::POST, path, b"req-1").await;
+        assert_eq!(first.status, StatusCode::CREATED, "{path}");
+        assert_eq!(
+            original_request(&first),
+            None,
+            "a first response names no other request"
+        );
+        let retry = send(Method::POST, path, b"req-2").await;
+        assert_eq!((retry.status, &retry.body), (first.status, &first.body), "{path}");
+        assert_eq!(original_request(&retry), Some("req-1"), "{path}");
+        let looked = send(Method::GET, status_path, b"req-3").await;
+        assert_eq!(looked.status, StatusCode::CREATED);
+        assert_eq!(original_request(&looked), Some("req-1"), "{status_path}");
+        // Another user of the tenant learns nothing, the request id included.
+        assert_answered_as_unknown(&app, status_path, "acme:bob", &key).await;
+    }
 }
 
 async fn a_request_id_the_record_cannot_keep_is_left_out_and_one_with_quotes_is_kept_as_sent<D: TestDb>() {

@@ -6,6 +6,7 @@
 
 use std::convert::Infallible;
 
+use idempotency::phased::Phased;
 use idempotency::{Config, KeyStatus, Origin, Recorded};
 use opentelemetry::trace::{SpanId, TraceId};
 use opentelemetry_sdk::trace::SpanData;
@@ -19,6 +20,8 @@ crate::common::backend_tests!(
     an_execution_keeps_its_trace_and_a_replay_links_to_it,
     a_call_no_opentelemetry_layer_records_keeps_no_trace,
     where_the_calls_span_is_filtered_out_the_enclosing_spans_keep_and_link_the_trace,
+    a_phased_operation_keeps_the_trace_of_its_first_attempt_and_a_replay_links_to_it,
+    a_phased_operation_resumed_by_a_retry_keeps_the_trace_of_the_attempt_that_began_it,
 );
 
 /// The trace and span ids of a span.
@@ -65,12 +68,17 @@ fn assert_replay_links_to_its_execution(traces: &Traces, first: &Recorded<i64>, 
     assert!(executed.links.is_empty(), "an execution links to nothing");
 }
 
-/// The origin `config`'s lookup of `key` tells.
-fn looked_up_origin<C: idempotency::StoreConnection>(config: &Config, conn: &mut C, key: &str) -> Origin {
-    match config.status::<_, i64>(conn, "shop", key, &"book").expect("status") {
+/// The origin a lookup's `status` of a completed key tells.
+fn origin_of(status: Result<KeyStatus<i64>, idempotency::Error>) -> Origin {
+    match status.expect("status") {
         KeyStatus::Completed { origin, .. } => origin,
         other => panic!("not completed: {other:?}"),
     }
+}
+
+/// The origin `config`'s lookup of `key` tells.
+fn looked_up_origin<C: idempotency::StoreConnection>(config: &Config, conn: &mut C, key: &str) -> Origin {
+    origin_of(config.status(conn, "shop", key, &"book"))
 }
 
 /// A first call of a key of its own on `conn` in a span `request` of
@@ -116,6 +124,61 @@ fn where_the_calls_span_is_filtered_out_the_enclosing_spans_keep_and_link_the_tr
     assert_eq!(first.origin.traceparent, Some(format!("00-{trace_id}-{span_id}-01")));
     assert_eq!(retry.origin, first.origin);
     assert_eq!(links(&traces.span("retry")), [(trace_id, span_id)]);
+}
+
+fn a_phased_operation_keeps_the_trace_of_its_first_attempt_and_a_replay_links_to_it<D: TestDb>() {
+    let traces = Traces::new();
+    let db = D::new();
+    let mut conn = db.conn();
+    let ride = Phased::new("ride");
+    let key = unique_name("ride");
+    let mut attempt = |span: &'static str| {
+        traces.in_span(span, || {
+            ride.run(&mut conn, "rider-ada", &key, &"ada", |s| {
+                s.finish(|_| Ok::<_, Infallible>(7_i64))
+            })
+            .expect("the operation")
+        })
+    };
+    assert!(!attempt("request").is_replayed());
+    assert!(attempt("retry").is_replayed());
+    let attempts = traces.spans("phased_operation");
+    let [executed, replayed] = attempts.as_slice() else {
+        panic!("two attempts, got {}", attempts.len());
+    };
+    let (trace_id, span_id) = ids(executed);
+    assert_eq!(links(replayed), [(trace_id, span_id)]);
+    let origin = origin_of(ride.status(&mut conn, "rider-ada", &key, &"ada"));
+    assert_eq!(origin.traceparent, Some(format!("00-{trace_id}-{span_id}-01")));
+}
+
+fn a_phased_operation_resumed_by_a_retry_keeps_the_trace_of_the_attempt_that_began_it<D: TestDb>() {
+    let traces = Traces::new();
+    let db = D::new();
+    let mut conn = db.conn();
+    let ride = Phased::new("ride");
+    let key = unique_name("ride");
+    // The first attempt commits its first phase, then fails; the retry
+    // resumes after that phase and finishes.
+    let mut attempt = |span: &'static str, fail: bool| {
+        traces.in_span(span, || {
+            ride.run(&mut conn, "rider-ada", &key, &"ada", |s| {
+                s.phase("ride_created", |_| Ok::<_, std::io::Error>(()))?;
+                if fail {
+                    return Err(idempotency::Error::Operation(std::io::Error::other(
+                        "the provider is down",
+                    )));
+                }
+                s.finish(|_| Ok::<_, std::io::Error>(7_i64))
+            })
+        })
+    };
+    assert!(attempt("request", true).is_err());
+    assert!(!attempt("retry", false).expect("the retry finishes").is_replayed());
+    let began = traces.spans("phased_operation");
+    let (trace_id, span_id) = ids(began.first().expect("the first attempt's span"));
+    let origin = origin_of(ride.status(&mut conn, "rider-ada", &key, &"ada"));
+    assert_eq!(origin.traceparent, Some(format!("00-{trace_id}-{span_id}-01")));
 }
 
 fn a_call_no_opentelemetry_layer_records_keeps_no_trace<D: TestDb>() {

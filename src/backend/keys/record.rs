@@ -54,10 +54,7 @@ pub struct Stored {
 impl Stored {
     /// Where the stored result came from.
     pub(crate) fn origin(&self) -> Origin {
-        Origin {
-            traceparent: self.traceparent.clone(),
-            request_id: self.request_id.clone(),
-        }
+        Origin::kept(self.traceparent.as_deref(), self.request_id.as_deref())
     }
 }
 

@@ -59,6 +59,8 @@ diesel::table! {
         updated_at -> Datetime,
         expires_at -> Nullable<Datetime>,
         caller_hash -> Nullable<Char>,
+        traceparent -> Nullable<Varchar>,
+        request_id -> Nullable<Varchar>,
     }
 }
 

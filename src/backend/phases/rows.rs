@@ -3,6 +3,7 @@
 use chrono::NaiveDateTime;
 use diesel::prelude::*;
 
+use crate::outcome::Origin;
 use crate::row_status::OperationStatus;
 use crate::schema::idempotency_phases;
 
@@ -23,6 +24,9 @@ pub struct NewOperation<'a> {
     pub(crate) updated_at: NaiveDateTime,
     /// Who may look the operation up, as [`Record::caller_hash`](crate::backend::Record).
     pub(crate) caller_hash: Option<&'a str>,
+    /// Where its result comes from, as the [`Record`](crate::backend::Record)'s.
+    pub(crate) traceparent: Option<&'a str>,
+    pub(crate) request_id: Option<&'a str>,
 }
 
 /// An operation as an attempt, or a lookup, reads it.
@@ -39,6 +43,15 @@ pub struct OperationRow {
     pub(crate) expires_at: Option<NaiveDateTime>,
     pub(crate) created_at: NaiveDateTime,
     pub(crate) caller_hash: Option<String>,
+    pub(crate) traceparent: Option<String>,
+    pub(crate) request_id: Option<String>,
+}
+
+impl OperationRow {
+    /// Where the operation's result comes from: its first attempt.
+    pub(crate) fn origin(&self) -> Origin {
+        Origin::kept(self.traceparent.as_deref(), self.request_id.as_deref())
+    }
 }
 
 /// An attempt's hold on an operation: its key and lease token.

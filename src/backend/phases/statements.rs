@@ -357,6 +357,8 @@ macro_rules! operation_values {
             $p::created_at.eq($operation.created_at),
             $p::updated_at.eq($operation.updated_at),
             $p::caller_hash.eq($operation.caller_hash),
+            $p::traceparent.eq($operation.traceparent),
+            $p::request_id.eq($operation.request_id),
         )
     };
 }
