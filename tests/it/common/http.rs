@@ -303,6 +303,18 @@ impl Answer {
         }
     }
 
+    /// Asserts a problem+json answer of `status` whose type is the example
+    /// service's problem `name`, and returns it.
+    pub fn assert_problem_of(self, status: u16, name: &str) -> Answer {
+        let answer = self.assert_problem(status);
+        assert_eq!(
+            answer.body["type"],
+            format!("https://orders.example/problems/{name}"),
+            "{answer:?}"
+        );
+        answer
+    }
+
     /// Asserts a problem+json answer of `status` and returns it.
     pub fn assert_problem(self, status: u16) -> Answer {
         assert_eq!(self.status, status, "{self:?}");
