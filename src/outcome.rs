@@ -81,8 +81,9 @@ impl<R> Recorded<R> {
 pub(crate) type Answered<R> = (Outcome<R>, DateTime<Utc>, Origin);
 
 /// Where a stored result came from: what the key record keeps of the call
-/// that executed the operation, so that a replay and a lookup can be
-/// correlated with that execution ([`Recorded::origin`],
+/// that executed the operation (of an operation in phases, of the attempt
+/// that began it), so that a replay and a lookup can be correlated with
+/// that execution ([`Recorded::origin`],
 /// [`KeyStatus::Completed`](crate::KeyStatus::Completed)).
 ///
 /// - `traceparent`: the W3C trace context of the span the operation ran in,
@@ -92,8 +93,8 @@ pub(crate) type Answered<R> = (Outcome<R>, DateTime<Utc>, Origin);
 /// - `request_id`: the id the application gave the request that executed;
 ///   over HTTP, the request header
 ///   [`KeyHeader::request_id_header`](crate::guide::http#where-a-replay-came-from)
-///   names (`X-Request-Id` by default), kept when it is 1 to 128 visible
-///   ASCII characters.
+///   names (`X-Request-Id` by default), over gRPC the `x-request-id`
+///   metadata entry, kept when it is 1 to 128 visible ASCII characters.
 ///
 /// Either is `None` where there was none, and on every record written before
 /// the columns existed (migration `2026-12-07-000000_idempotency_origin`).
