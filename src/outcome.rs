@@ -144,15 +144,18 @@ impl Origin {
         }
     }
 
-    /// The longest request id a record keeps, in bytes.
-    pub(crate) const MAX_REQUEST_ID_LEN: usize = 128;
-
-    /// Whether a record keeps `id` as its request id: 1 to
-    /// [`MAX_REQUEST_ID_LEN`](Origin::MAX_REQUEST_ID_LEN) visible ASCII
-    /// characters, as request ids are (UUIDs, `req_…`, a proxy's hex). Any
-    /// other is not kept, and the call goes on without it: an id is for
-    /// correlation, not a reason to refuse a request.
+    /// Whether a record keeps `id` as its request id: 1 to 128 visible
+    /// ASCII characters (the width of its column), as request ids are
+    /// (UUIDs, `req_…`, a proxy's hex). Any other is not kept, and the call
+    /// goes on without it: an id is for correlation, not a reason to refuse
+    /// a request. The HTTP layer and gRPC, which read request ids, check
+    /// them so.
+    #[cfg_attr(
+        not(any(feature = "axum", feature = "actix", feature = "tonic")),
+        expect(dead_code, reason = "only the HTTP layer and gRPC read request ids")
+    )]
     pub(crate) fn keeps_request_id(id: &str) -> bool {
-        (1..=Origin::MAX_REQUEST_ID_LEN).contains(&id.len()) && id.bytes().all(|byte| byte.is_ascii_graphic())
+        const LONGEST: usize = 128;
+        (1..=LONGEST).contains(&id.len()) && id.bytes().all(|byte| byte.is_ascii_graphic())
     }
 }

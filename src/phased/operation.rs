@@ -313,10 +313,7 @@ impl Phased {
             caller_hash: sender.caller_hash.map(str::to_owned),
             origin: Origin {
                 traceparent: crate::telemetry::execution_traceparent(),
-                request_id: sender
-                    .request_id
-                    .filter(|id| Origin::keeps_request_id(id))
-                    .map(str::to_owned),
+                request_id: sender.request_id.map(str::to_owned),
             },
         })
     }

@@ -58,7 +58,7 @@ where
         request_hash,
         caller_hash: sender.caller_hash,
         traceparent: traceparent.as_deref(),
-        request_id: sender.request_id.filter(|id| Origin::keeps_request_id(id)),
+        request_id: sender.request_id,
         trace,
     };
     let reads_first = config
@@ -95,8 +95,8 @@ where
 pub(crate) struct Sender<'a> {
     /// The hash of the caller and endpoint (the HTTP layer's).
     pub(crate) caller_hash: Option<&'a str>,
-    /// The request's id; one [`Origin::keeps_request_id`] refuses is not
-    /// kept.
+    /// The request's id: one a record keeps ([`Origin::keeps_request_id`]),
+    /// as the HTTP layer's key and gRPC's read it, who leave out any other.
     pub(crate) request_id: Option<&'a str>,
 }
 

@@ -7,7 +7,7 @@
 use std::convert::Infallible;
 
 use idempotency::phased::Phased;
-use idempotency::{Config, KeyStatus, Origin, Recorded};
+use idempotency::{Config, KeyStatus, Origin, Outcome, Recorded};
 use opentelemetry::trace::{SpanId, TraceId};
 use opentelemetry_sdk::trace::SpanData;
 use tracing_subscriber::filter::LevelFilter;
@@ -126,43 +126,40 @@ fn where_the_calls_span_is_filtered_out_the_enclosing_spans_keep_and_link_the_tr
     assert_eq!(links(&traces.span("retry")), [(trace_id, span_id)]);
 }
 
-fn a_phased_operation_keeps_the_trace_of_its_first_attempt_and_a_replay_links_to_it<D: TestDb>() {
-    let traces = Traces::new();
-    let db = D::new();
-    let mut conn = db.conn();
-    let ride = Phased::new("ride");
-    let key = unique_name("ride");
-    let mut attempt = |span: &'static str| {
-        traces.in_span(span, || {
-            ride.run(&mut conn, "rider-ada", &key, &"ada", |s| {
-                s.finish(|_| Ok::<_, Infallible>(7_i64))
-            })
-            .expect("the operation")
-        })
-    };
-    assert!(!attempt("request").is_replayed());
-    assert!(attempt("retry").is_replayed());
-    let attempts = traces.spans("phased_operation");
-    let [executed, replayed] = attempts.as_slice() else {
-        panic!("two attempts, got {}", attempts.len());
-    };
-    let (trace_id, span_id) = ids(executed);
-    assert_eq!(links(replayed), [(trace_id, span_id)]);
-    let origin = origin_of(ride.status(&mut conn, "rider-ada", &key, &"ada"));
-    assert_eq!(origin.traceparent, Some(format!("00-{trace_id}-{span_id}-01")));
+/// A ride, an operation in phases, under a key of its own on a database of
+/// its own, its attempts traced.
+struct Ride<D: TestDb> {
+    traces: Traces,
+    _db: D,
+    conn: D::Conn,
+    ride: Phased,
+    key: String,
 }
 
-fn a_phased_operation_resumed_by_a_retry_keeps_the_trace_of_the_attempt_that_began_it<D: TestDb>() {
-    let traces = Traces::new();
-    let db = D::new();
-    let mut conn = db.conn();
-    let ride = Phased::new("ride");
-    let key = unique_name("ride");
-    // The first attempt commits its first phase, then fails; the retry
-    // resumes after that phase and finishes.
-    let mut attempt = |span: &'static str, fail: bool| {
+impl<D: TestDb> Ride<D> {
+    fn new() -> Self {
+        let db = D::new();
+        Ride {
+            traces: Traces::new(),
+            conn: db.conn(),
+            _db: db,
+            ride: Phased::new("ride"),
+            key: unique_name("ride"),
+        }
+    }
+
+    /// An attempt in a span `span`: it commits its first phase, then fails
+    /// where `fail` says so, or finishes.
+    fn attempt(&mut self, span: &'static str, fail: bool) -> Result<Outcome<i64>, idempotency::Error<std::io::Error>> {
+        let Ride {
+            traces,
+            conn,
+            ride,
+            key,
+            ..
+        } = self;
         traces.in_span(span, || {
-            ride.run(&mut conn, "rider-ada", &key, &"ada", |s| {
+            ride.run(conn, "rider-ada", key, &"ada", |s| {
                 s.phase("ride_created", |_| Ok::<_, std::io::Error>(()))?;
                 if fail {
                     return Err(idempotency::Error::Operation(std::io::Error::other(
@@ -172,13 +169,42 @@ fn a_phased_operation_resumed_by_a_retry_keeps_the_trace_of_the_attempt_that_beg
                 s.finish(|_| Ok::<_, std::io::Error>(7_i64))
             })
         })
+    }
+
+    /// The `traceparent` the ride's lookup tells.
+    fn looked_up_traceparent(&mut self) -> Option<String> {
+        origin_of(self.ride.status(&mut self.conn, "rider-ada", &self.key, &"ada")).traceparent
+    }
+}
+
+fn a_phased_operation_keeps_the_trace_of_its_first_attempt_and_a_replay_links_to_it<D: TestDb>() {
+    let mut ride = Ride::<D>::new();
+    assert!(!ride.attempt("request", false).expect("the operation").is_replayed());
+    assert!(ride.attempt("retry", false).expect("the operation").is_replayed());
+    let attempts = ride.traces.spans("phased_operation");
+    let [executed, replayed] = attempts.as_slice() else {
+        panic!("two attempts, got {}", attempts.len());
     };
-    assert!(attempt("request", true).is_err());
-    assert!(!attempt("retry", false).expect("the retry finishes").is_replayed());
-    let began = traces.spans("phased_operation");
+    let (trace_id, span_id) = ids(executed);
+    assert_eq!(links(replayed), [(trace_id, span_id)]);
+    assert_eq!(
+        ride.looked_up_traceparent(),
+        Some(format!("00-{trace_id}-{span_id}-01"))
+    );
+}
+
+fn a_phased_operation_resumed_by_a_retry_keeps_the_trace_of_the_attempt_that_began_it<D: TestDb>() {
+    let mut ride = Ride::<D>::new();
+    // The first attempt commits its first phase, then fails; the retry
+    // resumes after that phase and finishes.
+    assert!(ride.attempt("request", true).is_err());
+    assert!(!ride.attempt("retry", false).expect("the retry finishes").is_replayed());
+    let began = ride.traces.spans("phased_operation");
     let (trace_id, span_id) = ids(began.first().expect("the first attempt's span"));
-    let origin = origin_of(ride.status(&mut conn, "rider-ada", &key, &"ada"));
-    assert_eq!(origin.traceparent, Some(format!("00-{trace_id}-{span_id}-01")));
+    assert_eq!(
+        ride.looked_up_traceparent(),
+        Some(format!("00-{trace_id}-{span_id}-01"))
+    );
 }
 
 fn a_call_no_opentelemetry_layer_records_keeps_no_trace<D: TestDb>() {
