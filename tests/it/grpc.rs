@@ -31,6 +31,7 @@ crate::common::backend_tests!(
     async:
     a_first_call_executes_and_its_retry_replays_it_marked,
     a_replay_names_the_request_that_executed_by_its_id,
+    racing_requests_with_ids_of_their_own_are_all_told_the_one_that_executed,
     a_request_id_field_is_the_key_as_aip_155_has_it,
     another_request_method_or_principal_with_the_key_is_failed_precondition,
     a_call_in_progress_runs_once_and_its_duplicate_is_aborted_with_a_retry_delay,
@@ -347,6 +348,52 @@ async fn a_replay_names_the_request_that_executed_by_its_id<D: TestDb>() {
         assert_eq!(original(&retry), None, "{key}");
     }
     assert_eq!(server.calls(), 3);
+}
+
+/// Eight requests with one key and an id each, released at once: one
+/// executes, and every other waits for it and is told its id, whichever
+/// of them reached the database first.
+async fn racing_requests_with_ids_of_their_own_are_all_told_the_one_that_executed<D: TestDb>() {
+    const RACERS: usize = 8;
+    let db = new_db::<D>().await;
+    let server = Server::start(&db, Config::default(), None);
+    // Unique: PostgreSQL's key locks span every schema of the database.
+    let key = crate::common::unique_name("race");
+    let start = Arc::new(tokio::sync::Barrier::new(RACERS));
+    let mut racers = Vec::new();
+    for racer in 0..RACERS {
+        let (mut client, start, key) = (server.client().await, start.clone(), key.clone());
+        racers.push(tokio::spawn(async move {
+            let id = format!("req-{racer}");
+            start.wait().await;
+            let answered = call_with(
+                &mut client,
+                (PLACE, "alice", Some(&key)),
+                &[("x-request-id", &id)],
+                book(),
+            )
+            .await;
+            (id, answered.expect("answered"))
+        }));
+    }
+    let mut executed = Vec::new();
+    let mut told = Vec::new();
+    for racer in racers {
+        let (id, response) = racer.await.expect("the racer's task");
+        match replayed(&response) {
+            None => executed.push(id),
+            Some(_) => told.push(
+                response
+                    .metadata()
+                    .get("original-request")
+                    .map(|value| value.to_str().expect("ASCII").to_owned()),
+            ),
+        }
+    }
+    assert_eq!(executed.len(), 1, "one request executed: {executed:?}");
+    assert_eq!(told, vec![Some(executed[0].clone()); RACERS - 1]);
+    assert_eq!(server.calls(), 1);
+    assert_eq!(order_count(&db).await, 1);
 }
 
 async fn a_request_id_field_is_the_key_as_aip_155_has_it<D: TestDb>() {
