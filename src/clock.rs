@@ -60,8 +60,8 @@ impl Clock {
     /// A reading of the clock that later readings are taken from without
     /// asking the database again: the database's time moves on with this
     /// process's monotonic clock.
-    pub(crate) fn start<C: KeyStore>(&self, conn: &mut C) -> QueryResult<Reading> {
-        Ok(Reading::new(self, self.now(conn)?))
+    pub(crate) async fn start<C: KeyStore>(&self, conn: &mut C) -> QueryResult<Reading> {
+        Ok(Reading::new(self, self.or_database_now(conn).await?))
     }
 }
 

@@ -129,6 +129,8 @@ pub mod key;
 pub mod outbox;
 mod outcome;
 pub mod phased;
+#[cfg(feature = "diesel-async")]
+mod pool;
 #[cfg(test)]
 mod property;
 mod purging;
@@ -155,6 +157,8 @@ pub use error::UnsupportedRuntime;
 pub use error::{Error, KeyError};
 pub use in_flight::InFlight;
 pub use outcome::{Origin, Outcome, Recorded};
+#[cfg(feature = "diesel-async")]
+pub use pool::AsyncConnectionPool;
 pub use purging::{Purged, Purger};
 pub use repository::Idempotent;
 #[cfg(feature = "diesel-async")]

@@ -180,7 +180,7 @@ where
 /// the client's retry executes. (The blocking call of [`run`] goes on and
 /// commits, and the retry replays.) Either way nothing is left by halves,
 /// and the connection of a dropped call never goes back to the pool inside
-/// its transaction; see [`AsyncConnectionPool`](super::AsyncConnectionPool)
+/// its transaction; see [`AsyncConnectionPool`](crate::AsyncConnectionPool)
 /// and the [async guide](crate::guide::asynchronous).
 ///
 /// # Errors
@@ -240,7 +240,7 @@ pub async fn run_async<A, P, Q, R, E, F>(
     op: F,
 ) -> Result<Answer<R>, Failure<E>>
 where
-    P: super::AsyncConnectionPool,
+    P: crate::AsyncConnectionPool,
     Q: Serialize,
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut P::Connection, &Q) -> Result<R, E>,
@@ -335,7 +335,7 @@ pub async fn run_phased_async<A, P, Q, R, E, F>(
     body: F,
 ) -> Result<Answer<R>, Failure<E>>
 where
-    P: super::AsyncConnectionPool,
+    P: crate::AsyncConnectionPool,
     Q: Serialize,
     R: Serialize + DeserializeOwned,
     F: AsyncFnOnce(&mut crate::phased::AsyncSteps<'_, P::Connection>, &Q) -> Result<Finished<R>, Error<E>>,
@@ -378,9 +378,9 @@ async fn lent_call<A, P, Q, R, E>(
     call: impl AsyncFnOnce(&mut P::Connection, &BoundRequest<Q>) -> Result<Answered<R>, Error<E>>,
 ) -> Result<Answer<R>, Failure<E>>
 where
-    P: super::AsyncConnectionPool,
+    P: crate::AsyncConnectionPool,
 {
-    type Rules<P> = RulesOf<<P as super::AsyncConnectionPool>::Connection>;
+    type Rules<P> = RulesOf<<P as crate::AsyncConnectionPool>::Connection>;
     refuse_by_rules_of::<Rules<P>, A, E>(config, key)?;
     let problems = key.problems();
     let Ok(_turn) = gate::turn(Rules::<P>::NAME, key.scope(), key.key(), config.in_flight).await else {

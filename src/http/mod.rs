@@ -20,7 +20,7 @@
 //! | [`run`] | one async call: the key rules checked at once, then a connection from the pool (r2d2's, or deadpool-diesel's with the feature `deadpool`: [`ConnectionPool`]), [`Config::run`](crate::Config::run) on tokio's blocking pool, join; the failures as responses ([`Failure`]) |
 //! | [`lookup`] | what became of the caller's own call with a key, at the endpoints named: the stored response, or a 404, 409, 410 or (a parked phased operation) 500 problem; to anyone else, the 404 of an unknown key |
 //! | [`run_phased`] | the same for a [phased operation](crate::phased) with a foreign call in the middle |
-//! | `run_async`, `run_phased_async` (feature `diesel-async`) | the same on a bb8 or deadpool pool of diesel-async connections ([`AsyncConnectionPool`]), the operation or the steps async closures, in the handler's own future |
+//! | `run_async`, `run_phased_async` (feature `diesel-async`) | the same on a bb8 or deadpool pool of diesel-async connections ([`AsyncConnectionPool`](crate::AsyncConnectionPool)), the operation or the steps async closures, in the handler's own future |
 //! | [`StoredResponse<T>`](StoredResponse) | what an operation returns: status, kept headers, JSON body; stored, and replayed as it was |
 //! | [`Answer<R>`](Answer) | what `run` returns: the `Outcome<R>`, whose response is `R`'s plus `Idempotent-Replayed: true` on a replay, and `Idempotency-Expires`, when the key's guarantee ends |
 //! | [`openapi`] (feature `openapi`) | the utoipa pieces: header parameter, problem schema and responses, the replay marker |
@@ -157,8 +157,6 @@
 #[cfg(feature = "actix")]
 mod actix;
 mod answer;
-#[cfg(feature = "diesel-async")]
-mod async_pool;
 #[cfg(feature = "axum")]
 mod axum;
 mod call;
@@ -180,8 +178,6 @@ mod response;
 #[cfg(feature = "actix")]
 pub use actix::OptionalIdempotencyKey;
 pub use answer::Answer;
-#[cfg(feature = "diesel-async")]
-pub use async_pool::AsyncConnectionPool;
 pub use call::{run, run_phased};
 #[cfg(feature = "diesel-async")]
 pub use call::{run_async, run_phased_async};

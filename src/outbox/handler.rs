@@ -105,13 +105,8 @@ impl<'scope, 'env, F> Attempts<'scope, 'env, F> {
                 runner.given_up.store(true, Ordering::SeqCst);
                 self.abandoned.fetch_add(1, Ordering::SeqCst);
                 self.runner = None;
-                tracing::warn!(
-                    target: telemetry::TARGET, message_id = %message.id, topic = %message.topic,
-                    attempt = message.attempt, "handler still running at three quarters of its lease; attempt given up"
-                );
-                Err(String::from(
-                    "the handler did not return within three quarters of the lease; the attempt was given up",
-                ))
+                given_up(message);
+                Err(String::from(GIVEN_UP))
             }
             Err(RecvTimeoutError::Disconnected) => {
                 self.runner = None;
@@ -162,21 +157,43 @@ where
     F: Fn(&Message) -> Result<(), E>,
 {
     match panic::catch_unwind(AssertUnwindSafe(|| handler(message))) {
-        Ok(handled) => handled.map_err(|failure| match failure.is_permanent() {
-            true => Failure::Permanent(failure.text()),
-            false => Failure::Retry(failure.text()),
-        }),
-        Err(payload) => {
-            let text = payload
-                .downcast_ref::<&str>()
-                .copied()
-                .or_else(|| payload.downcast_ref::<String>().map(String::as_str));
-            Err(Failure::Retry(match text {
-                Some(text) => format!("the handler panicked: {text}"),
-                None => String::from("the handler panicked"),
-            }))
-        }
+        Ok(handled) => handled.map_err(failure_of),
+        Err(payload) => Err(panicked(&*payload)),
     }
+}
+
+/// How a handler's error is recorded: parked at once when permanent,
+/// retried otherwise.
+pub(super) fn failure_of<E: HandlerError>(failure: E) -> Failure {
+    match failure.is_permanent() {
+        true => Failure::Permanent(failure.text()),
+        false => Failure::Retry(failure.text()),
+    }
+}
+
+/// A handler's panic as the failure of its message, with the panic's text.
+pub(super) fn panicked(payload: &(dyn std::any::Any + Send)) -> Failure {
+    let text = payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str));
+    Failure::Retry(match text {
+        Some(text) => format!("the handler panicked: {text}"),
+        None => String::from("the handler panicked"),
+    })
+}
+
+/// The error recorded for an attempt given up on at three quarters of its
+/// lease.
+pub(super) const GIVEN_UP: &str =
+    "the handler did not return within three quarters of the lease; the attempt was given up";
+
+/// Reports an attempt given up on.
+pub(super) fn given_up(message: &Message) {
+    tracing::warn!(
+        target: telemetry::TARGET, message_id = %message.id, topic = %message.topic,
+        attempt = message.attempt, "handler still running at three quarters of its lease; attempt given up"
+    );
 }
 
 /// Runs `f` with `dispatch` as the thread's subscriber, inside `span`.

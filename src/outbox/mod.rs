@@ -125,6 +125,8 @@ mod handler;
 mod message;
 mod relay;
 mod retention;
+#[cfg(feature = "diesel-async")]
+mod tasks;
 mod workers;
 
 pub use backlog::{DeadLetter, Stats};

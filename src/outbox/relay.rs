@@ -2,6 +2,7 @@
 //! its attempt ended.
 
 use std::fmt;
+use std::future::Future;
 
 use chrono::{DateTime, Duration, NaiveDateTime, Utc};
 
@@ -10,8 +11,8 @@ use super::error::Error;
 use super::failure::HandlerError;
 use super::message::{Deliveries, Message};
 use super::retention::{DEFAULT_RETENTION, WRITE_LOCK_WAIT, purge_delivered};
-use crate::backend::outbox::{BatchClaim, Claimed, MessageId, Settlement};
-use crate::backend::{RawConnection, StoreConnection};
+use crate::backend::outbox::{BatchClaim, Claimed, MessageId, OutboxStore, Settlement};
+use crate::backend::{StoreConnection, block_on};
 use crate::clock::{Clock, Reading, assert_duration};
 use crate::id;
 use crate::telemetry;
@@ -226,11 +227,13 @@ impl Relay {
     /// Hands a claimed message to `handler` and decides how its attempt
     /// ended; `None` for a message reached only after the lease ran out,
     /// which the rest of the batch may already belong to another relay.
-    fn attempt<E, F>(&self, row: Claimed, clock: &Reading, lease: &Lease, handler: &mut F) -> Option<Settlement>
-    where
-        E: HandlerError,
-        F: FnMut(&Message) -> Result<(), E>,
-    {
+    async fn attempt<D: Deliver>(
+        &self,
+        row: Claimed,
+        clock: &Reading,
+        lease: &Lease,
+        handler: &mut D,
+    ) -> Option<Settlement> {
         if clock.now() >= lease.until {
             return None;
         }
@@ -266,7 +269,7 @@ impl Relay {
             traceparent: row.traceparent,
             tracestate: row.tracestate,
         };
-        Some(match handler(&message) {
+        Some(match handler.deliver(&message).await {
             Ok(()) => Settlement::Delivered { at: clock.now() },
             Err(failure) if failure.is_permanent() || attempt >= self.max_attempts => Settlement::Dead {
                 error: storable_error(failure.text()),
@@ -342,7 +345,7 @@ impl Relay {
         F: FnMut(&Message) -> Result<(), E>,
     {
         let mut report = Deliveries::default();
-        self.pass(conn.raw(), &mut handler, &|| false, &mut report)?;
+        block_on(self.pass(conn.raw(), &mut Blocking(&mut handler), &|| false, &mut report))?;
         Ok(report)
     }
 
@@ -350,31 +353,27 @@ impl Relay {
     /// recorded, so that an error later in the batch keeps what was done
     /// before it. Once `stop` says so, the messages not yet handed over are
     /// given back, due at once for another relay.
-    pub(super) fn pass<C, E, F>(
+    pub(super) async fn pass<C: OutboxStore, D: Deliver>(
         &self,
         conn: &mut C,
-        handler: &mut F,
-        stop: &dyn Fn() -> bool,
+        handler: &mut D,
+        stop: &(dyn Fn() -> bool + Sync),
         report: &mut Deliveries,
-    ) -> Result<(), Error>
-    where
-        C: RawConnection,
-        E: HandlerError,
-        F: FnMut(&Message) -> Result<(), E>,
-    {
-        let clock = self.clock.start(conn)?;
+    ) -> Result<(), Error> {
+        let clock = self.clock.start(conn).await?;
         let lease = Lease {
             token: id::new(),
             until: clock.at() + self.lease,
         };
-        let mut claimed = conn.write_now(WRITE_LOCK_WAIT, |tx| {
-            tx.claim_batch(&BatchClaim {
-                now: clock.at(),
-                lease_until: lease.until,
-                lease_token: &lease.token,
-                limit: self.batch_size,
-            })
-        })?;
+        let claim = BatchClaim {
+            now: clock.at(),
+            lease_until: lease.until,
+            lease_token: &lease.token,
+            limit: self.batch_size,
+        };
+        let mut claimed = conn
+            .write(WRITE_LOCK_WAIT, async |tx: &mut C| tx.claim_batch(&claim).await)
+            .await?;
         telemetry::relay::claimed(claimed.len(), lease.until);
         // The claim returns its rows in no particular order.
         claimed.sort_by(|a, b| a.id.cmp(&b.id));
@@ -384,19 +383,29 @@ impl Relay {
             let (id, scope) = (row.id.clone(), row.scope.clone());
             let message = MessageId { scope: &scope, id: &id };
             if stop() {
-                if conn.write_now(WRITE_LOCK_WAIT, |tx| tx.release(message, &lease.token))? {
+                if conn
+                    .write(WRITE_LOCK_WAIT, async |tx: &mut C| {
+                        tx.release(message, &lease.token).await
+                    })
+                    .await?
+                {
                     report.released += 1;
                 }
                 continue;
             }
             let topic = row.topic.clone();
             let attempt = u32::try_from(row.attempts).unwrap_or(u32::MAX);
-            let Some(settlement) = self.attempt(row, &clock, &lease, handler) else {
+            let Some(settlement) = self.attempt(row, &clock, &lease, handler).await else {
                 telemetry::relay::lease_lost(&id);
                 report.lost += 1;
                 continue;
             };
-            if conn.write_now(WRITE_LOCK_WAIT, |tx| tx.settle(message, &lease.token, &settlement))? {
+            if conn
+                .write(WRITE_LOCK_WAIT, async |tx: &mut C| {
+                    tx.settle(message, &lease.token, &settlement).await
+                })
+                .await?
+            {
                 match &settlement {
                     Settlement::Delivered { .. } => telemetry::relay::delivered(&id, &topic, attempt),
                     Settlement::Retry { due, .. } => telemetry::relay::retrying(&id, &topic, attempt, *due),
@@ -545,6 +554,33 @@ impl Relay {
         C: StoreConnection,
     {
         purge_delivered(conn, &self.clock, self.retention, batch_size, &|| false)
+    }
+}
+
+/// How a relay's pass hands a message over: a trait rather than an async
+/// closure, so that the future of a pass on a diesel-async connection is
+/// `Send` wherever its parts are (an async closure called by reference
+/// hides that behind a lifetime the compiler cannot generalise).
+pub(super) trait Deliver {
+    /// The handler's error.
+    type Error: HandlerError;
+
+    /// Hands `message` over and waits for the outcome.
+    fn deliver(&mut self, message: &Message) -> impl Future<Output = Result<(), Self::Error>>;
+}
+
+/// A synchronous handler, whose outcome is ready when it returns.
+pub(super) struct Blocking<F>(pub(super) F);
+
+impl<E, F> Deliver for Blocking<F>
+where
+    E: HandlerError,
+    F: FnMut(&Message) -> Result<(), E>,
+{
+    type Error = E;
+
+    fn deliver(&mut self, message: &Message) -> impl Future<Output = Result<(), E>> {
+        std::future::ready((self.0)(message))
     }
 }
 

@@ -2,10 +2,11 @@
 //! are due and sleep while none are, and on PostgreSQL a listener that
 //! wakes them when an enqueue commits.
 
-use std::cell::Cell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::thread;
 use std::time::Instant;
+
+use chrono::NaiveDateTime;
 
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
 use tracing::{Dispatch, Span};
@@ -14,15 +15,15 @@ use super::error::Error;
 use super::failure::{Failure, HandlerError};
 use super::handler::{Attempts, traced};
 use super::message::{Deliveries, Message};
-use super::relay::Relay;
-use crate::backend::StoreConnection;
-use crate::backend::outbox::{BlockingOutboxStore, Due};
+use super::relay::{Blocking, Relay};
+use crate::backend::outbox::{BlockingOutboxStore, Due, OutboxStore};
+use crate::backend::{StoreConnection, block_on};
 use crate::service::{Next, Shutdown, Stopped, serve};
 use crate::telemetry;
 
 /// How long a service waits for a pooled connection before it looks at its
 /// shutdown signal again.
-const CHECKOUT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+pub(super) const CHECKOUT_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How often a listening connection is asked for notifications. Asking
 /// reads the socket without a round trip.
@@ -123,46 +124,63 @@ where
     }
     let conn = conn.raw();
     let now = relay.clock.now(conn)?;
-    match conn.next_due()? {
-        Some(Due::At(due)) if due > now => {
-            let until_due = (due - now).to_std().unwrap_or_default();
-            return Ok(Next::SleepOrWake(until_due.min(relay.poll_interval)));
-        }
-        None => return Ok(Next::SleepOrWake(relay.poll_interval)),
-        Some(Due::Now | Due::At(_)) => {}
+    if let Some(sleep) = relay.sleep_until_due(now, block_on(conn.next_due())?) {
+        return Ok(sleep);
     }
-    // The claim's lease runs from about now. An attempt is given up
-    // once three quarters of it have passed, so that its failure is
-    // recorded while the lease still holds, before another worker may
-    // claim the message again.
     let give_up_at = relay
-        .lease
-        .to_std()
-        .ok()
-        .and_then(|lease| Instant::now().checked_add(lease.mul_f64(0.75)));
-    let gave_up = Cell::new(false);
+        .give_up_after()
+        .and_then(|patience| Instant::now().checked_add(patience));
+    let gave_up = AtomicBool::new(false);
     let mut report = Deliveries::default();
-    let passed = relay.pass(
+    let passed = block_on(relay.pass(
         conn,
-        &mut |message: &Message| {
+        &mut Blocking(|message: &Message| {
             attempts.hand_over(message, give_up_at).unwrap_or_else(|abandoned| {
-                gave_up.set(true);
+                gave_up.store(true, Ordering::SeqCst);
                 Err(Failure::Retry(abandoned))
             })
-        },
+        }),
         // After an attempt given up on, the rest of the batch is given
         // back, due at once, rather than reached after its lease.
-        &|| shutdown.is_triggered() || gave_up.get(),
+        &|| shutdown.is_triggered() || gave_up.load(Ordering::SeqCst),
         &mut report,
-    );
+    ));
     *done += report;
     passed?;
-    Ok(if report.claimed == 0 {
-        // Due, but another relay claimed it first.
-        Next::SleepOrWake(relay.poll_interval)
-    } else {
-        Next::Now
-    })
+    Ok(relay.after_pass(&report))
+}
+
+impl Relay {
+    /// How long a worker sleeps before its next pass, given the time `now`
+    /// and when the next message is `due`; `None` when one is due now.
+    pub(super) fn sleep_until_due(&self, now: NaiveDateTime, due: Option<Due>) -> Option<Next> {
+        match due {
+            Some(Due::At(due)) if due > now => {
+                let until_due = (due - now).to_std().unwrap_or_default();
+                Some(Next::SleepOrWake(until_due.min(self.poll_interval)))
+            }
+            None => Some(Next::SleepOrWake(self.poll_interval)),
+            Some(Due::Now | Due::At(_)) => None,
+        }
+    }
+
+    /// How long after its claim a worker waits for a handler: three
+    /// quarters of the lease, which runs from about the claim, so that the
+    /// failure of an attempt given up on is recorded while the lease still
+    /// holds, before another worker may claim the message again.
+    pub(super) fn give_up_after(&self) -> Option<std::time::Duration> {
+        self.lease.to_std().ok().map(|lease| lease.mul_f64(0.75))
+    }
+
+    /// What a worker does after a pass that claimed `report.claimed`.
+    pub(super) fn after_pass(&self, report: &Deliveries) -> Next {
+        if report.claimed == 0 {
+            // Due, but another relay claimed it first.
+            Next::SleepOrWake(self.poll_interval)
+        } else {
+            Next::Now
+        }
+    }
 }
 
 /// Listens for announced messages and wakes the workers, on backends
@@ -184,9 +202,10 @@ where
 /// `stopped`; `false` at once where the backend announces nothing.
 fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown, stopped: &dyn Fn() -> bool) -> Result<bool, Error> {
     let conn = conn.raw();
-    if !conn.listen()? {
+    if !announces::<C>() {
         return Ok(false);
     }
+    block_on(conn.listen())?;
     // Wakes once now: a message committed before LISTEN took effect was
     // announced to nobody.
     shutdown.wake();
@@ -196,12 +215,12 @@ fn listen_on<C: StoreConnection>(conn: &mut C, shutdown: &Shutdown, stopped: &dy
         }
         shutdown.pause(LISTEN_POLL);
     }
-    conn.unlisten()?;
+    block_on(conn.unlisten())?;
     Ok(true)
 }
 
 /// Counts a worker out when its thread ends, by return or by panic.
-struct Leaving<'a>(&'a AtomicUsize);
+pub(super) struct Leaving<'a>(pub(super) &'a AtomicUsize);
 
 impl Drop for Leaving<'_> {
     fn drop(&mut self) {
@@ -213,7 +232,7 @@ impl Drop for Leaving<'_> {
 /// (Generic over any `StoreConnection`, where `C::Raw` stays a projection
 /// whose bounds the compiler knows.)
 fn announces<C: StoreConnection>() -> bool {
-    <C::Raw as BlockingOutboxStore>::ANNOUNCES
+    <C::Raw as OutboxStore>::ANNOUNCES
 }
 
 impl Relay {

@@ -16,10 +16,15 @@ mod shutdown;
 
 use std::error::Error as StdError;
 use std::fmt;
+#[cfg(feature = "diesel-async")]
+use std::future::Future;
 use std::ops::AddAssign;
 use std::time::{Duration, Instant};
 
 use diesel::r2d2::{ManageConnection, Pool, PoolError, PooledConnection};
+
+#[cfg(feature = "diesel-async")]
+use crate::AsyncConnectionPool;
 
 pub use shutdown::Shutdown;
 
@@ -80,7 +85,7 @@ pub(crate) type PassError = Box<dyn StdError>;
 
 /// The pool had no connection for a service in time.
 #[derive(Debug)]
-struct NoConnection(PoolError);
+struct NoConnection(Box<dyn StdError + Send + Sync>);
 
 impl fmt::Display for NoConnection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -90,7 +95,7 @@ impl fmt::Display for NoConnection {
 
 impl StdError for NoConnection {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        Some(&self.0)
+        Some(&*self.0)
     }
 }
 
@@ -120,7 +125,7 @@ where
         let next = match checkout(pool, shutdown, patience) {
             Ok(None) => break,
             Ok(Some(mut conn)) => pass(&mut conn, &mut stopped.work),
-            Err(error) => Err(NoConnection(error).into()),
+            Err(error) => Err(NoConnection(Box::new(error)).into()),
         };
         match next {
             Ok(Next::Now) => backoff.succeeded(),
@@ -173,9 +178,82 @@ fn checkout<M: ManageConnection>(
     }
 }
 
+/// The error of an async service's pass, for the log.
+#[cfg(feature = "diesel-async")]
+pub(crate) type AsyncPassError = Box<dyn StdError + Send + Sync>;
+
+/// An async service's pass on a connection `C`: a trait rather than an
+/// async closure, so that the service's future is `Send` wherever its
+/// parts are (an async closure called by reference hides that behind a
+/// lifetime the compiler cannot generalise).
+#[cfg(feature = "diesel-async")]
+pub(crate) trait AsyncPass<C> {
+    /// What the passes add up to.
+    type Work: Default;
+
+    /// One pass on `conn`, adding what it does to `work`.
+    fn pass(&mut self, conn: &mut C, work: &mut Self::Work) -> impl Future<Output = Result<Next, AsyncPassError>>;
+}
+
+/// [`serve`] for a task: each pass gets a connection from an async `pool`
+/// (waiting up to `patience`, or until `shutdown`), and every wait is
+/// awaited, never blocking a thread of the runtime.
+#[cfg(feature = "diesel-async")]
+pub(crate) async fn serve_async<P, S>(
+    name: &'static str,
+    pool: &P,
+    shutdown: &Shutdown,
+    patience: Duration,
+    stop: &(dyn Fn() -> bool + Sync),
+    mut service: S,
+) -> Stopped<S::Work>
+where
+    P: AsyncConnectionPool,
+    S: AsyncPass<P::Connection>,
+{
+    use futures_util::future::{Either, select};
+
+    let mut stopped = Stopped {
+        work: S::Work::default(),
+        errors: 0,
+    };
+    let mut backoff = ErrorBackoff::new();
+    while !stop() {
+        let wakes = shutdown.wakes();
+        let lent = match select(std::pin::pin!(pool.lend()), std::pin::pin!(shutdown.paused(patience))).await {
+            Either::Left((lent, _)) => lent,
+            Either::Right((true, _)) => break,
+            Either::Right((false, _)) => Err(format!("none within {} ms", patience.as_millis()).into()),
+        };
+        let next = match lent {
+            Ok(mut conn) => service.pass(&mut *conn, &mut stopped.work).await,
+            Err(error) => Err(Box::new(NoConnection(error)) as AsyncPassError),
+        };
+        match next {
+            Ok(Next::Now) => backoff.succeeded(),
+            Ok(Next::Sleep(wait)) => {
+                backoff.succeeded();
+                shutdown.paused(wait).await;
+            }
+            Ok(Next::SleepOrWake(wait)) => {
+                backoff.succeeded();
+                shutdown.woken_for(wakes, wait).await;
+            }
+            Ok(Next::Stop) => break,
+            Err(error) => {
+                stopped.errors += 1;
+                let wait = backoff.failed();
+                telemetry::service_error(name, &*error, wait);
+                shutdown.paused(wait).await;
+            }
+        }
+    }
+    stopped
+}
+
 /// How long a service waits after a database error before it tries again:
 /// short at first, doubling up to a cap, back to short after a success.
-struct ErrorBackoff {
+pub(crate) struct ErrorBackoff {
     next: Duration,
 }
 
@@ -183,18 +261,18 @@ impl ErrorBackoff {
     const FIRST: Duration = Duration::from_millis(100);
     const MAX: Duration = Duration::from_secs(10);
 
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         ErrorBackoff { next: Self::FIRST }
     }
 
     /// The wait after one more error in a row.
-    fn failed(&mut self) -> Duration {
+    pub(crate) fn failed(&mut self) -> Duration {
         let wait = self.next;
         self.next = (self.next * 2).min(Self::MAX);
         wait
     }
 
-    fn succeeded(&mut self) {
+    pub(crate) fn succeeded(&mut self) {
         self.next = Self::FIRST;
     }
 }

@@ -38,6 +38,9 @@ pub struct Shutdown {
 struct Inner {
     state: Mutex<State>,
     changed: Condvar,
+    /// Wakes the async services' tasks as `changed` wakes the threads.
+    #[cfg(feature = "diesel-async")]
+    notify: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -65,7 +68,7 @@ impl Shutdown {
     /// Tells every service holding a clone to stop.
     pub fn trigger(&self) {
         self.state().triggered = true;
-        self.inner.changed.notify_all();
+        self.notify_all();
     }
 
     /// Whether [`trigger`](Shutdown::trigger) was called.
@@ -91,7 +94,53 @@ impl Shutdown {
     /// a wait in [`wait`](Shutdown::wait) goes on.
     pub(crate) fn wake(&self) {
         self.state().wakes += 1;
+        self.notify_all();
+    }
+
+    /// Wakes every thread and task waiting on the signal.
+    fn notify_all(&self) {
         self.inner.changed.notify_all();
+        #[cfg(feature = "diesel-async")]
+        self.inner.notify.notify_waiters();
+    }
+
+    /// [`pause`](Shutdown::pause) for a task: waits without blocking its
+    /// thread.
+    #[cfg(feature = "diesel-async")]
+    pub(crate) async fn paused(&self, timeout: Duration) -> bool {
+        self.woken_until(timeout, |_| false).await
+    }
+
+    /// [`wait_for_wake`](Shutdown::wait_for_wake) for a task.
+    #[cfg(feature = "diesel-async")]
+    pub(crate) async fn woken_for(&self, seen: u64, timeout: Duration) {
+        self.woken_until(timeout, |state| state.wakes != seen).await;
+    }
+
+    /// [`wait_until`](Shutdown::wait_until) for a task.
+    #[cfg(feature = "diesel-async")]
+    async fn woken_until(&self, timeout: Duration, woken: impl Fn(&State) -> bool) -> bool {
+        let deadline = tokio::time::Instant::now().checked_add(timeout);
+        loop {
+            // Registered before the state is read: a change after the read
+            // wakes this wait.
+            let mut notified = std::pin::pin!(self.inner.notify.notified());
+            notified.as_mut().enable();
+            {
+                let state = self.state();
+                if state.triggered || woken(&state) {
+                    return state.triggered;
+                }
+            }
+            match deadline {
+                Some(deadline) => {
+                    if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                        return self.is_triggered();
+                    }
+                }
+                None => notified.await,
+            }
+        }
     }
 
     /// The number of wakes so far, to wait for the next one.

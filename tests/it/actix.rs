@@ -681,10 +681,8 @@ mod diesel_async_pools {
     use actix_web::web;
     use diesel_async::pooled_connection::AsyncDieselConnectionManager;
     use http::StatusCode;
-    use idempotency::Config;
-    use idempotency::http::{
-        self as idem, Answer, AsyncConnectionPool, Failure, IdempotencyKey, Problem, StoredResponse,
-    };
+    use idempotency::http::{self as idem, Answer, Failure, IdempotencyKey, Problem, StoredResponse};
+    use idempotency::{AsyncConnectionPool, Config};
     use serde_json::{Value, json};
 
     use super::{ALICE, JSON, Member, NewOrder, ORDER, Server, order_count, post};

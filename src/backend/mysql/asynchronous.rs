@@ -17,9 +17,10 @@ use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, Tr
 
 use super::clock::{DatabaseNow, UtcNow};
 use super::key::{claim, hold, key_transaction, read, store};
+use super::outbox::claim_batch;
 use super::schema;
 use super::session::{Session, sends};
-use crate::backend::outbox::{OutboxStore, outbox_statements};
+use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{OperationColumns, OperationColumnsRow, RowWith, operation_of};
 use crate::backend::{
@@ -115,5 +116,9 @@ impl PhaseStore for AsyncMysqlConnection {
 }
 
 impl OutboxStore for AsyncMysqlConnection {
-    outbox_statements!(async schema, created_at = UtcNow; insert_message);
+    async fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
+        claim_batch(self, claim).await
+    }
+
+    outbox_statements!(async schema, created_at = UtcNow; insert_message, settle, release, next_due);
 }

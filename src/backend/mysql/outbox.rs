@@ -25,7 +25,8 @@ use diesel::sql_types::{BigInt, Datetime, Text};
 
 use super::clock::UtcNow;
 use super::committed::read_committed;
-use crate::backend::mysql::schema::{self, idempotency_outbox as o};
+use super::session::Session;
+use crate::backend::mysql::schema;
 use crate::backend::outbox::{
     BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, head_of_its_key, outbox_statements,
 };
@@ -33,43 +34,54 @@ use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
 
 impl OutboxStore for MysqlConnection {
-    outbox_statements!(ready schema, created_at = UtcNow; insert_message);
+    async fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
+        claim_batch(self, claim).await
+    }
+
+    outbox_statements!(ready schema, created_at = UtcNow; insert_message, settle, release, next_due);
+}
+
+/// [`OutboxStore::claim_batch`] on either kind of connection: the due
+/// messages read and locked, then leased by their primary key, in one
+/// transaction at `READ COMMITTED` (a savepoint in a caller's).
+pub(super) async fn claim_batch<S: Session>(conn: &mut S, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
+    if conn.transaction_depth()? == 0 {
+        // Applies to the next transaction only; the session keeps its level.
+        conn.execute_sql(diesel::sql_query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED").into_boxed())
+            .await?;
+    }
+    conn.within(async |tx: &mut S| {
+        // The head condition's subquery is a plain read, which locks
+        // nothing and skips nothing: it sees an earlier message of the
+        // key that another relay is settling as last committed.
+        let mut due = tx
+            .load_claimed(
+                diesel::sql_query(concat!(
+                    "SELECT id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate \
+                     FROM idempotency_outbox AS o FORCE INDEX (idempotency_outbox_status_id) \
+                     WHERE status = ? AND (available_at IS NULL OR available_at <= ?) AND ",
+                    head_of_its_key!(),
+                    " ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED"
+                ))
+                .into_boxed()
+                .bind::<Text, _>(MessageStatus::Pending)
+                .bind::<Datetime, _>(claim.now)
+                .bind::<BigInt, _>(sql_limit(claim.limit)),
+            )
+            .await?;
+        if due.is_empty() {
+            return Ok(due);
+        }
+        tx.lease(&due, claim).await?;
+        for message in &mut due {
+            message.attempts += 1;
+        }
+        Ok(due)
+    })
+    .await
 }
 
 impl BlockingOutboxStore for MysqlConnection {
-    fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
-        read_committed(self, |tx| {
-            // The head condition's subquery is a plain read, which locks
-            // nothing and skips nothing: it sees an earlier message of the
-            // key that another relay is settling as last committed.
-            let mut due: Vec<Claimed> = diesel::sql_query(concat!(
-                "SELECT id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate \
-                 FROM idempotency_outbox AS o FORCE INDEX (idempotency_outbox_status_id) \
-                 WHERE status = ? AND (available_at IS NULL OR available_at <= ?) AND ",
-                head_of_its_key!(),
-                " ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED"
-            ))
-            .bind::<Text, _>(MessageStatus::Pending)
-            .bind::<Datetime, _>(claim.now)
-            .bind::<BigInt, _>(sql_limit(claim.limit))
-            .load(tx)?;
-            if due.is_empty() {
-                return Ok(due);
-            }
-            diesel::update(o::table.filter(o::id.eq_any(due.iter().map(|message| &message.id))))
-                .set((
-                    o::attempts.eq(o::attempts + 1),
-                    o::available_at.eq(claim.lease_until),
-                    o::lease_token.eq(claim.lease_token),
-                ))
-                .execute(tx)?;
-            for message in &mut due {
-                message.attempts += 1;
-            }
-            Ok(due)
-        })
-    }
-
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
         // SKIP LOCKED: two purges running at once split the rows instead of
         // queueing behind each other.
@@ -87,5 +99,5 @@ impl BlockingOutboxStore for MysqlConnection {
         })
     }
 
-    outbox_statements!(blocking schema; settle, dead_messages, release, next_due, backlog, requeue);
+    outbox_statements!(blocking schema; dead_messages, backlog, requeue);
 }

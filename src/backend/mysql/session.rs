@@ -10,6 +10,7 @@ use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
 use diesel::mysql::{Mysql, MysqlConnection};
 use diesel::prelude::*;
+use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::result::Error as DieselError;
 
 use diesel::dsl::Eq;
@@ -17,6 +18,7 @@ use diesel::dsl::Eq;
 use super::lock::{GetLock, IdleStatement, ReleaseLock};
 use super::schema::idempotency_keys as k;
 use crate::backend::keys::{KeyStore, Record, Stored};
+use crate::backend::outbox::{BatchClaim, Claimed};
 use crate::backend::transaction::end_level;
 use crate::row_status::RecordStatus;
 
@@ -58,6 +60,21 @@ pub(super) trait Session: KeyStore<Rules = Mysql> {
     /// Runs [`Complete`](crate::backend::keys::Complete) for `record`: the records
     /// completed, 0 or 1.
     fn complete(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<usize>>;
+
+    /// Sends a statement of SQL text with its parameters bound: the rows
+    /// changed.
+    fn execute_sql(&mut self, query: BoxedSqlQuery<'_, Mysql, SqlQuery>) -> impl Future<Output = QueryResult<usize>>;
+
+    /// Sends a statement of SQL text that reads outbox messages a relay
+    /// claims, with its parameters bound.
+    fn load_claimed(
+        &mut self,
+        query: BoxedSqlQuery<'_, Mysql, SqlQuery>,
+    ) -> impl Future<Output = QueryResult<Vec<Claimed>>>;
+
+    /// Leases the messages `due` for `claim`: one more attempt each, due
+    /// again when the lease ends, and the claim's token.
+    fn lease(&mut self, due: &[Claimed], claim: &BatchClaim<'_>) -> impl Future<Output = QueryResult<usize>>;
 
     /// Runs `work` in a transaction, or a savepoint in a caller's, and
     /// commits it if `work` succeeded and rolls it back otherwise.
@@ -150,6 +167,40 @@ macro_rules! sends {
         async fn complete(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<usize> {
             use $($run)* as _;
             $crate::backend::keys::Complete::<diesel::sql_types::Datetime>::new(record).execute(self)$($await)*
+        }
+
+        async fn execute_sql(
+            &mut self,
+            query: diesel::query_builder::BoxedSqlQuery<'_, diesel::mysql::Mysql, diesel::query_builder::SqlQuery>,
+        ) -> diesel::QueryResult<usize> {
+            use $($run)* as _;
+            query.execute(self)$($await)*
+        }
+
+        async fn load_claimed(
+            &mut self,
+            query: diesel::query_builder::BoxedSqlQuery<'_, diesel::mysql::Mysql, diesel::query_builder::SqlQuery>,
+        ) -> diesel::QueryResult<Vec<$crate::backend::outbox::Claimed>> {
+            use $($run)* as _;
+            query.load(self)$($await)*
+        }
+
+        async fn lease(
+            &mut self,
+            due: &[$crate::backend::outbox::Claimed],
+            claim: &$crate::backend::outbox::BatchClaim<'_>,
+        ) -> diesel::QueryResult<usize> {
+            use $($run)* as _;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $crate::backend::mysql::schema::idempotency_outbox as o;
+            diesel::update(o::table.filter(o::id.eq_any(due.iter().map(|message| &message.id))))
+                .set((
+                    o::attempts.eq(o::attempts + 1),
+                    o::available_at.eq(claim.lease_until),
+                    o::lease_token.eq(claim.lease_token),
+                ))
+                .execute(self)
+                $($await)*
         }
     };
 }

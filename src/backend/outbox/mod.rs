@@ -22,14 +22,65 @@ mod statements;
 pub use rows::{Backlog, BatchClaim, Claimed, DeadRow, Due, MessageId, NewMessage, Settlement};
 pub(crate) use statements::outbox_statements;
 
-/// The statements of the outbox that a call's operation sends, one
-/// implementation per kind of connection, async-shaped as
-/// [`KeyStore`](crate::backend::KeyStore) is, so `enqueue` is written once
-/// for both. A supertrait of the crate's public connection traits, in a
-/// private module.
+/// The statements of the outbox that a call's operation and a relay send,
+/// one implementation per kind of connection, async-shaped as
+/// [`KeyStore`](crate::backend::KeyStore) is, so `enqueue` and the relay's
+/// pass are written once for both. A supertrait of the crate's public
+/// connection traits, in a private module. Each backend writes
+/// `claim_batch`; the rest is `outbox_statements!`.
 pub trait OutboxStore: KeyStore {
     /// Writes a new message, created at the database's time.
     fn insert_message(&mut self, message: &NewMessage<'_>) -> impl Future<Output = QueryResult<()>>;
+
+    /// Leases the pending messages `claim` asks for, oldest first: each
+    /// gets one more attempt, the claim's `lease_token` and `available_at =
+    /// lease_until`, so no other relay claims it before the lease runs out.
+    fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> impl Future<Output = QueryResult<Vec<Claimed>>>;
+
+    /// Records how an attempt ended; `false` when the lease was taken over
+    /// (or the message requeued) and nothing was written. The message is
+    /// named by its scope and id, as a distributed database places it.
+    fn settle(
+        &mut self,
+        message: MessageId<'_>,
+        lease_token: &str,
+        settlement: &Settlement,
+    ) -> impl Future<Output = QueryResult<bool>>;
+
+    /// Gives a claimed message back unattempted, due at once, for a relay
+    /// that stops before handing it over; `false` when the lease was taken
+    /// over meanwhile.
+    fn release(&mut self, message: MessageId<'_>, lease_token: &str) -> impl Future<Output = QueryResult<bool>>;
+
+    /// When the earliest pending message is due: now for one never
+    /// attempted (or given back), otherwise when its lease, its backoff or
+    /// its `not_before` ends; `None` without pending messages.
+    fn next_due(&mut self) -> impl Future<Output = QueryResult<Option<Due>>>;
+
+    /// Whether the backend announces new or requeued messages, so that a
+    /// relay service has something to listen for. Backends that do not
+    /// keep the defaults below: their relays find new messages by polling.
+    const ANNOUNCES: bool = false;
+
+    /// Starts listening for announcements of new or requeued messages on
+    /// this connection.
+    fn listen(&mut self) -> impl Future<Output = QueryResult<()>> {
+        std::future::ready(Ok(()))
+    }
+
+    /// Waits for the next announcement after [`listen`](OutboxStore::listen),
+    /// on a diesel-async connection; on one that
+    /// [announces](OutboxStore::ANNOUNCES) nothing, never completes. (A
+    /// synchronous connection is asked with `BlockingOutboxStore::announced`,
+    /// which never waits.)
+    fn announcement(&mut self) -> impl Future<Output = QueryResult<()>> {
+        std::future::pending()
+    }
+
+    /// Stops listening, so the connection goes back to a pool clean.
+    fn unlisten(&mut self) -> impl Future<Output = QueryResult<()>> {
+        std::future::ready(Ok(()))
+    }
 }
 
 /// The claim's condition on a pending message `o`: it is the head of its
@@ -78,22 +129,11 @@ where
 }
 
 /// The outbox's statements that only a synchronous connection runs, for
-/// the relay and its services on threads: a supertrait of
-/// [`RawConnection`](crate::RawConnection), in a private module, so only
-/// the crate implements and calls it; the relay is written against this
-/// trait alone. Each backend writes `claim_batch` and
+/// the relay's upkeep on threads (its backlog, dead letters and purge): a
+/// supertrait of [`RawConnection`](crate::RawConnection), in a private
+/// module, so only the crate implements and calls it. Each backend writes
 /// `purge_delivered_batch`; the rest is `outbox_statements!(blocking ...)`.
 pub trait BlockingOutboxStore: OutboxStore + BlockingStore {
-    /// Leases the pending messages `claim` asks for, oldest first: each
-    /// gets one more attempt, the claim's `lease_token` and `available_at =
-    /// lease_until`, so no other relay claims it before the lease runs out.
-    fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>>;
-
-    /// Records how an attempt ended; `false` when the lease was taken over
-    /// (or the message requeued) and nothing was written. The message is
-    /// named by its scope and id, as a distributed database places it.
-    fn settle(&mut self, message: MessageId<'_>, lease_token: &str, settlement: &Settlement) -> QueryResult<bool>;
-
     /// Up to `limit` dead messages, oldest first.
     fn dead_messages(&mut self, limit: usize) -> QueryResult<Vec<DeadRow>>;
 
@@ -103,37 +143,11 @@ pub trait BlockingOutboxStore: OutboxStore + BlockingStore {
     /// Deletes at most `limit` messages delivered at or before `cutoff`.
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
 
-    /// Gives a claimed message back unattempted, due at once, for a relay
-    /// that stops before handing it over; `false` when the lease was taken
-    /// over meanwhile.
-    fn release(&mut self, message: MessageId<'_>, lease_token: &str) -> QueryResult<bool>;
-
-    /// When the earliest pending message is due: now for one never
-    /// attempted (or given back), otherwise when its lease, its backoff or
-    /// its `not_before` ends; `None` without pending messages.
-    fn next_due(&mut self) -> QueryResult<Option<Due>>;
-
     /// The counts behind `Relay::stats`, with `now` deciding what is due.
     fn backlog(&mut self, now: NaiveDateTime) -> QueryResult<Backlog>;
-
-    /// Whether the backend announces new or requeued messages, so that a
-    /// relay service has something to listen for. Backends that do not
-    /// keep the defaults below: their relays find new messages by polling.
-    const ANNOUNCES: bool = false;
-
-    /// Starts listening for announcements of new or requeued messages on
-    /// this connection; `false` where the backend announces nothing.
-    fn listen(&mut self) -> QueryResult<bool> {
-        Ok(false)
-    }
 
     /// Whether a message was announced since the last look; never waits.
     fn announced(&mut self) -> QueryResult<bool> {
         Ok(false)
-    }
-
-    /// Stops listening, so the connection goes back to a pool clean.
-    fn unlisten(&mut self) -> QueryResult<()> {
-        Ok(())
     }
 }

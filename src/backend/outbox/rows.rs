@@ -82,7 +82,7 @@ pub enum Due {
 
 /// How a claimed message's attempt ended, written only while the claim's
 /// lease token is still the message's.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub enum Settlement {
     /// The handler accepted it.
     Delivered { at: NaiveDateTime },

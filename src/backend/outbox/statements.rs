@@ -4,25 +4,25 @@
 /// The outbox's statements for the tables of a schema module, naming
 /// each method it takes:
 ///
-/// - `outbox_statements!(ready schema, created_at = now; insert_message)`:
-///   [`OutboxStore::insert_message`](super::OutboxStore::insert_message)
-///   as the `async fn` of a synchronous connection, whose statement
-///   completes as it is sent, given the backend's expression for the
-///   database's time;
-/// - `outbox_statements!(async schema, created_at = now; insert_message)`:
-///   the same, awaited, for a diesel-async connection;
-/// - `outbox_statements!(blocking schema; settle, ...)`: the methods
-///   `settle`, `dead_messages`, `release`, `next_due`, `backlog` and
-///   `requeue` of [`BlockingOutboxStore`](super::BlockingOutboxStore).
+/// - `outbox_statements!(ready schema, created_at = now; insert_message, settle, ...)`:
+///   the methods `insert_message`, `settle`, `release` and `next_due` of
+///   [`OutboxStore`](super::OutboxStore) as the `async fn`s of a
+///   synchronous connection, whose statements complete as they are sent,
+///   given the backend's expression for the database's time;
+/// - `outbox_statements!(async schema, created_at = now; ...)`: the same,
+///   awaited, for a diesel-async connection;
+/// - `outbox_statements!(blocking schema; dead_messages, ...)`: the methods
+///   `dead_messages`, `backlog` and `requeue` of
+///   [`BlockingOutboxStore`](super::BlockingOutboxStore).
 macro_rules! outbox_statements {
-    (async $schema:ident, created_at = $now:expr; insert_message) => {
-        $crate::backend::outbox::outbox_statements!(@insert_message $schema, $now, [async] [.await] [diesel_async::RunQueryDsl]);
+    (async $schema:ident, created_at = $now:expr; $($method:ident),+ $(,)?) => {
+        $($crate::backend::outbox::outbox_statements!(@$method $schema, $now, [async] [.await] [diesel_async::RunQueryDsl]);)+
     };
-    (ready $schema:ident, created_at = $now:expr; insert_message) => {
-        $crate::backend::outbox::outbox_statements!(@insert_message $schema, $now, [async] [] [diesel::RunQueryDsl]);
+    (ready $schema:ident, created_at = $now:expr; $($method:ident),+ $(,)?) => {
+        $($crate::backend::outbox::outbox_statements!(@$method $schema, $now, [async] [] [diesel::RunQueryDsl]);)+
     };
     (blocking $schema:ident; $($method:ident),+ $(,)?) => {
-        $($crate::backend::outbox::outbox_statements!(@$method $schema, ());)+
+        $($crate::backend::outbox::outbox_statements!(@$method $schema, (), [] [] [diesel::RunQueryDsl]);)+
     };
     (@insert_message $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
         $($async)? fn insert_message(&mut self, message: &$crate::backend::outbox::rows::NewMessage<'_>) -> diesel::QueryResult<()> {
@@ -49,8 +49,8 @@ macro_rules! outbox_statements {
             Ok(())
         }
     };
-    (@settle $schema:ident, $now:expr) => {
-        fn settle(
+    (@settle $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn settle(
             &mut self,
             message: $crate::backend::outbox::rows::MessageId<'_>,
             lease_token: &str,
@@ -59,7 +59,8 @@ macro_rules! outbox_statements {
             use $crate::backend::outbox::rows::Settlement;
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
-            use diesel::prelude::*;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             let held = o::table
                 .filter(o::scope.eq(message.scope))
                 .filter(o::id.eq(message.id))
@@ -72,14 +73,14 @@ macro_rules! outbox_statements {
                         o::delivered_at.eq(at),
                         o::lease_token.eq(None::<String>),
                     ))
-                    .execute(self)?,
+                    .execute(self)$($await)*?,
                 Settlement::Retry { due, error } => diesel::update(held)
                     .set((
                         o::available_at.eq(due),
                         o::last_error.eq(error),
                         o::lease_token.eq(None::<String>),
                     ))
-                    .execute(self)?,
+                    .execute(self)$($await)*?,
                 Settlement::Dead { error, attempts } => diesel::update(held)
                     .set((
                         o::status.eq(MessageStatus::Dead),
@@ -87,16 +88,17 @@ macro_rules! outbox_statements {
                         o::last_error.eq(error),
                         o::lease_token.eq(None::<String>),
                     ))
-                    .execute(self)?,
+                    .execute(self)$($await)*?,
             };
             Ok(updated == 1)
         }
     };
-    (@dead_messages $schema:ident, $now:expr) => {
-        fn dead_messages(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::backend::outbox::rows::DeadRow>> {
+    (@dead_messages $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn dead_messages(&mut self, limit: usize) -> diesel::QueryResult<Vec<$crate::backend::outbox::rows::DeadRow>> {
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
-            use diesel::prelude::*;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             o::table
                 .filter(o::status.eq(MessageStatus::Dead))
                 .order(o::id)
@@ -109,18 +111,19 @@ macro_rules! outbox_statements {
                     o::last_error,
                     o::created_at,
                 ))
-                .load(self)
+                .load(self)$($await)*
         }
     };
-    (@release $schema:ident, $now:expr) => {
-        fn release(
+    (@release $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn release(
             &mut self,
             message: $crate::backend::outbox::rows::MessageId<'_>,
             lease_token: &str,
         ) -> diesel::QueryResult<bool> {
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
-            use diesel::prelude::*;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             let released = o::table
                 .filter(o::scope.eq(message.scope))
                 .filter(o::id.eq(message.id))
@@ -132,35 +135,37 @@ macro_rules! outbox_statements {
                     o::available_at.eq(None::<chrono::NaiveDateTime>),
                     o::lease_token.eq(None::<String>),
                 ))
-                .execute(self)?;
+                .execute(self)$($await)*?;
             Ok(updated == 1)
         }
     };
-    (@next_due $schema:ident, $now:expr) => {
-        fn next_due(&mut self) -> diesel::QueryResult<Option<$crate::backend::outbox::rows::Due>> {
+    (@next_due $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn next_due(&mut self) -> diesel::QueryResult<Option<$crate::backend::outbox::rows::Due>> {
             use $crate::backend::outbox::rows::Due;
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
-            use diesel::prelude::*;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             let pending = o::table.filter(o::status.eq(MessageStatus::Pending));
             // Due whatever the relay's clock says: a claim takes it at once.
             // (Its enqueue time is the database's, which a relay's injected
             // clock may be behind.)
             let fresh = diesel::select(diesel::dsl::exists(pending.filter(o::available_at.is_null())));
-            if fresh.get_result(self)? {
+            if fresh.get_result(self)$($await)*? {
                 return Ok(Some(Due::Now));
             }
             let earliest: Option<chrono::NaiveDateTime> =
-                pending.select(diesel::dsl::min(o::available_at)).get_result(self)?;
+                pending.select(diesel::dsl::min(o::available_at)).get_result(self)$($await)*?;
             Ok(earliest.map(Due::At))
         }
     };
-    (@backlog $schema:ident, $now:expr) => {
-        fn backlog(&mut self, now: chrono::NaiveDateTime) -> diesel::QueryResult<$crate::backend::outbox::rows::Backlog> {
+    (@backlog $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn backlog(&mut self, now: chrono::NaiveDateTime) -> diesel::QueryResult<$crate::backend::outbox::rows::Backlog> {
             use $crate::backend::outbox::rows::Backlog;
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
-            use diesel::prelude::*;
+            use diesel::{BoolExpressionMethods, ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             let by_status: Vec<($crate::row_status::MessageStatus, i64, Option<chrono::NaiveDateTime>)> = o::table
                 .filter(o::status.eq_any([MessageStatus::Pending, MessageStatus::Dead]))
                 .group_by(o::status)
@@ -169,12 +174,12 @@ macro_rules! outbox_statements {
                     diesel::dsl::count_star(),
                     diesel::dsl::min(o::created_at),
                 ))
-                .load(self)?;
+                .load(self)$($await)*?;
             let due = o::table
                 .filter(o::status.eq(MessageStatus::Pending))
                 .filter(o::available_at.is_null().or(o::available_at.le(now)))
                 .count()
-                .get_result(self)?;
+                .get_result(self)$($await)*?;
             let mut backlog = Backlog {
                 pending: 0,
                 oldest_pending: None,
@@ -192,11 +197,12 @@ macro_rules! outbox_statements {
             Ok(backlog)
         }
     };
-    (@requeue $schema:ident, $now:expr) => {
-        fn requeue(&mut self, id: &str) -> diesel::QueryResult<bool> {
+    (@requeue $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn requeue(&mut self, id: &str) -> diesel::QueryResult<bool> {
             use $crate::row_status::MessageStatus;
             use $schema::idempotency_outbox as o;
-            use diesel::prelude::*;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
             let updated = diesel::update(o::table.filter(o::id.eq(id)).filter(o::status.eq(MessageStatus::Dead)))
                 .set((
                     o::status.eq(MessageStatus::Pending),
@@ -204,7 +210,7 @@ macro_rules! outbox_statements {
                     o::available_at.eq(None::<chrono::NaiveDateTime>),
                     o::lease_token.eq(None::<String>),
                 ))
-                .execute(self)?;
+                .execute(self)$($await)*?;
             Ok(updated == 1)
         }
     };

@@ -16,13 +16,15 @@ use diesel::result::Error as DieselError;
 use diesel::sql_types::Timestamp;
 use diesel::{OptionalExtension, QueryResult};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
+use futures_util::StreamExt;
 
 use super::clock::{DatabaseNow, database_time};
 use super::key::{
     CompleteAtDatabaseTime, DURABLE_REPLAY, HoldBy, HoldByRead, Levels, NowAndClaimFirst, completed, hold,
     key_transaction,
 };
-use crate::backend::outbox::{OutboxStore, outbox_statements};
+use super::outbox::{CHANNEL, claim_batch};
+use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{
     KeyRecord, KeyRecordRow, OperationColumns, OperationColumnsRow, RowWith, operation_of, stored_of,
@@ -144,5 +146,27 @@ impl PhaseStore for AsyncPgConnection {
 }
 
 impl OutboxStore for AsyncPgConnection {
-    outbox_statements!(async schema, created_at = database_time(); insert_message);
+    const ANNOUNCES: bool = true;
+
+    async fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
+        claim_batch(self, claim).await
+    }
+
+    async fn listen(&mut self) -> QueryResult<()> {
+        self.batch_execute(&format!("LISTEN {CHANNEL}")).await
+    }
+
+    async fn announcement(&mut self) -> QueryResult<()> {
+        // The stream never ends: without a notification it stays pending.
+        match std::pin::pin!(self.notifications_stream()).next().await {
+            Some(notification) => notification.map(drop),
+            None => std::future::pending().await,
+        }
+    }
+
+    async fn unlisten(&mut self) -> QueryResult<()> {
+        self.batch_execute(&format!("UNLISTEN {CHANNEL}")).await
+    }
+
+    outbox_statements!(async schema, created_at = database_time(); insert_message, settle, release, next_due);
 }

@@ -49,6 +49,7 @@ mod key;
 mod outbox;
 mod phases;
 mod purge;
+mod sql;
 
 use chrono::NaiveDateTime;
 use diesel::connection::SimpleConnection;

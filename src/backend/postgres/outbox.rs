@@ -19,6 +19,7 @@ use super::citus;
 use super::clock::database_time;
 use super::expired::Expired;
 use super::purge::purge;
+use super::sql::{LoadSql, distributed};
 use crate::backend::outbox::{
     BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, claim_in_one_statement, head_of_its_key, outbox_statements,
 };
@@ -26,35 +27,49 @@ use crate::row_status::MessageStatus;
 use crate::schema;
 
 /// The channel the migration's trigger notifies.
-const CHANNEL: &str = "idempotency_outbox";
+pub(super) const CHANNEL: &str = "idempotency_outbox";
 
 impl OutboxStore for PgConnection {
-    outbox_statements!(ready schema, created_at = database_time(); insert_message);
+    const ANNOUNCES: bool = true;
+
+    async fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
+        claim_batch(self, claim).await
+    }
+
+    async fn listen(&mut self) -> QueryResult<()> {
+        self.batch_execute(&format!("LISTEN {CHANNEL}"))
+    }
+
+    async fn unlisten(&mut self) -> QueryResult<()> {
+        self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
+    }
+
+    outbox_statements!(ready schema, created_at = database_time(); insert_message, settle, release, next_due);
+}
+
+/// [`OutboxStore::claim_batch`] on either kind of connection: in one
+/// statement, or by scope on an outbox Citus distributes.
+pub(super) async fn claim_batch<C: LoadSql>(conn: &mut C, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
+    if distributed(conn, "idempotency_outbox").await? {
+        return citus::outbox::claim_batch(conn, claim).await;
+    }
+    conn.load_sql(claim_in_one_statement(
+        concat!(
+            "WITH due AS ( \
+             SELECT id FROM idempotency_outbox AS o \
+             WHERE status = $3 AND (available_at IS NULL OR available_at <= $4) AND ",
+            head_of_its_key!(),
+            " ORDER BY id LIMIT $5 FOR UPDATE OF o SKIP LOCKED) \
+         UPDATE idempotency_outbox AS o SET attempts = o.attempts + 1, available_at = $1, lease_token = $2 \
+         FROM due WHERE o.id = due.id \
+         RETURNING o.id, o.scope, o.topic, o.payload, o.attempts, o.headers, o.ordering_key, o.traceparent, o.tracestate"
+        ),
+        claim,
+    ))
+    .await
 }
 
 impl BlockingOutboxStore for PgConnection {
-    const ANNOUNCES: bool = true;
-
-    fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
-        if citus::distributed(self, "idempotency_outbox")? {
-            return citus::outbox::claim_batch(self, claim);
-        }
-        claim_in_one_statement(
-            concat!(
-                "WITH due AS ( \
-                 SELECT id FROM idempotency_outbox AS o \
-                 WHERE status = $3 AND (available_at IS NULL OR available_at <= $4) AND ",
-                head_of_its_key!(),
-                " ORDER BY id LIMIT $5 FOR UPDATE OF o SKIP LOCKED) \
-             UPDATE idempotency_outbox AS o SET attempts = o.attempts + 1, available_at = $1, lease_token = $2 \
-             FROM due WHERE o.id = due.id \
-             RETURNING o.id, o.scope, o.topic, o.payload, o.attempts, o.headers, o.ordering_key, o.traceparent, o.tracestate"
-            ),
-            claim,
-        )
-        .load(self)
-    }
-
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
         let delivered = Expired {
             table: "idempotency_outbox",
@@ -69,11 +84,6 @@ impl BlockingOutboxStore for PgConnection {
         purge(self, &delivered, batch)
     }
 
-    fn listen(&mut self) -> QueryResult<bool> {
-        self.batch_execute(&format!("LISTEN {CHANNEL}"))?;
-        Ok(true)
-    }
-
     fn announced(&mut self) -> QueryResult<bool> {
         let mut any = false;
         for notification in self.notifications_iter() {
@@ -83,9 +93,5 @@ impl BlockingOutboxStore for PgConnection {
         Ok(any)
     }
 
-    fn unlisten(&mut self) -> QueryResult<()> {
-        self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
-    }
-
-    outbox_statements!(blocking schema; settle, dead_messages, release, next_due, backlog, requeue);
+    outbox_statements!(blocking schema; dead_messages, backlog, requeue);
 }

@@ -28,7 +28,7 @@ use diesel_async::{AsyncConnection, TransactionManager};
 use tokio::runtime::{Handle, RuntimeFlavor};
 
 use super::write::{close_write, hold, open_write, settle};
-use crate::backend::outbox::{NewMessage, OutboxStore};
+use crate::backend::outbox::{BatchClaim, Claimed, Due, MessageId, NewMessage, OutboxStore, Settlement};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::{AsyncStoreConnection, HeldKey, Hold, KeyStore, Read, Record, block_on, sealed, unwind_to_depth};
 use crate::error::UnsupportedRuntime;
@@ -209,5 +209,65 @@ impl OutboxStore for Wrapped {
             ))
         })
         .await
+    }
+
+    async fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
+        blocking_allowed()?;
+        let (now, lease_until, lease_token, limit) =
+            (claim.now, claim.lease_until, claim.lease_token.to_owned(), claim.limit);
+        self.spawn_blocking(move |conn| {
+            block_on(OutboxStore::claim_batch(
+                conn,
+                &BatchClaim {
+                    now,
+                    lease_until,
+                    lease_token: &lease_token,
+                    limit,
+                },
+            ))
+        })
+        .await
+    }
+
+    async fn settle(
+        &mut self,
+        message: MessageId<'_>,
+        lease_token: &str,
+        settlement: &Settlement,
+    ) -> QueryResult<bool> {
+        blocking_allowed()?;
+        let (scope, id, lease_token, settlement) = (
+            message.scope.to_owned(),
+            message.id.to_owned(),
+            lease_token.to_owned(),
+            settlement.clone(),
+        );
+        self.spawn_blocking(move |conn| {
+            block_on(OutboxStore::settle(
+                conn,
+                MessageId { scope: &scope, id: &id },
+                &lease_token,
+                &settlement,
+            ))
+        })
+        .await
+    }
+
+    async fn release(&mut self, message: MessageId<'_>, lease_token: &str) -> QueryResult<bool> {
+        blocking_allowed()?;
+        let (scope, id, lease_token) = (message.scope.to_owned(), message.id.to_owned(), lease_token.to_owned());
+        self.spawn_blocking(move |conn| {
+            block_on(OutboxStore::release(
+                conn,
+                MessageId { scope: &scope, id: &id },
+                &lease_token,
+            ))
+        })
+        .await
+    }
+
+    async fn next_due(&mut self) -> QueryResult<Option<Due>> {
+        blocking_allowed()?;
+        self.spawn_blocking(|conn| block_on(OutboxStore::next_due(conn))).await
     }
 }

@@ -14,12 +14,9 @@ use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
 use crate::schema;
 
+// SQLite's clock is the application host's.
 impl OutboxStore for SqliteConnection {
-    outbox_statements!(ready schema, created_at = Utc::now().naive_utc(); insert_message);
-}
-
-impl BlockingOutboxStore for SqliteConnection {
-    fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
+    async fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
         claim_in_one_statement(
             concat!(
                 "UPDATE idempotency_outbox SET attempts = attempts + 1, available_at = ?, lease_token = ? \
@@ -34,6 +31,10 @@ impl BlockingOutboxStore for SqliteConnection {
         .load(self)
     }
 
+    outbox_statements!(ready schema, created_at = Utc::now().naive_utc(); insert_message, settle, release, next_due);
+}
+
+impl BlockingOutboxStore for SqliteConnection {
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, batch: usize) -> QueryResult<usize> {
         diesel::sql_query(
             "DELETE FROM idempotency_outbox WHERE id IN \
@@ -45,6 +46,5 @@ impl BlockingOutboxStore for SqliteConnection {
         .execute(self)
     }
 
-    // SQLite's clock is the application host's.
-    outbox_statements!(blocking schema; settle, dead_messages, release, next_due, backlog, requeue);
+    outbox_statements!(blocking schema; dead_messages, backlog, requeue);
 }

@@ -484,36 +484,6 @@ macro_rules! async_http_tests {
     };
 }
 
-async fn bb8_pool<C>(
-    manager: diesel_async::pooled_connection::AsyncDieselConnectionManager<C>,
-    size: u32,
-) -> diesel_async::pooled_connection::bb8::Pool<C>
-where
-    C: diesel_async::pooled_connection::PoolableConnection + 'static,
-    diesel_async::pooled_connection::AsyncDieselConnectionManager<C>: bb8::ManageConnection<Connection = C>,
-{
-    bb8::Pool::builder()
-        .max_size(size)
-        .build(manager)
-        .await
-        .expect("a bb8 pool")
-}
-
-async fn deadpool_pool<C>(
-    manager: diesel_async::pooled_connection::AsyncDieselConnectionManager<C>,
-    size: u32,
-) -> diesel_async::pooled_connection::deadpool::Pool<C>
-where
-    C: diesel_async::pooled_connection::PoolableConnection + 'static,
-    diesel_async::pooled_connection::AsyncDieselConnectionManager<C>:
-        deadpool::managed::Manager<Type = C, Error = diesel_async::pooled_connection::PoolError>,
-{
-    diesel_async::pooled_connection::deadpool::Pool::builder(manager)
-        .max_size(usize::try_from(size).expect("a pool size"))
-        .build()
-        .expect("a deadpool pool")
-}
-
 type SqliteConn = diesel_async::sync_connection_wrapper::SyncConnectionWrapper<diesel::SqliteConnection>;
 
 /// The tests on backend `$db` over its async connection `$conn`, once on a
@@ -525,7 +495,7 @@ macro_rules! async_http_tests_on_both_pools {
             $db,
             $conn,
             diesel_async::pooled_connection::bb8::Pool<$conn>,
-            super::bb8_pool,
+            crate::common::asynchronous::bb8_pool,
             |pool: &diesel_async::pooled_connection::bb8::Pool<_>| pool.state().connections
         );
         async_http_tests!(
@@ -533,7 +503,7 @@ macro_rules! async_http_tests_on_both_pools {
             $db,
             $conn,
             diesel_async::pooled_connection::deadpool::Pool<$conn>,
-            super::deadpool_pool,
+            crate::common::asynchronous::deadpool_pool,
             |pool: &diesel_async::pooled_connection::deadpool::Pool<_>| pool.status().size
         );
     };

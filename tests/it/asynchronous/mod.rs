@@ -14,6 +14,7 @@ mod http;
 mod killed_sessions;
 mod outbox;
 mod phased;
+mod relay;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};

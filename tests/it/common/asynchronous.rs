@@ -14,20 +14,81 @@ use diesel_async::AsyncPgConnection;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, PoolableConnection};
 use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
 use diesel_async::{AsyncConnection, RunQueryDsl};
-use idempotency::AsyncStoreConnection;
+use idempotency::outbox::{Deliveries, HandlerError, Message, Relay};
+use idempotency::{AsyncConnectionPool, AsyncStoreConnection, Shutdown, Stopped};
 
 use super::{ServerDb, TestDb, orders};
 
 /// A backend whose database a test also reaches through diesel-async.
 pub trait AsyncDb: TestDb {
     /// The backend's diesel-async connection.
-    type Async: AsyncStoreConnection + AsyncConnection + Send + 'static;
+    type Async: AsyncStoreConnection + AsyncConnection + PoolableConnection + Send + 'static;
+
+    /// A bb8 pool of [`Async`](AsyncDb::Async) connections.
+    type Bb8: AsyncConnectionPool<Connection = Self::Async> + Clone + 'static;
+
+    /// A deadpool pool of [`Async`](AsyncDb::Async) connections.
+    type Deadpool: AsyncConnectionPool<Connection = Self::Async> + Clone + 'static;
 
     /// A new async connection to this test's database.
     fn connect(&self) -> impl Future<Output = Self::Async> + Send;
 
     /// Inserts an order of one `item` through `conn`.
     fn insert_order(conn: &mut Self::Async, item: &str) -> impl Future<Output = QueryResult<()>> + Send;
+
+    /// A bb8 pool of at most `size` async connections to this test's
+    /// database.
+    fn bb8(&self, size: u32) -> impl Future<Output = Self::Bb8> + Send;
+
+    /// A deadpool pool of at most `size` async connections to this test's
+    /// database.
+    fn deadpool(&self, size: u32) -> impl Future<Output = Self::Deadpool> + Send;
+
+    /// `relay.serve_async` on `pool` with `handler`, spawned as an
+    /// application spawns it: its future is `Send` on every backend.
+    fn spawn_relay<P, E, F, H>(
+        pool: P,
+        relay: Relay,
+        handler: H,
+        shutdown: Shutdown,
+    ) -> tokio::task::JoinHandle<Stopped<Deliveries>>
+    where
+        P: AsyncConnectionPool<Connection = Self::Async> + 'static,
+        E: HandlerError + 'static,
+        F: Future<Output = Result<(), E>> + Send + 'static,
+        H: Fn(Message) -> F + Send + Sync + 'static;
+}
+
+/// A bb8 pool of at most `size` connections of `manager`.
+pub async fn bb8_pool<C>(
+    manager: AsyncDieselConnectionManager<C>,
+    size: u32,
+) -> diesel_async::pooled_connection::bb8::Pool<C>
+where
+    C: PoolableConnection + 'static,
+    AsyncDieselConnectionManager<C>: bb8::ManageConnection<Connection = C>,
+{
+    bb8::Pool::builder()
+        .max_size(size)
+        .build(manager)
+        .await
+        .expect("a bb8 pool")
+}
+
+/// A deadpool pool of at most `size` connections of `manager`.
+pub async fn deadpool_pool<C>(
+    manager: AsyncDieselConnectionManager<C>,
+    size: u32,
+) -> diesel_async::pooled_connection::deadpool::Pool<C>
+where
+    C: PoolableConnection + 'static,
+    AsyncDieselConnectionManager<C>:
+        deadpool::managed::Manager<Type = C, Error = diesel_async::pooled_connection::PoolError>,
+{
+    diesel_async::pooled_connection::deadpool::Pool::builder(manager)
+        .max_size(usize::try_from(size).expect("a pool size"))
+        .build()
+        .expect("a deadpool pool")
 }
 
 /// A backend with a server that a test also reaches through diesel-async.
@@ -75,11 +136,36 @@ macro_rules! async_db {
     ($db:ty, $conn:ty) => {
         impl AsyncDb for $db {
             type Async = $conn;
+            type Bb8 = diesel_async::pooled_connection::bb8::Pool<$conn>;
+            type Deadpool = diesel_async::pooled_connection::deadpool::Pool<$conn>;
+
+            fn spawn_relay<P, E, F, H>(
+                pool: P,
+                relay: Relay,
+                handler: H,
+                shutdown: Shutdown,
+            ) -> tokio::task::JoinHandle<Stopped<Deliveries>>
+            where
+                P: AsyncConnectionPool<Connection = $conn> + 'static,
+                E: HandlerError + 'static,
+                F: Future<Output = Result<(), E>> + Send + 'static,
+                H: Fn(Message) -> F + Send + Sync + 'static,
+            {
+                tokio::spawn(async move { relay.serve_async(&pool, handler, &shutdown).await })
+            }
 
             async fn connect(&self) -> $conn {
                 <$conn>::establish(self.url())
                     .await
                     .expect("an async connection to the test's database")
+            }
+
+            async fn bb8(&self, size: u32) -> diesel_async::pooled_connection::bb8::Pool<$conn> {
+                bb8_pool(AsyncDieselConnectionManager::new(self.url()), size).await
+            }
+
+            async fn deadpool(&self, size: u32) -> diesel_async::pooled_connection::deadpool::Pool<$conn> {
+                deadpool_pool(AsyncDieselConnectionManager::new(self.url()), size).await
             }
 
             async fn insert_order(conn: &mut $conn, item: &str) -> QueryResult<()> {
@@ -99,27 +185,13 @@ async_db!(super::pg::Db, AsyncPgConnection);
 #[cfg(feature = "mysql")]
 async_db!(super::mysql::Db, AsyncMysqlConnection);
 
-/// A bb8 pool of at most `size` async connections to `url`.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-async fn bb8_pool<C>(url: &str, size: u32) -> bb8::Pool<AsyncDieselConnectionManager<C>>
-where
-    C: PoolableConnection + 'static,
-    AsyncDieselConnectionManager<C>: bb8::ManageConnection,
-{
-    bb8::Pool::builder()
-        .max_size(size)
-        .build(AsyncDieselConnectionManager::new(url))
-        .await
-        .expect("a pool of async connections")
-}
-
 #[cfg(feature = "postgres")]
 impl AsyncServerDb for super::pg::Db {
     type Manager = AsyncDieselConnectionManager<AsyncPgConnection>;
     const CUT_STATEMENT_DISCARDS_THE_CONNECTION: bool = false;
 
     async fn async_pool(&self, size: u32) -> bb8::Pool<Self::Manager> {
-        bb8_pool(self.url(), size).await
+        bb8_pool(AsyncDieselConnectionManager::new(self.url()), size).await
     }
 
     async fn session_of(conn: &mut AsyncPgConnection) -> i64 {
@@ -146,7 +218,7 @@ impl AsyncServerDb for super::mysql::Db {
     const CUT_STATEMENT_DISCARDS_THE_CONNECTION: bool = true;
 
     async fn async_pool(&self, size: u32) -> bb8::Pool<Self::Manager> {
-        bb8_pool(self.url(), size).await
+        bb8_pool(AsyncDieselConnectionManager::new(self.url()), size).await
     }
 
     async fn session_of(conn: &mut AsyncMysqlConnection) -> i64 {

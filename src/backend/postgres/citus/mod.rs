@@ -25,10 +25,10 @@ pub(crate) mod outbox;
 use diesel::connection::SimpleConnection;
 use diesel::pg::PgConnection;
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Bool, Text};
+use diesel::sql_types::{BigInt, Text};
 
 use super::expired::Expired;
-use crate::backend::sql_limit;
+use crate::backend::{block_on, sql_limit};
 use crate::error::Error;
 
 /// The crate's tables, each distributed by `scope`.
@@ -109,33 +109,14 @@ pub fn distribute(conn: &mut PgConnection, colocate_with: &str) -> Result<(), Er
     })
 }
 
-/// Whether `table` (found through the `search_path`) is distributed by
-/// Citus; `false` on a database without the extension.
+/// [`distributed`](super::sql::distributed) on a synchronous connection,
+/// whose statements complete as they are sent.
 ///
 /// # Errors
 ///
 /// The database error when the catalog cannot be read.
 pub(crate) fn distributed(conn: &mut PgConnection, table: &str) -> QueryResult<bool> {
-    #[derive(QueryableByName)]
-    struct Answer {
-        #[diesel(sql_type = Bool)]
-        answer: bool,
-    }
-    let ask = |conn: &mut PgConnection, query: &str| {
-        diesel::sql_query(query)
-            .bind::<Text, _>(table)
-            .get_result::<Answer>(conn)
-            .map(|a| a.answer)
-    };
-    // Citus's catalog exists only with the extension; a query naming it on
-    // a plain server would fail.
-    Ok(ask(
-        conn,
-        "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus' AND $1 IS NOT NULL) AS answer",
-    )? && ask(
-        conn,
-        "SELECT EXISTS (SELECT FROM pg_dist_partition WHERE logicalrelid = to_regclass($1)) AS answer",
-    )?)
+    block_on(super::sql::distributed(conn, table))
 }
 
 /// `postgres::purge` on a distributed table: the scopes with expired rows

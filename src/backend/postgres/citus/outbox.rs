@@ -3,20 +3,20 @@
 
 use std::collections::BTreeMap;
 
-use diesel::pg::PgConnection;
 use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Text, Timestamp};
 
+use super::super::sql::LoadSql;
 use crate::backend::outbox::{BatchClaim, Claimed};
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
 
-/// `BlockingOutboxStore::claim_batch` on a distributed outbox: the oldest due
+/// `OutboxStore::claim_batch` on a distributed outbox: the oldest due
 /// messages are read across shards without locks; then each scope's share
 /// is leased by one statement on its shard, which passes over messages
 /// another relay is claiming and leases only those still due, so two relays
 /// never lease one message at once.
-pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
+pub(crate) async fn claim_batch<C: LoadSql>(conn: &mut C, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
     #[derive(QueryableByName)]
     struct Due {
         #[diesel(sql_type = Text)]
@@ -30,17 +30,21 @@ pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &BatchClaim<'_>) -> Qu
     // which Citus plans ahead of the read. Earlier messages of a key only
     // leave `pending`, so a head read here is still one when its shard
     // leases it.
-    let due: Vec<Due> = diesel::sql_query(
-        "WITH heads AS (SELECT min(id) AS id FROM idempotency_outbox \
+    let due: Vec<Due> = conn
+        .load_sql(
+            diesel::sql_query(
+                "WITH heads AS (SELECT min(id) AS id FROM idempotency_outbox \
                         WHERE status = $1 AND ordering_key IS NOT NULL GROUP BY ordering_key) \
          SELECT scope, id FROM idempotency_outbox \
          WHERE status = $1 AND (available_at IS NULL OR available_at <= $2) \
          AND (ordering_key IS NULL OR id IN (SELECT id FROM heads)) ORDER BY id LIMIT $3",
-    )
-    .bind::<Text, _>(MessageStatus::Pending)
-    .bind::<Timestamp, _>(claim.now)
-    .bind::<BigInt, _>(sql_limit(claim.limit))
-    .load(conn)?;
+            )
+            .into_boxed()
+            .bind::<Text, _>(MessageStatus::Pending)
+            .bind::<Timestamp, _>(claim.now)
+            .bind::<BigInt, _>(sql_limit(claim.limit)),
+        )
+        .await?;
     // The relay orders what it claimed by id itself.
     let mut by_scope: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for Due { scope, id } in due {
@@ -48,23 +52,26 @@ pub(crate) fn claim_batch(conn: &mut PgConnection, claim: &BatchClaim<'_>) -> Qu
     }
     let mut claimed = Vec::new();
     for (scope, ids) in by_scope {
-        claimed.extend(
-            diesel::sql_query(
-                "UPDATE idempotency_outbox SET attempts = attempts + 1, available_at = $1, lease_token = $2 \
+        let leased = conn
+            .load_sql::<Claimed>(
+                diesel::sql_query(
+                    "UPDATE idempotency_outbox SET attempts = attempts + 1, available_at = $1, lease_token = $2 \
                  WHERE scope = $3 AND id IN \
                  (SELECT id FROM idempotency_outbox \
                   WHERE scope = $3 AND id = ANY($4) AND status = $5 AND (available_at IS NULL OR available_at <= $6) \
                   FOR UPDATE SKIP LOCKED) \
                  RETURNING id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate",
+                )
+                .into_boxed()
+                .bind::<Timestamp, _>(claim.lease_until)
+                .bind::<Text, _>(claim.lease_token)
+                .bind::<Text, _>(&scope)
+                .bind::<Array<Text>, _>(&ids)
+                .bind::<Text, _>(MessageStatus::Pending)
+                .bind::<Timestamp, _>(claim.now),
             )
-            .bind::<Timestamp, _>(claim.lease_until)
-            .bind::<Text, _>(claim.lease_token)
-            .bind::<Text, _>(&scope)
-            .bind::<Array<Text>, _>(&ids)
-            .bind::<Text, _>(MessageStatus::Pending)
-            .bind::<Timestamp, _>(claim.now)
-            .load::<Claimed>(conn)?,
-        );
+            .await?;
+        claimed.extend(leased);
     }
     Ok(claimed)
 }

@@ -1,6 +1,7 @@
-//! The pools of diesel-async connections that `http::run_async` checks a
-//! connection out of: bb8's and deadpool's, both through diesel-async's
-//! `AsyncDieselConnectionManager`.
+//! The pools of diesel-async connections that the async entry points
+//! check a connection out of (`http::run_async`,
+//! [`Relay::serve_async`](crate::outbox::Relay::serve_async)): bb8's and
+//! deadpool's, both through diesel-async's `AsyncDieselConnectionManager`.
 
 use std::error::Error as StdError;
 use std::ops::{Deref, DerefMut};
@@ -10,16 +11,18 @@ use diesel_async::pooled_connection::{AsyncDieselConnectionManager, PoolError, P
 use self::sealed::Lend;
 use crate::AsyncStoreConnection;
 
-/// A pool of diesel-async connections that
-/// [`run_async`](super::run_async) takes a connection from:
+/// A pool of diesel-async connections that the async entry points take a
+/// connection from (`http::run_async` and `http::run_phased_async`,
+/// [`Relay::serve_async`](crate::outbox::Relay::serve_async)):
 /// `diesel_async::pooled_connection::bb8::Pool<C>` or
 /// `diesel_async::pooled_connection::deadpool::Pool<C>`, for every `C` that
 /// is an [`AsyncStoreConnection`]. Sealed: only the crate implements it.
 ///
-/// A request that gets no connection within the pool's timeout is a 503
-/// with `Retry-After`: bb8's `connection_timeout` (30 s unless set),
-/// deadpool's `wait` timeout, and for a deadpool pool without one, which
-/// would wait for ever, 5 s.
+/// A checkout waits for the pool's timeout: bb8's `connection_timeout` (30
+/// s unless set), deadpool's `wait` timeout, and for a deadpool pool
+/// without one, which would wait for ever, 5 s. An HTTP request that gets
+/// no connection within it is a 503 with `Retry-After`; a relay counts it
+/// as an error and tries again.
 ///
 /// A connection whose call's future was dropped inside its transaction
 /// (the client hung up) never goes back to the pool: bb8 drops it as it
@@ -30,9 +33,9 @@ pub trait AsyncConnectionPool: Send + Sync + Lend<Self::Connection> {
     type Connection: AsyncStoreConnection + PoolableConnection + 'static;
 }
 
-/// What the HTTP layer asks of an async pool. Public in a module no other
+/// What the crate asks of an async pool. Public in a module no other
 /// crate can name: `AsyncConnectionPool` is sealed by it.
-pub(super) mod sealed {
+pub(crate) mod sealed {
     use std::error::Error as StdError;
     use std::future::Future;
     use std::ops::DerefMut;
@@ -46,6 +49,10 @@ pub(super) mod sealed {
 
         /// A connection of the pool, or the pool's reason for none.
         fn lend(&self) -> impl Future<Output = Result<Self::Lent<'_>, Box<dyn StdError + Send + Sync>>> + Send;
+
+        /// A new connection made by the pool's manager, outside the pool:
+        /// for a service that keeps one as long as it runs.
+        fn dedicated(&self) -> impl Future<Output = Result<C, Box<dyn StdError + Send + Sync>>> + Send;
     }
 }
 
@@ -70,6 +77,12 @@ where
 
     async fn lend(&self) -> Result<Self::Lent<'_>, Box<dyn StdError + Send + Sync>> {
         self.get()
+            .await
+            .map_err(|error| Box::new(error) as Box<dyn StdError + Send + Sync>)
+    }
+
+    async fn dedicated(&self) -> Result<C, Box<dyn StdError + Send + Sync>> {
+        self.dedicated_connection()
             .await
             .map_err(|error| Box::new(error) as Box<dyn StdError + Send + Sync>)
     }
@@ -108,6 +121,12 @@ where
         };
         checkout
             .map(|object| Discarded(Some(object)))
+            .map_err(|error| Box::new(error) as Box<dyn StdError + Send + Sync>)
+    }
+
+    async fn dedicated(&self) -> Result<C, Box<dyn StdError + Send + Sync>> {
+        ::deadpool::managed::Manager::create(self.manager())
+            .await
             .map_err(|error| Box::new(error) as Box<dyn StdError + Send + Sync>)
     }
 }
