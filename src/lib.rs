@@ -203,7 +203,7 @@ compile_error!(
 /// | [`high_availability`](guide::high_availability) | failover, and what clients should do |
 /// | [`citus`](guide::citus) | scaling writes out: the tables distributed by tenant |
 /// | [`performance`](guide::performance) | what a call costs, measured |
-/// | [`asynchronous`](guide::asynchronous) | the same contract on diesel-async connections: when to use which, an axum handler on a bb8 pool, phased operations with async steps and their completer, what a dropped future does |
+/// | [`asynchronous`](guide::asynchronous) | the same contract on diesel-async connections: when to use which, an axum handler on a bb8 pool, phased operations with async steps and their completer, the outbox's relay on tokio, what a dropped future does |
 pub mod guide {
     pub mod contract {
         #![doc = include_str!("../docs/contract.md")]
