@@ -375,3 +375,143 @@ fn the_consumers_span_is_a_child_of_the_span_that_enqueued_the_message() {
     assert!(inbox.parent_span_is_remote);
     let _: () = connection().del(&stream).expect("DEL");
 }
+
+/// After which of its publications the relay process reports the
+/// broker's confirmation and waits for its kill, its mark not yet written.
+#[cfg(feature = "sqlite-async")]
+const KILLED_AFTER: usize = 20;
+
+/// The variable by which the relay process learns its stream.
+#[cfg(feature = "sqlite-async")]
+const STREAM_VARIABLE: &str = "IDEMPOTENCY_TEST_STREAM";
+
+#[cfg(feature = "sqlite-async")]
+#[test]
+fn a_relay_killed_between_the_brokers_confirmation_and_its_mark_publishes_again_and_the_effect_happens_once() {
+    use idempotency::outbox::Relay;
+
+    use crate::common::child::{Child, parent_database};
+
+    if let Some(shop) = parent_database() {
+        let stream = std::env::var(STREAM_VARIABLE).expect("the stream");
+        relay_until_killed(&shop, &stream);
+    }
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let stream = unique_name("orders");
+    let shop = Shop::with_orders("orders");
+    let shop_path = shop.db.path().to_str().expect("a utf-8 path").to_owned();
+
+    let test = crate::common::test_path(
+        module_path!(),
+        "a_relay_killed_between_the_brokers_confirmation_and_its_mark_publishes_again_and_the_effect_happens_once",
+    );
+    let mut relay = Child::start_with(&test, &shop_path, |command| {
+        command.env(STREAM_VARIABLE, &stream);
+    });
+    let confirmed = relay.wait_for("the broker's confirmation", |line| {
+        line.strip_prefix("confirmed ").map(str::to_owned)
+    });
+    let status = relay.kill();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9),
+        "killed, not ended: {status}"
+    );
+    let length: usize = connection().xlen(&stream).expect("XLEN");
+    assert_eq!(
+        length, KILLED_AFTER,
+        "the killed relay's publications, the last one confirmed"
+    );
+    let mut shop_conn = shop.db.conn();
+    let unmarked = Relay::default()
+        .stats(&mut shop_conn)
+        .expect("the outbox's stats")
+        .pending;
+    assert_eq!(
+        unmarked,
+        u64::try_from(ORDERS).unwrap() - u64::try_from(KILLED_AFTER).unwrap() + 1,
+        "the confirmed message is not marked"
+    );
+
+    // Another relay, once the killed relay's lease has run out (its clock
+    // moved past it), publishes what is not marked: the confirmed message
+    // again, and the rest.
+    let publisher = {
+        let target = stream.clone();
+        let publisher = runtime
+            .block_on(RedisPublisher::connect(client()))
+            .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
+            .stream(move |_| target.clone());
+        BlockingPublisher::new(publisher, runtime.handle().clone())
+    };
+    let mut republished = Vec::new();
+    shop.relay_through_failures(|message| {
+        republished.push(message.key.clone());
+        publisher.publish(message)
+    });
+    assert_eq!(
+        republished.first(),
+        Some(&confirmed),
+        "the confirmed message is published again"
+    );
+    let length: usize = connection().xlen(&stream).expect("XLEN");
+    assert_eq!(
+        length,
+        usize::try_from(ORDERS).unwrap() + 1,
+        "one message twice in the stream"
+    );
+
+    let effects = Effects::new();
+    let consumer = consumer_of(&stream, effects.inbox("orders-inbox"));
+    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
+    wait_until_all_acknowledged(&mut connection(), &stream);
+    consuming.stop(&runtime);
+    effects.assert_each_order_once_in_order(&shop);
+    let _: () = connection().del(&stream).expect("DEL");
+}
+
+/// In the relay process: the async relay on the shop at `shop`, publishing
+/// to `stream`, which reports the confirmation of its `KILLED_AFTER`th
+/// publication and waits there to be killed, before the relay marks it.
+#[cfg(feature = "sqlite-async")]
+fn relay_until_killed(shop: &str, stream: &str) -> ! {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+    use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+    use idempotency::Shutdown;
+    use idempotency::brokers::Publisher;
+
+    use crate::common::asynchronous::bb8_pool;
+    use crate::common::child::report_and_wait_for_the_kill;
+
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let stopped = runtime.block_on(async {
+        let pool = bb8_pool(
+            AsyncDieselConnectionManager::<SyncConnectionWrapper<SqliteConnection>>::new(shop),
+            2,
+        )
+        .await;
+        let target = stream.to_owned();
+        let publisher = Arc::new(
+            RedisPublisher::connect(client())
+                .await
+                .expect("Redis on 127.0.0.1:6379")
+                .stream(move |_| target.clone()),
+        );
+        let published = Arc::new(AtomicUsize::new(0));
+        let publish = move |message: Message| {
+            let (publisher, published) = (Arc::clone(&publisher), Arc::clone(&published));
+            async move {
+                publisher.publish(&message).await?;
+                if published.fetch_add(1, Ordering::SeqCst) + 1 == KILLED_AFTER {
+                    report_and_wait_for_the_kill(&format!("confirmed {}", message.key));
+                }
+                Ok::<_, Failure>(())
+            }
+        };
+        Relay::default().serve_async(&pool, publish, &Shutdown::new()).await
+    });
+    panic!("the relay serves until it is killed, yet it stopped: {stopped:?}")
+}
