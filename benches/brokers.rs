@@ -18,7 +18,10 @@
 //!   what the outbox's claims and marks cost alone;
 //! - `thread relay`: `Relay::serve` with `BlockingPublisher`, one worker;
 //! - `async relay`: `Relay::serve_async` on a bb8 pool, one worker, the
-//!   publisher awaited as it is.
+//!   publisher awaited as it is;
+//! - `async relay, 64 in flight`: the same with `Relay::in_flight(64)`:
+//!   64 publications of a batch awaiting their confirmations at once, and
+//!   those confirmed marked in one statement.
 //!
 //! Each relay scenario delivers the same number of messages, enqueued
 //! before it starts, and its rate counts from its start to its last mark.
@@ -277,12 +280,17 @@ fn rate(count: usize, elapsed: Duration) -> f64 {
     count as f64 / elapsed.as_secs_f64()
 }
 
+/// The scenarios on the broker `make` makes for a name: the throughput
+/// scenarios on one, the latency on another, whose consumer finds no
+/// backlog of the others' messages.
 fn run_broker<B: Broker>(
-    broker: &B,
+    make: impl Fn(&str) -> Result<B, BoxError>,
     runtime: &Runtime,
     dir: &std::path::Path,
     counts: &Counts,
 ) -> Result<(), BoxError> {
+    let name = format!("bench_{}", std::process::id());
+    let broker = &make(&name)?;
     let publisher = Arc::new(broker.publisher(runtime)?);
     let messages: Vec<Message> = {
         // The relay's own messages, read back as the bare publisher's input.
@@ -355,38 +363,18 @@ fn run_broker<B: Broker>(
     })?;
     rows.push(("thread relay", rate(stopped.work.delivered, started.elapsed())));
 
-    let (_, shop_path) = shop_with(dir, counts.messages)?;
-    let async_rate = runtime.block_on(async {
-        let pool = diesel_async::pooled_connection::bb8::Pool::builder()
-            .max_size(2)
-            .build(AsyncDieselConnectionManager::<SyncConnectionWrapper<SqliteConnection>>::new(shop_path))
-            .await?;
-        let shutdown = Shutdown::new();
-        let done = Arc::new(AtomicUsize::new(0));
-        let publish = {
-            let (publisher, shutdown, done) = (Arc::clone(&publisher), shutdown.clone(), Arc::clone(&done));
-            let total = counts.messages;
-            move |message: Message| {
-                let (publisher, shutdown, done) = (Arc::clone(&publisher), shutdown.clone(), Arc::clone(&done));
-                async move {
-                    publisher.publish(&message).await?;
-                    if done.fetch_add(1, Ordering::SeqCst) + 1 == total {
-                        shutdown.trigger();
-                    }
-                    Ok::<_, Failure>(())
-                }
-            }
-        };
-        let started = Instant::now();
-        let stopped = Relay::default()
+    for (scenario, in_flight) in [("async relay", 1), ("async relay, 64 in flight", 64)] {
+        let (_, shop_path) = shop_with(dir, counts.messages)?;
+        let relay = Relay::default()
             .poll_interval(chrono::Duration::milliseconds(5))
-            .serve_async(&pool, publish, &shutdown)
-            .await;
-        Ok::<_, BoxError>(rate(stopped.work.delivered, started.elapsed()))
-    })?;
-    rows.push(("async relay", async_rate));
+            .in_flight(in_flight);
+        let rate = runtime.block_on(async_relay(relay, shop_path, Arc::clone(&publisher), counts.messages))?;
+        rows.push((scenario, rate));
+    }
 
-    let (p50, p99) = latency(broker, runtime, dir, counts, &publisher)?;
+    broker.clean(runtime)?;
+    let timed = make(&format!("{name}_latency"))?;
+    let (p50, p99) = latency(&timed, runtime, dir, counts, &Arc::new(timed.publisher(runtime)?))?;
     println!("\n{} ({} messages each)\n", broker.name(), counts.messages);
     println!("| scenario | messages/s | share of the pipelined bare rate |");
     println!("| --- | ---: | ---: |");
@@ -399,7 +387,39 @@ fn run_broker<B: Broker>(
         p50.as_secs_f64() * 1e3,
         p99.as_secs_f64() * 1e3
     );
-    broker.clean(runtime)
+    timed.clean(runtime)
+}
+
+/// `relay` on tokio over the shop at `shop_path`, publishing with
+/// `publisher` until `total` messages are delivered: messages a second.
+async fn async_relay<P: Publisher + 'static>(
+    relay: Relay,
+    shop_path: String,
+    publisher: Arc<P>,
+    total: usize,
+) -> Result<f64, BoxError> {
+    let pool = diesel_async::pooled_connection::bb8::Pool::builder()
+        .max_size(2)
+        .build(AsyncDieselConnectionManager::<SyncConnectionWrapper<SqliteConnection>>::new(shop_path))
+        .await?;
+    let shutdown = Shutdown::new();
+    let done = Arc::new(AtomicUsize::new(0));
+    let publish = {
+        let shutdown = shutdown.clone();
+        move |message: Message| {
+            let (publisher, shutdown, done) = (Arc::clone(&publisher), shutdown.clone(), Arc::clone(&done));
+            async move {
+                publisher.publish(&message).await?;
+                if done.fetch_add(1, Ordering::SeqCst) + 1 == total {
+                    shutdown.trigger();
+                }
+                Ok::<_, Failure>(())
+            }
+        }
+    };
+    let started = Instant::now();
+    let stopped = relay.serve_async(&pool, publish, &shutdown).await;
+    Ok(rate(stopped.work.delivered, started.elapsed()))
 }
 
 /// Microseconds since the epoch, as a message carries its commit time.
@@ -535,20 +555,21 @@ fn run(counts: &Counts, only: Option<&str>) -> Result<(), BoxError> {
     let runtime = Runtime::new()?;
     let _entered = runtime.enter();
     let dir = tempfile::tempdir()?;
-    let name = format!("bench_{}", std::process::id());
     let wanted = |broker: &str| only.is_none_or(|only| only == broker);
     if wanted("nats") {
-        run_broker(&Nats::new(&runtime, &name)?, &runtime, dir.path(), counts)?;
+        run_broker(|name| Nats::new(&runtime, name), &runtime, dir.path(), counts)?;
     }
     if wanted("rabbitmq") {
-        run_broker(&Rabbit::new(&runtime, &name)?, &runtime, dir.path(), counts)?;
+        run_broker(|name| Rabbit::new(&runtime, name), &runtime, dir.path(), counts)?;
     }
     if wanted("redis") {
-        let broker = Redis {
-            client: redis::Client::open("redis://127.0.0.1:6379")?,
-            name,
+        let redis = |name: &str| {
+            Ok(Redis {
+                client: redis::Client::open("redis://127.0.0.1:6379")?,
+                name: name.to_owned(),
+            })
         };
-        run_broker(&broker, &runtime, dir.path(), counts)?;
+        run_broker(redis, &runtime, dir.path(), counts)?;
     }
     Ok(())
 }

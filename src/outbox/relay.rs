@@ -32,6 +32,7 @@ const MAX_ERROR_LEN: usize = 2000;
 /// | [`retention`](Relay::retention) | 7 days for delivered messages |
 /// | [`clock`](Relay::clock) | the database's clock |
 /// | [`workers`](Relay::workers) | 1 thread for [`serve`](Relay::serve) |
+/// | [`in_flight`](Relay::in_flight) | 1 message at a time for `serve_async` |
 /// | [`poll_interval`](Relay::poll_interval) | 250 ms for [`serve`](Relay::serve) |
 ///
 /// A relay holds no connection and no state between runs. Start it as a
@@ -62,6 +63,7 @@ pub struct Relay {
     retention: Duration,
     pub(super) clock: Clock,
     pub(super) workers: usize,
+    pub(super) in_flight: usize,
     pub(super) poll_interval: std::time::Duration,
 }
 
@@ -76,6 +78,7 @@ impl Default for Relay {
             retention: DEFAULT_RETENTION,
             clock: Clock::Database,
             workers: 1,
+            in_flight: 1,
             poll_interval: std::time::Duration::from_millis(250),
         }
     }
@@ -91,6 +94,7 @@ impl fmt::Debug for Relay {
             .field("backoff_max", &self.backoff_max)
             .field("retention", &self.retention)
             .field("workers", &self.workers)
+            .field("in_flight", &self.in_flight)
             .field("poll_interval", &self.poll_interval)
             .finish_non_exhaustive()
     }
@@ -98,9 +102,38 @@ impl fmt::Debug for Relay {
 
 /// The lease of one claim: until when its messages are this relay's, and
 /// the token that settling them requires.
-struct Lease {
-    token: String,
+pub(super) struct Lease {
+    pub(super) token: String,
     until: NaiveDateTime,
+}
+
+/// What the relay keeps of a claimed message while its handler has it: to
+/// record the outcome, and to report it.
+pub(super) struct Handed {
+    pub(super) id: String,
+    pub(super) scope: String,
+    topic: String,
+    attempt: u32,
+}
+
+impl Handed {
+    pub(super) fn of(row: &Claimed) -> Handed {
+        Handed {
+            id: row.id.clone(),
+            scope: row.scope.clone(),
+            topic: row.topic.clone(),
+            attempt: u32::try_from(row.attempts).unwrap_or(u32::MAX),
+        }
+    }
+
+    /// Reports the outcome recorded for it.
+    pub(super) fn recorded(&self, settlement: &Settlement) {
+        match settlement {
+            Settlement::Delivered { .. } => telemetry::relay::delivered(&self.id, &self.topic, self.attempt),
+            Settlement::Retry { due, .. } => telemetry::relay::retrying(&self.id, &self.topic, self.attempt, *due),
+            Settlement::Dead { attempts, .. } => telemetry::relay::dead(&self.id, &self.topic, *attempts),
+        }
+    }
 }
 
 impl Relay {
@@ -200,6 +233,29 @@ impl Relay {
         self
     }
 
+    /// How many messages of a batch each worker of
+    /// [`serve_async`](Relay::serve_async) hands over at once (default 1):
+    /// their handlers are awaited together, and the ones delivered are
+    /// marked in one statement. With a broker's publisher this pipelines
+    /// the confirmations instead of waiting for each in turn.
+    ///
+    /// One at a time keeps a single relay's delivery of each topic in
+    /// enqueue order. Above one, the messages handed over together may
+    /// arrive in any order among themselves; each
+    /// [ordering key](super::Envelope::ordering_key) keeps its order
+    /// all the same, because a claim takes at most one message of a key.
+    /// The thread relay ([`serve`](Relay::serve), [`run_once`](Relay::run_once))
+    /// and [`run_once_async`](Relay::run_once_async) hand over one at a time.
+    ///
+    /// # Panics
+    ///
+    /// If `in_flight` is zero.
+    pub fn in_flight(mut self, in_flight: usize) -> Self {
+        assert!(in_flight > 0, "in_flight must be positive");
+        self.in_flight = in_flight;
+        self
+    }
+
     /// How often [`serve`](Relay::serve) looks for due messages while none
     /// are (default 250 ms): the longest a new message waits on SQLite and
     /// MySQL, and on PostgreSQL when a notification was missed. A retry whose
@@ -234,30 +290,41 @@ impl Relay {
         lease: &Lease,
         handler: &mut D,
     ) -> Option<Settlement> {
+        let attempts = row.attempts;
+        match self.prepare(row, clock, lease) {
+            Ok(message) => Some(self.settlement(handler.deliver(&message).await, attempts, clock)),
+            Err(ended) => ended,
+        }
+    }
+
+    /// The message a claimed row hands over, or how its attempt ends
+    /// without one: `Err(None)` reached only after the lease ran out,
+    /// `Err(Some(_))` parked as dead unattempted.
+    pub(super) fn prepare(&self, row: Claimed, clock: &Reading, lease: &Lease) -> Result<Message, Option<Settlement>> {
         if clock.now() >= lease.until {
-            return None;
+            return Err(None);
         }
         let attempt = u32::try_from(row.attempts).unwrap_or(u32::MAX);
         if attempt > self.max_attempts {
             // The claim counted an attempt in advance; parking the message
             // without handing it over made none.
-            return Some(Settlement::Dead {
+            return Err(Some(Settlement::Dead {
                 error: format!("lease ran out during attempt {} without an outcome", attempt - 1),
                 attempts: row.attempts - 1,
-            });
+            }));
         }
         let headers = match row.headers.as_deref().map(serde_json::from_str).transpose() {
             Ok(headers) => headers.unwrap_or_default(),
             // Written by `Envelope` as a map of strings, so changed by hand:
             // the message can no longer be delivered as it was enqueued.
             Err(error) => {
-                return Some(Settlement::Dead {
+                return Err(Some(Settlement::Dead {
                     error: storable_error(format!("the stored headers do not decode: {error}")),
                     attempts: row.attempts,
-                });
+                }));
             }
         };
-        let message = Message {
+        Ok(Message {
             key: row.id.clone(),
             id: row.id,
             scope: row.scope,
@@ -268,18 +335,29 @@ impl Relay {
             ordering_key: row.ordering_key,
             traceparent: row.traceparent,
             tracestate: row.tracestate,
-        };
-        Some(match handler.deliver(&message).await {
+        })
+    }
+
+    /// How the attempt of a message claimed for its `attempts`th time
+    /// ended, given the handler's `outcome`.
+    pub(super) fn settlement<E: HandlerError>(
+        &self,
+        outcome: Result<(), E>,
+        attempts: i32,
+        clock: &Reading,
+    ) -> Settlement {
+        let attempt = u32::try_from(attempts).unwrap_or(u32::MAX);
+        match outcome {
             Ok(()) => Settlement::Delivered { at: clock.now() },
             Err(failure) if failure.is_permanent() || attempt >= self.max_attempts => Settlement::Dead {
                 error: storable_error(failure.text()),
-                attempts: row.attempts,
+                attempts,
             },
             Err(failure) => Settlement::Retry {
                 due: clock.now() + self.backoff_after(attempt),
                 error: storable_error(failure.text()),
             },
-        })
+        }
     }
 
     /// Claims up to [`batch_size`](Relay::batch_size) due messages, oldest
@@ -360,6 +438,24 @@ impl Relay {
         stop: &(dyn Fn() -> bool + Sync),
         report: &mut Deliveries,
     ) -> Result<(), Error> {
+        let (clock, lease, claimed) = self.claim(conn).await?;
+        report.claimed += claimed.len();
+        for row in claimed {
+            if stop() {
+                self.release(conn, &row, &lease, report).await?;
+                continue;
+            }
+            let claimed = Handed::of(&row);
+            let settlement = self.attempt(row, &clock, &lease, handler).await;
+            self.record(conn, &claimed, settlement, &lease, report).await?;
+        }
+        Ok(())
+    }
+
+    /// Claims up to [`batch_size`](Relay::batch_size) due messages for a
+    /// lease from now: the clock's reading, the lease, and the messages in
+    /// enqueue order.
+    pub(super) async fn claim<C: OutboxStore>(&self, conn: &mut C) -> Result<(Reading, Lease, Vec<Claimed>), Error> {
         let clock = self.clock.start(conn).await?;
         let lease = Lease {
             token: id::new(),
@@ -377,45 +473,62 @@ impl Relay {
         telemetry::relay::claimed(claimed.len(), lease.until);
         // The claim returns its rows in no particular order.
         claimed.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok((clock, lease, claimed))
+    }
 
-        report.claimed += claimed.len();
-        for row in claimed {
-            let (id, scope) = (row.id.clone(), row.scope.clone());
-            let message = MessageId { scope: &scope, id: &id };
-            if stop() {
-                if conn
-                    .write(WRITE_LOCK_WAIT, async |tx: &mut C| {
-                        tx.release(message, &lease.token).await
-                    })
-                    .await?
-                {
-                    report.released += 1;
-                }
-                continue;
-            }
-            let topic = row.topic.clone();
-            let attempt = u32::try_from(row.attempts).unwrap_or(u32::MAX);
-            let Some(settlement) = self.attempt(row, &clock, &lease, handler).await else {
-                telemetry::relay::lease_lost(&id);
-                report.lost += 1;
-                continue;
-            };
-            if conn
-                .write(WRITE_LOCK_WAIT, async |tx: &mut C| {
-                    tx.settle(message, &lease.token, &settlement).await
-                })
-                .await?
-            {
-                match &settlement {
-                    Settlement::Delivered { .. } => telemetry::relay::delivered(&id, &topic, attempt),
-                    Settlement::Retry { due, .. } => telemetry::relay::retrying(&id, &topic, attempt, *due),
-                    Settlement::Dead { attempts, .. } => telemetry::relay::dead(&id, &topic, *attempts),
-                }
-                report.count(&settlement);
-            } else {
-                telemetry::relay::lease_lost(&id);
-                report.lost += 1;
-            }
+    /// Gives claimed message `row` back unattempted, counted into `report`.
+    pub(super) async fn release<C: OutboxStore>(
+        &self,
+        conn: &mut C,
+        row: &Claimed,
+        lease: &Lease,
+        report: &mut Deliveries,
+    ) -> Result<(), Error> {
+        let message = MessageId {
+            scope: &row.scope,
+            id: &row.id,
+        };
+        if conn
+            .write(WRITE_LOCK_WAIT, async |tx: &mut C| {
+                tx.release(message, &lease.token).await
+            })
+            .await?
+        {
+            report.released += 1;
+        }
+        Ok(())
+    }
+
+    /// Records how the attempt of `handed` ended, counted into `report`;
+    /// `None` for one reached only after its lease ran out.
+    pub(super) async fn record<C: OutboxStore>(
+        &self,
+        conn: &mut C,
+        handed: &Handed,
+        settlement: Option<Settlement>,
+        lease: &Lease,
+        report: &mut Deliveries,
+    ) -> Result<(), Error> {
+        let Some(settlement) = settlement else {
+            telemetry::relay::lease_lost(&handed.id);
+            report.lost += 1;
+            return Ok(());
+        };
+        let message = MessageId {
+            scope: &handed.scope,
+            id: &handed.id,
+        };
+        if conn
+            .write(WRITE_LOCK_WAIT, async |tx: &mut C| {
+                tx.settle(message, &lease.token, &settlement).await
+            })
+            .await?
+        {
+            handed.recorded(&settlement);
+            report.count(&settlement);
+        } else {
+            telemetry::relay::lease_lost(&handed.id);
+            report.lost += 1;
         }
         Ok(())
     }

@@ -12,10 +12,11 @@ use super::error::Error;
 use super::failure::{Failure, HandlerError};
 use super::handler::{GIVEN_UP, failure_of, given_up, panicked};
 use super::message::{Deliveries, Message};
-use super::relay::{Deliver, Relay};
+use super::relay::{Deliver, Handed, Relay};
+use super::retention::WRITE_LOCK_WAIT;
 use super::workers::{CHECKOUT_WAIT, Leaving};
 use crate::backend::catch_unwind;
-use crate::backend::outbox::OutboxStore;
+use crate::backend::outbox::{OutboxStore, Settlement};
 use crate::service::{AsyncPass, AsyncPassError, ErrorBackoff, Next, Shutdown, Stopped, serve_async};
 use crate::{AsyncConnectionPool, AsyncStoreConnection, telemetry};
 
@@ -229,17 +230,13 @@ where
         };
         let shutdown = self.shutdown;
         let mut report = Deliveries::default();
-        let passed = relay
-            .pass(
-                conn,
-                &mut guarded,
-                // After an attempt given up on, the rest of the batch is
-                // given back, due at once, rather than reached after its
-                // lease.
-                &|| shutdown.is_triggered() || gave_up.load(Ordering::SeqCst),
-                &mut report,
-            )
-            .await;
+        // After an attempt given up on, the rest of the batch is given
+        // back, due at once, rather than reached after its lease.
+        let stop = || shutdown.is_triggered() || gave_up.load(Ordering::SeqCst);
+        let passed = match relay.in_flight {
+            1 => relay.pass(conn, &mut guarded, &stop, &mut report).await,
+            _ => relay.pass_in_flight(conn, &guarded, &stop, &mut report).await,
+        };
         *done += report;
         passed?;
         Ok(relay.after_pass(&report))
@@ -271,6 +268,25 @@ struct Guarded<'a, H> {
     gave_up: &'a AtomicBool,
 }
 
+impl<E, F, H> Guarded<'_, H>
+where
+    E: HandlerError,
+    F: Future<Output = Result<(), E>> + Send,
+    H: Fn(Message) -> F + Sync,
+{
+    /// The outcome of the handler's attempt at `message`.
+    async fn handle(&self, message: &Message) -> Result<(), Failure> {
+        match attempt((self.handler)(message.clone()), self.give_up_at).await {
+            Some(outcome) => outcome,
+            None => {
+                given_up(message);
+                self.gave_up.store(true, Ordering::SeqCst);
+                Err(Failure::Retry(String::from(GIVEN_UP)))
+            }
+        }
+    }
+}
+
 impl<E, F, H> Deliver for Guarded<'_, H>
 where
     E: HandlerError,
@@ -280,14 +296,76 @@ where
     type Error = Failure;
 
     async fn deliver(&mut self, message: &Message) -> Result<(), Failure> {
-        match attempt((self.handler)(message.clone()), self.give_up_at).await {
-            Some(outcome) => outcome,
-            None => {
-                given_up(message);
-                self.gave_up.store(true, Ordering::SeqCst);
-                Err(Failure::Retry(String::from(GIVEN_UP)))
+        self.handle(message).await
+    }
+}
+
+impl Relay {
+    /// [`pass`](Relay::pass) with up to [`in_flight`](Relay::in_flight)
+    /// messages handed over at once: a window of the batch is handed to
+    /// `handler` together, those delivered are marked in one statement and
+    /// the others recorded one by one, before the next window is handed
+    /// over.
+    async fn pass_in_flight<C, E, F, H>(
+        &self,
+        conn: &mut C,
+        handler: &Guarded<'_, H>,
+        stop: &(dyn Fn() -> bool + Sync),
+        report: &mut Deliveries,
+    ) -> Result<(), Error>
+    where
+        C: OutboxStore,
+        E: HandlerError,
+        F: Future<Output = Result<(), E>> + Send,
+        H: Fn(Message) -> F + Sync,
+    {
+        let (clock, lease, claimed) = self.claim(conn).await?;
+        report.claimed += claimed.len();
+        let mut rows = claimed.into_iter().peekable();
+        while rows.peek().is_some() {
+            if stop() {
+                for row in rows.by_ref() {
+                    self.release(conn, &row, &lease, report).await?;
+                }
+                break;
+            }
+            let mut window = Vec::new();
+            for row in rows.by_ref().take(self.in_flight) {
+                let (handed, attempts) = (Handed::of(&row), row.attempts);
+                match self.prepare(row, &clock, &lease) {
+                    Ok(message) => window.push((handed, attempts, message)),
+                    Err(ended) => self.record(conn, &handed, ended, &lease, report).await?,
+                }
+            }
+            let outcomes = join_all(window.iter().map(|(_, _, message)| handler.handle(message))).await;
+            let mut delivered = Vec::new();
+            for ((handed, attempts, _), outcome) in window.into_iter().zip(outcomes) {
+                match self.settlement(outcome, attempts, &clock) {
+                    Settlement::Delivered { .. } => delivered.push(handed),
+                    failed => self.record(conn, &handed, Some(failed), &lease, report).await?,
+                }
+            }
+            if !delivered.is_empty() {
+                let ids: Vec<String> = delivered.iter().map(|handed| handed.id.clone()).collect();
+                let at = clock.now();
+                let marked = conn
+                    .write(WRITE_LOCK_WAIT, async |tx: &mut C| {
+                        tx.mark_delivered(&ids, &lease.token, at).await
+                    })
+                    .await?;
+                report.delivered += marked;
+                // Which lease was taken over, if any, the statement does
+                // not say: each is reported where all were marked.
+                if marked == delivered.len() {
+                    for handed in &delivered {
+                        handed.recorded(&Settlement::Delivered { at });
+                    }
+                } else {
+                    report.lost += delivered.len() - marked;
+                }
             }
         }
+        Ok(())
     }
 }
 

@@ -47,6 +47,16 @@ pub trait OutboxStore: KeyStore {
         settlement: &Settlement,
     ) -> impl Future<Output = QueryResult<bool>>;
 
+    /// Records the messages `ids`, handed over under the lease
+    /// `lease_token`, as delivered at `at`, in one statement: how many were
+    /// written (fewer where a lease was taken over or a message requeued).
+    fn mark_delivered(
+        &mut self,
+        ids: &[String],
+        lease_token: &str,
+        at: NaiveDateTime,
+    ) -> impl Future<Output = QueryResult<usize>>;
+
     /// Gives a claimed message back unattempted, due at once, for a relay
     /// that stops before handing it over; `false` when the lease was taken
     /// over meanwhile.

@@ -5,7 +5,8 @@
 /// each method it takes:
 ///
 /// - `outbox_statements!(ready schema, created_at = now; insert_message, settle, ...)`:
-///   the methods `insert_message`, `settle`, `release` and `next_due` of
+///   the methods `insert_message`, `settle`, `mark_delivered`, `release`
+///   and `next_due` of
 ///   [`OutboxStore`](super::OutboxStore) as the `async fn`s of a
 ///   synchronous connection, whose statements complete as they are sent,
 ///   given the backend's expression for the database's time;
@@ -91,6 +92,31 @@ macro_rules! outbox_statements {
                     .execute(self)$($await)*?,
             };
             Ok(updated == 1)
+        }
+    };
+    (@mark_delivered $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {
+        $($async)? fn mark_delivered(
+            &mut self,
+            ids: &[String],
+            lease_token: &str,
+            at: chrono::NaiveDateTime,
+        ) -> diesel::QueryResult<usize> {
+            use $crate::row_status::MessageStatus;
+            use $schema::idempotency_outbox as o;
+            use diesel::{ExpressionMethods, QueryDsl};
+            use $($run)* as _;
+            diesel::update(
+                o::table
+                    .filter(o::id.eq_any(ids))
+                    .filter(o::status.eq(MessageStatus::Pending))
+                    .filter(o::lease_token.eq(lease_token)),
+            )
+            .set((
+                o::status.eq(MessageStatus::Delivered),
+                o::delivered_at.eq(at),
+                o::lease_token.eq(None::<String>),
+            ))
+            .execute(self)$($await)*
         }
     };
     (@dead_messages $schema:ident, $now:expr, [$($async:tt)?] [$($await:tt)*] [$($run:tt)*]) => {

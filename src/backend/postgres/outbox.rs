@@ -44,7 +44,7 @@ impl OutboxStore for PgConnection {
         self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
     }
 
-    outbox_statements!(ready schema, created_at = database_time(); insert_message, settle, release, next_due);
+    outbox_statements!(ready schema, created_at = database_time(); insert_message, settle, mark_delivered, release, next_due);
 }
 
 /// [`OutboxStore::claim_batch`] on either kind of connection: in one

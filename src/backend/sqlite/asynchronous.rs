@@ -253,6 +253,13 @@ impl OutboxStore for Wrapped {
         .await
     }
 
+    async fn mark_delivered(&mut self, ids: &[String], lease_token: &str, at: NaiveDateTime) -> QueryResult<usize> {
+        blocking_allowed()?;
+        let (ids, lease_token) = (ids.to_vec(), lease_token.to_owned());
+        self.spawn_blocking(move |conn| block_on(OutboxStore::mark_delivered(conn, &ids, &lease_token, at)))
+            .await
+    }
+
     async fn release(&mut self, message: MessageId<'_>, lease_token: &str) -> QueryResult<bool> {
         blocking_allowed()?;
         let (scope, id, lease_token) = (message.scope.to_owned(), message.id.to_owned(), lease_token.to_owned());

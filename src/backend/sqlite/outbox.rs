@@ -31,7 +31,7 @@ impl OutboxStore for SqliteConnection {
         .load(self)
     }
 
-    outbox_statements!(ready schema, created_at = Utc::now().naive_utc(); insert_message, settle, release, next_due);
+    outbox_statements!(ready schema, created_at = Utc::now().naive_utc(); insert_message, settle, mark_delivered, release, next_due);
 }
 
 impl BlockingOutboxStore for SqliteConnection {

@@ -31,6 +31,7 @@ async_backend_tests!(
     a_hanging_handler_is_given_up_at_three_quarters_of_its_lease_while_the_others_are_delivered,
     stopping_lets_the_running_handler_finish_and_gives_the_rest_of_the_batch_back,
     workers_keep_each_ordering_key_in_order_through_failures,
+    messages_handed_over_eight_at_once_keep_each_ordering_key_in_order_through_failures,
 );
 
 /// The statuses of every outbox message, as the synchronous connection
@@ -327,6 +328,24 @@ async fn stopping_lets_the_running_handler_finish_and_gives_the_rest_of_the_batc
 }
 
 async fn workers_keep_each_ordering_key_in_order_through_failures<D: AsyncDb>() {
+    let relay = Relay::default().workers(3).batch_size(5);
+    let most_at_once = each_key_in_order_through_failures::<D>(relay).await;
+    assert!(
+        most_at_once <= 3,
+        "one handler at a time per worker: {most_at_once} at once"
+    );
+}
+
+async fn messages_handed_over_eight_at_once_keep_each_ordering_key_in_order_through_failures<D: AsyncDb>() {
+    let relay = Relay::default().in_flight(8).batch_size(8);
+    let most_at_once = each_key_in_order_through_failures::<D>(relay).await;
+    assert_eq!(most_at_once, 8, "a worker's handlers awaited together");
+}
+
+/// `relay` delivers 8 messages of each of 8 ordering keys, a third of them
+/// failing their first attempt, each key in enqueue order and each message
+/// once; returns how many handlers ran at once at most.
+async fn each_key_in_order_through_failures<D: AsyncDb>(relay: Relay) -> usize {
     const KEYS: usize = 8;
     const PER_KEY: usize = 8;
     let db = D::new();
@@ -344,20 +363,26 @@ async fn workers_keep_each_ordering_key_in_order_through_failures<D: AsyncDb>() 
             expected.entry(key).or_default().push(n);
         }
     }
-    let relay = Relay::default()
-        .workers(3)
-        .batch_size(5)
+    let relay = relay
         .backoff(Duration::milliseconds(5), Duration::milliseconds(20))
         .poll_interval(Duration::milliseconds(10));
     let shutdown = Shutdown::new();
     let seen: Arc<Mutex<BTreeMap<String, Vec<usize>>>> = Arc::default();
+    let (running, most_at_once) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let (sender, mut reports) = mpsc::unbounded_channel();
     let handler = {
-        let seen = Arc::clone(&seen);
+        let (seen, running, most_at_once) = (Arc::clone(&seen), Arc::clone(&running), Arc::clone(&most_at_once));
         move |message: Message| {
             let (seen, sender) = (Arc::clone(&seen), sender.clone());
+            let (running, most_at_once) = (Arc::clone(&running), Arc::clone(&most_at_once));
             async move {
-                tokio::task::yield_now().await;
+                let now_running = running.fetch_add(1, Ordering::SeqCst) + 1;
+                most_at_once.fetch_max(now_running, Ordering::SeqCst);
+                // Gives the others of its window or worker their turn.
+                for _ in 0..10 {
+                    tokio::task::yield_now().await;
+                }
+                running.fetch_sub(1, Ordering::SeqCst);
                 let n: usize = message.payload().map_err(|error| error.to_string())?;
                 // Every third message fails its first attempt, which holds
                 // back the rest of its key until it is delivered.
@@ -390,6 +415,7 @@ async fn workers_keep_each_ordering_key_in_order_through_failures<D: AsyncDb>() 
     assert!(stopped.work.retried > 0, "failures were retried: {stopped:?}");
     let seen = seen.lock().unwrap_or_else(PoisonError::into_inner);
     assert_eq!(*seen, expected, "each key in enqueue order, each message once");
+    most_at_once.load(Ordering::SeqCst)
 }
 
 /// What only PostgreSQL shows: the enqueue's notification wakes a
