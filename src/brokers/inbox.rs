@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::future::Future;
 use std::sync::Arc;
 
 use diesel::r2d2::{ConnectionManager, Pool, R2D2Connection};
@@ -143,9 +144,10 @@ impl Delivery {
     }
 }
 
-/// What becomes of a delivery after the inbox ran it.
+/// What becomes of a delivery after the inbox ran it. Public in a module
+/// no other crate can name: [`Receive`] is sealed by it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Verdict {
+pub enum Verdict {
     /// Its effect committed (now or before): acknowledge it.
     Done,
     /// It failed and may succeed again: leave it to the broker to deliver
@@ -259,27 +261,32 @@ where
         self.config = config;
         self
     }
+}
 
+/// What a consumer runs for each delivery: an [`Inbox`] on an r2d2 pool of
+/// synchronous connections, or an [`AsyncInbox`] on a bb8 or deadpool pool
+/// of diesel-async ones (feature `diesel-async`). Sealed: only the crate
+/// implements it.
+pub trait Receive: fmt::Debug + Send + Sync {
     /// Runs the handler for `delivery` in its own transaction and says what
     /// the consumer should do with it.
-    pub(crate) async fn receive(&self, delivery: Delivery) -> Verdict {
+    fn receive(&self, delivery: Delivery) -> impl Future<Output = Verdict>;
+}
+
+impl<C, H, E> Receive for Inbox<C, H>
+where
+    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
+    H: Fn(&mut C, &Delivery) -> Result<(), E> + Send + Sync + 'static,
+    E: HandlerError + 'static,
+{
+    async fn receive(&self, delivery: Delivery) -> Verdict {
         let (pool, scope, config, handler) = (
             self.pool.clone(),
             self.scope.clone(),
             self.config.clone(),
             Arc::clone(&self.handler),
         );
-        // The message's key as its digest, as the calls record theirs: it
-        // came over the wire and is logged before the key rules checked it.
-        let key = crate::telemetry::key_digest(&delivery.key);
-        let span = tracing::debug_span!(
-            target: TARGET, "inbox_delivery",
-            scope = %self.scope, key_digest = %key, attempt = delivery.attempt,
-            traceparent = delivery.traceparent.as_deref(),
-        );
-        // Before the span is entered: OpenTelemetry starts it then.
-        #[cfg(feature = "opentelemetry")]
-        crate::trace_context::continue_in(&span, delivery.traceparent.as_deref(), delivery.tracestate.as_deref());
+        let span = delivery_span(&self.scope, &delivery);
         let in_span = span.clone();
         // The handler reports where the consumer's task does: to its
         // subscriber (also one it was given by `with_subscriber`), which a
@@ -301,19 +308,162 @@ where
         let verdict = match ran {
             Ok(Ok(())) => Verdict::Done,
             Ok(Err(verdict)) => verdict,
-            Err(joined) if joined.is_panic() => Verdict::Retry(String::from("the handler panicked")),
+            Err(joined) if joined.is_panic() => Verdict::Retry(String::from(PANICKED)),
             Err(joined) => Verdict::Retry(format!("the handler did not run: {joined}")),
         };
-        match &verdict {
-            Verdict::Done => tracing::debug!(target: TARGET, parent: &span, "inbox: message handled"),
-            Verdict::Retry(reason) => {
-                tracing::warn!(target: TARGET, parent: &span, reason, "inbox: message failed, left for redelivery")
-            }
-            Verdict::Dead(reason) => {
-                tracing::warn!(target: TARGET, parent: &span, reason, "inbox: message can never be handled")
-            }
+        reported(&span, verdict)
+    }
+}
+
+/// The failure of a delivery whose handler panicked.
+const PANICKED: &str = "the handler panicked";
+
+/// The span a delivery is handled in: `inbox_delivery`, with the scope,
+/// the key's digest, the attempt and the `traceparent` it carries; with
+/// OpenTelemetry a child of the span that enqueued the message.
+fn delivery_span(scope: &str, delivery: &Delivery) -> tracing::Span {
+    // The message's key as its digest, as the calls record theirs: it
+    // came over the wire and is logged before the key rules checked it.
+    let key = crate::telemetry::key_digest(&delivery.key);
+    let span = tracing::debug_span!(
+        target: TARGET, "inbox_delivery",
+        scope = %scope, key_digest = %key, attempt = delivery.attempt,
+        traceparent = delivery.traceparent.as_deref(),
+    );
+    // Before the span is entered: OpenTelemetry starts it then.
+    #[cfg(feature = "opentelemetry")]
+    crate::trace_context::continue_in(&span, delivery.traceparent.as_deref(), delivery.tracestate.as_deref());
+    span
+}
+
+/// Reports `verdict` in `span`, and returns it.
+fn reported(span: &tracing::Span, verdict: Verdict) -> Verdict {
+    match &verdict {
+        Verdict::Done => tracing::debug!(target: TARGET, parent: span, "inbox: message handled"),
+        Verdict::Retry(reason) => {
+            tracing::warn!(target: TARGET, parent: span, reason, "inbox: message failed, left for redelivery")
         }
-        verdict
+        Verdict::Dead(reason) => {
+            tracing::warn!(target: TARGET, parent: span, reason, "inbox: message can never be handled")
+        }
+    }
+    verdict
+}
+
+/// [`Inbox`] on a bb8 or deadpool pool of diesel-async connections
+/// ([`AsyncConnectionPool`](crate::AsyncConnectionPool)), with an async
+/// handler: each delivery runs under
+/// [`Config::run_async`](crate::Config::run_async) with the message key,
+/// in the consumer's own task, nothing on the blocking pool. The handler
+/// is an async closure called once per delivery, on a clone of itself
+/// (capture an `Arc`, or references, to share state): it receives the
+/// call's connection, inside its transaction, and the delivery. Everything
+/// else is as [`Inbox`]: the span, the verdicts, a panic as a failed
+/// delivery.
+///
+/// ```
+/// # #[tokio::main(flavor = "multi_thread", worker_threads = 1)]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use diesel::SqliteConnection;
+/// use diesel_async::RunQueryDsl;
+/// use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+/// use diesel_async::pooled_connection::bb8::Pool;
+/// use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+/// use idempotency::brokers::{AsyncInbox, Delivery};
+/// use idempotency::outbox::Failure;
+///
+/// type Conn = SyncConnectionWrapper<SqliteConnection>;
+/// # let database = tempfile::NamedTempFile::new()?;
+/// # let url = database.path().to_string_lossy().into_owned();
+/// # idempotency::run_migrations(&mut <SqliteConnection as diesel::Connection>::establish(&url)?)?;
+/// let pool = Pool::builder().build(AsyncDieselConnectionManager::<Conn>::new(url)).await?;
+/// let inbox = AsyncInbox::new(pool, "receipt-mailer", async |conn: &mut Conn, delivery: &Delivery| {
+///     let order: i64 = delivery.payload()?;
+///     diesel::sql_query("INSERT INTO receipts (order_id) VALUES (?)")
+///         .bind::<diesel::sql_types::BigInt, _>(order)
+///         .execute(conn)
+///         .await?;
+///     Ok::<_, Failure>(())
+/// });
+/// # drop(inbox);
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "diesel-async")]
+pub struct AsyncInbox<P, H> {
+    pool: P,
+    scope: String,
+    config: Config,
+    handler: H,
+}
+
+#[cfg(feature = "diesel-async")]
+impl<P, H> fmt::Debug for AsyncInbox<P, H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AsyncInbox")
+            .field("scope", &self.scope)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "diesel-async")]
+impl<P, H, E> AsyncInbox<P, H>
+where
+    P: crate::AsyncConnectionPool,
+    H: AsyncFnOnce(&mut P::Connection, &Delivery) -> Result<(), E> + Clone + Send + Sync,
+    E: HandlerError,
+{
+    /// An inbox that runs `handler` for each delivery with a connection of
+    /// `pool`, under `scope` (the consumer's name: its keys are its own)
+    /// and [`Config::default()`].
+    pub fn new(pool: P, scope: impl Into<String>, handler: H) -> Self {
+        AsyncInbox {
+            pool,
+            scope: scope.into(),
+            config: Config::default(),
+            handler,
+        }
+    }
+
+    /// Runs the calls under `config`, as [`Inbox::config`].
+    #[must_use]
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = config;
+        self
+    }
+}
+
+#[cfg(feature = "diesel-async")]
+impl<P, H, E> Receive for AsyncInbox<P, H>
+where
+    P: crate::AsyncConnectionPool,
+    H: AsyncFnOnce(&mut P::Connection, &Delivery) -> Result<(), E> + Clone + Send + Sync,
+    E: HandlerError,
+{
+    async fn receive(&self, delivery: Delivery) -> Verdict {
+        use tracing::Instrument;
+
+        let span = delivery_span(&self.scope, &delivery);
+        let handled = async {
+            let mut conn = match self.pool.lend().await {
+                Ok(conn) => conn,
+                Err(error) => return Verdict::Retry(format!("no database connection: {error}")),
+            };
+            let handler = self.handler.clone();
+            let run = self.config.run_async(
+                &mut *conn,
+                &self.scope,
+                &delivery.key,
+                delivery.payload.as_str(),
+                async |tx: &mut P::Connection| handler(tx, &delivery).await,
+            );
+            match crate::backend::catch_unwind(run).await {
+                Ok(run) => run.map_or_else(verdict_of, |_| Verdict::Done),
+                Err(_panic) => Verdict::Retry(String::from(PANICKED)),
+            }
+        };
+        let verdict = handled.instrument(span.clone()).await;
+        reported(&span, verdict)
     }
 }
 

@@ -46,5 +46,7 @@ pub use error::Error;
 pub use headers::{
     DEAD_LETTER_REASON_HEADER, ORDERING_KEY_HEADER, TOPIC_HEADER, TRACEPARENT_HEADER, TRACESTATE_HEADER,
 };
-pub use inbox::{Delivery, Inbox};
+#[cfg(feature = "diesel-async")]
+pub use inbox::AsyncInbox;
+pub use inbox::{Delivery, Inbox, Receive};
 pub use publisher::{BlockingPublisher, Publisher};

@@ -18,15 +18,13 @@ use std::time::Duration;
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
-use diesel::r2d2::R2D2Connection;
 use futures_util::StreamExt;
 
 use super::error::Error;
 use super::headers::{DEAD_LETTER_REASON_HEADER, outgoing_headers};
-use super::inbox::{DEFAULT_MAX_DELIVERIES, Delivery, Inbox, Verdict};
+use super::inbox::{DEFAULT_MAX_DELIVERIES, Delivery, Receive, Verdict};
 use super::publisher::Publisher;
-use crate::StoreConnection;
-use crate::outbox::{Failure, HandlerError, Message};
+use crate::outbox::{Failure, Message};
 use crate::telemetry::TARGET;
 
 /// The header JetStream deduplicates on.
@@ -127,16 +125,16 @@ impl Publisher for JetStreamPublisher {
 /// [dead-letter subject](JetStreamConsumer::dead_letter_subject) when one
 /// is set; JetStream also reports the termination as an advisory
 /// (`$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.<stream>.<consumer>`).
-pub struct JetStreamConsumer<C: R2D2Connection + 'static, H> {
+pub struct JetStreamConsumer<I> {
     context: jetstream::Context,
     consumer: PullConsumer,
-    inbox: Inbox<C, H>,
+    inbox: I,
     max_deliveries: u32,
     retry_delay: Duration,
     dead_letter_subject: Option<String>,
 }
 
-impl<C: R2D2Connection + 'static, H> fmt::Debug for JetStreamConsumer<C, H> {
+impl<I: fmt::Debug> fmt::Debug for JetStreamConsumer<I> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("JetStreamConsumer")
             .field("inbox", &self.inbox)
@@ -146,16 +144,11 @@ impl<C: R2D2Connection + 'static, H> fmt::Debug for JetStreamConsumer<C, H> {
     }
 }
 
-impl<C, H, E> JetStreamConsumer<C, H>
-where
-    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-    H: Fn(&mut C, &Delivery) -> Result<(), E> + Send + Sync + 'static,
-    E: HandlerError + 'static,
-{
+impl<I: Receive> JetStreamConsumer<I> {
     /// Runs `inbox` for the messages of `consumer`, publishing dead
     /// letters through `context`; 5 deliveries at most, 1 s between a
     /// failure and the next delivery, no dead-letter subject.
-    pub fn new(context: jetstream::Context, consumer: PullConsumer, inbox: Inbox<C, H>) -> Self {
+    pub fn new(context: jetstream::Context, consumer: PullConsumer, inbox: I) -> Self {
         JetStreamConsumer {
             context,
             consumer,

@@ -23,7 +23,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use diesel::r2d2::R2D2Connection;
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions, BasicRejectOptions,
@@ -36,10 +35,9 @@ use tokio::sync::Mutex;
 
 use super::error::Error;
 use super::headers::outgoing_headers;
-use super::inbox::{DEFAULT_MAX_DELIVERIES, Delivery, Inbox, Verdict};
+use super::inbox::{DEFAULT_MAX_DELIVERIES, Delivery, Receive, Verdict};
 use super::publisher::Publisher;
-use crate::StoreConnection;
-use crate::outbox::{Failure, HandlerError, Message};
+use crate::outbox::{Failure, Message};
 use crate::telemetry::TARGET;
 
 /// AMQP's persistent delivery mode: the broker writes the message to disk
@@ -255,16 +253,16 @@ impl Publisher for RabbitPublisher {
 /// UTF-8) is rejected without requeue, into the dead-letter exchange. When
 /// the connection is lost (the broker restarts), the messages it held go
 /// back to the queue and the consumer connects again.
-pub struct RabbitConsumer<C: R2D2Connection + 'static, H> {
+pub struct RabbitConsumer<I> {
     uri: String,
     queue: String,
-    inbox: Inbox<C, H>,
+    inbox: I,
     max_deliveries: u32,
     retry_delay: Duration,
     prefetch: u16,
 }
 
-impl<C: R2D2Connection + 'static, H> fmt::Debug for RabbitConsumer<C, H> {
+impl<I: fmt::Debug> fmt::Debug for RabbitConsumer<I> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RabbitConsumer")
             .field("queue", &self.queue)
@@ -282,15 +280,10 @@ enum Session {
     Lost(Error),
 }
 
-impl<C, H, E> RabbitConsumer<C, H>
-where
-    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-    H: Fn(&mut C, &Delivery) -> Result<(), E> + Send + Sync + 'static,
-    E: HandlerError + 'static,
-{
+impl<I: Receive> RabbitConsumer<I> {
     /// Runs `inbox` for the messages of `queue` on the broker at `uri`; 5
     /// deliveries at most, 1 s before a failed message is requeued.
-    pub fn new(uri: impl Into<String>, queue: impl Into<String>, inbox: Inbox<C, H>) -> Self {
+    pub fn new(uri: impl Into<String>, queue: impl Into<String>, inbox: I) -> Self {
         RabbitConsumer {
             uri: uri.into(),
             queue: queue.into(),

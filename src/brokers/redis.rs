@@ -24,7 +24,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use diesel::r2d2::R2D2Connection;
 use futures_util::FutureExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::streams::{StreamClaimReply, StreamId, StreamPendingCountReply, StreamReadReply};
@@ -32,10 +31,9 @@ use redis::{Client, Value};
 
 use super::error::Error;
 use super::headers::{DEAD_LETTER_REASON_HEADER, outgoing_headers};
-use super::inbox::{DEFAULT_MAX_DELIVERIES, Delivery, Inbox, Verdict};
+use super::inbox::{DEFAULT_MAX_DELIVERIES, Delivery, Receive, Verdict};
 use super::publisher::Publisher;
-use crate::StoreConnection;
-use crate::outbox::{Failure, HandlerError, Message};
+use crate::outbox::{Failure, Message};
 use crate::telemetry::TARGET;
 
 /// The field that carries the message key.
@@ -201,19 +199,19 @@ const BATCH: usize = 16;
 /// crate's is appended to the [dead-letter stream](RedisConsumer::dead_letter_stream)
 /// (by default the stream's name followed by `:dead`) with the reason in
 /// the field `header:`[`DEAD_LETTER_REASON_HEADER`], and acknowledged.
-pub struct RedisConsumer<C: R2D2Connection + 'static, H> {
+pub struct RedisConsumer<I> {
     client: Client,
     stream: String,
     group: String,
     consumer: String,
-    inbox: Inbox<C, H>,
+    inbox: I,
     max_deliveries: u32,
     claim_idle: Duration,
     block: Duration,
     dead_letter_stream: String,
 }
 
-impl<C: R2D2Connection + 'static, H> fmt::Debug for RedisConsumer<C, H> {
+impl<I: fmt::Debug> fmt::Debug for RedisConsumer<I> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisConsumer")
             .field("stream", &self.stream)
@@ -224,12 +222,7 @@ impl<C: R2D2Connection + 'static, H> fmt::Debug for RedisConsumer<C, H> {
     }
 }
 
-impl<C, H, E> RedisConsumer<C, H>
-where
-    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-    H: Fn(&mut C, &Delivery) -> Result<(), E> + Send + Sync + 'static,
-    E: HandlerError + 'static,
-{
+impl<I: Receive> RedisConsumer<I> {
     /// Runs `inbox` for the entries of `stream` as `consumer` of `group`,
     /// connected through `client`; 5 deliveries at most, entries claimed
     /// again after 30 s pending.
@@ -238,7 +231,7 @@ where
         stream: impl Into<String>,
         group: impl Into<String>,
         consumer: impl Into<String>,
-        inbox: Inbox<C, H>,
+        inbox: I,
     ) -> Self {
         let stream = stream.into();
         RedisConsumer {

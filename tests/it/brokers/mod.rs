@@ -260,6 +260,18 @@ impl Effects {
         })
     }
 
+    /// A deadpool pool of diesel-async connections to the effects'
+    /// database, for an [`AsyncInbox`](idempotency::brokers::AsyncInbox)
+    /// whose handler is [`write_effect`].
+    #[cfg(feature = "sqlite-async")]
+    pub fn async_pool(&self) -> AsyncSqlitePool {
+        let url = self.db.path().to_str().expect("a utf-8 path").to_owned();
+        AsyncSqlitePool::builder(diesel_async::pooled_connection::AsyncDieselConnectionManager::new(url))
+            .max_size(2)
+            .build()
+            .expect("a pool on the effects database")
+    }
+
     /// How many effects are written.
     #[cfg(feature = "rabbitmq")]
     pub fn count(&self) -> usize {
@@ -303,6 +315,31 @@ impl Effects {
             assert!(ids.is_sorted(), "{customer}'s orders out of order: {ids:?}");
         }
     }
+}
+
+/// The diesel-async connection of [`Effects::async_pool`].
+#[cfg(feature = "sqlite-async")]
+pub type AsyncSqlite = diesel_async::sync_connection_wrapper::SyncConnectionWrapper<SqliteConnection>;
+
+/// The pool of [`Effects::async_pool`].
+#[cfg(feature = "sqlite-async")]
+pub type AsyncSqlitePool = diesel_async::pooled_connection::deadpool::Pool<AsyncSqlite>;
+
+/// What [`Effects::inbox`] does for a delivery, on a diesel-async
+/// connection: writes an order's effect, and fails a poison message.
+#[cfg(feature = "sqlite-async")]
+pub async fn write_effect(conn: &mut AsyncSqlite, delivery: &Delivery) -> Result<(), Failure> {
+    let order: Order = delivery.payload()?;
+    if order.poison {
+        return Err(Failure::Retry(String::from("this message always fails")));
+    }
+    let insert = diesel::sql_query("INSERT INTO effects (order_id, customer, traceparent, header) VALUES (?, ?, ?, ?)")
+        .bind::<BigInt, _>(order.id)
+        .bind::<Text, _>(delivery.ordering_key().unwrap_or_default().to_owned())
+        .bind::<Nullable<Text>, _>(delivery.traceparent().map(str::to_owned))
+        .bind::<Nullable<Text>, _>(delivery.header("x-order").map(str::to_owned));
+    diesel_async::RunQueryDsl::execute(insert, conn).await?;
+    Ok(())
 }
 
 /// How a [`PrivateBroker`] is stopped for a restart.

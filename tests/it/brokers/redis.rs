@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use diesel::SqliteConnection;
 use idempotency::brokers::redis::{HEADER_FIELD_PREFIX, KEY_FIELD, PAYLOAD_FIELD, RedisConsumer, RedisPublisher, Trim};
-use idempotency::brokers::{BlockingPublisher, Delivery, Inbox};
+use idempotency::brokers::{BlockingPublisher, Receive};
 use idempotency::outbox::{Deliveries, Failure, Message, Relay};
 use redis::Commands;
 use tokio::runtime::Runtime;
@@ -29,10 +29,7 @@ fn connection() -> redis::Connection {
 
 /// The consumer `consumer-1` of the group `inbox` on `stream`, running
 /// `inbox`.
-fn consumer_of<H>(stream: &str, inbox: Inbox<SqliteConnection, H>) -> RedisConsumer<SqliteConnection, H>
-where
-    H: Fn(&mut SqliteConnection, &Delivery) -> Result<(), Failure> + Send + Sync + 'static,
-{
+fn consumer_of<I: Receive>(stream: &str, inbox: I) -> RedisConsumer<I> {
     RedisConsumer::new(client(), stream.to_owned(), "inbox", "consumer-1", inbox)
 }
 
@@ -100,6 +97,55 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
     }
     let pending: redis::streams::StreamPendingReply = redis.xpending(&stream, "inbox").expect("XPENDING");
     assert_eq!(pending.count(), 0, "every entry acknowledged");
+    let _: () = redis.del(&[&stream, &dead]).expect("DEL");
+}
+
+#[cfg(feature = "sqlite-async")]
+#[test]
+fn an_async_inbox_has_each_orders_effect_once_in_order_though_published_twice_and_dead_letters_the_poison() {
+    use idempotency::brokers::{AsyncInbox, Delivery};
+
+    use super::{AsyncSqlite, write_effect};
+
+    let runtime = Runtime::new().expect("a tokio runtime");
+    let stream = unique_name("orders");
+    let dead = format!("{stream}:dead");
+    let shop = Shop::with_orders("orders");
+    let poison = shop.enqueue_poison();
+    let effects = Effects::new();
+
+    let target = stream.clone();
+    let publisher = runtime
+        .block_on(RedisPublisher::connect(client()))
+        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
+        .stream(move |_| target.clone());
+    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
+    // Every message published twice, as by a relay that died between the
+    // confirmation and its mark.
+    shop.relay(|message| {
+        publisher.publish(message)?;
+        publisher.publish(message)
+    });
+
+    let inbox = AsyncInbox::new(
+        effects.async_pool(),
+        "orders-inbox",
+        async |conn: &mut AsyncSqlite, delivery: &Delivery| write_effect(conn, delivery).await,
+    );
+    let consumer = consumer_of(&stream, inbox)
+        .max_deliveries(3)
+        .claim_idle(Duration::from_millis(50));
+    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
+    wait_until_all_acknowledged(&mut connection(), &stream);
+    consuming.stop(&runtime);
+
+    effects.assert_each_order_once_in_order(&shop);
+    let mut redis = connection();
+    let letters: redis::streams::StreamRangeReply = redis.xrange_all(&dead).expect("XRANGE");
+    assert_eq!(letters.ids.len(), 2, "both copies of the poison message");
+    for letter in &letters.ids {
+        assert_eq!(letter.get::<String>(KEY_FIELD).as_ref(), Some(&poison));
+    }
     let _: () = redis.del(&[&stream, &dead]).expect("DEL");
 }
 
