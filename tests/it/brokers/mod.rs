@@ -27,6 +27,8 @@ mod nats;
 mod rabbitmq;
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(all(feature = "redis", feature = "axum", feature = "sqlite-async"))]
+mod redis_processes;
 
 /// A consumer running on a tokio runtime until the test stops it.
 pub struct Consuming {
@@ -239,25 +241,7 @@ impl Effects {
         before_commit: impl Fn(&Order) + Send + Sync + 'static,
     ) -> Inbox<SqliteConnection, impl Fn(&mut SqliteConnection, &Delivery) -> Result<(), Failure> + Send + Sync + 'static>
     {
-        let url = self.db.path().to_str().expect("a utf-8 path").to_owned();
-        let pool = Pool::builder()
-            .max_size(2)
-            .build(ConnectionManager::<SqliteConnection>::new(url))
-            .expect("a pool on the effects database");
-        Inbox::new(pool, scope, move |conn: &mut SqliteConnection, delivery: &Delivery| {
-            let order: Order = delivery.payload()?;
-            if order.poison {
-                return Err(Failure::Retry(String::from("this message always fails")));
-            }
-            diesel::sql_query("INSERT INTO effects (order_id, customer, traceparent, header) VALUES (?, ?, ?, ?)")
-                .bind::<BigInt, _>(order.id)
-                .bind::<Text, _>(delivery.ordering_key().unwrap_or_default())
-                .bind::<Nullable<Text>, _>(delivery.traceparent())
-                .bind::<Nullable<Text>, _>(delivery.header("x-order"))
-                .execute(conn)?;
-            before_commit(&order);
-            Ok(())
-        })
+        effects_inbox(self.db.path().to_str().expect("a utf-8 path"), scope, before_commit)
     }
 
     /// A deadpool pool of diesel-async connections to the effects'
@@ -273,7 +257,10 @@ impl Effects {
     }
 
     /// How many effects are written.
-    #[cfg(feature = "rabbitmq")]
+    #[cfg(any(
+        feature = "rabbitmq",
+        all(feature = "redis", feature = "axum", feature = "sqlite-async")
+    ))]
     pub fn count(&self) -> usize {
         self.rows().len()
     }
@@ -315,6 +302,33 @@ impl Effects {
             assert!(ids.is_sorted(), "{customer}'s orders out of order: {ids:?}");
         }
     }
+}
+
+/// The inbox of [`Effects::inbox_with`] on the effects database at `url`,
+/// also in a consumer process of a test's own.
+pub fn effects_inbox(
+    url: &str,
+    scope: &str,
+    before_commit: impl Fn(&Order) + Send + Sync + 'static,
+) -> Inbox<SqliteConnection, impl Fn(&mut SqliteConnection, &Delivery) -> Result<(), Failure> + Send + Sync + 'static> {
+    let pool = Pool::builder()
+        .max_size(2)
+        .build(ConnectionManager::<SqliteConnection>::new(url))
+        .expect("a pool on the effects database");
+    Inbox::new(pool, scope, move |conn: &mut SqliteConnection, delivery: &Delivery| {
+        let order: Order = delivery.payload()?;
+        if order.poison {
+            return Err(Failure::Retry(String::from("this message always fails")));
+        }
+        diesel::sql_query("INSERT INTO effects (order_id, customer, traceparent, header) VALUES (?, ?, ?, ?)")
+            .bind::<BigInt, _>(order.id)
+            .bind::<Text, _>(delivery.ordering_key().unwrap_or_default())
+            .bind::<Nullable<Text>, _>(delivery.traceparent())
+            .bind::<Nullable<Text>, _>(delivery.header("x-order"))
+            .execute(conn)?;
+        before_commit(&order);
+        Ok(())
+    })
 }
 
 /// The diesel-async connection of [`Effects::async_pool`].
