@@ -109,7 +109,7 @@ impl Publisher for JetStreamPublisher {
     }
 }
 
-/// Runs an [`Inbox`] for the messages of a JetStream pull consumer.
+/// Runs an [`Inbox`](super::Inbox) (or an `AsyncInbox`) for the messages of a JetStream pull consumer.
 ///
 /// The application creates the stream and the durable pull consumer with
 /// the settings it needs (`ack_wait` longer than a handler takes,

@@ -239,7 +239,7 @@ impl Publisher for RabbitPublisher {
     }
 }
 
-/// Runs an [`Inbox`] for the messages of a RabbitMQ queue.
+/// Runs an [`Inbox`](super::Inbox) (or an `AsyncInbox`) for the messages of a RabbitMQ queue.
 ///
 /// The application declares the queue (a quorum queue, with
 /// `x-dead-letter-exchange` naming where given-up messages go) and its

@@ -182,7 +182,7 @@ const DEFAULT_CLAIM_IDLE: Duration = Duration::from_secs(30);
 /// How many entries a consumer reads or claims at a time.
 const BATCH: usize = 16;
 
-/// Runs an [`Inbox`] for the entries of a Redis stream, as one consumer of
+/// Runs an [`Inbox`](super::Inbox) (or an `AsyncInbox`) for the entries of a Redis stream, as one consumer of
 /// a consumer group.
 ///
 /// [`run`](RedisConsumer::run) creates the group (reading the stream from

@@ -48,6 +48,41 @@ fn wait_until_all_acknowledged(redis: &mut redis::Connection, stream: &str) {
 
 #[test]
 fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poison_is_dead_lettered() {
+    each_order_once_though_published_twice(|runtime, stream, effects| {
+        let consumer = consumer_of(stream, effects.inbox("orders-inbox"))
+            .max_deliveries(3)
+            .claim_idle(Duration::from_millis(50));
+        Consuming::start(runtime, |stopped| async move { consumer.run(stopped).await })
+    });
+}
+
+#[cfg(feature = "sqlite-async")]
+#[test]
+fn an_async_inbox_has_each_orders_effect_once_in_order_though_published_twice_and_dead_letters_the_poison() {
+    use idempotency::brokers::{AsyncInbox, Delivery};
+
+    use super::{AsyncSqlite, write_effect};
+
+    each_order_once_though_published_twice(|runtime, stream, effects| {
+        let inbox = AsyncInbox::new(
+            effects.async_pool(),
+            "orders-inbox",
+            async |conn: &mut AsyncSqlite, delivery: &Delivery| write_effect(conn, delivery).await,
+        );
+        let consumer = consumer_of(stream, inbox)
+            .max_deliveries(3)
+            .claim_idle(Duration::from_millis(50));
+        Consuming::start(runtime, |stopped| async move { consumer.run(stopped).await })
+    });
+}
+
+/// Publishes a shop's orders and a poison message, each twice, to a stream
+/// of its own, as a relay that died between the confirmation and its mark
+/// would (Redis keeps both copies); consumes them with the consumer
+/// `consume` starts on the stream, which writes `Effects` and
+/// dead-letters after 3 deliveries; checks every order's effect once and in
+/// order and both copies of the poison message dead-lettered.
+fn each_order_once_though_published_twice(consume: impl FnOnce(&Runtime, &str, &Effects) -> Consuming) {
     let runtime = Runtime::new().expect("a tokio runtime");
     let stream = unique_name("orders");
     let dead = format!("{stream}:dead");
@@ -62,8 +97,6 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
         .stream(move |_| target.clone())
         .trim(Trim::AboutMaxLen(10_000));
     let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
-    // Every message published twice, as by a relay that died between the
-    // confirmation and its mark: Redis keeps both copies.
     let report = shop.relay(|message| {
         publisher.publish(message)?;
         publisher.publish(message)
@@ -72,11 +105,7 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
     let length: usize = connection().xlen(&stream).expect("XLEN");
     assert_eq!(length, 2 * (usize::try_from(ORDERS).unwrap() + 1));
 
-    let consumer = consumer_of(&stream, effects.inbox("orders-inbox"))
-        .max_deliveries(3)
-        .claim_idle(Duration::from_millis(50));
-    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
-
+    let consuming = consume(&runtime, &stream, &effects);
     wait_until_all_acknowledged(&mut connection(), &stream);
     consuming.stop(&runtime);
 
@@ -100,53 +129,21 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
     let _: () = redis.del(&[&stream, &dead]).expect("DEL");
 }
 
-#[cfg(feature = "sqlite-async")]
-#[test]
-fn an_async_inbox_has_each_orders_effect_once_in_order_though_published_twice_and_dead_letters_the_poison() {
-    use idempotency::brokers::{AsyncInbox, Delivery};
-
-    use super::{AsyncSqlite, write_effect};
-
-    let runtime = Runtime::new().expect("a tokio runtime");
-    let stream = unique_name("orders");
-    let dead = format!("{stream}:dead");
-    let shop = Shop::with_orders("orders");
-    let poison = shop.enqueue_poison();
-    let effects = Effects::new();
-
-    let target = stream.clone();
-    let publisher = runtime
-        .block_on(RedisPublisher::connect(client()))
-        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
-        .stream(move |_| target.clone());
-    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
-    // Every message published twice, as by a relay that died between the
-    // confirmation and its mark.
-    shop.relay(|message| {
-        publisher.publish(message)?;
-        publisher.publish(message)
-    });
-
-    let inbox = AsyncInbox::new(
-        effects.async_pool(),
-        "orders-inbox",
-        async |conn: &mut AsyncSqlite, delivery: &Delivery| write_effect(conn, delivery).await,
-    );
-    let consumer = consumer_of(&stream, inbox)
-        .max_deliveries(3)
-        .claim_idle(Duration::from_millis(50));
-    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
-    wait_until_all_acknowledged(&mut connection(), &stream);
-    consuming.stop(&runtime);
-
-    effects.assert_each_order_once_in_order(&shop);
-    let mut redis = connection();
-    let letters: redis::streams::StreamRangeReply = redis.xrange_all(&dead).expect("XRANGE");
-    assert_eq!(letters.ids.len(), 2, "both copies of the poison message");
-    for letter in &letters.ids {
-        assert_eq!(letter.get::<String>(KEY_FIELD).as_ref(), Some(&poison));
-    }
-    let _: () = redis.del(&[&stream, &dead]).expect("DEL");
+/// Whether the entry of order `id` in `stream` is pending in the group
+/// `inbox`: read by a consumer and never acknowledged.
+pub fn pending_entry_of(redis: &mut redis::Connection, stream: &str, id: i64) -> bool {
+    let entries: redis::streams::StreamRangeReply = redis.xrange_all(stream).expect("XRANGE");
+    let entry = entries
+        .ids
+        .iter()
+        .find(|entry| {
+            let payload: Option<String> = entry.get(PAYLOAD_FIELD);
+            payload.is_some_and(|payload| serde_json::from_str::<Order>(&payload).is_ok_and(|order| order.id == id))
+        })
+        .unwrap_or_else(|| panic!("order {id}'s entry"));
+    let pending: redis::streams::StreamPendingCountReply =
+        redis.xpending_count(stream, "inbox", "-", "+", 1000).expect("XPENDING");
+    pending.ids.iter().any(|pending| pending.id == entry.id)
 }
 
 /// Whether the Redis at `url` answers.
@@ -334,19 +331,8 @@ fn a_consumer_gone_between_its_commit_and_its_ack_has_the_message_replayed_not_r
     release.send(()).expect("the held handler waits");
     wait_for("order 20's effect committed", || effects.has(HELD));
     let mut redis = connection();
-    let entries: redis::streams::StreamRangeReply = redis.xrange_all(&stream).expect("XRANGE");
-    let held = entries
-        .ids
-        .iter()
-        .find(|entry| {
-            let payload: Option<String> = entry.get(PAYLOAD_FIELD);
-            payload.is_some_and(|payload| serde_json::from_str::<Order>(&payload).is_ok_and(|order| order.id == HELD))
-        })
-        .expect("order 20's entry");
-    let pending: redis::streams::StreamPendingCountReply =
-        redis.xpending_count(&stream, "inbox", "-", "+", 100).expect("XPENDING");
     assert!(
-        pending.ids.iter().any(|entry| entry.id == held.id),
+        pending_entry_of(&mut redis, &stream, HELD),
         "order 20 committed, never acknowledged"
     );
 

@@ -25,13 +25,14 @@ use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::{BigInt, Text};
 use idempotency::Config;
 use idempotency::brokers::Publisher;
-use idempotency::brokers::redis::{PAYLOAD_FIELD, RedisConsumer, RedisPublisher};
+use idempotency::brokers::redis::{RedisConsumer, RedisPublisher};
 use idempotency::http::{self, Answer, Caller, Failure as HttpFailure, IdempotencyKey, StoredResponse};
 use idempotency::outbox::{self, Envelope, Message, Relay};
 use redis::Commands;
 use tokio::runtime::Runtime;
 use tower::ServiceExt;
 
+use super::redis::pending_entry_of;
 use super::{CUSTOMERS, Effects, ORDERS, Order, Shop, TRACEPARENT, TRACESTATE, effects_inbox};
 use crate::common::child::{Child, parent_database};
 use crate::common::unique_name;
@@ -113,20 +114,9 @@ fn orders_posted_over_http_reach_a_consumer_process_once_in_order_though_it_is_k
     let mut conn = redis::Client::open(URL)
         .and_then(|client| client.get_connection())
         .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)");
-    let entries: redis::streams::StreamRangeReply = conn.xrange_all(&stream).expect("XRANGE");
-    let held = entries
-        .ids
-        .iter()
-        .find(|entry| {
-            let payload: Option<String> = entry.get(PAYLOAD_FIELD);
-            payload.is_some_and(|payload| serde_json::from_str::<Order>(&payload).is_ok_and(|order| order.id == HELD))
-        })
-        .expect("the held order's entry");
     // The entries read with it in one round are pending as well.
-    let pending: redis::streams::StreamPendingCountReply =
-        conn.xpending_count(&stream, GROUP, "-", "+", 1000).expect("XPENDING");
     assert!(
-        pending.ids.iter().any(|entry| entry.id == held.id),
+        pending_entry_of(&mut conn, &stream, HELD),
         "the held order's entry, committed, never acknowledged"
     );
 
