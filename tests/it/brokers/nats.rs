@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, stream};
 use idempotency::brokers::nats::{JetStreamConsumer, JetStreamPublisher};
-use idempotency::brokers::{BlockingPublisher, DEAD_LETTER_REASON_HEADER};
+use idempotency::brokers::{BlockingPublisher, DEAD_LETTER_REASON_HEADER, Receive};
 use tokio::runtime::Runtime;
 
 use super::{Consuming, Effects, ORDERS, PrivateBroker, Shop, Stopping};
@@ -26,6 +26,57 @@ async fn messages(context: &jetstream::Context, stream: &str) -> u64 {
 
 #[test]
 fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_included_and_the_poison_is_dead_lettered() {
+    each_order_once_a_copy_after_the_dedup_window_included(|runtime, consumer| {
+        let consumer = consumer.with_inbox(consumer.effects.inbox("orders-inbox"));
+        Consuming::start(runtime, |stopped| async move { consumer.run(stopped).await })
+    });
+}
+
+#[cfg(feature = "sqlite-async")]
+#[test]
+fn an_async_inbox_has_each_orders_effect_once_in_order_a_copy_after_the_dedup_window_included() {
+    use idempotency::brokers::{AsyncInbox, Delivery};
+
+    use super::{AsyncSqlite, write_effect};
+
+    each_order_once_a_copy_after_the_dedup_window_included(|runtime, consumer| {
+        let inbox = AsyncInbox::new(
+            consumer.effects.async_pool(),
+            "orders-inbox",
+            async |conn: &mut AsyncSqlite, delivery: &Delivery| write_effect(conn, delivery).await,
+        );
+        let consumer = consumer.with_inbox(inbox);
+        Consuming::start(runtime, |stopped| async move { consumer.run(stopped).await })
+    });
+}
+
+/// What a test's consumer is made of: the stream's pull consumer and the
+/// effects its inbox writes.
+struct ConsumerOf<'a> {
+    context: jetstream::Context,
+    pull: consumer::PullConsumer,
+    dead: String,
+    effects: &'a Effects,
+}
+
+impl ConsumerOf<'_> {
+    /// The consumer with `inbox`, which dead-letters after 3 deliveries.
+    fn with_inbox<I: Receive>(&self, inbox: I) -> JetStreamConsumer<I> {
+        JetStreamConsumer::new(self.context.clone(), self.pull.clone(), inbox)
+            .max_deliveries(3)
+            .retry_delay(Duration::from_millis(10))
+            .dead_letter_subject(self.dead.clone())
+    }
+}
+
+/// Publishes a shop's orders and a poison message, each twice (the second
+/// a duplicate to the stream), and a copy of the first after the
+/// duplicate window; consumes them with the consumer `consume` starts;
+/// checks every order's effect once and in order, and the poison message
+/// dead-lettered.
+fn each_order_once_a_copy_after_the_dedup_window_included(
+    consume: impl FnOnce(&Runtime, &ConsumerOf<'_>) -> Consuming,
+) {
     let runtime = Runtime::new().expect("a tokio runtime");
     let name = unique_name("orders");
     let dead = format!("{name}_dead");
@@ -98,11 +149,13 @@ fn every_order_has_its_effect_once_in_order_a_copy_after_the_dedup_window_includ
     });
     assert_eq!(runtime.block_on(messages(&context, &name)), published + 1);
 
-    let consumer = JetStreamConsumer::new(context.clone(), pull, effects.inbox("orders-inbox"))
-        .max_deliveries(3)
-        .retry_delay(Duration::from_millis(10))
-        .dead_letter_subject(dead.clone());
-    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
+    let consumer = ConsumerOf {
+        context: context.clone(),
+        pull,
+        dead: dead.clone(),
+        effects: &effects,
+    };
+    let consuming = consume(&runtime, &consumer);
     wait_for("every message handled and acknowledged", || {
         runtime.block_on(async {
             let mut inbox: consumer::PullConsumer = orders_stream.get_consumer("inbox").await.expect("the consumer");

@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use idempotency::brokers::rabbitmq::{self, RabbitConsumer, RabbitPublisher, Route};
 use idempotency::brokers::{
-    BlockingPublisher, ORDERING_KEY_HEADER, TOPIC_HEADER, TRACEPARENT_HEADER, TRACESTATE_HEADER,
+    BlockingPublisher, ORDERING_KEY_HEADER, Receive, TOPIC_HEADER, TRACEPARENT_HEADER, TRACESTATE_HEADER,
 };
 use idempotency::outbox::{self, Envelope, Relay};
 use lapin::options::{
@@ -43,6 +43,46 @@ async fn ready(channel: &Channel, queue: &str) -> u32 {
 
 #[test]
 fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poison_goes_to_the_dead_letter_exchange() {
+    each_order_once_though_published_twice(|runtime, queue, effects| {
+        let consumer = consumer_of(queue, effects.inbox("orders-inbox"));
+        Consuming::start(runtime, |stopped| async move { consumer.run(stopped).await })
+    });
+}
+
+#[cfg(feature = "sqlite-async")]
+#[test]
+fn an_async_inbox_has_each_orders_effect_once_in_order_though_published_twice() {
+    use idempotency::brokers::{AsyncInbox, Delivery};
+
+    use super::{AsyncSqlite, write_effect};
+
+    each_order_once_though_published_twice(|runtime, queue, effects| {
+        let inbox = AsyncInbox::new(
+            effects.async_pool(),
+            "orders-inbox",
+            async |conn: &mut AsyncSqlite, delivery: &Delivery| write_effect(conn, delivery).await,
+        );
+        let consumer = consumer_of(queue, inbox);
+        Consuming::start(runtime, |stopped| async move { consumer.run(stopped).await })
+    });
+}
+
+/// The consumer of `queue` with `inbox`, which dead-letters after 3
+/// deliveries.
+fn consumer_of<I: Receive>(queue: &str, inbox: I) -> RabbitConsumer<I> {
+    RabbitConsumer::new(URI, queue, inbox)
+        .max_deliveries(3)
+        .retry_delay(Duration::from_millis(10))
+        // One message in hand at a time: once the queue is empty, the one
+        // in hand is the last, and the stop lets it finish.
+        .prefetch(1)
+}
+
+/// Publishes a shop's orders and a poison message, each twice, to a queue
+/// of their own with a dead-letter exchange; consumes them with the
+/// consumer `consume` starts on the queue; checks every order's effect
+/// once and in order and both copies of the poison message dead-lettered.
+fn each_order_once_though_published_twice(consume: impl FnOnce(&Runtime, &str, &Effects) -> Consuming) {
     let runtime = Runtime::new().expect("a tokio runtime");
     let name = unique_name("orders");
     let (dlx, dead) = (format!("{name}_dlx"), format!("{name}_dead"));
@@ -111,13 +151,7 @@ fn every_order_has_its_effect_once_in_order_though_published_twice_and_the_poiso
     assert_eq!(report.delivered, usize::try_from(published).unwrap());
     assert_eq!(runtime.block_on(ready(&admin, &name)), 2 * published);
 
-    let consumer = RabbitConsumer::new(URI, name.as_str(), effects.inbox("orders-inbox"))
-        .max_deliveries(3)
-        .retry_delay(Duration::from_millis(10))
-        // One message in hand at a time: once the queue is empty, the one
-        // in hand is the last, and the stop lets it finish.
-        .prefetch(1);
-    let consuming = Consuming::start(&runtime, |stopped| async move { consumer.run(stopped).await });
+    let consuming = consume(&runtime, &name, &effects);
     wait_for("the queue emptied, the poison message's copies dead-lettered", || {
         runtime.block_on(async { (ready(&admin, &name).await, ready(&admin, &dead).await) }) == (0, 2)
     });
