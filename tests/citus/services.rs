@@ -460,3 +460,62 @@ fn tombstones_refuse_late_retries_and_purges_keep_them_bounded_on_every_shard() 
     assert_eq!(keys, 0, "deleted after the grace period");
     assert!(!call(&mut conn, &tenants[0]).expect("executes again").is_replayed());
 }
+
+#[test]
+#[ignore = "needs a Citus cluster (.ci/citus); run with --include-ignored"]
+fn the_async_relay_delivers_every_tenants_messages_once_one_and_eight_at_a_time() {
+    use diesel_async::AsyncPgConnection;
+    use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+
+    const EACH_ROUND: usize = 24;
+    let (db, mut conn, tenants) = with_tenants(8);
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    let pool = runtime
+        .block_on(
+            bb8::Pool::builder()
+                .max_size(2)
+                .build(AsyncDieselConnectionManager::<AsyncPgConnection>::new(&db.url)),
+        )
+        .expect("a pool of async connections");
+    // One at a time (the claim by scope and each mark of its own), then
+    // eight at once (marked together, across the tenants' shards).
+    for (round, in_flight) in [1, 8].into_iter().enumerate() {
+        for i in 0..EACH_ROUND {
+            let tenant = &tenants[i % tenants.len()];
+            order_with_receipt(&mut conn, tenant, &format!("async-{round}-{i}")).expect("an order");
+        }
+        let relay = Relay::default()
+            .batch_size(10)
+            .in_flight(in_flight)
+            .poll_interval(Duration::milliseconds(20));
+        let shutdown = Shutdown::new();
+        let delivered: Arc<Mutex<BTreeMap<String, String>>> = Arc::default();
+        let duplicates = Arc::new(AtomicUsize::new(0));
+        let handler = {
+            let (delivered, duplicates, shutdown) = (Arc::clone(&delivered), Arc::clone(&duplicates), shutdown.clone());
+            move |message: Message| {
+                let mut delivered = delivered.lock().expect("delivered");
+                if delivered.insert(message.id, message.scope).is_some() {
+                    duplicates.fetch_add(1, Ordering::SeqCst);
+                }
+                if delivered.len() == EACH_ROUND {
+                    shutdown.trigger();
+                }
+                std::future::ready(Ok::<_, String>(()))
+            }
+        };
+        let stopped = runtime.block_on(async {
+            tokio::time::timeout(StdDuration::from_secs(60), relay.serve_async(&pool, handler, &shutdown))
+                .await
+                .expect("every message delivered within a minute")
+        });
+        assert_eq!(duplicates.load(Ordering::SeqCst), 0, "no message was delivered twice");
+        assert_eq!((stopped.work.delivered, stopped.errors), (EACH_ROUND, 0), "{stopped:?}");
+        let scopes: BTreeSet<String> = delivered.lock().expect("delivered").values().cloned().collect();
+        assert_eq!(scopes.len(), tenants.len(), "every tenant's messages");
+        assert_eq!(
+            messages_by_status(&mut conn),
+            BTreeMap::from([("delivered".to_owned(), ((round + 1) * EACH_ROUND) as i64)])
+        );
+    }
+}
