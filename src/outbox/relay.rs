@@ -31,9 +31,9 @@ const MAX_ERROR_LEN: usize = 2000;
 /// | [`backoff`](Relay::backoff) | 1 second, doubling, at most 15 minutes |
 /// | [`retention`](Relay::retention) | 7 days for delivered messages |
 /// | [`clock`](Relay::clock) | the database's clock |
-/// | [`workers`](Relay::workers) | 1 thread for [`serve`](Relay::serve) |
-/// | [`in_flight`](Relay::in_flight) | 1 message at a time for `serve_async` |
-/// | [`poll_interval`](Relay::poll_interval) | 250 ms for [`serve`](Relay::serve) |
+/// | [`workers`](Relay::workers) | 1 for [`serve`](Relay::serve) and [`serve_async`](Relay::serve_async) |
+/// | [`in_flight`](Relay::in_flight) | 1 message at a time for [`serve_async`](Relay::serve_async) |
+/// | [`poll_interval`](Relay::poll_interval) | 250 ms for [`serve`](Relay::serve) and [`serve_async`](Relay::serve_async) |
 ///
 /// A relay holds no connection and no state between runs. Start it as a
 /// background service with [`serve`](Relay::serve), which claims while messages
@@ -219,8 +219,9 @@ impl Relay {
         self
     }
 
-    /// How many threads [`serve`](Relay::serve) delivers on, each claiming
-    /// batches of its own on a pooled connection (default 1). One worker
+    /// How many threads [`serve`](Relay::serve) delivers on, and how many
+    /// concurrent loops [`serve_async`](Relay::serve_async) runs, each
+    /// claiming batches of its own on a pooled connection (default 1). One worker
     /// keeps each topic in enqueue order; several deliver in parallel and
     /// keep only the order of each [ordering key](super::Envelope::ordering_key).
     ///
