@@ -4,7 +4,7 @@
 //! its commit to its consumer's effect.
 //!
 //! ```text
-//! cargo bench --features nats,rabbitmq,redis,sqlite-async --bench brokers [-- --quick] [-- --broker redis]
+//! cargo bench --features nats,rabbitmq,redis,sqlite-async --bench brokers [-- --quick] [--broker redis] [--messages N]
 //! ```
 //!
 //! Scenarios, for each broker, on one SQLite outbox (WAL) in a temporary
@@ -538,15 +538,17 @@ fn latency<B: Broker>(
 fn main() -> ExitCode {
     let mut quick = false;
     let mut only = None;
+    let mut messages = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--quick" => quick = true,
             "--broker" => only = args.next(),
+            "--messages" => messages = args.next().and_then(|count| count.parse().ok()),
             _ => {}
         }
     }
-    let counts = if quick {
+    let mut counts = if quick {
         Counts {
             messages: 50,
             timed: 10,
@@ -557,6 +559,7 @@ fn main() -> ExitCode {
             timed: 200,
         }
     };
+    counts.messages = messages.unwrap_or(counts.messages);
     match run(&counts, only.as_deref()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
