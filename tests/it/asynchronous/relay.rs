@@ -419,14 +419,16 @@ async fn each_key_in_order_through_failures<D: AsyncDb>(relay: Relay) -> usize {
 }
 
 /// What only PostgreSQL shows: the enqueue's notification wakes a
-/// sleeping async relay at once.
+/// sleeping async relay at once, and its sessions can be killed by the
+/// server.
 #[cfg(feature = "postgres")]
-mod postgres_notifications {
+mod on_postgres {
     use std::time::Duration as StdDuration;
 
     use chrono::Duration;
+    use diesel::RunQueryDsl;
     use idempotency::Shutdown;
-    use idempotency::outbox::{self, Relay};
+    use idempotency::outbox::{self, Message, Relay};
     use tokio::sync::mpsc;
 
     use super::reporting;
@@ -473,5 +475,92 @@ mod postgres_notifications {
         assert_eq!((stopped.work.delivered, stopped.errors), (4, 0), "{stopped:?}");
         let statuses = tokio::task::block_in_place(|| Db::outbox_messages(&mut db.conn()));
         assert!(statuses.iter().all(|message| message.2 == "delivered"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_async_relay_rides_out_its_sessions_killed_mid_batch_and_delivers_every_message() {
+        const MESSAGES: usize = 20;
+        const KILLED_AT: usize = 5;
+        let db = Db::new();
+        // Its own name, by which the test finds the relay's sessions on the
+        // shared server.
+        let name = crate::common::unique_name("relay");
+        let url = format!("{}&application_name={name}", db.url());
+        let pool = crate::common::asynchronous::bb8_pool(
+            diesel_async::pooled_connection::AsyncDieselConnectionManager::<diesel_async::AsyncPgConnection>::new(url),
+            2,
+        )
+        .await;
+        let mut conn = db.connect().await;
+        let mut enqueued = std::collections::BTreeSet::new();
+        for i in 0..MESSAGES {
+            enqueued.insert(outbox::enqueue_async(&mut conn, "receipts", &i).await.expect("enqueue"));
+        }
+        // Short, so that the message whose mark the kill lost comes again
+        // soon.
+        let relay = Relay::default()
+            .lease(Duration::seconds(2))
+            .poll_interval(Duration::milliseconds(20));
+        let shutdown = Shutdown::new();
+        let (sender, mut reports) = mpsc::unbounded_channel();
+        let killed = std::sync::Arc::new(tokio::sync::Notify::new());
+        let handler = {
+            let killed = std::sync::Arc::clone(&killed);
+            move |message: Message| {
+                let (sender, killed) = (sender.clone(), std::sync::Arc::clone(&killed));
+                async move {
+                    let first_time = sender.send(message.key.clone()).is_ok();
+                    // The fifth delivery waits until the test has killed the
+                    // relay's sessions: its mark then meets a dead one.
+                    if first_time && message.attempt == 1 && message.payload::<usize>().is_ok_and(|n| n == KILLED_AT) {
+                        killed.notified().await;
+                    }
+                    Ok::<_, String>(())
+                }
+            }
+        };
+        let serving = relay.serve_async(&pool, handler, &shutdown);
+        let killing = async {
+            let mut delivered = std::collections::BTreeSet::new();
+            while delivered.len() < KILLED_AT + 1 {
+                let key = tokio::time::timeout(super::PATIENCE, reports.recv())
+                    .await
+                    .expect("deliveries")
+                    .expect("the handler is alive");
+                delivered.insert(key);
+            }
+            let terminated: Vec<bool> = tokio::task::block_in_place(|| {
+                diesel::sql_query(
+                    "SELECT pg_terminate_backend(pid) AS terminated FROM pg_stat_activity WHERE application_name = $1",
+                )
+                .bind::<diesel::sql_types::Text, _>(&name)
+                .load::<Terminated>(&mut db.conn())
+                .expect("terminate the relay's sessions")
+                .into_iter()
+                .map(|row| row.terminated)
+                .collect()
+            });
+            assert!(terminated.contains(&true), "the relay's sessions were terminated");
+            killed.notify_one();
+            while delivered != enqueued {
+                let key = tokio::time::timeout(super::PATIENCE, reports.recv())
+                    .await
+                    .expect("every message delivered after the kill")
+                    .expect("the handler is alive");
+                delivered.insert(key);
+            }
+            shutdown.trigger();
+        };
+        let (stopped, ()) = tokio::join!(serving, killing);
+        assert!(stopped.errors >= 1, "the killed sessions were met: {stopped:?}");
+        let statuses = tokio::task::block_in_place(|| Db::outbox_messages(&mut db.conn()));
+        assert_eq!(statuses.len(), MESSAGES);
+        assert!(statuses.iter().all(|message| message.2 == "delivered"), "{statuses:?}");
+    }
+
+    #[derive(diesel::QueryableByName)]
+    struct Terminated {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        terminated: bool,
     }
 }
