@@ -5,8 +5,8 @@ use chrono::{Duration, NaiveDateTime};
 
 use super::error::Error;
 use super::retention::WRITE_LOCK_WAIT;
-use crate::backend::outbox::BlockingOutboxStore;
-use crate::backend::{BlockingStore, StoreConnection};
+use crate::backend::outbox::{BlockingOutboxStore, OutboxStore};
+use crate::backend::{BlockingStore, StoreConnection, block_on};
 use crate::clock::Clock;
 use crate::telemetry;
 
@@ -54,9 +54,13 @@ pub struct DeadLetter {
 
 /// The backlog at the time `clock` reads, also set as the backlog gauges.
 pub(super) fn stats<C: StoreConnection>(conn: &mut C, clock: &Clock) -> Result<Stats, Error> {
-    let conn = conn.raw();
-    let now = clock.now(conn)?;
-    let backlog = conn.backlog(now)?;
+    block_on(stats_of(conn.raw(), clock))
+}
+
+/// [`stats`] on either kind of connection.
+pub(super) async fn stats_of<C: OutboxStore>(conn: &mut C, clock: &Clock) -> Result<Stats, Error> {
+    let now = clock.or_database_now(conn).await?;
+    let backlog = conn.backlog(now).await?;
     let count = |n: i64| u64::try_from(n).unwrap_or(0);
     let stats = Stats {
         pending: count(backlog.pending),

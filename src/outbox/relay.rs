@@ -536,8 +536,8 @@ impl Relay {
 
     /// The outbox's backlog now: pending messages, the age of the oldest,
     /// those due now, and dead ones. With the `metrics` feature it also sets
-    /// the backlog gauges (a running [`serve`](Relay::serve) refreshes them
-    /// every 10 seconds).
+    /// the backlog gauges (a running [`serve`](Relay::serve) or
+    /// [`serve_async`](Relay::serve_async) refreshes them every 10 seconds).
     ///
     /// # Errors
     ///

@@ -4,17 +4,18 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::future::{join, join_all};
 
+use super::backlog::stats_of;
 use super::error::Error;
 use super::failure::{Failure, HandlerError};
 use super::handler::{GIVEN_UP, failure_of, given_up, panicked};
 use super::message::{Deliveries, Message};
 use super::relay::{Deliver, Handed, Relay};
 use super::retention::WRITE_LOCK_WAIT;
-use super::workers::{CHECKOUT_WAIT, Leaving};
+use super::workers::{CHECKOUT_WAIT, Leaving, STATS_EVERY};
 use crate::backend::catch_unwind;
 use crate::backend::outbox::{OutboxStore, Settlement};
 use crate::service::{AsyncPass, AsyncPassError, ErrorBackoff, Next, Shutdown, Stopped, serve_async};
@@ -115,8 +116,8 @@ impl Relay {
     /// short at their `await`: their messages stay leased and are delivered
     /// again after the lease.
     ///
-    /// The backlog gauges that `serve` refreshes are not refreshed here:
-    /// call [`stats`](Relay::stats) on a synchronous connection for them.
+    /// With the `metrics` feature the first worker refreshes the backlog
+    /// gauges every 10 seconds, as `serve` does.
     ///
     /// # Panics
     ///
@@ -170,14 +171,17 @@ impl Relay {
         // The listener serves the workers: it stops with the last of them.
         let working = AtomicUsize::new(self.workers);
         let stopped = || shutdown.is_triggered() || working.load(Ordering::SeqCst) == 0;
-        let workers = (0..self.workers).map(|_| async {
-            let _leaving = Leaving(&working);
+        let (working_ref, handler) = (&working, &handler);
+        let workers = (0..self.workers).map(|worker| async move {
+            let _leaving = Leaving(working_ref);
             let patience = self.poll_interval.max(CHECKOUT_WAIT);
             let stop = || shutdown.is_triggered();
             let worker = Worker {
                 relay: self,
-                handler: &handler,
+                handler,
                 shutdown,
+                // The first worker keeps the backlog gauges current.
+                stats_due: (worker == 0).then(Instant::now),
             };
             serve_async("relay", pool, shutdown, patience, &stop, worker).await
         });
@@ -201,6 +205,8 @@ struct Worker<'a, H> {
     relay: &'a Relay,
     handler: &'a H,
     shutdown: &'a Shutdown,
+    /// When the worker that refreshes the backlog gauges does so next.
+    stats_due: Option<Instant>,
 }
 
 impl<C, E, F, H> AsyncPass<C> for Worker<'_, H>
@@ -216,6 +222,12 @@ where
     /// otherwise says how long to sleep.
     async fn pass(&mut self, conn: &mut C, done: &mut Deliveries) -> Result<Next, AsyncPassError> {
         let relay = self.relay;
+        if let Some(due) = &mut self.stats_due {
+            if Instant::now() >= *due {
+                *due = Instant::now() + STATS_EVERY;
+                stats_of(conn, &relay.clock).await?;
+            }
+        }
         let now = relay.clock.or_database_now(conn).await.map_err(Error::from)?;
         if let Some(sleep) = relay.sleep_until_due(now, conn.next_due().await.map_err(Error::from)?) {
             return Ok(sleep);

@@ -30,7 +30,7 @@ pub(super) const CHECKOUT_WAIT: std::time::Duration = std::time::Duration::from_
 const LISTEN_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// How often the service's first worker refreshes the backlog gauges.
-const STATS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+pub(super) const STATS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// [`Relay::serve`]: `relay.workers` threads delivering with `handler`
 /// from `pool` until `shutdown`, and the listener that wakes them where the

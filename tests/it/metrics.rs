@@ -358,3 +358,43 @@ fn phased_operations_count_by_outcome<D: TestDb>() {
         assert_eq!(taken.counter("idempotency_calls_total", &labels), count, "{outcome}");
     }
 }
+
+/// The async relay's first worker sets the backlog gauges, as the thread
+/// relay's does: run on a current-thread runtime on the test thread, so
+/// that the thread's recorder sees it (PostgreSQL's async connection runs
+/// there; SQLite's refuses such a runtime).
+#[cfg(feature = "postgres-async")]
+#[test]
+fn the_async_relay_keeps_the_backlog_gauges_current() {
+    use crate::common::asynchronous::AsyncDb;
+    use crate::common::pg::Db;
+
+    let (db, mut conn, recorder, snapshotter) = recorded::<Db>();
+    for i in 0..3 {
+        outbox::enqueue(&mut conn, "webhooks", &i).expect("enqueue");
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let pool = runtime.block_on(db.bb8(2));
+    let shutdown = idempotency::Shutdown::new();
+    let handler = {
+        let shutdown = shutdown.clone();
+        move |_: Message| {
+            // Stops after the first pass: its gauges are the backlog before
+            // it delivered anything.
+            shutdown.trigger();
+            std::future::ready(Ok::<_, String>(()))
+        }
+    };
+    let stopped = metrics::with_local_recorder(&recorder, || {
+        Taken::of(&snapshotter);
+        runtime.block_on(Relay::default().serve_async(&pool, handler, &shutdown))
+    });
+    let taken = Taken::of(&snapshotter);
+    assert!(stopped.work.delivered >= 1, "{stopped:?}");
+    assert_eq!(taken.gauge("idempotency_outbox_pending"), 3.0);
+    assert_eq!(taken.gauge("idempotency_outbox_due"), 3.0);
+    assert_eq!(taken.gauge("idempotency_outbox_dead"), 0.0);
+}

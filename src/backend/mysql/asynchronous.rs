@@ -120,5 +120,5 @@ impl OutboxStore for AsyncMysqlConnection {
         claim_batch(self, claim).await
     }
 
-    outbox_statements!(async schema, created_at = UtcNow; insert_message, settle, mark_delivered, release, next_due);
+    outbox_statements!(async schema, created_at = UtcNow; insert_message, settle, mark_delivered, release, next_due, backlog);
 }

@@ -38,7 +38,7 @@ impl OutboxStore for MysqlConnection {
         claim_batch(self, claim).await
     }
 
-    outbox_statements!(ready schema, created_at = UtcNow; insert_message, settle, mark_delivered, release, next_due);
+    outbox_statements!(ready schema, created_at = UtcNow; insert_message, settle, mark_delivered, release, next_due, backlog);
 }
 
 /// [`OutboxStore::claim_batch`] on either kind of connection: the due
@@ -99,5 +99,5 @@ impl BlockingOutboxStore for MysqlConnection {
         })
     }
 
-    outbox_statements!(blocking schema; dead_messages, backlog, requeue);
+    outbox_statements!(blocking schema; dead_messages, requeue);
 }

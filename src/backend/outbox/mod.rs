@@ -67,6 +67,9 @@ pub trait OutboxStore: KeyStore {
     /// its `not_before` ends; `None` without pending messages.
     fn next_due(&mut self) -> impl Future<Output = QueryResult<Option<Due>>>;
 
+    /// The counts behind `Relay::stats`, with `now` deciding what is due.
+    fn backlog(&mut self, now: NaiveDateTime) -> impl Future<Output = QueryResult<Backlog>>;
+
     /// Whether the backend announces new or requeued messages, so that a
     /// relay service has something to listen for. Backends that do not
     /// keep the defaults below: their relays find new messages by polling.
@@ -152,9 +155,6 @@ pub trait BlockingOutboxStore: OutboxStore + BlockingStore {
 
     /// Deletes at most `limit` messages delivered at or before `cutoff`.
     fn purge_delivered_batch(&mut self, cutoff: NaiveDateTime, limit: usize) -> QueryResult<usize>;
-
-    /// The counts behind `Relay::stats`, with `now` deciding what is due.
-    fn backlog(&mut self, now: NaiveDateTime) -> QueryResult<Backlog>;
 
     /// Whether a message was announced since the last look; never waits.
     fn announced(&mut self) -> QueryResult<bool> {

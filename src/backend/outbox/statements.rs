@@ -5,15 +5,15 @@
 /// each method it takes:
 ///
 /// - `outbox_statements!(ready schema, created_at = now; insert_message, settle, ...)`:
-///   the methods `insert_message`, `settle`, `mark_delivered`, `release`
-///   and `next_due` of
+///   the methods `insert_message`, `settle`, `mark_delivered`, `release`,
+///   `next_due` and `backlog` of
 ///   [`OutboxStore`](super::OutboxStore) as the `async fn`s of a
 ///   synchronous connection, whose statements complete as they are sent,
 ///   given the backend's expression for the database's time;
 /// - `outbox_statements!(async schema, created_at = now; ...)`: the same,
 ///   awaited, for a diesel-async connection;
 /// - `outbox_statements!(blocking schema; dead_messages, ...)`: the methods
-///   `dead_messages`, `backlog` and `requeue` of
+///   `dead_messages` and `requeue` of
 ///   [`BlockingOutboxStore`](super::BlockingOutboxStore).
 macro_rules! outbox_statements {
     (async $schema:ident, created_at = $now:expr; $($method:ident),+ $(,)?) => {

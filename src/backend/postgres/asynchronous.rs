@@ -168,5 +168,5 @@ impl OutboxStore for AsyncPgConnection {
         self.batch_execute(&format!("UNLISTEN {CHANNEL}")).await
     }
 
-    outbox_statements!(async schema, created_at = database_time(); insert_message, settle, mark_delivered, release, next_due);
+    outbox_statements!(async schema, created_at = database_time(); insert_message, settle, mark_delivered, release, next_due, backlog);
 }

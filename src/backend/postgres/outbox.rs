@@ -44,7 +44,7 @@ impl OutboxStore for PgConnection {
         self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
     }
 
-    outbox_statements!(ready schema, created_at = database_time(); insert_message, settle, mark_delivered, release, next_due);
+    outbox_statements!(ready schema, created_at = database_time(); insert_message, settle, mark_delivered, release, next_due, backlog);
 }
 
 /// [`OutboxStore::claim_batch`] on either kind of connection: in one
@@ -93,5 +93,5 @@ impl BlockingOutboxStore for PgConnection {
         Ok(any)
     }
 
-    outbox_statements!(blocking schema; dead_messages, backlog, requeue);
+    outbox_statements!(blocking schema; dead_messages, requeue);
 }

@@ -28,7 +28,7 @@ use diesel_async::{AsyncConnection, TransactionManager};
 use tokio::runtime::{Handle, RuntimeFlavor};
 
 use super::write::{close_write, hold, open_write, settle};
-use crate::backend::outbox::{BatchClaim, Claimed, Due, MessageId, NewMessage, OutboxStore, Settlement};
+use crate::backend::outbox::{Backlog, BatchClaim, Claimed, Due, MessageId, NewMessage, OutboxStore, Settlement};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::{AsyncStoreConnection, HeldKey, Hold, KeyStore, Read, Record, block_on, sealed, unwind_to_depth};
 use crate::error::UnsupportedRuntime;
@@ -271,6 +271,12 @@ impl OutboxStore for Wrapped {
             ))
         })
         .await
+    }
+
+    async fn backlog(&mut self, now: NaiveDateTime) -> QueryResult<Backlog> {
+        blocking_allowed()?;
+        self.spawn_blocking(move |conn| block_on(OutboxStore::backlog(conn, now)))
+            .await
     }
 
     async fn next_due(&mut self) -> QueryResult<Option<Due>> {

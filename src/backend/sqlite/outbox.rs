@@ -31,7 +31,7 @@ impl OutboxStore for SqliteConnection {
         .load(self)
     }
 
-    outbox_statements!(ready schema, created_at = Utc::now().naive_utc(); insert_message, settle, mark_delivered, release, next_due);
+    outbox_statements!(ready schema, created_at = Utc::now().naive_utc(); insert_message, settle, mark_delivered, release, next_due, backlog);
 }
 
 impl BlockingOutboxStore for SqliteConnection {
@@ -46,5 +46,5 @@ impl BlockingOutboxStore for SqliteConnection {
         .execute(self)
     }
 
-    outbox_statements!(blocking schema; dead_messages, backlog, requeue);
+    outbox_statements!(blocking schema; dead_messages, requeue);
 }
