@@ -424,22 +424,29 @@ impl Relay {
         F: FnMut(&Message) -> Result<(), E>,
     {
         let mut report = Deliveries::default();
-        block_on(self.pass(conn.raw(), &mut Blocking(&mut handler), &|| false, &mut report))?;
+        let conn = conn.raw();
+        block_on(async {
+            let clock = self.clock.start(conn).await?;
+            self.pass(conn, &clock, &mut Blocking(&mut handler), &|| false, &mut report)
+                .await
+        })?;
         Ok(report)
     }
 
-    /// One claim and its deliveries, counted into `report` as they are
-    /// recorded, so that an error later in the batch keeps what was done
-    /// before it. Once `stop` says so, the messages not yet handed over are
-    /// given back, due at once for another relay.
+    /// One claim and its deliveries, on the time `clock` reads on from,
+    /// counted into `report` as they are recorded, so that an error later
+    /// in the batch keeps what was done before it. Once `stop` says so, the
+    /// messages not yet handed over are given back, due at once for another
+    /// relay.
     pub(super) async fn pass<C: OutboxStore, D: Deliver>(
         &self,
         conn: &mut C,
+        clock: &Reading,
         handler: &mut D,
         stop: &(dyn Fn() -> bool + Sync),
         report: &mut Deliveries,
     ) -> Result<(), Error> {
-        let (clock, lease, claimed) = self.claim(conn).await?;
+        let (lease, claimed) = self.claim(conn, clock).await?;
         report.claimed += claimed.len();
         for row in claimed {
             if stop() {
@@ -447,23 +454,28 @@ impl Relay {
                 continue;
             }
             let claimed = Handed::of(&row);
-            let settlement = self.attempt(row, &clock, &lease, handler).await;
+            let settlement = self.attempt(row, clock, &lease, handler).await;
             self.record(conn, &claimed, settlement, &lease, report).await?;
         }
         Ok(())
     }
 
     /// Claims up to [`batch_size`](Relay::batch_size) due messages for a
-    /// lease from now: the clock's reading, the lease, and the messages in
-    /// enqueue order.
-    pub(super) async fn claim<C: OutboxStore>(&self, conn: &mut C) -> Result<(Reading, Lease, Vec<Claimed>), Error> {
-        let clock = self.clock.start(conn).await?;
+    /// lease from now, as `clock` reads it (the reading the caller took to
+    /// see whether anything is due, read on: not a second round trip): the
+    /// lease, and the messages in enqueue order.
+    pub(super) async fn claim<C: OutboxStore>(
+        &self,
+        conn: &mut C,
+        clock: &Reading,
+    ) -> Result<(Lease, Vec<Claimed>), Error> {
+        let now = clock.now();
         let lease = Lease {
             token: id::new(),
-            until: clock.at() + self.lease,
+            until: now + self.lease,
         };
         let claim = BatchClaim {
-            now: clock.at(),
+            now,
             lease_until: lease.until,
             lease_token: &lease.token,
             limit: self.batch_size,
@@ -474,7 +486,7 @@ impl Relay {
         telemetry::relay::claimed(claimed.len(), lease.until);
         // The claim returns its rows in no particular order.
         claimed.sort_by(|a, b| a.id.cmp(&b.id));
-        Ok((clock, lease, claimed))
+        Ok((lease, claimed))
     }
 
     /// Gives claimed message `row` back unattempted, counted into `report`.

@@ -18,6 +18,7 @@ use super::retention::WRITE_LOCK_WAIT;
 use super::workers::{CHECKOUT_WAIT, Leaving, STATS_EVERY};
 use crate::backend::catch_unwind;
 use crate::backend::outbox::{OutboxStore, Settlement};
+use crate::clock::Reading;
 use crate::service::{AsyncPass, AsyncPassError, ErrorBackoff, Next, Shutdown, Stopped, serve_async};
 use crate::{AsyncConnectionPool, AsyncStoreConnection, telemetry};
 
@@ -69,7 +70,9 @@ impl Relay {
         H: FnMut(Message) -> F,
     {
         let mut report = Deliveries::default();
-        self.pass(conn, &mut Awaited(handler), &|| false, &mut report).await?;
+        let clock = self.clock.start(conn).await?;
+        self.pass(conn, &clock, &mut Awaited(handler), &|| false, &mut report)
+            .await?;
         Ok(report)
     }
 
@@ -228,8 +231,8 @@ where
                 stats_of(conn, &relay.clock).await?;
             }
         }
-        let now = relay.clock.or_database_now(conn).await.map_err(Error::from)?;
-        if let Some(sleep) = relay.sleep_until_due(now, conn.next_due().await.map_err(Error::from)?) {
+        let clock = relay.clock.start(conn).await.map_err(Error::from)?;
+        if let Some(sleep) = relay.sleep_until_due(clock.at(), conn.next_due().await.map_err(Error::from)?) {
             return Ok(sleep);
         }
         let gave_up = AtomicBool::new(false);
@@ -246,8 +249,8 @@ where
         // back, due at once, rather than reached after its lease.
         let stop = || shutdown.is_triggered() || gave_up.load(Ordering::SeqCst);
         let passed = match relay.in_flight {
-            1 => relay.pass(conn, &mut guarded, &stop, &mut report).await,
-            _ => relay.pass_in_flight(conn, &guarded, &stop, &mut report).await,
+            1 => relay.pass(conn, &clock, &mut guarded, &stop, &mut report).await,
+            _ => relay.pass_in_flight(conn, &clock, &guarded, &stop, &mut report).await,
         };
         *done += report;
         passed?;
@@ -321,6 +324,7 @@ impl Relay {
     async fn pass_in_flight<C, E, F, H>(
         &self,
         conn: &mut C,
+        clock: &Reading,
         handler: &Guarded<'_, H>,
         stop: &(dyn Fn() -> bool + Sync),
         report: &mut Deliveries,
@@ -331,7 +335,7 @@ impl Relay {
         F: Future<Output = Result<(), E>> + Send,
         H: Fn(Message) -> F + Sync,
     {
-        let (clock, lease, claimed) = self.claim(conn).await?;
+        let (lease, claimed) = self.claim(conn, clock).await?;
         report.claimed += claimed.len();
         let mut rows = claimed.into_iter().peekable();
         while rows.peek().is_some() {
@@ -344,7 +348,7 @@ impl Relay {
             let mut window = Vec::new();
             for row in rows.by_ref().take(self.in_flight) {
                 let (handed, attempts) = (Handed::of(&row), row.attempts);
-                match self.prepare(row, &clock, &lease) {
+                match self.prepare(row, clock, &lease) {
                     Ok(message) => window.push((handed, attempts, message)),
                     Err(ended) => self.record(conn, &handed, ended, &lease, report).await?,
                 }
@@ -352,7 +356,7 @@ impl Relay {
             let outcomes = join_all(window.iter().map(|(_, _, message)| handler.handle(message))).await;
             let mut delivered = Vec::new();
             for ((handed, attempts, _), outcome) in window.into_iter().zip(outcomes) {
-                match self.settlement(outcome, attempts, &clock) {
+                match self.settlement(outcome, attempts, clock) {
                     Settlement::Delivered { .. } => delivered.push(handed),
                     failed => self.record(conn, &handed, Some(failed), &lease, report).await?,
                 }

@@ -123,8 +123,8 @@ where
         return Ok(Next::Sleep(relay.poll_interval));
     }
     let conn = conn.raw();
-    let now = relay.clock.now(conn)?;
-    if let Some(sleep) = relay.sleep_until_due(now, block_on(conn.next_due())?) {
+    let clock = block_on(relay.clock.start(conn))?;
+    if let Some(sleep) = relay.sleep_until_due(clock.at(), block_on(conn.next_due())?) {
         return Ok(sleep);
     }
     let give_up_at = relay
@@ -134,6 +134,7 @@ where
     let mut report = Deliveries::default();
     let passed = block_on(relay.pass(
         conn,
+        &clock,
         &mut Blocking(|message: &Message| {
             attempts.hand_over(message, give_up_at).unwrap_or_else(|abandoned| {
                 gave_up.store(true, Ordering::SeqCst);

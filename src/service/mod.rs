@@ -66,6 +66,7 @@ impl<W: AddAssign> AddAssign for Stopped<W> {
 }
 
 /// What a service does after a pass that succeeded.
+#[derive(Clone, Copy)]
 pub(crate) enum Next {
     /// Another pass at once: there may be more to do.
     Now,
@@ -127,23 +128,14 @@ where
             Ok(Some(mut conn)) => pass(&mut conn, &mut stopped.work),
             Err(error) => Err(NoConnection(Box::new(error)).into()),
         };
-        match next {
-            Ok(Next::Now) => backoff.succeeded(),
-            Ok(Next::Sleep(wait)) => {
-                backoff.succeeded();
+        let passed = next.as_ref().map(|next| *next).map_err(|error| &**error);
+        match next_after(name, passed, &mut backoff, &mut stopped.errors) {
+            Next::Now => {}
+            Next::Sleep(wait) => {
                 shutdown.pause(wait);
             }
-            Ok(Next::SleepOrWake(wait)) => {
-                backoff.succeeded();
-                shutdown.wait_for_wake(wakes, wait);
-            }
-            Ok(Next::Stop) => break,
-            Err(error) => {
-                stopped.errors += 1;
-                let wait = backoff.failed();
-                telemetry::service_error(name, &*error, wait);
-                shutdown.pause(wait);
-            }
+            Next::SleepOrWake(wait) => shutdown.wait_for_wake(wakes, wait),
+            Next::Stop => break,
         }
     }
     stopped
@@ -229,26 +221,43 @@ where
             Ok(mut conn) => service.pass(&mut *conn, &mut stopped.work).await,
             Err(error) => Err(Box::new(NoConnection(error)) as AsyncPassError),
         };
-        match next {
-            Ok(Next::Now) => backoff.succeeded(),
-            Ok(Next::Sleep(wait)) => {
-                backoff.succeeded();
+        let passed = next
+            .as_ref()
+            .map(|next| *next)
+            .map_err(|error| &**error as &(dyn StdError + 'static));
+        match next_after(name, passed, &mut backoff, &mut stopped.errors) {
+            Next::Now => {}
+            Next::Sleep(wait) => {
                 shutdown.paused(wait).await;
             }
-            Ok(Next::SleepOrWake(wait)) => {
-                backoff.succeeded();
-                shutdown.woken_for(wakes, wait).await;
-            }
-            Ok(Next::Stop) => break,
-            Err(error) => {
-                stopped.errors += 1;
-                let wait = backoff.failed();
-                telemetry::service_error(name, &*error, wait);
-                shutdown.paused(wait).await;
-            }
+            Next::SleepOrWake(wait) => shutdown.woken_for(wakes, wait).await,
+            Next::Stop => break,
         }
     }
     stopped
+}
+
+/// What a service does after a pass that `passed`: as the pass says; after
+/// an error, which is reported and counted into `errors`, a sleep as long
+/// as `backoff` says.
+fn next_after(
+    name: &'static str,
+    passed: Result<Next, &(dyn StdError + 'static)>,
+    backoff: &mut ErrorBackoff,
+    errors: &mut usize,
+) -> Next {
+    match passed {
+        Ok(next) => {
+            backoff.succeeded();
+            next
+        }
+        Err(error) => {
+            *errors += 1;
+            let wait = backoff.failed();
+            telemetry::service_error(name, error, wait);
+            Next::Sleep(wait)
+        }
+    }
 }
 
 /// How long a service waits after a database error before it tries again:
