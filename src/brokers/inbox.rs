@@ -526,6 +526,79 @@ mod tests {
         );
     }
 
+    /// The async inbox against a handler that panics after its write: the
+    /// delivery fails, nothing of it stays, and its redelivery has its
+    /// effect once.
+    #[cfg(feature = "sqlite-async")]
+    mod asynchronous {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+
+        use diesel::SqliteConnection;
+        use diesel::connection::SimpleConnection;
+        use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+        use diesel_async::pooled_connection::deadpool::Pool;
+        use diesel_async::sync_connection_wrapper::SyncConnectionWrapper;
+
+        use super::*;
+
+        type Conn = SyncConnectionWrapper<SqliteConnection>;
+
+        /// The rows of `effects`, and the key records, as a connection of
+        /// their own reads them.
+        fn rows(url: &str) -> (i64, i64) {
+            use diesel::RunQueryDsl;
+            let mut conn = <SqliteConnection as diesel::Connection>::establish(url).unwrap();
+            let mut count = |table: &str| -> i64 {
+                diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>(&format!(
+                    "(SELECT COUNT(*) FROM {table})"
+                )))
+                .get_result(&mut conn)
+                .unwrap()
+            };
+            (count("effects"), count("idempotency_keys"))
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn a_handler_that_panics_after_its_write_fails_the_delivery_and_its_redelivery_has_its_effect_once() {
+            let database = tempfile::NamedTempFile::new().unwrap();
+            let url = database.path().to_string_lossy().into_owned();
+            let mut setup = <SqliteConnection as diesel::Connection>::establish(&url).unwrap();
+            crate::run_migrations(&mut setup).unwrap();
+            setup
+                .batch_execute("CREATE TABLE effects (id INTEGER PRIMARY KEY)")
+                .unwrap();
+            let pool = Pool::builder(AsyncDieselConnectionManager::<Conn>::new(url.clone()))
+                .max_size(1)
+                .build()
+                .unwrap();
+            let calls = Arc::new(AtomicUsize::new(0));
+            let handler = {
+                let calls = Arc::clone(&calls);
+                async move |conn: &mut Conn, _: &Delivery| {
+                    diesel_async::RunQueryDsl::execute(diesel::sql_query("INSERT INTO effects (id) VALUES (1)"), conn)
+                        .await?;
+                    if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                        panic!("the handler breaks after its write");
+                    }
+                    Ok::<_, crate::outbox::Failure>(())
+                }
+            };
+            let inbox = AsyncInbox::new(pool, "panics", handler);
+            let delivery = || Delivery::from_parts(Some("message-1".into()), b"1".to_vec(), [], 1).unwrap();
+
+            let failed = inbox.receive(delivery()).await;
+            assert_eq!(failed, Verdict::Retry(String::from(PANICKED)));
+            let left = tokio::task::block_in_place(|| rows(&url));
+            assert_eq!(left, (0, 0), "neither the effect nor the key stayed");
+
+            assert_eq!(inbox.receive(delivery()).await, Verdict::Done);
+            assert_eq!(inbox.receive(delivery()).await, Verdict::Done, "a replay");
+            let done = tokio::task::block_in_place(|| rows(&url));
+            assert_eq!(done, (1, 1), "the effect once");
+            assert_eq!(calls.load(Ordering::SeqCst), 2, "the replay ran no handler");
+        }
+    }
+
     /// The inbox's trace with OpenTelemetry: deliveries built by hand, run
     /// by an inbox on SQLite under a subscriber that exports its spans to
     /// memory.
