@@ -189,7 +189,7 @@ fn luhn_valid(digits: &[u32]) -> bool {
             (false, _) => d,
         })
         .sum();
-    sum % 10 == 0
+    sum.is_multiple_of(10)
 }
 
 #[cfg(test)]

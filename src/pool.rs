@@ -167,10 +167,10 @@ where
     AsyncDieselConnectionManager<C>: ::deadpool::managed::Manager<Type = C, Error = PoolError>,
 {
     fn drop(&mut self) {
-        if let Some(mut object) = self.0.take() {
-            if object.is_broken() {
-                drop(deadpool::Object::take(object));
-            }
+        if let Some(mut object) = self.0.take()
+            && object.is_broken()
+        {
+            drop(deadpool::Object::take(object));
         }
     }
 }

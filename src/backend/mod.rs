@@ -52,6 +52,7 @@ mod purge;
 pub(crate) mod row_with;
 mod rules;
 pub(crate) mod sealed;
+pub(crate) mod send;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod transaction;
@@ -60,7 +61,8 @@ mod transaction;
 pub(crate) use future::{AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction};
 pub(crate) use future::{Panic, block_on, catch_unwind};
 pub(crate) use keys::{
-    BlockingStore, Claim, ClaimOutcome, HeldKey, Hold, KeyNotClaimed, KeyRecordChanged, KeyStore, Read, Record, Stored,
+    BlockingStore, Claim, ClaimOutcome, HeldKey, Hold, KeyNotClaimed, KeyRecordChanged, KeyStatements, KeyStore, Read,
+    Record, Stored,
 };
 pub(crate) use phases::BlockingPhaseStore;
 pub(crate) use purge::{purge_in_batches, sql_limit};

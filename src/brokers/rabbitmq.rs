@@ -161,10 +161,11 @@ impl RabbitPublisher {
     /// The open confirm channel, connected again if it closed.
     async fn channel(&self) -> Result<Channel, Failure> {
         let mut link = self.link.lock().await;
-        if let Some((connection, channel)) = &*link {
-            if connection.status().connected() && channel.status().connected() {
-                return Ok(channel.clone());
-            }
+        if let Some((connection, channel)) = &*link
+            && connection.status().connected()
+            && channel.status().connected()
+        {
+            return Ok(channel.clone());
         }
         *link = None;
         let (connection, channel) = open(&self.uri)

@@ -180,11 +180,12 @@ impl Envelope {
         // Read here, in the caller's span (the request's), never at
         // delivery; a context given by hand, even a part of one, wins.
         #[cfg(feature = "opentelemetry")]
-        if self.traceparent.is_none() && self.tracestate.is_none() {
-            if let Some((traceparent, tracestate)) = crate::trace_context::current() {
-                self.traceparent = Some(traceparent);
-                self.tracestate = tracestate;
-            }
+        if self.traceparent.is_none()
+            && self.tracestate.is_none()
+            && let Some((traceparent, tracestate)) = crate::trace_context::current()
+        {
+            self.traceparent = Some(traceparent);
+            self.tracestate = tracestate;
         }
         crate::key::validate_topic(&self.topic, MAX_TOPIC_LEN).map_err(Error::InvalidTopic)?;
         if let Some(key) = &self.ordering_key {

@@ -225,11 +225,11 @@ where
     /// otherwise says how long to sleep.
     async fn pass(&mut self, conn: &mut C, done: &mut Deliveries) -> Result<Next, AsyncPassError> {
         let relay = self.relay;
-        if let Some(due) = &mut self.stats_due {
-            if Instant::now() >= *due {
-                *due = Instant::now() + STATS_EVERY;
-                stats_of(conn, &relay.clock).await?;
-            }
+        if let Some(due) = &mut self.stats_due
+            && Instant::now() >= *due
+        {
+            *due = Instant::now() + STATS_EVERY;
+            stats_of(conn, &relay.clock).await?;
         }
         let clock = relay.clock.start(conn).await.map_err(Error::from)?;
         if let Some(sleep) = relay.sleep_until_due(clock.at(), conn.next_due().await.map_err(Error::from)?) {

@@ -429,10 +429,10 @@ where
     if let Some(payload) = guard.panicked {
         panic::resume_unwind(payload);
     }
-    if let (Some(trace), Err(Error::Storage(error))) = (trace, &result) {
-        if C::Rules::is_in_flight_timeout(error) {
-            trace.waited(guard.started.elapsed());
-        }
+    if let (Some(trace), Err(Error::Storage(error))) = (trace, &result)
+        && C::Rules::is_in_flight_timeout(error)
+    {
+        trace.waited(guard.started.elapsed());
     }
     result.map_err(|error| call_error::<C::Rules, E>(error, commits && guard.committing))
 }

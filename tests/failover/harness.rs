@@ -487,10 +487,10 @@ where
                             locked(&seen.commits).push(at);
                         }
                         locked(&seen.answers).push((index, at, answer));
-                        if answered.fetch_add(1, Ordering::SeqCst) + 1 == clients.fault_after {
-                            if let Some(trigger) = locked(&trigger).take() {
-                                trigger.send(()).expect("the fault thread waits for its trigger");
-                            }
+                        if answered.fetch_add(1, Ordering::SeqCst) + 1 == clients.fault_after
+                            && let Some(trigger) = locked(&trigger).take()
+                        {
+                            trigger.send(()).expect("the fault thread waits for its trigger");
                         }
                         thread::sleep(clients.think);
                     }

@@ -1145,7 +1145,7 @@ fn concurrent_relays_hand_over_each_key_in_enqueue_order_and_a_failing_key_holds
         let outcome = if key == HELD && others_done.load(Ordering::SeqCst) < others {
             held_while_others_ran.fetch_add(1, Ordering::SeqCst);
             Err(String::from("held"))
-        } else if hasher.finish() % 3 == 0 {
+        } else if hasher.finish().is_multiple_of(3) {
             Err(String::from("random failure"))
         } else {
             if keyed {

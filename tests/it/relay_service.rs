@@ -760,7 +760,7 @@ fn workers_keep_each_ordering_key_in_order_and_park_a_permanent_failure_at_once<
         };
         let mut hasher = DefaultHasher::new();
         (&message.id, message.attempt).hash(&mut hasher);
-        if hasher.finish() % 3 == 0 {
+        if hasher.finish().is_multiple_of(3) {
             return Err(outbox::Failure::Retry(String::from("random failure")));
         }
         delivered

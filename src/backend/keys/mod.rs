@@ -18,9 +18,12 @@ mod statements;
 
 pub(crate) use complete::Complete;
 pub use record::{ClaimOutcome, Hold, KeyNotClaimed, KeyRecordChanged, Read, Record, Stored};
+#[cfg(feature = "mysql")]
+pub(crate) use statements::find;
 #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-pub(crate) use statements::key_statements;
-pub(crate) use statements::{record_values, stored_columns};
+pub(crate) use statements::find_record;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) use statements::{claim, shared_key_statements, store};
 
 /// The key records' statements, one implementation per kind of
 /// connection: a supertrait of the crate's public connection traits
@@ -35,10 +38,8 @@ pub(crate) use statements::{record_values, stored_columns};
 /// drives the call with [`block_on`](super::block_on); a diesel-async
 /// connection awaits its statements.
 ///
-/// SQLite and PostgreSQL share the DSL of `find`, `claim` and `store`
-/// (`key_statements!`); MySQL, whose calls always claim first, shares
-/// `find` and writes its own claim and store.
-pub trait KeyStore: Sized {
+/// The reads and writes of one key record are [`KeyStatements`].
+pub trait KeyStore: KeyStatements {
     /// The database's rules: diesel's backend type, which both kinds of
     /// connection to it name.
     type Rules: BackendRules;
@@ -97,16 +98,6 @@ pub trait KeyStore: Sized {
     /// transaction found that the database `claims_first`.
     fn hold(&mut self, record: &Record<'_>, claims_first: bool) -> impl Future<Output = QueryResult<Hold>>;
 
-    /// The stored record for `(scope, key)`.
-    fn find(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>>;
-
-    /// Inserts `record` as a claim, or takes over an expired record with its
-    /// key.
-    fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<ClaimOutcome>>;
-
-    /// Writes the completed `record` as `hold` requires.
-    fn store(&mut self, hold: Hold, record: &Record<'_>) -> impl Future<Output = QueryResult<()>>;
-
     /// Whether [`key_transaction`](KeyStore::key_transaction) takes a
     /// [`Claim::AtDatabaseTime`], and the call then completes the record
     /// with [`complete_at_database_time`](KeyStore::complete_at_database_time).
@@ -132,6 +123,22 @@ pub trait KeyStore: Sized {
     /// of its own that waits for them; inside one by making the enclosing
     /// commit such a commit. Nothing to do on a backend without standbys.
     fn await_replication(&mut self) -> impl Future<Output = QueryResult<()>>;
+}
+
+/// The reads and writes of one key record: written once in
+/// `statements.rs` for SQLite's and PostgreSQL's connections of either
+/// kind, and by MySQL, whose calls always claim first, for
+/// its own (but for `find`, which it shares).
+pub trait KeyStatements: Sized {
+    /// The stored record for `(scope, key)`.
+    fn find(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>>;
+
+    /// Inserts `record` as a claim, or takes over an expired record with its
+    /// key.
+    fn claim(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<ClaimOutcome>>;
+
+    /// Writes the completed `record` as `hold` requires.
+    fn store(&mut self, hold: Hold, record: &Record<'_>) -> impl Future<Output = QueryResult<()>>;
 }
 
 /// What only a synchronous connection runs, for the services and the

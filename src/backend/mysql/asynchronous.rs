@@ -23,14 +23,33 @@ use super::session::{Session, sends};
 use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{OperationColumns, OperationColumnsRow, RowWith, operation_of};
+use crate::backend::send::{Awaited, Sends};
 use crate::backend::{
-    AsyncStoreConnection, AsyncTransaction, HeldKey, Hold, KeyStore, Read, Record, async_transaction_depth,
-    async_unwind_to_depth, end_transaction, sealed,
+    AsyncStoreConnection, AsyncTransaction, ClaimOutcome, HeldKey, Hold, KeyStatements, KeyStore, Read, Record, Stored,
+    async_transaction_depth, async_unwind_to_depth, end_transaction, keys, sealed,
 };
 
 impl sealed::Sealed for AsyncMysqlConnection {}
 
 impl AsyncStoreConnection for AsyncMysqlConnection {}
+
+impl Sends for AsyncMysqlConnection {
+    type Way = Awaited;
+}
+
+impl KeyStatements for AsyncMysqlConnection {
+    async fn find(&mut self, scope: &str, key: &str) -> QueryResult<Option<Stored>> {
+        keys::find_record(self, scope, key).await
+    }
+
+    async fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
+        claim(self, record).await
+    }
+
+    async fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
+        store(self, hold, record).await
+    }
+}
 
 impl KeyStore for AsyncMysqlConnection {
     type Rules = diesel::mysql::Mysql;
@@ -66,20 +85,10 @@ impl KeyStore for AsyncMysqlConnection {
         hold(self, record).await
     }
 
-    async fn claim(&mut self, record: &Record<'_>) -> QueryResult<crate::backend::ClaimOutcome> {
-        claim(self, record).await
-    }
-
-    async fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
-        store(self, hold, record).await
-    }
-
     async fn await_replication(&mut self) -> QueryResult<()> {
         // As on `MysqlConnection`: no durable replays on MySQL.
         Ok(())
     }
-
-    crate::backend::keys::key_statements!(async schema: find);
 }
 
 impl Session for AsyncMysqlConnection {

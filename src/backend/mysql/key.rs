@@ -168,10 +168,11 @@ async fn take_key<C: Session>(conn: &mut C, depth: u32, held: HeldKey<'_>) -> Qu
         conn.idle(bound(IdleBound::Set(wait_timeout_seconds(idle)))).await?;
     }
     let locked = lock(conn, scope, key, in_flight).await;
-    if locked.is_err() && idle_timeout.is_some() {
-        if let Err(error) = conn.idle(bound(IdleBound::Restore)).await {
-            discard(conn, &error);
-        }
+    if locked.is_err()
+        && idle_timeout.is_some()
+        && let Err(error) = conn.idle(bound(IdleBound::Restore)).await
+    {
+        discard(conn, &error);
     }
     locked
 }

@@ -72,9 +72,10 @@ use diesel_migrations::EmbeddedMigrations;
 use super::history::{self, Count, History};
 use super::migrate;
 
+use super::send::{AtOnce, Sends};
 use super::{
-    BackendRules, BlockingStore, ClaimOutcome, HeldKey, Hold, KeyStore, Read, Record, transaction_depth,
-    unwind_to_depth,
+    BackendRules, BlockingStore, ClaimOutcome, HeldKey, Hold, KeyStatements, KeyStore, Read, Record, Stored, keys,
+    transaction_depth, unwind_to_depth,
 };
 use clock::UtcNow;
 use committed::read_committed;
@@ -130,6 +131,24 @@ impl BackendRules for Mysql {
     }
 }
 
+impl Sends for MysqlConnection {
+    type Way = AtOnce;
+}
+
+impl KeyStatements for MysqlConnection {
+    async fn find(&mut self, scope: &str, key: &str) -> QueryResult<Option<Stored>> {
+        keys::find_record(self, scope, key).await
+    }
+
+    async fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
+        claim(self, record).await
+    }
+
+    async fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
+        store(self, hold, record).await
+    }
+}
+
 impl KeyStore for MysqlConnection {
     type Rules = Mysql;
 
@@ -164,22 +183,12 @@ impl KeyStore for MysqlConnection {
         hold(self, record).await
     }
 
-    async fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
-        claim(self, record).await
-    }
-
-    async fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
-        store(self, hold, record).await
-    }
-
     async fn await_replication(&mut self) -> QueryResult<()> {
         // Semi-synchronous replication waits for a replica's acknowledgement
         // before the commit returns, but not before other sessions see it;
         // the crate offers no durable replays on MySQL.
         Ok(())
     }
-
-    super::keys::key_statements!(ready schema: find);
 }
 
 impl BlockingStore for MysqlConnection {

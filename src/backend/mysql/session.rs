@@ -154,10 +154,7 @@ macro_rules! sends {
         ) -> diesel::QueryResult<Option<$crate::backend::Stored>> {
             use $($run)* as _;
             use diesel::{OptionalExtension, QueryDsl};
-            use $crate::backend::mysql::schema::idempotency_keys as k;
-            k::table
-                .find((scope, key))
-                .select($crate::backend::keys::stored_columns!(k))
+            $crate::backend::keys::find(scope, key)
                 .for_update()
                 .get_result(self)
                 $($await)*
@@ -285,5 +282,15 @@ pub(super) type Written<'a> = (
 );
 
 pub(super) fn written<'a>(record: &Record<'a>) -> Written<'a> {
-    crate::backend::keys::record_values!(k, record)
+    (
+        k::request_hash.eq(record.request_hash),
+        k::status.eq(record.status),
+        k::response.eq(record.response),
+        k::created_at.eq(record.created_at),
+        k::completed_at.eq(record.completed_at),
+        k::expires_at.eq(record.expires_at),
+        k::caller_hash.eq(record.caller_hash),
+        k::traceparent.eq(record.traceparent),
+        k::request_id.eq(record.request_id),
+    )
 }

@@ -29,6 +29,7 @@ use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{
     KeyRecord, KeyRecordRow, OperationColumns, OperationColumnsRow, RowWith, operation_of, stored_of,
 };
+use crate::backend::send::{Awaited, Sends};
 use crate::backend::{
     AsyncStoreConnection, AsyncTransaction, HeldKey, Hold, KeyStore, Read, Record, Stored, async_transaction_depth,
     async_unwind_to_depth, end_transaction, sealed,
@@ -38,6 +39,12 @@ use crate::schema;
 impl sealed::Sealed for AsyncPgConnection {}
 
 impl AsyncStoreConnection for AsyncPgConnection {}
+
+impl Sends for AsyncPgConnection {
+    type Way = Awaited;
+}
+
+crate::backend::keys::shared_key_statements!(AsyncPgConnection);
 
 impl KeyStore for AsyncPgConnection {
     type Rules = diesel::pg::Pg;
@@ -94,8 +101,6 @@ impl KeyStore for AsyncPgConnection {
             self.batch_execute(emit).await
         }
     }
-
-    crate::backend::keys::key_statements!(async schema: find, claim, store);
 }
 
 impl Levels for AsyncPgConnection {

@@ -70,8 +70,8 @@ use key::{
 pub(crate) use purge::purge;
 
 use super::row_with::record_with;
+use super::send::{AtOnce, Sends};
 use super::{BackendRules, BlockingStore, HeldKey, Hold, KeyStore, Read, Record, transaction_depth, unwind_to_depth};
-use crate::schema;
 
 super::raw_connection!(PgConnection);
 
@@ -144,6 +144,12 @@ impl BackendRules for Pg {
     }
 }
 
+impl Sends for PgConnection {
+    type Way = AtOnce;
+}
+
+crate::backend::keys::shared_key_statements!(PgConnection);
+
 impl KeyStore for PgConnection {
     type Rules = Pg;
 
@@ -198,8 +204,6 @@ impl KeyStore for PgConnection {
             self.batch_execute(emit)
         }
     }
-
-    super::keys::key_statements!(ready schema: find, claim, store);
 }
 
 impl BlockingStore for PgConnection {

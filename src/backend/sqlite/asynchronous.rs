@@ -30,6 +30,7 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 use super::write::{close_write, hold, open_write, settle};
 use crate::backend::outbox::{Backlog, BatchClaim, Claimed, Due, MessageId, NewMessage, OutboxStore, Settlement};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
+use crate::backend::send::{Awaited, Sends};
 use crate::backend::{AsyncStoreConnection, HeldKey, Hold, KeyStore, Read, Record, block_on, sealed, unwind_to_depth};
 use crate::error::UnsupportedRuntime;
 use crate::in_flight::InFlight;
@@ -82,6 +83,12 @@ impl Drop for Writing<'_> {
 }
 
 impl AsyncStoreConnection for Wrapped {}
+
+impl Sends for Wrapped {
+    type Way = Awaited;
+}
+
+crate::backend::keys::shared_key_statements!(Wrapped);
 
 impl KeyStore for Wrapped {
     type Rules = diesel::sqlite::Sqlite;
@@ -154,8 +161,6 @@ impl KeyStore for Wrapped {
     async fn await_replication(&mut self) -> QueryResult<()> {
         Ok(())
     }
-
-    crate::backend::keys::key_statements!(async schema: find, claim, store);
 }
 
 impl PhaseStore for Wrapped {

@@ -34,9 +34,12 @@ use super::migrate;
 
 use write::{close_write, hold, open_write, settle};
 
-use super::{BackendRules, BlockingStore, HeldKey, Hold, KeyStore, Read, Record, transaction_depth, unwind_to_depth};
+use super::send::{AtOnce, Sends};
+use super::{
+    BackendRules, BlockingStore, HeldKey, Hold, KeyStatements, KeyStore, Read, Record, transaction_depth,
+    unwind_to_depth,
+};
 use crate::in_flight::InFlight;
-use crate::schema;
 
 super::raw_connection!(SqliteConnection);
 
@@ -82,6 +85,12 @@ impl BackendRules for Sqlite {
         }
     }
 }
+
+impl Sends for SqliteConnection {
+    type Way = AtOnce;
+}
+
+crate::backend::keys::shared_key_statements!(SqliteConnection);
 
 impl KeyStore for SqliteConnection {
     type Rules = Sqlite;
@@ -141,8 +150,6 @@ impl KeyStore for SqliteConnection {
     async fn await_replication(&mut self) -> QueryResult<()> {
         Ok(())
     }
-
-    super::keys::key_statements!(ready schema: find, claim, store);
 }
 
 impl BlockingStore for SqliteConnection {
