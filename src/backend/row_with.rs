@@ -23,10 +23,11 @@ use super::Stored;
 use crate::backend::phases::OperationRow;
 use crate::row_status::{OperationStatus, RecordStatus};
 
-/// The first column of a [`RowWith`] query, in the SQL of its backend.
+/// The first column of a [`RowWith`] query, in the SQL of its backend: the
+/// pieces of its text, in order.
 pub(crate) trait Head: 'static {
     type Backend: Backend;
-    const SQL: &'static str;
+    const SQL: &'static [&'static str];
     type SqlType;
 }
 
@@ -76,7 +77,9 @@ where
 {
     fn walk_ast<'b>(&'b self, mut out: AstPass<'_, 'b, H::Backend>) -> QueryResult<()> {
         out.push_sql("SELECT ");
-        out.push_sql(H::SQL);
+        for piece in H::SQL {
+            out.push_sql(piece);
+        }
         out.push_sql(", ");
         out.push_sql(L::COLUMNS);
         out.push_sql(" FROM (SELECT 1) AS one LEFT JOIN ");
@@ -89,12 +92,8 @@ where
     }
 }
 
-impl<H, L, C> RunQueryDsl<C> for RowWith<'_, H, L> {}
-
-// diesel-async runs a query of diesel's kind only; a statement of the
-// crate's own says it runs on diesel-async's connections as well.
-#[cfg(any(feature = "postgres-async", feature = "mysql-async"))]
-impl<H, L, C> diesel_async::RunQueryDsl<C> for RowWith<'_, H, L> {}
+// A statement of the crate's own runs on both kinds of connection.
+impl<H, L> diesel::query_dsl::RunQueryDslSupport for RowWith<'_, H, L> {}
 
 /// The head and the columns of the row of `(scope, key)`, as `Row`.
 pub(crate) fn row_with<H, L, C, Row>(conn: &mut C, scope: &str, key: &str) -> QueryResult<Row>

@@ -7,11 +7,11 @@
 use std::marker::PhantomData;
 
 use chrono::NaiveDateTime;
+use diesel::QueryResult;
 use diesel::backend::Backend;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
 use diesel::serialize::ToSql;
 use diesel::sql_types::{HasSqlType, Nullable, SqlType, Text};
-use diesel::{QueryResult, RunQueryDsl};
 
 use super::record::Record;
 use crate::row_status::RecordStatus;
@@ -63,10 +63,3 @@ where
         Ok(())
     }
 }
-
-impl<C, Time> RunQueryDsl<C> for Complete<'_, Time> {}
-
-// diesel-async runs a query of diesel's kind only; a statement of the
-// crate's own says it runs on diesel-async's connections as well.
-#[cfg(feature = "diesel-async")]
-impl<C, Time> diesel_async::RunQueryDsl<C> for Complete<'_, Time> {}

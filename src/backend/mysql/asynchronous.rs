@@ -11,6 +11,8 @@
 
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
+use diesel::mysql::Mysql;
+use diesel::query_builder::{QueryFragment, QueryId};
 use diesel::result::Error as DieselError;
 use diesel::sql_types::Datetime;
 use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, TransactionManager};
@@ -19,10 +21,11 @@ use super::clock::{DatabaseNow, UtcNow};
 use super::key::{claim, hold, key_transaction, read, store};
 use super::outbox::claim_batch;
 use super::schema;
-use super::session::{Session, sends};
+use super::session::{Loads, Session};
 use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{OperationColumns, OperationColumnsRow, RowWith, operation_of};
+use crate::backend::send::Sent;
 use crate::backend::send::{Awaited, Sends};
 use crate::backend::{
     AsyncStoreConnection, AsyncTransaction, ClaimOutcome, HeldKey, Hold, KeyStatements, KeyStore, Read, Record, Stored,
@@ -92,7 +95,20 @@ impl KeyStore for AsyncMysqlConnection {
 }
 
 impl Session for AsyncMysqlConnection {
-    sends!([.await] [diesel_async::RunQueryDsl]);
+    fn execute<'c, Q>(&'c mut self, statement: Q) -> Sent<'c, usize>
+    where
+        Q: QueryFragment<Mysql> + QueryId + Send + 'c,
+    {
+        Sent::Awaited(Box::pin(diesel_async::methods::ExecuteDsl::execute(statement, self)))
+    }
+
+    fn load<'c, 'q: 'c, Q, U>(&'c mut self, query: Q) -> Sent<'c, Vec<U>>
+    where
+        Q: Loads<'q, U>,
+        U: Send + 'static,
+    {
+        Sent::Awaited(Box::pin(RunQueryDsl::load(query, self)))
+    }
 
     async fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
     where

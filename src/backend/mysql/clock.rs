@@ -39,6 +39,6 @@ pub(crate) struct DatabaseNow;
 
 impl Head for DatabaseNow {
     type Backend = Mysql;
-    const SQL: &'static str = "UTC_TIMESTAMP(6)";
+    const SQL: &'static [&'static str] = &["UTC_TIMESTAMP(6)"];
     type SqlType = Datetime;
 }

@@ -6,11 +6,12 @@ use std::panic;
 
 use diesel::QueryResult;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
+use diesel::sql_types::Datetime;
 
 use super::lock::{GetLock, IdleBound, IdleStatement, ReleaseLock};
-use super::session::{Session, TakenSession};
+use super::session::{Session, TakenSession, find_for_update, get_lock, insert, now_and_record, take_over};
 use crate::backend::future::catch_unwind;
-use crate::backend::keys::{ClaimOutcome, HeldKey, Hold, KeyRecordChanged, Read, Record};
+use crate::backend::keys::{ClaimOutcome, Complete, HeldKey, Hold, KeyRecordChanged, Read, Record};
 use crate::in_flight::InFlight;
 use crate::telemetry;
 
@@ -40,7 +41,7 @@ pub(super) fn wait_timeout_seconds(idle: chrono::Duration) -> i64 {
 async fn lock<C: Session>(conn: &mut C, scope: &str, key: &str, in_flight: InFlight) -> QueryResult<String> {
     let key = lock_key(scope, key);
     let seconds = in_flight.wait_millis() as f64 / 1000.0;
-    let (name, taken) = conn.get_lock(GetLock { key: &key, seconds }).await?;
+    let (name, taken) = get_lock(conn, GetLock { key: &key, seconds }).await?;
     match taken {
         Some(1) => Ok(name),
         Some(_) => Err(DieselError::DatabaseError(
@@ -59,7 +60,7 @@ async fn lock<C: Session>(conn: &mut C, scope: &str, key: &str, in_flight: InFli
 /// open, and failed with a duplicate key, which leaves MySQL's transaction
 /// going).
 async fn insert_claim<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<bool> {
-    match conn.insert(record).await {
+    match insert(conn, record).await {
         Ok(_) => Ok(true),
         Err(DieselError::DatabaseError(DatabaseErrorKind::UniqueViolation, _)) => Ok(false),
         Err(error) => Err(error),
@@ -89,7 +90,7 @@ pub(super) async fn read<C: Session>(conn: &mut C, scope: &str, key: &str) -> Qu
             claims_first: true,
         });
     }
-    let (now, record) = conn.now_and_record(scope, key).await?;
+    let (now, record) = now_and_record(conn, scope, key).await?;
     // Every call claims first here (see `hold`).
     Ok(Read {
         record,
@@ -134,9 +135,9 @@ where
                 depth,
                 bound: IdleBound::ReleaseAndRestore(&name),
             };
-            session.idle(release).await
+            session.execute(release).await.map(drop)
         }
-        Ok(()) => session.release(ReleaseLock(&name)).await,
+        Ok(()) => session.execute(ReleaseLock(&name)).await.map(drop),
         Err(error) => Err(error),
     };
     if let Err(error) = given {
@@ -165,12 +166,12 @@ async fn take_key<C: Session>(conn: &mut C, depth: u32, held: HeldKey<'_>) -> Qu
     // releases it: a client that goes silent at any moment between the two
     // loses its session, and the key with it, within the bound.
     if let Some(idle) = idle_timeout {
-        conn.idle(bound(IdleBound::Set(wait_timeout_seconds(idle)))).await?;
+        conn.execute(bound(IdleBound::Set(wait_timeout_seconds(idle)))).await?;
     }
     let locked = lock(conn, scope, key, in_flight).await;
     if locked.is_err()
         && idle_timeout.is_some()
-        && let Err(error) = conn.idle(bound(IdleBound::Restore)).await
+        && let Err(error) = conn.execute(bound(IdleBound::Restore)).await
     {
         discard(conn, &error);
     }
@@ -186,7 +187,7 @@ pub(super) async fn hold<C: Session>(conn: &mut C, record: &Record<'_>) -> Query
     // A lost claim is far more often a replay than an expired record to
     // take over, so the record is read first, with a lock: a locking read
     // sees the latest commit whatever the transaction's snapshot.
-    match conn.find_for_update(record.scope, record.idempotency_key).await? {
+    match find_for_update(conn, record.scope, record.idempotency_key).await? {
         Some(stored) if stored.expires_at > record.reusable_by => Ok(Hold::Recorded(stored)),
         // Expired (and now locked by this transaction), or purged since the
         // claim met it.
@@ -201,7 +202,7 @@ pub(super) async fn claim<C: Session>(conn: &mut C, record: &Record<'_>) -> Quer
     }
     // An existing record is taken over by a second, guarded statement only
     // if its retention has ended.
-    Ok(if conn.take_over(record).await? == 1 {
+    Ok(if take_over(conn, record).await? == 1 {
         ClaimOutcome::TookOver
     } else {
         ClaimOutcome::Refused
@@ -213,7 +214,7 @@ pub(super) async fn claim<C: Session>(conn: &mut C, record: &Record<'_>) -> Quer
 /// here.
 pub(super) async fn store<C: Session>(conn: &mut C, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
     let stored = match hold {
-        Hold::Claimed { .. } => conn.complete(record).await?,
+        Hold::Claimed { .. } => conn.execute(Complete::<Datetime>::new(record)).await?,
         Hold::Free | Hold::Expired | Hold::Recorded(_) | Hold::ClaimedElsewhere => 0,
     };
     // The key is held by this transaction; anything else means something

@@ -1,9 +1,10 @@
 //! The statements of a key's named lock: taking it, releasing it, and the
 //! bound on how long the server waits for an idle client meanwhile.
 
-use diesel::mysql::{Mysql, MysqlConnection};
+use diesel::mysql::Mysql;
 use diesel::prelude::*;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
+use diesel::query_dsl::RunQueryDslSupport;
 use diesel::sql_types::{BigInt, Double, Nullable, Text};
 
 /// `SELECT name, GET_LOCK(name, seconds)`: takes the named lock of a key,
@@ -40,9 +41,7 @@ impl QueryFragment<Mysql> for GetLock<'_> {
     }
 }
 
-impl RunQueryDsl<MysqlConnection> for GetLock<'_> {}
-#[cfg(feature = "mysql-async")]
-impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for GetLock<'_> {}
+impl RunQueryDslSupport for GetLock<'_> {}
 
 /// `SELECT RELEASE_LOCK(name)`.
 pub(super) struct ReleaseLock<'a>(pub(super) &'a str);
@@ -64,10 +63,6 @@ impl QueryFragment<Mysql> for ReleaseLock<'_> {
         Ok(())
     }
 }
-
-impl RunQueryDsl<MysqlConnection> for ReleaseLock<'_> {}
-#[cfg(feature = "mysql-async")]
-impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for ReleaseLock<'_> {}
 
 /// The statements that bound how long the server waits for the client of
 /// a call that holds its key: the session's `wait_timeout`, lowered from
@@ -119,7 +114,3 @@ impl QueryFragment<Mysql> for IdleStatement<'_> {
         Ok(())
     }
 }
-
-impl RunQueryDsl<MysqlConnection> for IdleStatement<'_> {}
-#[cfg(feature = "mysql-async")]
-impl diesel_async::RunQueryDsl<diesel_async::AsyncMysqlConnection> for IdleStatement<'_> {}

@@ -25,10 +25,10 @@ use diesel::sql_types::{BigInt, Datetime, Text};
 
 use super::clock::UtcNow;
 use super::committed::read_committed;
-use super::session::Session;
+use super::session::{Session, lease};
 use crate::backend::mysql::schema;
 use crate::backend::outbox::{
-    BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, head_of_its_key, outbox_statements,
+    BatchClaim, BlockingOutboxStore, Claimed, HEAD_OF_ITS_KEY, OutboxStore, outbox_statements,
 };
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
@@ -47,22 +47,25 @@ impl OutboxStore for MysqlConnection {
 pub(super) async fn claim_batch<S: Session>(conn: &mut S, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
     if conn.transaction_depth()? == 0 {
         // Applies to the next transaction only; the session keeps its level.
-        conn.execute_sql(diesel::sql_query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED").into_boxed())
+        conn.execute(diesel::sql_query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED"))
             .await?;
     }
     conn.within(async |tx: &mut S| {
         // The head condition's subquery is a plain read, which locks
         // nothing and skips nothing: it sees an earlier message of the
         // key that another relay is settling as last committed.
-        let mut due = tx
-            .load_claimed(
-                diesel::sql_query(concat!(
-                    "SELECT id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate \
+        let mut due: Vec<Claimed> = tx
+            .load(
+                diesel::sql_query(
+                    [
+                        "SELECT id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate \
                      FROM idempotency_outbox AS o FORCE INDEX (idempotency_outbox_status_id) \
                      WHERE status = ? AND (available_at IS NULL OR available_at <= ?) AND ",
-                    head_of_its_key!(),
-                    " ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED"
-                ))
+                        HEAD_OF_ITS_KEY,
+                        " ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",
+                    ]
+                    .concat(),
+                )
                 .into_boxed()
                 .bind::<Text, _>(MessageStatus::Pending)
                 .bind::<Datetime, _>(claim.now)
@@ -72,7 +75,7 @@ pub(super) async fn claim_batch<S: Session>(conn: &mut S, claim: &BatchClaim<'_>
         if due.is_empty() {
             return Ok(due);
         }
-        tx.lease(&due, claim).await?;
+        lease(tx, &due, claim).await?;
         for message in &mut due {
             message.attempts += 1;
         }

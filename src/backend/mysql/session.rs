@@ -1,80 +1,49 @@
 //! How a MySQL call's statements are sent on either kind of connection
-//! ([`Session`]), each statement written once for both ([`sends!`]), and
-//! the guard that keeps a pool from lending a session that still holds
-//! what a dropped call took from it ([`TakenSession`]).
+//! ([`Session`]), the statements of its keys and claims, each written
+//! once for both, and the guard that keeps a pool from lending a session
+//! that still holds what a dropped call took from it ([`TakenSession`]).
 
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
 
 use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
+use diesel::dsl::Eq;
 use diesel::mysql::{Mysql, MysqlConnection};
 use diesel::prelude::*;
-use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
+use diesel::query_builder::{QueryFragment, QueryId};
+use diesel::query_dsl::methods::ExecuteDsl;
+use diesel::query_dsl::{LoadQuery, RunQueryDslSupport};
 use diesel::result::Error as DieselError;
+use diesel::sql_types::Datetime;
 
-use diesel::dsl::Eq;
-
-use super::lock::{GetLock, IdleStatement, ReleaseLock};
+use super::clock::DatabaseNow;
+use super::lock::GetLock;
 use super::schema::idempotency_keys as k;
-use crate::backend::keys::{KeyStore, Record, Stored};
+use super::schema::idempotency_outbox as o;
+use crate::backend::keys::{self, KeyStore, Record, Stored};
 use crate::backend::outbox::{BatchClaim, Claimed};
+use crate::backend::row_with::{KeyRecord, KeyRecordRow, RowWith, stored_of};
+use crate::backend::send::Sent;
 use crate::backend::transaction::end_level;
 use crate::row_status::RecordStatus;
 
 /// How MySQL's statements are sent on either kind of connection, so that
 /// the rules that decide which to send (`mod.rs`: the key transaction,
-/// the hold, the claim, the store, the read) are written once. The
-/// statements themselves are written once as well, in [`sends!`].
+/// the hold, the claim, the store, the read) and the statements themselves
+/// (below) are written once. Any statement for MySQL goes: the bounds name
+/// the backend, not the statement.
 pub(super) trait Session: KeyStore<Rules = Mysql> {
-    /// The database's time and the record of `(scope, key)`, in one
-    /// statement.
-    fn now_and_record(
-        &mut self,
-        scope: &str,
-        key: &str,
-    ) -> impl Future<Output = QueryResult<(NaiveDateTime, Option<Stored>)>>;
+    /// Sends `statement` and returns the number of rows it changed.
+    fn execute<'c, Q>(&'c mut self, statement: Q) -> Sent<'c, usize>
+    where
+        Q: QueryFragment<Mysql> + QueryId + Send + 'c;
 
-    /// The row of [`GetLock`]: the lock's name and what `GET_LOCK` returned.
-    fn get_lock(&mut self, lock: GetLock<'_>) -> impl Future<Output = QueryResult<(String, Option<i64>)>>;
-
-    /// Runs an [`IdleStatement`].
-    fn idle(&mut self, statement: IdleStatement<'_>) -> impl Future<Output = QueryResult<()>>;
-
-    /// Runs a [`ReleaseLock`].
-    fn release(&mut self, lock: ReleaseLock<'_>) -> impl Future<Output = QueryResult<()>>;
-
-    /// A plain `INSERT` of `record`, which the primary key refuses for a
-    /// key that has a record (once the transaction that wrote it, if still
-    /// open, has ended).
-    fn insert(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<usize>>;
-
-    /// Replaces the record of `record`'s key with `record` if its retention
-    /// has ended: the rows replaced, 0 or 1.
-    fn take_over(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<usize>>;
-
-    /// The record of `(scope, key)`, read with `FOR UPDATE`. (MariaDB does
-    /// not take diesel's `FOR SHARE`.)
-    fn find_for_update(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>>;
-
-    /// Runs [`Complete`](crate::backend::keys::Complete) for `record`: the records
-    /// completed, 0 or 1.
-    fn complete(&mut self, record: &Record<'_>) -> impl Future<Output = QueryResult<usize>>;
-
-    /// Sends a statement of SQL text with its parameters bound: the rows
-    /// changed.
-    fn execute_sql(&mut self, query: BoxedSqlQuery<'_, Mysql, SqlQuery>) -> impl Future<Output = QueryResult<usize>>;
-
-    /// Sends a statement of SQL text that reads outbox messages a relay
-    /// claims, with its parameters bound.
-    fn load_claimed(
-        &mut self,
-        query: BoxedSqlQuery<'_, Mysql, SqlQuery>,
-    ) -> impl Future<Output = QueryResult<Vec<Claimed>>>;
-
-    /// Leases the messages `due` for `claim`: one more attempt each, due
-    /// again when the lease ends, and the claim's token.
-    fn lease(&mut self, due: &[Claimed], claim: &BatchClaim<'_>) -> impl Future<Output = QueryResult<usize>>;
+    /// Sends `query` and returns its rows.
+    fn load<'c, 'q: 'c, Q, U>(&'c mut self, query: Q) -> Sent<'c, Vec<U>>
+    where
+        Q: Loads<'q, U>,
+        U: Send + 'static;
 
     /// Runs `work` in a transaction, or a savepoint in a caller's, and
     /// commits it if `work` succeeded and rolls it back otherwise.
@@ -87,125 +56,21 @@ pub(super) trait Session: KeyStore<Rules = Mysql> {
     fn mark_broken(&mut self);
 }
 
-/// The statements of [`Session`] whose DSL both kinds of connection share,
-/// as the methods of its impl: `sends!([] [diesel::RunQueryDsl])` for
-/// `MysqlConnection`, `sends!([.await] [diesel_async::RunQueryDsl])` for
-/// diesel-async's, which awaits each. On the synchronous connection each
-/// method's future is complete when first polled.
-macro_rules! sends {
-    ([$($await:tt)*] [$($run:tt)*]) => {
-        async fn now_and_record(
-            &mut self,
-            scope: &str,
-            key: &str,
-        ) -> diesel::QueryResult<(chrono::NaiveDateTime, Option<$crate::backend::Stored>)> {
-            use $($run)* as _;
-            use $crate::backend::row_with::{KeyRecord, KeyRecordRow, RowWith, stored_of};
-            let (now, row) = RowWith::<$crate::backend::mysql::clock::DatabaseNow, KeyRecord<diesel::sql_types::Datetime>>::new(scope, key)
-                .get_result::<(chrono::NaiveDateTime, KeyRecordRow)>(self)
-                $($await)*?;
-            Ok((now, stored_of(row)))
-        }
-
-        async fn get_lock(&mut self, lock: $crate::backend::mysql::lock::GetLock<'_>) -> diesel::QueryResult<(String, Option<i64>)> {
-            use $($run)* as _;
-            lock.get_result(self)$($await)*
-        }
-
-        async fn idle(&mut self, statement: $crate::backend::mysql::lock::IdleStatement<'_>) -> diesel::QueryResult<()> {
-            use $($run)* as _;
-            statement.execute(self)$($await)*.map(drop)
-        }
-
-        async fn release(&mut self, lock: $crate::backend::mysql::lock::ReleaseLock<'_>) -> diesel::QueryResult<()> {
-            use $($run)* as _;
-            lock.execute(self)$($await)*.map(drop)
-        }
-
-        async fn insert(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<usize> {
-            use $($run)* as _;
-            use diesel::ExpressionMethods;
-            use $crate::backend::mysql::schema::idempotency_keys as k;
-            diesel::insert_into(k::table)
-                .values((
-                    k::scope.eq(record.scope),
-                    k::idempotency_key.eq(record.idempotency_key),
-                    $crate::backend::mysql::session::written(record),
-                ))
-                .execute(self)
-                $($await)*
-        }
-
-        async fn take_over(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<usize> {
-            use $($run)* as _;
-            use diesel::{ExpressionMethods, QueryDsl};
-            use $crate::backend::mysql::schema::idempotency_keys as k;
-            diesel::update(k::table.find((record.scope, record.idempotency_key)))
-                .filter(k::expires_at.le(record.reusable_by))
-                .set($crate::backend::mysql::session::written(record))
-                .execute(self)
-                $($await)*
-        }
-
-        async fn find_for_update(
-            &mut self,
-            scope: &str,
-            key: &str,
-        ) -> diesel::QueryResult<Option<$crate::backend::Stored>> {
-            use $($run)* as _;
-            use diesel::{OptionalExtension, QueryDsl};
-            $crate::backend::keys::find(scope, key)
-                .for_update()
-                .get_result(self)
-                $($await)*
-                .optional()
-        }
-
-        async fn complete(&mut self, record: &$crate::backend::Record<'_>) -> diesel::QueryResult<usize> {
-            use $($run)* as _;
-            $crate::backend::keys::Complete::<diesel::sql_types::Datetime>::new(record).execute(self)$($await)*
-        }
-
-        async fn execute_sql(
-            &mut self,
-            query: diesel::query_builder::BoxedSqlQuery<'_, diesel::mysql::Mysql, diesel::query_builder::SqlQuery>,
-        ) -> diesel::QueryResult<usize> {
-            use $($run)* as _;
-            query.execute(self)$($await)*
-        }
-
-        async fn load_claimed(
-            &mut self,
-            query: diesel::query_builder::BoxedSqlQuery<'_, diesel::mysql::Mysql, diesel::query_builder::SqlQuery>,
-        ) -> diesel::QueryResult<Vec<$crate::backend::outbox::Claimed>> {
-            use $($run)* as _;
-            query.load(self)$($await)*
-        }
-
-        async fn lease(
-            &mut self,
-            due: &[$crate::backend::outbox::Claimed],
-            claim: &$crate::backend::outbox::BatchClaim<'_>,
-        ) -> diesel::QueryResult<usize> {
-            use $($run)* as _;
-            use diesel::{ExpressionMethods, QueryDsl};
-            use $crate::backend::mysql::schema::idempotency_outbox as o;
-            diesel::update(o::table.filter(o::id.eq_any(due.iter().map(|message| &message.id))))
-                .set((
-                    o::attempts.eq(o::attempts + 1),
-                    o::available_at.eq(claim.lease_until),
-                    o::lease_token.eq(claim.lease_token),
-                ))
-                .execute(self)
-                $($await)*
-        }
-    };
-}
-#[cfg(feature = "mysql-async")]
-pub(super) use sends;
-
 impl Session for MysqlConnection {
-    sends!([][diesel::RunQueryDsl]);
+    fn execute<'c, Q>(&'c mut self, statement: Q) -> Sent<'c, usize>
+    where
+        Q: QueryFragment<Mysql> + QueryId + Send + 'c,
+    {
+        Sent::Done(Some(ExecuteDsl::execute(statement, self)))
+    }
+
+    fn load<'c, 'q: 'c, Q, U>(&'c mut self, query: Q) -> Sent<'c, Vec<U>>
+    where
+        Q: Loads<'q, U>,
+        U: Send + 'static,
+    {
+        Sent::Done(Some(RunQueryDsl::load(query, self)))
+    }
 
     async fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
     where
@@ -219,6 +84,100 @@ impl Session for MysqlConnection {
     fn mark_broken(&mut self) {
         AnsiTransactionManager::transaction_manager_status_mut(self).set_in_error();
     }
+}
+
+/// A query that both kinds of MySQL connection load as rows of `U`,
+/// borrowing for `'q`: the bound of [`Session::load`], which names the
+/// connections rather than the query.
+#[cfg(feature = "mysql-async")]
+pub(super) trait Loads<'q, U>:
+    LoadQuery<'q, MysqlConnection, U>
+    + diesel_async::methods::LoadQuery<'q, diesel_async::AsyncMysqlConnection, U>
+    + RunQueryDslSupport
+    + Send
+    + 'q
+{
+}
+
+#[cfg(feature = "mysql-async")]
+impl<'q, U, Q> Loads<'q, U> for Q where
+    Q: LoadQuery<'q, MysqlConnection, U>
+        + diesel_async::methods::LoadQuery<'q, diesel_async::AsyncMysqlConnection, U>
+        + RunQueryDslSupport
+        + Send
+        + 'q
+{
+}
+
+/// A query that a MySQL connection loads as rows of `U`, borrowing for
+/// `'q`: the bound of [`Session::load`].
+#[cfg(not(feature = "mysql-async"))]
+pub(super) trait Loads<'q, U>: LoadQuery<'q, MysqlConnection, U> + RunQueryDslSupport + Send + 'q {}
+
+#[cfg(not(feature = "mysql-async"))]
+impl<'q, U, Q> Loads<'q, U> for Q where Q: LoadQuery<'q, MysqlConnection, U> + RunQueryDslSupport + Send + 'q {}
+
+/// The one row `rows` holds: a query's first, `NotFound` without one.
+fn first<U>(rows: Vec<U>) -> QueryResult<U> {
+    rows.into_iter().next().ok_or(DieselError::NotFound)
+}
+
+/// The database's time and the record of `(scope, key)`, in one statement.
+pub(super) async fn now_and_record<C: Session>(
+    conn: &mut C,
+    scope: &str,
+    key: &str,
+) -> QueryResult<(NaiveDateTime, Option<Stored>)> {
+    let read = RowWith::<DatabaseNow, KeyRecord<Datetime>>::new(scope, key);
+    let (now, row): (NaiveDateTime, KeyRecordRow) = first(conn.load(read).await?)?;
+    Ok((now, stored_of(row)))
+}
+
+/// The row of [`GetLock`]: the lock's name and what `GET_LOCK` returned.
+pub(super) async fn get_lock<C: Session>(conn: &mut C, lock: GetLock<'_>) -> QueryResult<(String, Option<i64>)> {
+    first(conn.load(lock).await?)
+}
+
+/// A plain `INSERT` of `record`, which the primary key refuses for a key
+/// that has a record (once the transaction that wrote it, if still open,
+/// has ended).
+pub(super) async fn insert<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<usize> {
+    conn.execute(diesel::insert_into(k::table).values((
+        k::scope.eq(record.scope),
+        k::idempotency_key.eq(record.idempotency_key),
+        written(record),
+    )))
+    .await
+}
+
+/// Replaces the record of `record`'s key with `record` if its retention
+/// has ended: the rows replaced, 0 or 1.
+pub(super) async fn take_over<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<usize> {
+    conn.execute(
+        diesel::update(k::table.find((record.scope, record.idempotency_key)))
+            .filter(k::expires_at.le(record.reusable_by))
+            .set(written(record)),
+    )
+    .await
+}
+
+/// The record of `(scope, key)`, read with `FOR UPDATE`. (MariaDB does not
+/// take diesel's `FOR SHARE`.)
+pub(super) async fn find_for_update<C: Session>(conn: &mut C, scope: &str, key: &str) -> QueryResult<Option<Stored>> {
+    first(conn.load(keys::find(scope, key).for_update()).await?).optional()
+}
+
+/// Leases the messages `due` for `claim`: one more attempt each, due again
+/// when the lease ends, and the claim's token.
+pub(super) async fn lease<C: Session>(conn: &mut C, due: &[Claimed], claim: &BatchClaim<'_>) -> QueryResult<usize> {
+    conn.execute(
+        diesel::update(o::table.filter(o::id.eq_any(due.iter().map(|message| &message.id)))).set((
+            o::attempts.eq(o::attempts + 1),
+            o::available_at.eq(claim.lease_until),
+            o::lease_token.eq(claim.lease_token),
+        )),
+    )
+    .await
 }
 
 /// The connection of a call whose session holds what the call took from

@@ -105,20 +105,15 @@ pub trait OutboxStore: KeyStore {
 /// a claim that saw one pending at worst passes over a head until the next
 /// claim. A literal status, so that the partial index on pending keyed
 /// messages serves the lookup.
-macro_rules! head_of_its_key {
-    () => {
-        "(o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM idempotency_outbox AS earlier \
-          WHERE earlier.ordering_key = o.ordering_key AND earlier.status = 'pending' AND earlier.id < o.id))"
-    };
-}
-pub(crate) use head_of_its_key;
+pub(crate) const HEAD_OF_ITS_KEY: &str = "(o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM idempotency_outbox AS earlier \
+     WHERE earlier.ordering_key = o.ordering_key AND earlier.status = 'pending' AND earlier.id < o.id))";
 
-/// `claim_sql`, a statement that claims in one go, with the parameters of
-/// `claim` bound in the order the backends' statements take them: the
+/// The statement that claims in one go whose text is the pieces
+/// `claim_sql`, with the parameters of `claim` bound in the order the backends' statements take them: the
 /// lease's end, its token, the pending status, now, and the limit.
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) fn claim_in_one_statement<'a, DB>(
-    claim_sql: &str,
+    claim_sql: &[&str],
     claim: &BatchClaim<'a>,
 ) -> diesel::query_builder::BoxedSqlQuery<'a, DB, diesel::query_builder::SqlQuery>
 where
@@ -132,7 +127,7 @@ where
     MessageStatus: diesel::serialize::ToSql<diesel::sql_types::Text, DB>,
 {
     use diesel::sql_types::{BigInt, Text, Timestamp};
-    diesel::sql_query(claim_sql)
+    diesel::sql_query(claim_sql.concat())
         .into_boxed()
         .bind::<Timestamp, _>(claim.lease_until)
         .bind::<Text, _>(claim.lease_token)

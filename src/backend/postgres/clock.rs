@@ -33,6 +33,6 @@ pub(crate) struct DatabaseNow;
 
 impl Head for DatabaseNow {
     type Backend = Pg;
-    const SQL: &'static str = "timezone('UTC', statement_timestamp())";
+    const SQL: &'static [&'static str] = &["timezone('UTC', statement_timestamp())"];
     type SqlType = Timestamp;
 }

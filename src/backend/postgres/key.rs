@@ -4,12 +4,12 @@
 //! after the lock.
 
 use chrono::{Datelike, Duration, NaiveDateTime};
+use diesel::QueryResult;
 use diesel::connection::{AnsiTransactionManager, SimpleConnection, TransactionManager};
 use diesel::pg::{Pg, PgConnection};
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{Bool, Nullable, Text, Timestamp};
-use diesel::{QueryResult, RunQueryDsl};
 
 use crate::backend::keys::{
     Claim, HeldKey, Hold, KeyNotClaimed, KeyRecordChanged, KeyStore, Record, Stored, claiming, hold_of,
@@ -183,18 +183,15 @@ pub(super) fn lock_key(scope: &str, key: &str) -> (i32, i32) {
 /// setting is text as it was written, so any of PostgreSQL's spellings of
 /// true, in any case. On Citus the setting is the one of the node that
 /// holds the key's shard, where the read runs.
-macro_rules! claims_first {
-    () => {
-        "coalesce(lower(current_setting('idempotency.claim_first', true)) IN ('on', 'true', 'yes', '1'), false)"
-    };
-}
+const CLAIMS_FIRST: &str =
+    "coalesce(lower(current_setting('idempotency.claim_first', true)) IN ('on', 'true', 'yes', '1'), false)";
 
 /// The database's time, in UTC, and whether it claims every key first.
 pub(super) struct NowAndClaimFirst;
 
 impl Head for NowAndClaimFirst {
     type Backend = Pg;
-    const SQL: &'static str = concat!("timezone('UTC', statement_timestamp()), ", claims_first!());
+    const SQL: &'static [&'static str] = &["timezone('UTC', statement_timestamp()), ", CLAIMS_FIRST];
     type SqlType = (Timestamp, Bool);
 }
 
@@ -207,11 +204,11 @@ pub(super) struct HoldBy;
 
 impl Head for HoldBy {
     type Backend = Pg;
-    const SQL: &'static str = concat!(
+    const SQL: &'static [&'static str] = &[
         "CASE WHEN ",
-        claims_first!(),
-        " THEN 'claim first' ELSE current_setting('transaction_isolation') END"
-    );
+        CLAIMS_FIRST,
+        " THEN 'claim first' ELSE current_setting('transaction_isolation') END",
+    ];
     type SqlType = Text;
 }
 
@@ -421,9 +418,7 @@ impl QueryFragment<Pg> for CompleteAtDatabaseTime<'_> {
     }
 }
 
-impl RunQueryDsl<PgConnection> for CompleteAtDatabaseTime<'_> {}
-#[cfg(feature = "postgres-async")]
-impl diesel_async::RunQueryDsl<diesel_async::AsyncPgConnection> for CompleteAtDatabaseTime<'_> {}
+impl diesel::query_dsl::RunQueryDslSupport for CompleteAtDatabaseTime<'_> {}
 
 /// The claim's times that a [`CompleteAtDatabaseTime`] returned, or the
 /// error of a record that changed under its key's lock.

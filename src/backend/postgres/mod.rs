@@ -286,7 +286,11 @@ mod tests {
 
     #[test]
     fn the_hold_reads_the_setting_that_distribute_writes() {
-        assert!(HoldBy::SQL.contains(&format!("current_setting('{CLAIM_FIRST}', true)")));
+        assert!(
+            HoldBy::SQL
+                .concat()
+                .contains(&format!("current_setting('{CLAIM_FIRST}', true)"))
+        );
     }
 
     fn refused(kind: DatabaseErrorKind, message: &str) -> DieselError {

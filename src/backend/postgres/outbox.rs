@@ -21,7 +21,7 @@ use super::expired::Expired;
 use super::purge::purge;
 use super::sql::{LoadSql, distributed};
 use crate::backend::outbox::{
-    BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, claim_in_one_statement, head_of_its_key, outbox_statements,
+    BatchClaim, BlockingOutboxStore, Claimed, HEAD_OF_ITS_KEY, OutboxStore, claim_in_one_statement, outbox_statements,
 };
 use crate::row_status::MessageStatus;
 use crate::schema;
@@ -54,16 +54,16 @@ pub(super) async fn claim_batch<C: LoadSql>(conn: &mut C, claim: &BatchClaim<'_>
         return citus::outbox::claim_batch(conn, claim).await;
     }
     conn.load_sql(claim_in_one_statement(
-        concat!(
+        &[
             "WITH due AS ( \
              SELECT id FROM idempotency_outbox AS o \
              WHERE status = $3 AND (available_at IS NULL OR available_at <= $4) AND ",
-            head_of_its_key!(),
+            HEAD_OF_ITS_KEY,
             " ORDER BY id LIMIT $5 FOR UPDATE OF o SKIP LOCKED) \
          UPDATE idempotency_outbox AS o SET attempts = o.attempts + 1, available_at = $1, lease_token = $2 \
          FROM due WHERE o.id = due.id \
-         RETURNING o.id, o.scope, o.topic, o.payload, o.attempts, o.headers, o.ordering_key, o.traceparent, o.tracestate"
-        ),
+         RETURNING o.id, o.scope, o.topic, o.payload, o.attempts, o.headers, o.ordering_key, o.traceparent, o.tracestate",
+        ],
         claim,
     ))
     .await

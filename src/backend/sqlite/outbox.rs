@@ -8,7 +8,7 @@ use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
 use crate::backend::outbox::{
-    BatchClaim, BlockingOutboxStore, Claimed, OutboxStore, claim_in_one_statement, head_of_its_key, outbox_statements,
+    BatchClaim, BlockingOutboxStore, Claimed, HEAD_OF_ITS_KEY, OutboxStore, claim_in_one_statement, outbox_statements,
 };
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
@@ -18,14 +18,14 @@ use crate::schema;
 impl OutboxStore for SqliteConnection {
     async fn claim_batch(&mut self, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
         claim_in_one_statement(
-            concat!(
+            &[
                 "UPDATE idempotency_outbox SET attempts = attempts + 1, available_at = ?, lease_token = ? \
                  WHERE id IN (SELECT id FROM idempotency_outbox AS o \
                               WHERE status = ? AND (available_at IS NULL OR available_at <= ?) AND ",
-                head_of_its_key!(),
+                HEAD_OF_ITS_KEY,
                 " ORDER BY id LIMIT ?) \
-                 RETURNING id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate"
-            ),
+                 RETURNING id, scope, topic, payload, attempts, headers, ordering_key, traceparent, tracestate",
+            ],
             claim,
         )
         .load(self)

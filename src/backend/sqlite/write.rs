@@ -38,7 +38,7 @@ impl Query for Pragma {
     type SqlType = Integer;
 }
 
-impl RunQueryDsl<SqliteConnection> for Pragma {}
+impl diesel::query_dsl::RunQueryDslSupport for Pragma {}
 
 fn busy_timeout(conn: &mut SqliteConnection) -> QueryResult<i32> {
     Pragma(String::from("PRAGMA busy_timeout")).get_result(conn)

@@ -24,7 +24,7 @@ pub(crate) async fn claim_batch<C: LoadSql>(conn: &mut C, claim: &BatchClaim<'_>
         #[diesel(sql_type = Text)]
         id: String,
     }
-    // The head of each ordering key (see `head_of_its_key!`): a correlated
+    // The head of each ordering key (see `HEAD_OF_ITS_KEY`): a correlated
     // subquery that does not join on the distribution column is not
     // distributable, so the heads are one aggregate across the shards,
     // which Citus plans ahead of the read. Earlier messages of a key only
