@@ -13,9 +13,8 @@ use diesel::r2d2::{ConnectionManager, Pool};
 use idempotency::Config;
 use idempotency::http::{self, Answer, Failure, IdempotencyKey, Problem, StoredResponse};
 use serde_json::Value;
-use tower::ServiceExt;
 
-use crate::common::http::Anyone;
+use crate::common::http::{Anyone, seen};
 use crate::common::property::{Prng, cases};
 use crate::common::{Tagged, percent_decode, tagged_body};
 
@@ -92,13 +91,8 @@ async fn send(app: &Router, uri: &str, key: &str, body: &str) -> (StatusCode, bo
         .header("content-type", "application/json")
         .body(axum::body::Body::from(body.to_owned()))
         .expect("a request");
-    let response = app.clone().oneshot(request).await.expect("infallible");
-    let status = response.status();
-    let replayed = response.headers().get("idempotent-replayed").is_some();
-    let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-        .await
-        .expect("a body");
-    (status, replayed, serde_json::from_slice(&body).expect("JSON"))
+    let seen = seen(app, request).await;
+    (seen.status, seen.header("idempotent-replayed").is_some(), seen.json())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

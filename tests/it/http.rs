@@ -995,19 +995,11 @@ mod library {
     }
 
     async fn answer(app: &Router, request: Request<axum::body::Body>) -> (StatusCode, Option<String>, Value) {
-        let response = app.clone().oneshot(request).await.expect("infallible");
-        let status = response.status();
-        let header = |name: &str| {
-            response
-                .headers()
-                .get(name)
-                .map(|v| v.to_str().expect("ascii").to_owned())
-        };
-        let extra = header("idempotent-replayed").or_else(|| header("retry-after"));
-        let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-            .await
-            .expect("a body");
-        (status, extra, serde_json::from_slice(&body).expect("JSON"))
+        let seen = seen(app, request).await;
+        let extra = seen
+            .header("idempotent-replayed")
+            .or_else(|| seen.header("retry-after"));
+        (seen.status, extra.map(str::to_owned), seen.json())
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1028,12 +1020,8 @@ mod library {
 
     /// The expiry header of a response, if it has one.
     async fn expiry_of(app: &Router, request: Request<axum::body::Body>, name: &str) -> (StatusCode, Option<String>) {
-        let response = app.clone().oneshot(request).await.expect("infallible");
-        let expiry = response
-            .headers()
-            .get(name)
-            .map(|v| v.to_str().expect("ascii").to_owned());
-        (response.status(), expiry)
+        let seen = seen(app, request).await;
+        (seen.status, seen.header(name).map(str::to_owned))
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1680,8 +1668,9 @@ mod library {
 
     /// A request to `app` and what came back: status, `Content-Type`, body.
     async fn raw_answer(app: &Router, request: Request<axum::body::Body>) -> (StatusCode, Option<String>, String) {
-        let (status, content_type, body) = answer_of(app, request).await;
-        (status, content_type, String::from_utf8(body.to_vec()).expect("UTF-8"))
+        let seen = seen(app, request).await;
+        let content_type = seen.header("content-type").map(str::to_owned);
+        (seen.status, content_type, String::from_utf8(seen.body).expect("UTF-8"))
     }
 
     /// A request with a bearer token and the given key fields.

@@ -16,7 +16,7 @@ use idempotency::{Config, InFlight, OnCompleted};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
-use crate::common::http::{Anyone, Notes, SqlitePool, answer_of, problem_type};
+use crate::common::http::{Anyone, Notes, SqlitePool, problem_type, seen};
 
 /// Adds a note and answers with the count; a body of `"taken"` is the
 /// application's own 409, as an already-refunded order would be.
@@ -55,11 +55,12 @@ fn note(headers: &[(&str, &str)], body: &'static str) -> Request<axum::body::Bod
 
 /// The status, the content type and the body, JSON or `null`.
 async fn answer(app: &Router, request: Request<axum::body::Body>) -> (StatusCode, Option<String>, Value) {
-    let (status, content_type, body) = answer_of(app, request).await;
+    let seen = seen(app, request).await;
+    let content_type = seen.header("content-type").map(str::to_owned);
     (
-        status,
+        seen.status,
         content_type,
-        serde_json::from_slice(&body).unwrap_or(Value::Null),
+        serde_json::from_slice(&seen.body).unwrap_or(Value::Null),
     )
 }
 
@@ -322,11 +323,10 @@ mod lookup {
     }
 
     async fn replayed(app: &Router, request: Request<axum::body::Body>) -> Option<String> {
-        let response = app.clone().oneshot(request).await.expect("infallible");
-        response
-            .headers()
-            .get("idempotent-replayed")
-            .map(|value| value.to_str().expect("ascii").to_owned())
+        seen(app, request)
+            .await
+            .header("idempotent-replayed")
+            .map(str::to_owned)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,9 +9,9 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::body::{Body, to_bytes};
+use axum::body::Body;
 use axum::extract::{FromRequestParts, State};
-use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, request::Parts};
+use axum::http::{HeaderName, HeaderValue, Method, Request, StatusCode, request::Parts};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use diesel::r2d2::{ConnectionManager, Pool};
@@ -19,10 +19,9 @@ use idempotency::http::{self, Answer, Caller, Failure, IdempotencyKey, KeyHeader
 use idempotency::phased::Phased;
 use idempotency::{Config, InFlight};
 use serde_json::{Value, json};
-use tower::ServiceExt;
 
 use crate::common::TestDb;
-use crate::common::http::{bearer_token, problem_type};
+use crate::common::http::{Seen, bearer_token, problem_type, seen};
 use crate::common::wait::Barrier;
 
 crate::common::backend_tests!(
@@ -177,20 +176,6 @@ fn app_on<D: TestDb>(app: App<D>) -> Router {
         .with_state(app)
 }
 
-/// A response as a client sees it: every byte of it.
-#[derive(Debug, PartialEq)]
-struct Seen {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Vec<u8>,
-}
-
-impl Seen {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).expect("a JSON body")
-    }
-}
-
 async fn send(app: &Router, method: Method, path: &str, token: &str, key: &str, body: &'static str) -> Seen {
     send_with(app, method, path, (token, key), &[], body).await
 }
@@ -213,15 +198,7 @@ async fn send_with(
     for (name, value) in fields {
         request = request.header(*name, HeaderValue::from_bytes(value).expect("a header value"));
     }
-    let request = request.body(Body::from(body)).expect("a request");
-    let response = app.clone().oneshot(request).await.expect("infallible");
-    let status = response.status();
-    let headers = response.headers().clone();
-    let body = to_bytes(response.into_body(), usize::MAX)
-        .await
-        .expect("a body")
-        .to_vec();
-    Seen { status, headers, body }
+    seen(app, request.body(Body::from(body)).expect("a request")).await
 }
 
 async fn post_to(app: &Router, path: &str, token: &str, key: &str) -> Seen {
@@ -424,9 +401,7 @@ async fn every_lookup_answer_is_not_to_be_stored<D: TestDb>() {
 
 /// The `Original-Request` header of `seen`, if any.
 fn original_request(seen: &Seen) -> Option<&str> {
-    seen.headers
-        .get("original-request")
-        .map(|value| value.to_str().expect("visible ASCII"))
+    seen.header("original-request")
 }
 
 async fn a_replay_and_a_lookup_name_the_request_that_executed<D: TestDb>() {

@@ -6,6 +6,7 @@ use axum::http::{Request, StatusCode};
 use serde_json::{Value, json};
 use tower::ServiceExt;
 
+use crate::common::http::seen;
 use crate::openapi_orders;
 
 /// The document as checked in. After a deliberate change, write the new
@@ -15,12 +16,8 @@ const CHECKED_IN: &str = include_str!("openapi_orders.json");
 
 async fn get(app: &axum::Router, path: &str) -> (StatusCode, Value) {
     let request = Request::get(path).body(axum::body::Body::empty()).expect("a request");
-    let response = app.clone().oneshot(request).await.expect("infallible");
-    let status = response.status();
-    let body = axum::body::to_bytes(response.into_body(), usize::MAX)
-        .await
-        .expect("a body");
-    (status, serde_json::from_slice(&body).expect("JSON"))
+    let seen = seen(app, request).await;
+    (seen.status, seen.json())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

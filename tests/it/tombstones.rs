@@ -535,7 +535,7 @@ mod http {
     use std::borrow::Cow;
 
     use axum::Router;
-    use axum::body::{Body, to_bytes};
+    use axum::body::Body;
     use axum::extract::{FromRequestParts, State};
     use axum::http::{Method, Request, StatusCode, request::Parts};
     use axum::response::{IntoResponse, Response};
@@ -545,10 +545,9 @@ mod http {
     use idempotency::Config;
     use idempotency::http::{self, Answer, Caller, Failure, IdempotencyKey, Problem, StoredResponse};
     use serde_json::{Value, json};
-    use tower::ServiceExt;
 
     use crate::common::TestDb;
-    use crate::common::http::{bearer_token, problem_type};
+    use crate::common::http::{bearer_token, problem_type, seen};
 
     crate::common::backend_tests!(async: a_retry_inside_the_grace_period_is_410_gone_and_after_it_is_carried_out);
 
@@ -615,24 +614,12 @@ mod http {
             .header("idempotency-key", "refund-1")
             .body(Body::empty())
             .expect("a request");
-        let response = app.clone().oneshot(request).await.expect("infallible");
-        let status = response.status();
-        let header = |name: &str| {
-            response
-                .headers()
-                .get(name)
-                .map(|value| value.to_str().expect("ascii").to_owned())
-        };
-        let (replayed, content_type) = (
-            header("idempotent-replayed"),
-            header("content-type").unwrap_or_default(),
-        );
-        let body = to_bytes(response.into_body(), usize::MAX).await.expect("a body");
+        let seen = seen(app, request).await;
         (
-            status,
-            replayed,
-            content_type,
-            serde_json::from_slice(&body).expect("a JSON body"),
+            seen.status,
+            seen.header("idempotent-replayed").map(str::to_owned),
+            seen.header("content-type").unwrap_or_default().to_owned(),
+            seen.json(),
         )
     }
 

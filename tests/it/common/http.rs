@@ -97,23 +97,40 @@ impl Notes {
     }
 }
 
-/// What `app` answers `request`: the status, the `Content-Type` and the
-/// body.
-pub async fn answer_of(
-    app: &Router,
-    request: axum::http::Request<axum::body::Body>,
-) -> (axum::http::StatusCode, Option<String>, axum::body::Bytes) {
+/// A response of a router in the test's process as a client sees it:
+/// every byte of it.
+#[derive(Debug, PartialEq)]
+pub struct Seen {
+    pub status: axum::http::StatusCode,
+    pub headers: axum::http::HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl Seen {
+    /// The body, which is JSON.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).expect("a JSON body")
+    }
+
+    /// The value of the header field `name`, if the response has one.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .get(name)
+            .map(|value| value.to_str().expect("visible ASCII"))
+    }
+}
+
+/// What `app` answers `request`.
+pub async fn seen(app: &Router, request: axum::http::Request<axum::body::Body>) -> Seen {
     use tower::ServiceExt;
     let response = app.clone().oneshot(request).await.expect("infallible");
     let status = response.status();
-    let content_type = response
-        .headers()
-        .get("content-type")
-        .map(|value| value.to_str().expect("ascii").to_owned());
+    let headers = response.headers().clone();
     let body = axum::body::to_bytes(response.into_body(), usize::MAX)
         .await
-        .expect("a body");
-    (status, content_type, body)
+        .expect("a body")
+        .to_vec();
+    Seen { status, headers, body }
 }
 
 /// A pool of `size` connections to `db`, with a `notes` table, which a
