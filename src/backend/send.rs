@@ -3,8 +3,10 @@
 //!
 //! The statements are plain functions that build a query (`keys/statements.rs`,
 //! say), and the code that sends them is written once, generic over the
-//! connection: `Execute::send` and [`Load::fetch`] pick diesel's or
-//! diesel-async's way to run a query by the connection's [`Sends::Way`].
+//! connection: `Execute::send` and `Load::fetch` pick diesel's or
+//! diesel-async's way to run a query by the connection's `Sends::Way`.
+//! MySQL, whose statements are its own, sends them through its `Session`,
+//! which returns a [`Sent`] as well.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,6 +14,7 @@ use std::task::{Context, Poll};
 
 use diesel::QueryResult;
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// A connection the crate sends statements on, and how it sends them:
 /// [`AtOnce`] or `Awaited`.
 pub(crate) trait Sends {
@@ -19,12 +22,13 @@ pub(crate) trait Sends {
     type Way;
 }
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// A synchronous diesel connection's way: a statement completes as it is
 /// sent.
 pub(crate) enum AtOnce {}
 
 /// A diesel-async connection's way: a statement is awaited.
-#[cfg(feature = "diesel-async")]
+#[cfg(all(feature = "diesel-async", any(feature = "sqlite", feature = "postgres")))]
 pub(crate) enum Awaited {}
 
 /// A statement sent, as a future of its result: complete on a synchronous
@@ -83,6 +87,7 @@ impl<C: Sends, Q: ExecuteBy<C, C::Way>> Execute<C> for Q {
     }
 }
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// A query that borrows for `'q` and that connection `C` sends, returning
 /// one row as a `U`.
 pub(crate) trait Load<'q, C, U>: Sized {
@@ -93,6 +98,7 @@ pub(crate) trait Load<'q, C, U>: Sized {
         'q: 'c;
 }
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 impl<'q, C: Sends, Q: LoadBy<'q, C, U, C::Way>, U> Load<'q, C, U> for Q {
     fn fetch<'c>(self, conn: &'c mut C) -> Sent<'c, U>
     where
@@ -138,6 +144,7 @@ where
     }
 }
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// [`Load`] in the way `Way`.
 pub(crate) trait LoadBy<'q, C, U, Way>: Sized {
     fn load_by<'c>(self, conn: &'c mut C) -> Sent<'c, U>
@@ -145,6 +152,7 @@ pub(crate) trait LoadBy<'q, C, U, Way>: Sized {
         'q: 'c;
 }
 
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
 impl<'q, C, Q, U> LoadBy<'q, C, U, AtOnce> for Q
 where
     C: diesel::connection::LoadConnection,
@@ -158,7 +166,7 @@ where
     }
 }
 
-#[cfg(feature = "diesel-async")]
+#[cfg(all(feature = "diesel-async", any(feature = "sqlite", feature = "postgres")))]
 impl<'q, C, Q, U> LoadBy<'q, C, U, Awaited> for Q
 where
     C: diesel_async::AsyncConnection,

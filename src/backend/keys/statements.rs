@@ -13,12 +13,10 @@ use diesel::prelude::*;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 use diesel::sql_types::Timestamp;
 
-use super::Stored;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-use super::{ClaimOutcome, Complete, Hold, KeyRecordChanged, Record};
+use super::{ClaimOutcome, Complete, Hold, KeyRecordChanged, Record, Stored};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-use crate::backend::send::Execute;
-use crate::backend::send::{Load, Sends};
+use crate::backend::send::{Execute, Load, Sends};
 use crate::schema::idempotency_keys as k;
 
 /// The record of `(scope, key)`. A primary key lookup needs no `LIMIT`: a
@@ -69,7 +67,8 @@ pub(crate) fn take_over(record: Record<'_>) -> TakeOver<'_> {
         .set(record)
 }
 
-/// The stored record for `(scope, key)`, on any connection.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+/// The stored record for `(scope, key)`.
 pub(crate) async fn find_record<'a, C>(conn: &mut C, scope: &'a str, key: &'a str) -> QueryResult<Option<Stored>>
 where
     C: Sends,

@@ -18,7 +18,6 @@ use diesel::sql_types::Datetime;
 use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, TransactionManager};
 
 use super::clock::{DatabaseNow, UtcNow};
-use super::key::{claim, hold, key_transaction, read, store};
 use super::outbox::claim_batch;
 use super::schema;
 use super::session::{Loads, Session};
@@ -26,75 +25,23 @@ use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, outbox_statements
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{OperationColumns, OperationColumnsRow, RowWith, operation_of};
 use crate::backend::send::Sent;
-use crate::backend::send::{Awaited, Sends};
 use crate::backend::{
-    AsyncStoreConnection, AsyncTransaction, ClaimOutcome, HeldKey, Hold, KeyStatements, KeyStore, Read, Record, Stored,
-    async_transaction_depth, async_unwind_to_depth, end_transaction, keys, sealed,
+    AsyncStoreConnection, AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction, sealed,
 };
 
 impl sealed::Sealed for AsyncMysqlConnection {}
 
 impl AsyncStoreConnection for AsyncMysqlConnection {}
 
-impl Sends for AsyncMysqlConnection {
-    type Way = Awaited;
-}
-
-impl KeyStatements for AsyncMysqlConnection {
-    async fn find(&mut self, scope: &str, key: &str) -> QueryResult<Option<Stored>> {
-        keys::find_record(self, scope, key).await
-    }
-
-    async fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
-        claim(self, record).await
-    }
-
-    async fn store(&mut self, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
-        store(self, hold, record).await
-    }
-}
-
-impl KeyStore for AsyncMysqlConnection {
-    type Rules = diesel::mysql::Mysql;
-
-    async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
-        read(self, scope, key).await
-    }
-
-    async fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
-        diesel::select(UtcNow).get_result(self).await
-    }
-
-    fn transaction_depth(&mut self) -> QueryResult<u32> {
+impl Session for AsyncMysqlConnection {
+    fn depth(&mut self) -> QueryResult<u32> {
         async_transaction_depth(self)
     }
 
-    async fn unwind_to_depth(&mut self, depth: u32) -> QueryResult<()> {
-        async_unwind_to_depth(self, depth).await
+    fn unwind(&mut self, depth: u32) -> Sent<'_, ()> {
+        Sent::Awaited(Box::pin(async_unwind_to_depth(self, depth)))
     }
 
-    async fn key_transaction<T, E>(
-        &mut self,
-        held: HeldKey<'_>,
-        work: impl AsyncFnOnce(&mut Self, bool) -> Result<T, E>,
-    ) -> Result<T, E>
-    where
-        E: From<DieselError>,
-    {
-        key_transaction(self, held, work).await
-    }
-
-    async fn hold(&mut self, record: &Record<'_>, _claims_first: bool) -> QueryResult<Hold> {
-        hold(self, record).await
-    }
-
-    async fn await_replication(&mut self) -> QueryResult<()> {
-        // As on `MysqlConnection`: no durable replays on MySQL.
-        Ok(())
-    }
-}
-
-impl Session for AsyncMysqlConnection {
     fn execute<'c, Q>(&'c mut self, statement: Q) -> Sent<'c, usize>
     where
         Q: QueryFragment<Mysql> + QueryId + Send + 'c,

@@ -9,7 +9,9 @@ use diesel::result::{DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::Datetime;
 
 use super::lock::{GetLock, IdleBound, IdleStatement, ReleaseLock};
-use super::session::{Session, TakenSession, find_for_update, get_lock, insert, now_and_record, take_over};
+use super::session::{
+    Session, TakenSession, database_now, find_for_update, get_lock, insert, now_and_record, take_over,
+};
 use crate::backend::future::catch_unwind;
 use crate::backend::keys::{ClaimOutcome, Complete, HeldKey, Hold, KeyRecordChanged, Read, Record};
 use crate::in_flight::InFlight;
@@ -77,7 +79,7 @@ fn discard<C: Session>(conn: &mut C, error: &DieselError) {
 /// The record of `(scope, key)` and the database's time, on either kind of
 /// connection.
 pub(super) async fn read<C: Session>(conn: &mut C, scope: &str, key: &str) -> QueryResult<Read> {
-    if conn.transaction_depth()? > 0 {
+    if conn.depth()? > 0 {
         // In a caller's transaction nothing touches the key table before
         // the key's named lock is held: at SERIALIZABLE this read would
         // lock the key's gap until the caller commits, and a call that
@@ -86,7 +88,7 @@ pub(super) async fn read<C: Session>(conn: &mut C, scope: &str, key: &str) -> Qu
         // path reads the record once it holds the lock.
         return Ok(Read {
             record: None,
-            now: conn.database_now().await?,
+            now: database_now(conn).await?,
             claims_first: true,
         });
     }
@@ -112,7 +114,7 @@ where
     C: Session,
     E: From<DieselError>,
 {
-    let depth = conn.transaction_depth()?;
+    let depth = conn.depth()?;
     let mut session = TakenSession::taking(conn);
     let name = match take_key(&mut *session, depth, held).await {
         Ok(name) => name,
@@ -127,7 +129,7 @@ where
     let result = catch_unwind(async { session.within(async |tx: &mut C| work(tx, false).await).await }).await;
     let unwound = match result {
         Ok(_) => Ok(()),
-        Err(_) => session.unwind_to_depth(depth).await,
+        Err(_) => session.unwind(depth).await,
     };
     let given = match unwound {
         Ok(()) if held.idle_timeout.is_some() => {

@@ -43,7 +43,8 @@
 //!
 //! These rules are written once for `MysqlConnection` and diesel-async's
 //! `AsyncMysqlConnection` (feature `diesel-async`), generic over
-//! [`Session`], which is only how each sends a statement. On the async
+//! [`Session`], which is only how each sends a statement and keeps its
+//! transactions; the key store itself is one impl for both. On the async
 //! connection a call's future may be dropped at any `await`; one dropped
 //! while the session holds what the call took from it (from the lowered
 //! `wait_timeout` to the release of the named lock, the transaction in
@@ -72,14 +73,10 @@ use diesel_migrations::EmbeddedMigrations;
 use super::history::{self, Count, History};
 use super::migrate;
 
-use super::send::{AtOnce, Sends};
-use super::{
-    BackendRules, BlockingStore, ClaimOutcome, HeldKey, Hold, KeyStatements, KeyStore, Read, Record, Stored, keys,
-    transaction_depth, unwind_to_depth,
-};
-use clock::UtcNow;
+use super::{BackendRules, BlockingStore, ClaimOutcome, HeldKey, Hold, KeyStatements, KeyStore, Read, Record, Stored};
 use committed::read_committed;
 use key::{LOCK_WAIT_TIMEOUT, claim, hold, key_transaction, read, store};
+use session::{Session, database_now, find_record};
 
 pub(crate) mod schema;
 
@@ -131,13 +128,12 @@ impl BackendRules for Mysql {
     }
 }
 
-impl Sends for MysqlConnection {
-    type Way = AtOnce;
-}
-
-impl KeyStatements for MysqlConnection {
+// MySQL's key statements and rules, written once for both kinds of
+// connection: what differs between them is how a statement is sent and a
+// transaction ended ([`Session`]).
+impl<C: Session> KeyStatements for C {
     async fn find(&mut self, scope: &str, key: &str) -> QueryResult<Option<Stored>> {
-        keys::find_record(self, scope, key).await
+        find_record(self, scope, key).await
     }
 
     async fn claim(&mut self, record: &Record<'_>) -> QueryResult<ClaimOutcome> {
@@ -149,7 +145,7 @@ impl KeyStatements for MysqlConnection {
     }
 }
 
-impl KeyStore for MysqlConnection {
+impl<C: Session> KeyStore for C {
     type Rules = Mysql;
 
     async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
@@ -157,15 +153,15 @@ impl KeyStore for MysqlConnection {
     }
 
     async fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
-        diesel::select(UtcNow).get_result(self)
+        database_now(self).await
     }
 
     fn transaction_depth(&mut self) -> QueryResult<u32> {
-        transaction_depth(self)
+        self.depth()
     }
 
     async fn unwind_to_depth(&mut self, depth: u32) -> QueryResult<()> {
-        unwind_to_depth(self, depth)
+        self.unwind(depth).await
     }
 
     async fn key_transaction<T, E>(

@@ -45,7 +45,7 @@ impl OutboxStore for MysqlConnection {
 /// messages read and locked, then leased by their primary key, in one
 /// transaction at `READ COMMITTED` (a savepoint in a caller's).
 pub(super) async fn claim_batch<S: Session>(conn: &mut S, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
-    if conn.transaction_depth()? == 0 {
+    if conn.depth()? == 0 {
         // Applies to the next transaction only; the session keeps its level.
         conn.execute(diesel::sql_query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED"))
             .await?;

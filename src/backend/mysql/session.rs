@@ -17,15 +17,15 @@ use diesel::query_dsl::{LoadQuery, RunQueryDslSupport};
 use diesel::result::Error as DieselError;
 use diesel::sql_types::Datetime;
 
-use super::clock::DatabaseNow;
+use super::clock::{DatabaseNow, UtcNow};
 use super::lock::GetLock;
 use super::schema::idempotency_keys as k;
 use super::schema::idempotency_outbox as o;
-use crate::backend::keys::{self, KeyStore, Record, Stored};
+use crate::backend::keys::{self, Record, Stored};
 use crate::backend::outbox::{BatchClaim, Claimed};
 use crate::backend::row_with::{KeyRecord, KeyRecordRow, RowWith, stored_of};
 use crate::backend::send::Sent;
-use crate::backend::transaction::end_level;
+use crate::backend::transaction::{end_level, transaction_depth, unwind_to_depth};
 use crate::row_status::RecordStatus;
 
 /// How MySQL's statements are sent on either kind of connection, so that
@@ -33,7 +33,7 @@ use crate::row_status::RecordStatus;
 /// the hold, the claim, the store, the read) and the statements themselves
 /// (below) are written once. Any statement for MySQL goes: the bounds name
 /// the backend, not the statement.
-pub(super) trait Session: KeyStore<Rules = Mysql> {
+pub(super) trait Session: Sized {
     /// Sends `statement` and returns the number of rows it changed.
     fn execute<'c, Q>(&'c mut self, statement: Q) -> Sent<'c, usize>
     where
@@ -44,6 +44,14 @@ pub(super) trait Session: KeyStore<Rules = Mysql> {
     where
         Q: Loads<'q, U>,
         U: Send + 'static;
+
+    /// How deep the connection's open transactions are nested; 0 outside
+    /// one.
+    fn depth(&mut self) -> QueryResult<u32>;
+
+    /// Rolls back the levels above `depth`, which an operation that
+    /// panicked left open.
+    fn unwind(&mut self, depth: u32) -> Sent<'_, ()>;
 
     /// Runs `work` in a transaction, or a savepoint in a caller's, and
     /// commits it if `work` succeeded and rolls it back otherwise.
@@ -70,6 +78,14 @@ impl Session for MysqlConnection {
         U: Send + 'static,
     {
         Sent::Done(Some(RunQueryDsl::load(query, self)))
+    }
+
+    fn depth(&mut self) -> QueryResult<u32> {
+        transaction_depth(self)
+    }
+
+    fn unwind(&mut self, depth: u32) -> Sent<'_, ()> {
+        Sent::Done(Some(unwind_to_depth(self, depth)))
     }
 
     async fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
@@ -131,6 +147,16 @@ pub(super) async fn now_and_record<C: Session>(
     let read = RowWith::<DatabaseNow, KeyRecord<Datetime>>::new(scope, key);
     let (now, row): (NaiveDateTime, KeyRecordRow) = first(conn.load(read).await?)?;
     Ok((now, stored_of(row)))
+}
+
+/// The database's time (UTC).
+pub(super) async fn database_now<C: Session>(conn: &mut C) -> QueryResult<NaiveDateTime> {
+    first(conn.load(diesel::select(UtcNow)).await?)
+}
+
+/// The record of `(scope, key)`.
+pub(super) async fn find_record<C: Session>(conn: &mut C, scope: &str, key: &str) -> QueryResult<Option<Stored>> {
+    first(conn.load(keys::find(scope, key)).await?).optional()
 }
 
 /// The row of [`GetLock`]: the lock's name and what `GET_LOCK` returned.
