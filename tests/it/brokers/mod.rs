@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use diesel::prelude::*;
 use diesel::r2d2::{ConnectionManager, Pool};
 use diesel::sql_types::{BigInt, Nullable, Text};
-use idempotency::brokers::{Delivery, Inbox};
+use idempotency::brokers::{BlockingPublisher, Delivery, Inbox, Publisher};
 use idempotency::outbox::{Deliveries, Envelope, Failure, Message, Relay};
 use idempotency::testing::SqliteFile;
 use serde::{Deserialize, Serialize};
@@ -170,6 +170,21 @@ impl Shop {
                 return total;
             }
         }
+    }
+
+    /// Relays the outbox publishing every message twice with `publisher`,
+    /// as a relay that died between the broker's confirmation and its mark
+    /// would, and checks that each order and the poison message counted
+    /// delivered once and nothing failed: how many messages there were.
+    pub fn relay_each_twice<P: Publisher>(&self, publisher: &BlockingPublisher<P>) -> usize {
+        let report = self.relay(|message| {
+            publisher.publish(message)?;
+            publisher.publish(message)
+        });
+        let published = usize::try_from(self.orders).unwrap() + 1;
+        assert_eq!(report.delivered, published);
+        assert_eq!((report.retried, report.dead), (0, 0));
+        published
     }
 
     /// Relays the outbox with `publish` until every message is delivered:

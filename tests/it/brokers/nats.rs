@@ -18,6 +18,19 @@ async fn context() -> jetstream::Context {
     jetstream::new(client)
 }
 
+/// The durable pull consumer `inbox` on `stream`, which acknowledges each
+/// message explicitly.
+async fn inbox_consumer(stream: &stream::Stream) -> consumer::PullConsumer {
+    stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some(String::from("inbox")),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ..consumer::pull::Config::default()
+        })
+        .await
+        .expect("create the consumer")
+}
+
 /// The number of messages in `stream`, as the server counts them.
 async fn messages(context: &jetstream::Context, stream: &str) -> u64 {
     let mut stream = context.get_stream(stream).await.expect("the stream");
@@ -97,13 +110,7 @@ fn each_order_once_a_copy_after_the_dedup_window_included(
             ..stream::Config::default()
         }))
         .expect("create the dead-letter stream");
-    let pull = runtime
-        .block_on(orders_stream.create_consumer(consumer::pull::Config {
-            durable_name: Some(String::from("inbox")),
-            ack_policy: consumer::AckPolicy::Explicit,
-            ..consumer::pull::Config::default()
-        }))
-        .expect("create the consumer");
+    let pull = runtime.block_on(inbox_consumer(&orders_stream));
 
     let shop = Shop::with_orders("orders");
     let poison = shop.enqueue_poison();
@@ -112,16 +119,9 @@ fn each_order_once_a_copy_after_the_dedup_window_included(
     let publisher =
         JetStreamPublisher::new(context.clone()).subject(move |message| format!("{prefix}.{}", message.topic));
     let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
-    // Every message published twice, as by a relay that died between the
-    // confirmation and its mark: the second is a duplicate to the stream,
-    // and confirmed as delivered.
-    let report = shop.relay(|message| {
-        publisher.publish(message)?;
-        publisher.publish(message)
-    });
-    let published = u64::try_from(ORDERS).unwrap() + 1;
-    assert_eq!(report.delivered, usize::try_from(published).unwrap());
-    assert_eq!((report.retried, report.dead), (0, 0));
+    // The second copy of each is a duplicate to the stream, and confirmed
+    // as delivered.
+    let published = u64::try_from(shop.relay_each_twice(&publisher)).unwrap();
     assert_eq!(
         runtime.block_on(messages(&context, &name)),
         published,
@@ -232,13 +232,7 @@ fn a_nats_server_restarted_mid_stream_loses_no_order_and_repeats_none() {
             ..stream::Config::default()
         }))
         .expect("create the stream");
-    let pull = runtime
-        .block_on(orders_stream.create_consumer(consumer::pull::Config {
-            durable_name: Some(String::from("inbox")),
-            ack_policy: consumer::AckPolicy::Explicit,
-            ..consumer::pull::Config::default()
-        }))
-        .expect("create the consumer");
+    let pull = runtime.block_on(inbox_consumer(&orders_stream));
 
     let shop = Shop::with_orders("orders");
     let effects = Effects::new();
