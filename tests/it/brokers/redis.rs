@@ -27,6 +27,16 @@ fn connection() -> redis::Connection {
         .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
 }
 
+/// A publisher to `stream` on the shared Redis, for a relay on threads.
+fn publisher_to(runtime: &Runtime, stream: &str) -> BlockingPublisher<RedisPublisher> {
+    let target = stream.to_owned();
+    let publisher = runtime
+        .block_on(RedisPublisher::connect(client()))
+        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
+        .stream(move |_| target.clone());
+    BlockingPublisher::new(publisher, runtime.handle().clone())
+}
+
 /// The consumer `consumer-1` of the group `inbox` on `stream`, running
 /// `inbox`.
 fn consumer_of<I: Receive>(stream: &str, inbox: I) -> RedisConsumer<I> {
@@ -225,12 +235,7 @@ fn three_relays_with_failures_at_random_hand_each_customers_orders_over_in_order
     let stream = unique_name("orders");
     let shop = Shop::with_orders_of("orders", 1000, 50);
     let effects = Effects::new();
-    let target = stream.clone();
-    let publisher = runtime
-        .block_on(RedisPublisher::connect(client()))
-        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
-        .stream(move |_| target.clone());
-    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
+    let publisher = publisher_to(&runtime, &stream);
 
     // A fifth of the first two attempts fail, chosen by the message key:
     // half of them before the publish (the broker never saw it), half after
@@ -300,12 +305,7 @@ fn a_consumer_gone_between_its_commit_and_its_ack_has_the_message_replayed_not_r
     let shop = Shop::with_orders("orders");
     let effects = Effects::new();
     let publishing = Runtime::new().expect("a tokio runtime");
-    let target = stream.clone();
-    let publisher = publishing
-        .block_on(RedisPublisher::connect(client()))
-        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
-        .stream(move |_| target.clone());
-    let publisher = BlockingPublisher::new(publisher, publishing.handle().clone());
+    let publisher = publisher_to(&publishing, &stream);
     shop.relay(|message| publisher.publish(message));
 
     // The first consumer holds the transaction of order 20 open until its
@@ -371,12 +371,7 @@ fn the_consumers_span_is_a_child_of_the_span_that_enqueued_the_message() {
             .expect("enqueue the order's message")
     });
 
-    let target = stream.clone();
-    let publisher = runtime
-        .block_on(RedisPublisher::connect(client()))
-        .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
-        .stream(move |_| target.clone());
-    let publisher = BlockingPublisher::new(publisher, runtime.handle().clone());
+    let publisher = publisher_to(&runtime, &stream);
     // The relay runs in a span of its own, of another trace: what is
     // current at delivery is not what the message carries.
     let report = traces.in_span("relay", || {
@@ -465,14 +460,7 @@ fn a_relay_killed_between_the_brokers_confirmation_and_its_mark_publishes_again_
     // Another relay, once the killed relay's lease has run out (its clock
     // moved past it), publishes what is not marked: the confirmed message
     // again, and the rest.
-    let publisher = {
-        let target = stream.clone();
-        let publisher = runtime
-            .block_on(RedisPublisher::connect(client()))
-            .expect("Redis on 127.0.0.1:6379 (.ci/run starts it)")
-            .stream(move |_| target.clone());
-        BlockingPublisher::new(publisher, runtime.handle().clone())
-    };
+    let publisher = publisher_to(&runtime, &stream);
     let mut republished = Vec::new();
     shop.relay_through_failures(|message| {
         republished.push(message.key.clone());
