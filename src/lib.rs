@@ -113,6 +113,8 @@ mod backend;
 pub mod batch;
 #[cfg(any(feature = "nats", feature = "rabbitmq", feature = "redis"))]
 pub mod brokers;
+#[cfg(any(feature = "deadpool", feature = "diesel-async"))]
+mod checkout;
 mod clock;
 mod codec;
 mod config;

@@ -10,6 +10,7 @@ use diesel_async::pooled_connection::{AsyncDieselConnectionManager, PoolError, P
 
 use self::sealed::Lend;
 use crate::AsyncStoreConnection;
+use crate::checkout::checkout;
 
 /// A pool of diesel-async connections that the async entry points take a
 /// connection from (`http::run_async` and `http::run_phased_async`,
@@ -56,10 +57,6 @@ pub(crate) mod sealed {
     }
 }
 
-/// How long a checkout from a deadpool pool without a wait timeout may
-/// wait: the default in-flight wait, the wait of a web request.
-const UNTIMED_POOL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-
 impl<C> AsyncConnectionPool for bb8::Pool<C>
 where
     C: AsyncStoreConnection + PoolableConnection + 'static,
@@ -104,24 +101,7 @@ where
     type Lent<'p> = Discarded<C>;
 
     async fn lend(&self) -> Result<Discarded<C>, Box<dyn StdError + Send + Sync>> {
-        // deadpool waits for ever without a wait timeout; a web request
-        // must be told to retry instead.
-        let checkout = match self.timeouts().wait {
-            Some(_) => self.get().await,
-            None => match tokio::time::timeout(UNTIMED_POOL_WAIT, self.get()).await {
-                Ok(checkout) => checkout,
-                Err(_) => {
-                    let waited = format!(
-                        "no connection within {} s from a pool without a wait timeout",
-                        UNTIMED_POOL_WAIT.as_secs()
-                    );
-                    return Err(waited.into());
-                }
-            },
-        };
-        checkout
-            .map(|object| Discarded(Some(object)))
-            .map_err(|error| Box::new(error) as Box<dyn StdError + Send + Sync>)
+        Ok(Discarded(Some(checkout(self).await?)))
     }
 
     async fn dedicated(&self) -> Result<C, Box<dyn StdError + Send + Sync>> {

@@ -151,10 +151,7 @@ mod deadpool_diesel_pool {
 
     use super::{Call, Checkout, ConnectionPool, Unavailable};
     use crate::StoreConnection;
-
-    /// How long a checkout from a pool without a wait timeout may wait: the
-    /// default in-flight wait, the wait of a web request.
-    const UNTIMED_POOL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+    use crate::checkout::checkout;
 
     impl<C> ConnectionPool for Pool<Manager<C>>
     where
@@ -170,22 +167,7 @@ mod deadpool_diesel_pool {
         Manager<C>: deadpool::managed::Manager<Type = deadpool_diesel::Connection<C>, Error = deadpool_diesel::Error>,
     {
         async fn with_connection<T: Send + 'static>(self, _scope: String, call: Call<C, T>) -> Result<T, Unavailable> {
-            // deadpool waits for ever without a wait timeout; a web request
-            // must be told to retry instead.
-            let checkout = match self.timeouts().wait {
-                Some(_) => self.get().await,
-                None => match tokio::time::timeout(UNTIMED_POOL_WAIT, self.get()).await {
-                    Ok(checkout) => checkout,
-                    Err(_) => {
-                        let waited = format!(
-                            "no connection within {} s from a pool without a wait timeout",
-                            UNTIMED_POOL_WAIT.as_secs()
-                        );
-                        return Err(Unavailable::Checkout(waited.into()));
-                    }
-                },
-            };
-            let object = checkout.map_err(|error| Unavailable::Checkout(Box::new(error)))?;
+            let object = checkout(&self).await.map_err(Unavailable::Checkout)?;
             let (result, broken) = object
                 .interact(move |conn| {
                     let result = call(conn);
