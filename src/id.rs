@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::key::hex;
+use crate::key::uuid_text;
 
 /// The last millisecond handed out and the counter within it.
 static LAST: Mutex<(u64, u16)> = Mutex::new((0, 0));
@@ -45,15 +45,7 @@ pub(crate) fn new() -> String {
     bytes[..6].copy_from_slice(&millis.to_be_bytes()[2..]);
     bytes[6..8].copy_from_slice(&(0x7000 | counter).to_be_bytes());
     bytes[8..].copy_from_slice(&((random >> 2) | (0b10 << 62)).to_be_bytes());
-    let hex = hex(&bytes);
-    format!(
-        "{}-{}-{}-{}-{}",
-        &hex[..8],
-        &hex[8..12],
-        &hex[12..16],
-        &hex[16..20],
-        &hex[20..]
-    )
+    uuid_text(&bytes)
 }
 
 /// 64 bits that differ between processes and between calls. `RandomState`

@@ -46,6 +46,20 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
     out
 }
 
+/// The 16 bytes of a UUID in its text form: hex digits in groups of 8, 4,
+/// 4, 4 and 12.
+pub(crate) fn uuid_text(bytes: &[u8; 16]) -> String {
+    let hex = hex(bytes);
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..]
+    )
+}
+
 /// Checks an idempotency key: non-empty, at most `max_len` bytes, no card
 /// number, visible ASCII only.
 pub(crate) fn validate_key(key: &str, max_len: usize) -> Result<(), KeyError> {
@@ -288,15 +302,10 @@ mod tests {
     fn uuid_v4(high: u64, low: u64) -> String {
         let high = (high & !0xf000) | 0x4000;
         let low = (low & !(0xc << 60)) | (0x8 << 60);
-        let hex = hex(&[high.to_be_bytes(), low.to_be_bytes()].concat());
-        format!(
-            "{}-{}-{}-{}-{}",
-            &hex[..8],
-            &hex[8..12],
-            &hex[12..16],
-            &hex[16..20],
-            &hex[20..]
-        )
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&high.to_be_bytes());
+        bytes[8..].copy_from_slice(&low.to_be_bytes());
+        uuid_text(&bytes)
     }
 
     /// A random card number of `len` digits, beginning with 2 to 6, that
