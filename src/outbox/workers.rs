@@ -32,79 +32,6 @@ const LISTEN_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 /// How often the service's first worker refreshes the backlog gauges.
 pub(super) const STATS_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// [`Relay::serve`]: `relay.workers` threads delivering with `handler`
-/// from `pool` until `shutdown`, and the listener that wakes them where the
-/// backend announces new messages.
-pub(super) fn deliver<C, E, F>(
-    relay: &Relay,
-    pool: &Pool<ConnectionManager<C>>,
-    handler: F,
-    shutdown: &Shutdown,
-) -> Stopped<Deliveries>
-where
-    C: StoreConnection<Raw = C> + R2D2Connection + Send + 'static,
-    E: HandlerError,
-    F: Fn(&Message) -> Result<(), E> + Sync,
-{
-    // The service's threads report where the caller's thread does: to
-    // its subscriber (also one set with `with_default`), inside its
-    // current span.
-    let dispatch = tracing::dispatcher::get_default(Dispatch::clone);
-    let span = Span::current();
-    // The listener keeps its connection while the service runs: on a
-    // pool that cannot spare one besides the workers' it would take the
-    // one they need, so there they find new messages by polling alone.
-    let announces = announces::<C>();
-    let listens = announces && pool.max_size() as usize > relay.workers;
-    if announces && !listens {
-        telemetry::relay::not_listening(pool.max_size(), relay.workers);
-    }
-    // The listener serves the workers: it stops with the last of them,
-    // also when a panic ended them before `shutdown` was triggered.
-    let working = AtomicUsize::new(relay.workers);
-    let stopped = || shutdown.is_triggered() || working.load(Ordering::SeqCst) == 0;
-    // Handlers their workers gave up on, still running.
-    let abandoned = AtomicUsize::new(0);
-    let stops: Vec<thread::Result<Stopped<Deliveries>>> = thread::scope(|scope| {
-        let work = |worker: usize| {
-            let mut attempts = Attempts::new(scope, &handler, &dispatch, &span, &abandoned);
-            let mut stats_due = Instant::now();
-            let patience = relay.poll_interval.max(CHECKOUT_WAIT);
-            let stop = || shutdown.is_triggered();
-            serve("relay", pool, shutdown, patience, &stop, |conn, done| {
-                let conn: &mut C = conn;
-                if worker == 0 && Instant::now() >= stats_due {
-                    // Keeps the backlog gauges current for monitoring.
-                    stats_due = Instant::now() + STATS_EVERY;
-                    relay.stats(conn)?;
-                }
-                Ok(step(relay, conn, &mut attempts, shutdown, done)?)
-            })
-        };
-        if listens {
-            scope.spawn(|| traced(&dispatch, &span, || listen(pool, shutdown, &stopped)));
-        }
-        let workers: Vec<_> = (0..relay.workers)
-            .map(|worker| {
-                let (dispatch, span, working) = (&dispatch, &span, &working);
-                scope.spawn(move || {
-                    let _leaving = Leaving(working);
-                    traced(dispatch, span, || work(worker))
-                })
-            })
-            .collect();
-        workers.into_iter().map(|worker| worker.join()).collect()
-    });
-    let mut total = Stopped::default();
-    for stopped in stops {
-        match stopped {
-            Ok(stopped) => total += stopped,
-            Err(payload) => std::panic::resume_unwind(payload),
-        }
-    }
-    total
-}
-
 /// Delivers one batch if a message is due, counted into `done`;
 /// otherwise says how long to sleep.
 fn step<C, E, F>(
@@ -339,6 +266,62 @@ impl Relay {
         E: HandlerError,
         F: Fn(&Message) -> Result<(), E> + Sync,
     {
-        deliver(self, pool, handler, shutdown)
+        // The service's threads report where the caller's thread does: to
+        // its subscriber (also one set with `with_default`), inside its
+        // current span.
+        let dispatch = tracing::dispatcher::get_default(Dispatch::clone);
+        let span = Span::current();
+        // The listener keeps its connection while the service runs: on a
+        // pool that cannot spare one besides the workers' it would take the
+        // one they need, so there they find new messages by polling alone.
+        let announces = announces::<C>();
+        let listens = announces && pool.max_size() as usize > self.workers;
+        if announces && !listens {
+            telemetry::relay::not_listening(pool.max_size(), self.workers);
+        }
+        // The listener serves the workers: it stops with the last of them,
+        // also when a panic ended them before `shutdown` was triggered.
+        let working = AtomicUsize::new(self.workers);
+        let stopped = || shutdown.is_triggered() || working.load(Ordering::SeqCst) == 0;
+        // Handlers their workers gave up on, still running.
+        let abandoned = AtomicUsize::new(0);
+        let stops: Vec<thread::Result<Stopped<Deliveries>>> = thread::scope(|scope| {
+            let work = |worker: usize| {
+                let mut attempts = Attempts::new(scope, &handler, &dispatch, &span, &abandoned);
+                let mut stats_due = Instant::now();
+                let patience = self.poll_interval.max(CHECKOUT_WAIT);
+                let stop = || shutdown.is_triggered();
+                serve("relay", pool, shutdown, patience, &stop, |conn, done| {
+                    let conn: &mut C = conn;
+                    if worker == 0 && Instant::now() >= stats_due {
+                        // Keeps the backlog gauges current for monitoring.
+                        stats_due = Instant::now() + STATS_EVERY;
+                        self.stats(conn)?;
+                    }
+                    Ok(step(self, conn, &mut attempts, shutdown, done)?)
+                })
+            };
+            if listens {
+                scope.spawn(|| traced(&dispatch, &span, || listen(pool, shutdown, &stopped)));
+            }
+            let workers: Vec<_> = (0..self.workers)
+                .map(|worker| {
+                    let (dispatch, span, working) = (&dispatch, &span, &working);
+                    scope.spawn(move || {
+                        let _leaving = Leaving(working);
+                        traced(dispatch, span, || work(worker))
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|worker| worker.join()).collect()
+        });
+        let mut total = Stopped::default();
+        for stopped in stops {
+            match stopped {
+                Ok(stopped) => total += stopped,
+                Err(payload) => std::panic::resume_unwind(payload),
+            }
+        }
+        total
     }
 }
