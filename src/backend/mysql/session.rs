@@ -24,7 +24,7 @@ use super::schema::idempotency_outbox as o;
 use crate::backend::keys::{self, Record, Stored};
 use crate::backend::outbox::{BatchClaim, Claimed};
 use crate::backend::row_with::{KeyRecord, KeyRecordRow, RowWith, stored_of};
-use crate::backend::send::Sent;
+use crate::backend::send::{Sent, first};
 use crate::backend::transaction::{end_level, transaction_depth, unwind_to_depth};
 use crate::row_status::RecordStatus;
 
@@ -132,11 +132,6 @@ pub(super) trait Loads<'q, U>: LoadQuery<'q, MysqlConnection, U> + RunQueryDslSu
 
 #[cfg(not(feature = "mysql-async"))]
 impl<'q, U, Q> Loads<'q, U> for Q where Q: LoadQuery<'q, MysqlConnection, U> + RunQueryDslSupport + Send + 'q {}
-
-/// The one row `rows` holds: a query's first, `NotFound` without one.
-fn first<U>(rows: Vec<U>) -> QueryResult<U> {
-    rows.into_iter().next().ok_or(DieselError::NotFound)
-}
 
 /// The database's time and the record of `(scope, key)`, in one statement.
 pub(super) async fn now_and_record<C: Session>(

@@ -19,19 +19,17 @@ use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, Simpl
 use futures_util::StreamExt;
 
 use super::clock::{DatabaseNow, database_time};
-use super::key::{
-    CompleteAtDatabaseTime, DURABLE_REPLAY, HoldBy, HoldByRead, Levels, NowAndClaimFirst, completed, hold,
-    key_transaction,
-};
+use super::key::{CompleteAtDatabaseTime, DURABLE_REPLAY, NowAndClaimFirst, completed, hold, key_transaction};
 use super::outbox::{CHANNEL, claim_batch};
+use super::session::{Loads, Session};
 use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
 use crate::backend::row_with::{
     KeyRecord, KeyRecordRow, OperationColumns, OperationColumnsRow, RowWith, operation_of, stored_of,
 };
-use crate::backend::send::{Awaited, Sends};
+use crate::backend::send::{Awaited, Sends, Sent};
 use crate::backend::{
-    AsyncStoreConnection, AsyncTransaction, HeldKey, Hold, KeyStore, Read, Record, Stored, async_transaction_depth,
+    AsyncStoreConnection, AsyncTransaction, HeldKey, Hold, KeyStore, Read, Record, async_transaction_depth,
     async_unwind_to_depth, end_transaction, sealed,
 };
 use crate::schema;
@@ -103,7 +101,15 @@ impl KeyStore for AsyncPgConnection {
     }
 }
 
-impl Levels for AsyncPgConnection {
+impl Session for AsyncPgConnection {
+    fn load<'c, 'q: 'c, Q, U>(&'c mut self, query: Q) -> Sent<'c, Vec<U>>
+    where
+        Q: Loads<'q, U>,
+        U: Send + 'static,
+    {
+        Sent::Awaited(Box::pin(RunQueryDsl::load(query, self)))
+    }
+
     async fn begin_with(&mut self, sql: &str) -> QueryResult<()> {
         AnsiTransactionManager::begin_transaction_sql(self, sql).await
     }
@@ -123,15 +129,6 @@ impl Levels for AsyncPgConnection {
         let mut tx = AsyncTransaction::opened(self);
         let result = work(&mut tx).await;
         end_transaction(tx, result).await
-    }
-}
-
-impl HoldByRead for AsyncPgConnection {
-    async fn hold_by(&mut self, scope: &str, key: &str) -> QueryResult<(String, Option<Stored>)> {
-        let (hold_by, row) = RowWith::<HoldBy, KeyRecord<Timestamp>>::new(scope, key)
-            .get_result::<(String, KeyRecordRow)>(self)
-            .await?;
-        Ok((hold_by, stored_of(row)))
     }
 }
 

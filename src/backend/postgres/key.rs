@@ -5,17 +5,15 @@
 
 use chrono::{Datelike, Duration, NaiveDateTime};
 use diesel::QueryResult;
-use diesel::connection::{AnsiTransactionManager, SimpleConnection, TransactionManager};
-use diesel::pg::{Pg, PgConnection};
+use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{Bool, Nullable, Text, Timestamp};
 
-use crate::backend::keys::{
-    Claim, HeldKey, Hold, KeyNotClaimed, KeyRecordChanged, KeyStore, Record, Stored, claiming, hold_of,
-};
-use crate::backend::row_with::{Head, record_with};
-use crate::backend::transaction::end_level;
+use super::session::Session;
+use crate::backend::keys::{Claim, HeldKey, Hold, KeyNotClaimed, KeyRecordChanged, Record, Stored, claiming, hold_of};
+use crate::backend::row_with::{Head, KeyRecord, KeyRecordRow, RowWith, stored_of};
+use crate::backend::send::first;
 use crate::error::is_connection_lost;
 use crate::in_flight::InFlight;
 
@@ -220,16 +218,14 @@ impl Head for HoldBy {
 /// every commit this session could see, the replayed record's included.
 pub(super) const DURABLE_REPLAY: &str = "SELECT pg_logical_emit_message(true, 'idempotency', 'durable replay')";
 
-/// The read after the key's lock, on either kind of connection: how the
-/// transaction holds its key ([`HoldBy`]) and the record.
-pub(super) trait HoldByRead: KeyStore {
-    fn hold_by(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<(String, Option<Stored>)>>;
-}
-
-impl HoldByRead for PgConnection {
-    fn hold_by(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<(String, Option<Stored>)>> {
-        std::future::ready(record_with::<HoldBy, Timestamp, _, String>(self, scope, key))
-    }
+/// The read after the key's lock: how the transaction holds its key
+/// ([`HoldBy`]) and the record.
+async fn hold_by<C: Session>(conn: &mut C, scope: &str, key: &str) -> QueryResult<(String, Option<Stored>)> {
+    let (hold_by, row): (String, KeyRecordRow) = first(
+        conn.load(RowWith::<HoldBy, KeyRecord<Timestamp>>::new(scope, key))
+            .await?,
+    )?;
+    Ok((hold_by, stored_of(row)))
 }
 
 /// How a transaction that holds its key's lock holds the key: by the
@@ -238,58 +234,15 @@ impl HoldByRead for PgConnection {
 /// transaction, at a stricter isolation level, or where the read before
 /// the transaction found that the database claims first (a statement fewer
 /// than reading first).
-pub(super) async fn hold<C: HoldByRead>(conn: &mut C, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
+pub(super) async fn hold<C: Session>(conn: &mut C, record: &Record<'_>, claims_first: bool) -> QueryResult<Hold> {
     if claims_first || conn.transaction_depth()? > 1 {
         return claiming(conn, record).await;
     }
-    let (hold_by, stored) = conn.hold_by(record.scope, record.idempotency_key).await?;
+    let (hold_by, stored) = hold_by(conn, record.scope, record.idempotency_key).await?;
     if matches!(hold_by.as_str(), "read committed" | "read uncommitted") {
         Ok(hold_of(stored, record))
     } else {
         claiming(conn, record).await
-    }
-}
-
-/// How a key transaction opens and ends its level on either kind of
-/// connection, so that [`key_transaction`] is written once.
-pub(super) trait Levels: HoldByRead {
-    /// Opens a transaction with `sql`, whose first statement is `BEGIN`.
-    fn begin_with(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>>;
-
-    /// Opens a savepoint in the caller's transaction.
-    fn savepoint(&mut self) -> impl Future<Output = QueryResult<()>>;
-
-    /// Sends `sql` as it is, as one simple query.
-    fn batch(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>>;
-
-    /// Runs `work` in the level just opened, then commits that level if
-    /// `work` succeeded and rolls it back otherwise.
-    fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> impl Future<Output = Result<T, E>>
-    where
-        E: From<DieselError>;
-}
-
-impl Levels for PgConnection {
-    fn begin_with(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>> {
-        std::future::ready(AnsiTransactionManager::begin_transaction_sql(self, sql))
-    }
-
-    fn savepoint(&mut self) -> impl Future<Output = QueryResult<()>> {
-        std::future::ready(<AnsiTransactionManager as TransactionManager<Self>>::begin_transaction(
-            self,
-        ))
-    }
-
-    fn batch(&mut self, sql: &str) -> impl Future<Output = QueryResult<()>> {
-        std::future::ready(self.batch_execute(sql))
-    }
-
-    async fn within<T, E>(&mut self, work: impl AsyncFnOnce(&mut Self) -> Result<T, E>) -> Result<T, E>
-    where
-        E: From<DieselError>,
-    {
-        let result = work(self).await;
-        end_level(self, result)
     }
 }
 
@@ -303,7 +256,7 @@ pub(super) async fn key_transaction<C, T, E>(
     work: impl AsyncFnOnce(&mut C, bool) -> Result<T, E>,
 ) -> Result<T, E>
 where
-    C: Levels,
+    C: Session,
     E: From<DieselError>,
 {
     let HeldKey {

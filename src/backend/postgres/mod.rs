@@ -49,7 +49,7 @@ mod key;
 mod outbox;
 mod phases;
 mod purge;
-mod sql;
+mod session;
 
 use chrono::NaiveDateTime;
 use diesel::connection::SimpleConnection;

@@ -19,7 +19,7 @@ use super::citus;
 use super::clock::database_time;
 use super::expired::Expired;
 use super::purge::purge;
-use super::sql::{LoadSql, distributed};
+use super::session::{Session, distributed};
 use crate::backend::outbox::{
     BatchClaim, BlockingOutboxStore, Claimed, HEAD_OF_ITS_KEY, OutboxStore, claim_in_one_statement, outbox_statements,
 };
@@ -49,11 +49,11 @@ impl OutboxStore for PgConnection {
 
 /// [`OutboxStore::claim_batch`] on either kind of connection: in one
 /// statement, or by scope on an outbox Citus distributes.
-pub(super) async fn claim_batch<C: LoadSql>(conn: &mut C, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
+pub(super) async fn claim_batch<C: Session>(conn: &mut C, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
     if distributed(conn, "idempotency_outbox").await? {
         return citus::outbox::claim_batch(conn, claim).await;
     }
-    conn.load_sql(claim_in_one_statement(
+    conn.load(claim_in_one_statement(
         &[
             "WITH due AS ( \
              SELECT id FROM idempotency_outbox AS o \

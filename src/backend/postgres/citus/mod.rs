@@ -116,7 +116,7 @@ pub fn distribute(conn: &mut PgConnection, colocate_with: &str) -> Result<(), Er
 ///
 /// The database error when the catalog cannot be read.
 pub(crate) fn distributed(conn: &mut PgConnection, table: &str) -> QueryResult<bool> {
-    block_on(super::sql::distributed(conn, table))
+    block_on(super::session::distributed(conn, table))
 }
 
 /// `postgres::purge` on a distributed table: the scopes with expired rows

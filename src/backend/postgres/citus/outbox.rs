@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use diesel::prelude::*;
 use diesel::sql_types::{Array, BigInt, Text, Timestamp};
 
-use super::super::sql::LoadSql;
+use super::super::session::Session;
 use crate::backend::outbox::{BatchClaim, Claimed};
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
@@ -16,7 +16,7 @@ use crate::row_status::MessageStatus;
 /// is leased by one statement on its shard, which passes over messages
 /// another relay is claiming and leases only those still due, so two relays
 /// never lease one message at once.
-pub(crate) async fn claim_batch<C: LoadSql>(conn: &mut C, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
+pub(crate) async fn claim_batch<C: Session>(conn: &mut C, claim: &BatchClaim<'_>) -> QueryResult<Vec<Claimed>> {
     #[derive(QueryableByName)]
     struct Due {
         #[diesel(sql_type = Text)]
@@ -31,7 +31,7 @@ pub(crate) async fn claim_batch<C: LoadSql>(conn: &mut C, claim: &BatchClaim<'_>
     // leave `pending`, so a head read here is still one when its shard
     // leases it.
     let due: Vec<Due> = conn
-        .load_sql(
+        .load(
             diesel::sql_query(
                 "WITH heads AS (SELECT min(id) AS id FROM idempotency_outbox \
                         WHERE status = $1 AND ordering_key IS NOT NULL GROUP BY ordering_key) \
@@ -53,7 +53,7 @@ pub(crate) async fn claim_batch<C: LoadSql>(conn: &mut C, claim: &BatchClaim<'_>
     let mut claimed = Vec::new();
     for (scope, ids) in by_scope {
         let leased = conn
-            .load_sql::<Claimed>(
+            .load::<_, Claimed>(
                 diesel::sql_query(
                     "UPDATE idempotency_outbox SET attempts = attempts + 1, available_at = $1, lease_token = $2 \
                  WHERE scope = $3 AND id IN \
