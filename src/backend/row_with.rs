@@ -136,18 +136,6 @@ pub(crate) type KeyRecordRow = (
     Option<String>,
 );
 
-/// The head and the key record, if any, of `(scope, key)`.
-#[cfg(feature = "postgres")]
-pub(crate) fn record_with<H, Time, C, T>(conn: &mut C, scope: &str, key: &str) -> QueryResult<(T, Option<Stored>)>
-where
-    H: Head,
-    Time: 'static,
-    for<'a> RowWith<'a, H, KeyRecord<Time>>: LoadQuery<'a, C, (T, KeyRecordRow)>,
-{
-    let (head, row) = row_with::<H, KeyRecord<Time>, C, (T, KeyRecordRow)>(conn, scope, key)?;
-    Ok((head, stored_of(row)))
-}
-
 /// The key record of a [`KeyRecord`] lookup's columns, if it found one.
 pub(crate) fn stored_of(row: KeyRecordRow) -> Option<Stored> {
     match row {

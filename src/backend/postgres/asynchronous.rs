@@ -12,21 +12,19 @@
 //! guide ("What it costs").
 
 use chrono::NaiveDateTime;
+use diesel::QueryResult;
 use diesel::result::Error as DieselError;
 use diesel::sql_types::Timestamp;
-use diesel::{OptionalExtension, QueryResult};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 use futures_util::StreamExt;
 
 use super::clock::{DatabaseNow, database_time};
-use super::key::{CompleteAtDatabaseTime, DURABLE_REPLAY, NowAndClaimFirst, completed, hold, key_transaction};
+use super::key::{await_replication, complete_at_database_time, database_now, hold, key_transaction, read};
 use super::outbox::{CHANNEL, claim_batch};
 use super::session::{Loads, Session};
 use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, outbox_statements};
 use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
-use crate::backend::row_with::{
-    KeyRecord, KeyRecordRow, OperationColumns, OperationColumnsRow, RowWith, operation_of, stored_of,
-};
+use crate::backend::row_with::{OperationColumns, OperationColumnsRow, RowWith, operation_of};
 use crate::backend::send::{Awaited, Sends, Sent};
 use crate::backend::{
     AsyncStoreConnection, AsyncTransaction, HeldKey, Hold, KeyStore, Read, Record, async_transaction_depth,
@@ -48,18 +46,11 @@ impl KeyStore for AsyncPgConnection {
     type Rules = diesel::pg::Pg;
 
     async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
-        let ((now, claims_first), row) = RowWith::<NowAndClaimFirst, KeyRecord<Timestamp>>::new(scope, key)
-            .get_result::<((NaiveDateTime, bool), KeyRecordRow)>(self)
-            .await?;
-        Ok(Read {
-            record: stored_of(row),
-            now,
-            claims_first,
-        })
+        read(self, scope, key).await
     }
 
     async fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
-        diesel::select(database_time()).get_result(self).await
+        database_now(self).await
     }
 
     fn transaction_depth(&mut self) -> QueryResult<u32> {
@@ -88,16 +79,11 @@ impl KeyStore for AsyncPgConnection {
     const CLAIMS_AT_DATABASE_TIME: bool = true;
 
     async fn complete_at_database_time(&mut self, record: &Record<'_>) -> QueryResult<(NaiveDateTime, NaiveDateTime)> {
-        completed(CompleteAtDatabaseTime(record).get_result(self).await.optional()?)
+        complete_at_database_time(self, record).await
     }
 
     async fn await_replication(&mut self) -> QueryResult<()> {
-        let emit = DURABLE_REPLAY;
-        if async_transaction_depth(self)? == 0 {
-            self.batch_execute(&format!("BEGIN; {emit}; COMMIT")).await
-        } else {
-            self.batch_execute(emit).await
-        }
+        await_replication(self).await
     }
 }
 

@@ -4,14 +4,17 @@
 //! after the lock.
 
 use chrono::{Datelike, Duration, NaiveDateTime};
-use diesel::QueryResult;
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
 use diesel::sql_types::{Bool, Nullable, Text, Timestamp};
+use diesel::{OptionalExtension, QueryResult};
 
+use super::clock::database_time;
 use super::session::Session;
-use crate::backend::keys::{Claim, HeldKey, Hold, KeyNotClaimed, KeyRecordChanged, Record, Stored, claiming, hold_of};
+use crate::backend::keys::{
+    Claim, HeldKey, Hold, KeyNotClaimed, KeyRecordChanged, Read, Record, Stored, claiming, hold_of,
+};
 use crate::backend::row_with::{Head, KeyRecord, KeyRecordRow, RowWith, stored_of};
 use crate::backend::send::first;
 use crate::error::is_connection_lost;
@@ -375,6 +378,47 @@ impl diesel::query_dsl::RunQueryDslSupport for CompleteAtDatabaseTime<'_> {}
 
 /// The claim's times that a [`CompleteAtDatabaseTime`] returned, or the
 /// error of a record that changed under its key's lock.
-pub(super) fn completed(times: Option<(NaiveDateTime, NaiveDateTime)>) -> QueryResult<(NaiveDateTime, NaiveDateTime)> {
+fn completed(times: Option<(NaiveDateTime, NaiveDateTime)>) -> QueryResult<(NaiveDateTime, NaiveDateTime)> {
     times.ok_or_else(KeyRecordChanged::error)
+}
+
+/// [`KeyStore::read`](crate::backend::KeyStore::read): the record of
+/// `(scope, key)`, the database's time and whether it claims every key
+/// first, in one statement.
+pub(super) async fn read<C: Session>(conn: &mut C, scope: &str, key: &str) -> QueryResult<Read> {
+    let ((now, claims_first), row): ((NaiveDateTime, bool), KeyRecordRow) = first(
+        conn.load(RowWith::<NowAndClaimFirst, KeyRecord<Timestamp>>::new(scope, key))
+            .await?,
+    )?;
+    Ok(Read {
+        record: stored_of(row),
+        now,
+        claims_first,
+    })
+}
+
+/// The database's time (UTC).
+pub(super) async fn database_now<C: Session>(conn: &mut C) -> QueryResult<NaiveDateTime> {
+    first(conn.load(diesel::select(database_time())).await?)
+}
+
+/// [`KeyStore::complete_at_database_time`](crate::backend::KeyStore::complete_at_database_time):
+/// the claim's times, as the completion returned them.
+pub(super) async fn complete_at_database_time<C: Session>(
+    conn: &mut C,
+    record: &Record<'_>,
+) -> QueryResult<(NaiveDateTime, NaiveDateTime)> {
+    completed(first(conn.load(CompleteAtDatabaseTime(record)).await?).optional()?)
+}
+
+/// [`KeyStore::await_replication`](crate::backend::KeyStore::await_replication):
+/// a commit that waits for the synchronous standbys, or the write that
+/// makes the enclosing commit one.
+pub(super) async fn await_replication<C: Session>(conn: &mut C) -> QueryResult<()> {
+    let emit = DURABLE_REPLAY;
+    if conn.transaction_depth()? == 0 {
+        conn.batch(&format!("BEGIN; {emit}; COMMIT")).await
+    } else {
+        conn.batch(emit).await
+    }
 }

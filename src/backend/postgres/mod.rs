@@ -52,7 +52,6 @@ mod purge;
 mod session;
 
 use chrono::NaiveDateTime;
-use diesel::connection::SimpleConnection;
 use diesel::pg::{Pg, PgConnection};
 use diesel::prelude::*;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
@@ -62,14 +61,10 @@ use diesel_migrations::EmbeddedMigrations;
 use super::history::{self, Count, History};
 use super::migrate;
 
-pub(crate) use clock::database_time;
 use expired::Expired;
-use key::{
-    CompleteAtDatabaseTime, DURABLE_REPLAY, LOCK_WAIT_ENDED, NowAndClaimFirst, completed, hold, key_transaction,
-};
+use key::{LOCK_WAIT_ENDED, await_replication, complete_at_database_time, database_now, hold, key_transaction, read};
 pub(crate) use purge::purge;
 
-use super::row_with::record_with;
 use super::send::{AtOnce, Sends};
 use super::{BackendRules, BlockingStore, HeldKey, Hold, KeyStore, Read, Record, transaction_depth, unwind_to_depth};
 
@@ -154,17 +149,11 @@ impl KeyStore for PgConnection {
     type Rules = Pg;
 
     async fn read(&mut self, scope: &str, key: &str) -> QueryResult<Read> {
-        let ((now, claims_first), record) =
-            record_with::<NowAndClaimFirst, Timestamp, _, (NaiveDateTime, bool)>(self, scope, key)?;
-        Ok(Read {
-            record,
-            now,
-            claims_first,
-        })
+        read(self, scope, key).await
     }
 
     async fn database_now(&mut self) -> QueryResult<NaiveDateTime> {
-        diesel::select(database_time()).get_result(self)
+        database_now(self).await
     }
 
     fn transaction_depth(&mut self) -> QueryResult<u32> {
@@ -193,16 +182,11 @@ impl KeyStore for PgConnection {
     const CLAIMS_AT_DATABASE_TIME: bool = true;
 
     async fn complete_at_database_time(&mut self, record: &Record<'_>) -> QueryResult<(NaiveDateTime, NaiveDateTime)> {
-        completed(CompleteAtDatabaseTime(record).get_result(self).optional()?)
+        complete_at_database_time(self, record).await
     }
 
     async fn await_replication(&mut self) -> QueryResult<()> {
-        let emit = DURABLE_REPLAY;
-        if transaction_depth(self)? == 0 {
-            self.batch_execute(&format!("BEGIN; {emit}; COMMIT"))
-        } else {
-            self.batch_execute(emit)
-        }
+        await_replication(self).await
     }
 }
 
