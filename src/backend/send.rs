@@ -49,12 +49,6 @@ pub(crate) enum Sent<'c, T> {
     Never(std::marker::PhantomData<&'c ()>, std::convert::Infallible),
 }
 
-/// The one row `rows` holds: a query's first, `NotFound` without one.
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(crate) fn first<U>(rows: Vec<U>) -> QueryResult<U> {
-    rows.into_iter().next().ok_or(diesel::result::Error::NotFound)
-}
-
 // Nothing in it is pinned: the boxed future is pinned in its box.
 impl<T> Unpin for Sent<'_, T> {}
 
@@ -71,6 +65,12 @@ impl<T> Future for Sent<'_, T> {
             Sent::Never(_, never) => match *never {},
         }
     }
+}
+
+/// The one row `rows` holds: a query's first, `NotFound` without one.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn first<U>(rows: Vec<U>) -> QueryResult<U> {
+    rows.into_iter().next().ok_or(diesel::result::Error::NotFound)
 }
 
 #[cfg(any(feature = "sqlite", feature = "postgres"))]

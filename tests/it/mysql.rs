@@ -445,6 +445,22 @@ fn retention_of_a_hundred_years_is_kept_past_2038() {
         .expect("replays");
     assert!(again.outcome.is_replayed());
     assert_eq!(again.expires_at, first.expires_at, "stored to the microsecond");
+    // The record read by the statements other backends share: the lookup,
+    // and the read FOR UPDATE of a call nested in a caller's transaction,
+    // which reads nothing before its lock.
+    let status = config
+        .status::<_, i64>(&mut conn, SCOPE, "k-century", REQUEST)
+        .expect("the status");
+    assert!(
+        matches!(status, idempotency::KeyStatus::Completed { expires_at, .. } if expires_at == first.expires_at),
+        "{status:?}"
+    );
+    let nested = conn
+        .transaction(|tx| config.run_recorded(tx, SCOPE, "k-century", REQUEST, |tx| Db::place_order(tx, "nested", 1)))
+        .expect("replays nested");
+    assert!(nested.outcome.is_replayed());
+    assert_eq!(nested.expires_at, first.expires_at);
+    assert_eq!(Db::order_count(&mut conn), 1);
     assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 0);
 }
 
