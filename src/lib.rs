@@ -102,7 +102,7 @@
 //!   [`run_migrations`] or [`MIGRATIONS`];
 //! - **ground**: errors ([`Error`], [`KeyError`]), the in-flight policy
 //!   ([`InFlight`]), ids, the JSON codec, the request fingerprint, the key
-//!   rules ([`key`]), [`Outcome`], the schema, the calls a thread is
+//!   rules ([`key`]), [`Outcome`], the schema and its time type, the calls a thread is
 //!   executing.
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -141,6 +141,7 @@ mod row_status;
 mod run;
 mod schema;
 mod service;
+mod sql_time;
 mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -1,6 +1,9 @@
 // @generated automatically by Diesel CLI.
 
 diesel::table! {
+    use diesel::sql_types::*;
+    use crate::sql_time::Timestamp;
+
     idempotency_keys (scope, idempotency_key) {
         scope -> Text,
         idempotency_key -> Text,
@@ -17,6 +20,9 @@ diesel::table! {
 }
 
 diesel::table! {
+    use diesel::sql_types::*;
+    use crate::sql_time::Timestamp;
+
     idempotency_outbox (id) {
         id -> Text,
         topic -> Text,
@@ -37,6 +43,9 @@ diesel::table! {
 }
 
 diesel::table! {
+    use diesel::sql_types::*;
+    use crate::sql_time::Timestamp;
+
     idempotency_phases (scope, idempotency_key) {
         scope -> Text,
         idempotency_key -> Text,

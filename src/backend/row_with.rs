@@ -22,6 +22,7 @@ use diesel::sql_types::{HasSqlType, Nullable, Text};
 use super::Stored;
 use crate::backend::phases::OperationRow;
 use crate::row_status::{OperationStatus, RecordStatus};
+use crate::sql_time::Timestamp;
 
 /// The first column of a [`RowWith`] query, in the SQL of its backend: the
 /// pieces of its text, in order.
@@ -105,11 +106,10 @@ where
     RowWith::<H, L>::new(scope, key).get_result(conn)
 }
 
-/// The columns of a key record that a replay needs, with the backend's SQL
-/// type of times.
-pub(crate) struct KeyRecord<Time>(PhantomData<Time>);
+/// The columns of a key record that a replay needs.
+pub(crate) struct KeyRecord;
 
-impl<Time: 'static> Lookup for KeyRecord<Time> {
+impl Lookup for KeyRecord {
     const TABLE: &'static str = "idempotency_keys";
     const COLUMNS: &'static str =
         "r.request_hash, r.status, r.response, r.created_at, r.expires_at, r.caller_hash, r.traceparent, r.request_id";
@@ -117,8 +117,8 @@ impl<Time: 'static> Lookup for KeyRecord<Time> {
         Nullable<Text>,
         Nullable<Text>,
         Nullable<Text>,
-        Nullable<Time>,
-        Nullable<Time>,
+        Nullable<Timestamp>,
+        Nullable<Timestamp>,
         Nullable<Text>,
         Nullable<Text>,
         Nullable<Text>,
@@ -162,9 +162,10 @@ pub(crate) fn stored_of(row: KeyRecordRow) -> Option<Stored> {
     }
 }
 
-pub(crate) struct OperationColumns<Time>(PhantomData<Time>);
+/// The columns of an operation in phases that a call reads.
+pub(crate) struct OperationColumns;
 
-impl<Time: 'static> Lookup for OperationColumns<Time> {
+impl Lookup for OperationColumns {
     const TABLE: &'static str = "idempotency_phases";
     const COLUMNS: &'static str = "r.operation, r.request_hash, r.op_id, r.status, r.points, r.response, \
          r.lease_until, r.expires_at, r.created_at, r.caller_hash, r.traceparent, r.request_id";
@@ -175,9 +176,9 @@ impl<Time: 'static> Lookup for OperationColumns<Time> {
         Nullable<Text>,
         Nullable<Text>,
         Nullable<Text>,
-        Nullable<Time>,
-        Nullable<Time>,
-        Nullable<Time>,
+        Nullable<Timestamp>,
+        Nullable<Timestamp>,
+        Nullable<Timestamp>,
         Nullable<Text>,
         Nullable<Text>,
         Nullable<Text>,
@@ -201,18 +202,16 @@ pub(crate) type OperationColumnsRow = (
 
 /// The operation of `(scope, key)`, if any, and the head: the database's
 /// time, as `PhaseStore::read_operation` returns them.
-pub(crate) fn operation_with<H, Time, C>(
+pub(crate) fn operation_with<H, C>(
     conn: &mut C,
     scope: &str,
     key: &str,
 ) -> QueryResult<(Option<OperationRow>, NaiveDateTime)>
 where
     H: Head,
-    Time: 'static,
-    for<'a> RowWith<'a, H, OperationColumns<Time>>: LoadQuery<'a, C, (NaiveDateTime, OperationColumnsRow)>,
+    for<'a> RowWith<'a, H, OperationColumns>: LoadQuery<'a, C, (NaiveDateTime, OperationColumnsRow)>,
 {
-    let (now, columns) =
-        row_with::<H, OperationColumns<Time>, C, (NaiveDateTime, OperationColumnsRow)>(conn, scope, key)?;
+    let (now, columns) = row_with::<H, OperationColumns, C, (NaiveDateTime, OperationColumnsRow)>(conn, scope, key)?;
     Ok((operation_of(columns), now))
 }
 

@@ -5,7 +5,7 @@
 //! say), and the code that sends them is written once, generic over the
 //! connection: `Execute::send` and `Load::fetch` pick diesel's or
 //! diesel-async's way to run a query by the connection's `Sends::Way`.
-//! MySQL, whose statements are its own, sends them through its `Session`,
+//! MySQL's key statements, which are its own, go through its `Session`,
 //! which returns a [`Sent`] as well.
 
 use std::future::Future;
@@ -14,7 +14,6 @@ use std::task::{Context, Poll};
 
 use diesel::QueryResult;
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// A connection the crate sends statements on, and how it sends them:
 /// [`AtOnce`] or `Awaited`.
 pub(crate) trait Sends {
@@ -22,13 +21,12 @@ pub(crate) trait Sends {
     type Way;
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// A synchronous diesel connection's way: a statement completes as it is
 /// sent.
 pub(crate) enum AtOnce {}
 
 /// A diesel-async connection's way: a statement is awaited.
-#[cfg(all(feature = "diesel-async", any(feature = "sqlite", feature = "postgres")))]
+#[cfg(feature = "diesel-async")]
 pub(crate) enum Awaited {}
 
 /// A statement sent, as a future of its result: complete on a synchronous
@@ -73,7 +71,6 @@ pub(crate) fn first<U>(rows: Vec<U>) -> QueryResult<U> {
     rows.into_iter().next().ok_or(diesel::result::Error::NotFound)
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// A statement that connection `C` sends, returning the number of rows it
 /// changed.
 pub(crate) trait Execute<C>: Sized {
@@ -83,7 +80,6 @@ pub(crate) trait Execute<C>: Sized {
         Self: 'c;
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 impl<C: Sends, Q: ExecuteBy<C, C::Way>> Execute<C> for Q {
     fn send<'c>(self, conn: &'c mut C) -> Sent<'c, usize>
     where
@@ -93,18 +89,21 @@ impl<C: Sends, Q: ExecuteBy<C, C::Way>> Execute<C> for Q {
     }
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// A query that borrows for `'q` and that connection `C` sends, returning
-/// one row as a `U`.
+/// rows as `U`s.
 pub(crate) trait Load<'q, C, U>: Sized {
     /// Sends the query on `conn` and returns its row: `NotFound` without
     /// one.
     fn fetch<'c>(self, conn: &'c mut C) -> Sent<'c, U>
     where
         'q: 'c;
+
+    /// Sends the query on `conn` and returns its rows.
+    fn fetch_all<'c>(self, conn: &'c mut C) -> Sent<'c, Vec<U>>
+    where
+        'q: 'c;
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 impl<'q, C: Sends, Q: LoadBy<'q, C, U, C::Way>, U> Load<'q, C, U> for Q {
     fn fetch<'c>(self, conn: &'c mut C) -> Sent<'c, U>
     where
@@ -112,9 +111,15 @@ impl<'q, C: Sends, Q: LoadBy<'q, C, U, C::Way>, U> Load<'q, C, U> for Q {
     {
         self.load_by(conn)
     }
+
+    fn fetch_all<'c>(self, conn: &'c mut C) -> Sent<'c, Vec<U>>
+    where
+        'q: 'c,
+    {
+        self.load_all_by(conn)
+    }
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// [`Execute`] in the way `Way`.
 pub(crate) trait ExecuteBy<C, Way>: Sized {
     fn execute_by<'c>(self, conn: &'c mut C) -> Sent<'c, usize>
@@ -122,7 +127,6 @@ pub(crate) trait ExecuteBy<C, Way>: Sized {
         Self: 'c;
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 impl<C, Q> ExecuteBy<C, AtOnce> for Q
 where
     C: diesel::Connection,
@@ -136,7 +140,7 @@ where
     }
 }
 
-#[cfg(all(feature = "diesel-async", any(feature = "sqlite", feature = "postgres")))]
+#[cfg(feature = "diesel-async")]
 impl<C, Q> ExecuteBy<C, Awaited> for Q
 where
     C: diesel_async::AsyncConnection,
@@ -150,15 +154,17 @@ where
     }
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// [`Load`] in the way `Way`.
 pub(crate) trait LoadBy<'q, C, U, Way>: Sized {
     fn load_by<'c>(self, conn: &'c mut C) -> Sent<'c, U>
     where
         'q: 'c;
+
+    fn load_all_by<'c>(self, conn: &'c mut C) -> Sent<'c, Vec<U>>
+    where
+        'q: 'c;
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 impl<'q, C, Q, U> LoadBy<'q, C, U, AtOnce> for Q
 where
     C: diesel::connection::LoadConnection,
@@ -170,9 +176,16 @@ where
     {
         Sent::Done(Some(diesel::RunQueryDsl::get_result(self, conn)))
     }
+
+    fn load_all_by<'c>(self, conn: &'c mut C) -> Sent<'c, Vec<U>>
+    where
+        'q: 'c,
+    {
+        Sent::Done(Some(diesel::RunQueryDsl::load(self, conn)))
+    }
 }
 
-#[cfg(all(feature = "diesel-async", any(feature = "sqlite", feature = "postgres")))]
+#[cfg(feature = "diesel-async")]
 impl<'q, C, Q, U> LoadBy<'q, C, U, Awaited> for Q
 where
     C: diesel_async::AsyncConnection,
@@ -184,5 +197,12 @@ where
         'q: 'c,
     {
         Sent::Awaited(Box::pin(diesel_async::RunQueryDsl::get_result(self, conn)))
+    }
+
+    fn load_all_by<'c>(self, conn: &'c mut C) -> Sent<'c, Vec<U>>
+    where
+        'q: 'c,
+    {
+        Sent::Awaited(Box::pin(diesel_async::RunQueryDsl::load(self, conn)))
     }
 }

@@ -23,6 +23,7 @@ use crate::executing::Executing;
 use crate::in_flight::InFlight;
 use crate::outcome::{Origin, Outcome, Recorded};
 use crate::row_status::RecordStatus;
+use crate::sql_time::At;
 use crate::telemetry::CallTrace;
 
 /// The call of [`Config::run_recorded`] once `scope` and `key` passed the
@@ -316,7 +317,7 @@ where
             &Record {
                 status: RecordStatus::Completed,
                 response: Some(&response),
-                completed_at: Some(now + elapsed),
+                completed_at: Some(At(now + elapsed)),
                 ..record
             },
         )

@@ -18,10 +18,10 @@ mod statements;
 
 pub(crate) use complete::Complete;
 pub use record::{ClaimOutcome, Hold, KeyNotClaimed, KeyRecordChanged, Read, Record, Stored};
-#[cfg(feature = "mysql")]
-pub(crate) use statements::find;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub(crate) use statements::{claim, find_record, shared_key_statements, store};
+#[cfg(feature = "mysql")]
+pub(crate) use statements::{find, insert, take_over};
 
 /// The key records' statements, one implementation per kind of
 /// connection: a supertrait of the crate's public connection traits

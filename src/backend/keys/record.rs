@@ -8,19 +8,23 @@ use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind};
 use crate::outcome::Origin;
 use crate::row_status::RecordStatus;
 use crate::schema::idempotency_keys;
+use crate::sql_time::At;
 
 /// A key record as this crate writes it: claimed (`processing`, no response
 /// yet) or completed with its response.
 #[derive(Insertable, AsChangeset, Clone, Copy, Debug)]
-#[diesel(table_name = idempotency_keys, primary_key(scope, idempotency_key), treat_none_as_null = true)]
+#[diesel(table_name = idempotency_keys, primary_key(scope, idempotency_key))]
+#[diesel(treat_none_as_null = true)]
 pub struct Record<'a> {
     pub(crate) scope: &'a str,
     pub(crate) idempotency_key: &'a str,
     pub(crate) request_hash: &'a str,
     pub(crate) status: RecordStatus,
     pub(crate) response: Option<&'a str>,
+    #[diesel(serialize_as = At)]
     pub(crate) created_at: NaiveDateTime,
-    pub(crate) completed_at: Option<NaiveDateTime>,
+    pub(crate) completed_at: Option<At>,
+    #[diesel(serialize_as = At)]
     pub(crate) expires_at: NaiveDateTime,
     /// Who may look the record up (written by the HTTP layer: the hash of
     /// the caller's principal and endpoint); `None` for no HTTP lookup.

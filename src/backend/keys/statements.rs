@@ -1,23 +1,20 @@
-//! The key statements SQLite and PostgreSQL share, each built by a plain
-//! function, and [`KeyStatements`](super::KeyStatements) written once over
-//! them for both kinds of connection. MySQL shares [`find`]: its calls always claim first and
-//! complete a claimed record, with statements of their own
-//! (`mysql/session.rs`).
+//! The key statements, each built by a plain function, and
+//! [`KeyStatements`](super::KeyStatements) written once over them for the
+//! connections of SQLite and PostgreSQL, of both kinds. MySQL sends
+//! [`find`], [`insert`] and [`take_over`] from its own rules: its calls
+//! always claim first and complete a claimed record (`mysql/key.rs`).
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-use chrono::NaiveDateTime;
 use diesel::dsl;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 use diesel::dsl::{Filter, Find, Le, Set, update};
 use diesel::prelude::*;
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
-use diesel::sql_types::Timestamp;
 
+use super::Record;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
-use super::{ClaimOutcome, Complete, Hold, KeyRecordChanged, Record, Stored};
+use super::{ClaimOutcome, Complete, Hold, KeyRecordChanged, Stored};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 use crate::backend::send::{Execute, Load, Sends};
 use crate::schema::idempotency_keys as k;
+use crate::sql_time::At;
 
 /// The record of `(scope, key)`. A primary key lookup needs no `LIMIT`: a
 /// bound one would make SQLite prepare the statement again on every call.
@@ -35,7 +32,6 @@ pub(crate) fn find<'a>(scope: &'a str, key: &'a str) -> _ {
     ))
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// `record` inserted, which the primary key refuses for a key that has a
 /// record.
 #[dsl::auto_type]
@@ -52,18 +48,16 @@ pub(crate) fn insert_claim<'a>(record: Record<'a>) -> _ {
     dsl::insert_into(k::table).values(record).on_conflict_do_nothing()
 }
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// [`take_over`]'s statement.
 pub(crate) type TakeOver<'a> =
-    Set<Filter<update<Find<k::table, (&'a str, &'a str)>>, Le<k::expires_at, NaiveDateTime>>, Record<'a>>;
+    Set<Filter<update<Find<k::table, (&'a str, &'a str)>>, Le<k::expires_at, At>>, Record<'a>>;
 
-#[cfg(any(feature = "sqlite", feature = "postgres"))]
 /// The record of `record`'s key replaced with `record`, if its retention
 /// (and the grace period of its tombstone, where the policy keeps one) has
 /// ended by `record.reusable_by`.
 pub(crate) fn take_over(record: Record<'_>) -> TakeOver<'_> {
     dsl::update(k::table.find((record.scope, record.idempotency_key)))
-        .filter(k::expires_at.le(record.reusable_by))
+        .filter(k::expires_at.le(At(record.reusable_by)))
         .set(record)
 }
 
@@ -104,7 +98,7 @@ where
     C: Sends,
     insert<'a>: Execute<C>,
     TakeOver<'a>: Execute<C>,
-    Complete<'a, Timestamp>: Execute<C>,
+    Complete<'a>: Execute<C>,
 {
     let stored = match hold {
         Hold::Free => insert(*record).send(conn).await?,
@@ -115,7 +109,7 @@ where
             0 => insert(*record).send(conn).await?,
             replaced => replaced,
         },
-        Hold::Claimed { .. } => Complete::<Timestamp>::new(record).send(conn).await?,
+        Hold::Claimed { .. } => Complete::new(record).send(conn).await?,
         // Nothing of this transaction's to write.
         Hold::Recorded(_) | Hold::ClaimedElsewhere => 0,
     };

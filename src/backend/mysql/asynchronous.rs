@@ -14,17 +14,15 @@ use diesel::QueryResult;
 use diesel::mysql::Mysql;
 use diesel::query_builder::{QueryFragment, QueryId};
 use diesel::result::Error as DieselError;
-use diesel::sql_types::Datetime;
 use diesel_async::{AnsiTransactionManager, AsyncMysqlConnection, RunQueryDsl, TransactionManager};
 
 use super::clock::{DatabaseNow, UtcNow};
 use super::outbox::claim_batch;
-use super::schema;
 use super::session::{Loads, Session};
-use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, outbox_statements};
-use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
+use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, shared_outbox_statements};
+use crate::backend::phases::{OperationRow, PhaseStore, shared_phase_statements};
 use crate::backend::row_with::{OperationColumns, OperationColumnsRow, RowWith, operation_of};
-use crate::backend::send::Sent;
+use crate::backend::send::{Awaited, Sends, Sent};
 use crate::backend::{
     AsyncStoreConnection, AsyncTransaction, async_transaction_depth, async_unwind_to_depth, end_transaction, sealed,
 };
@@ -32,6 +30,10 @@ use crate::backend::{
 impl sealed::Sealed for AsyncMysqlConnection {}
 
 impl AsyncStoreConnection for AsyncMysqlConnection {}
+
+impl Sends for AsyncMysqlConnection {
+    type Way = Awaited;
+}
 
 impl Session for AsyncMysqlConnection {
     fn depth(&mut self) -> QueryResult<u32> {
@@ -74,7 +76,7 @@ impl Session for AsyncMysqlConnection {
 
 impl PhaseStore for AsyncMysqlConnection {
     async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
-        let (now, columns) = RowWith::<DatabaseNow, OperationColumns<Datetime>>::new(scope, key)
+        let (now, columns) = RowWith::<DatabaseNow, OperationColumns>::new(scope, key)
             .get_result::<(NaiveDateTime, OperationColumnsRow)>(self)
             .await?;
         Ok((operation_of(columns), now))
@@ -84,7 +86,7 @@ impl PhaseStore for AsyncMysqlConnection {
         tokio::time::sleep(duration).await;
     }
 
-    phase_statements!(async schema: insert_operation_strictly, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+    shared_phase_statements!(insert strictly);
 }
 
 impl OutboxStore for AsyncMysqlConnection {
@@ -92,5 +94,5 @@ impl OutboxStore for AsyncMysqlConnection {
         claim_batch(self, claim).await
     }
 
-    outbox_statements!(async schema, created_at = UtcNow; insert_message, settle, mark_delivered, release, next_due, backlog);
+    shared_outbox_statements!(created_at = UtcNow);
 }

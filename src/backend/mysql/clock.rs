@@ -5,9 +5,9 @@ use diesel::expression::{AppearsOnTable, Expression, SelectableExpression, Valid
 use diesel::mysql::Mysql;
 use diesel::prelude::*;
 use diesel::query_builder::{AstPass, QueryFragment, QueryId};
-use diesel::sql_types::Datetime;
 
 use crate::backend::row_with::Head;
+use crate::sql_time::Timestamp;
 
 /// `UTC_TIMESTAMP(6)`, the server's time in UTC to the microsecond, as an
 /// expression of the DSL. (diesel's `now` is the session's time, to the
@@ -16,7 +16,7 @@ use crate::backend::row_with::Head;
 pub(crate) struct UtcNow;
 
 impl Expression for UtcNow {
-    type SqlType = Datetime;
+    type SqlType = Timestamp;
 }
 
 impl QueryFragment<Mysql> for UtcNow {
@@ -40,5 +40,5 @@ pub(crate) struct DatabaseNow;
 impl Head for DatabaseNow {
     type Backend = Mysql;
     const SQL: &'static [&'static str] = &["UTC_TIMESTAMP(6)"];
-    type SqlType = Datetime;
+    type SqlType = Timestamp;
 }

@@ -6,7 +6,6 @@ use std::panic;
 
 use diesel::QueryResult;
 use diesel::result::{DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::Datetime;
 
 use super::lock::{GetLock, IdleBound, IdleStatement, ReleaseLock};
 use super::session::{
@@ -216,7 +215,7 @@ pub(super) async fn claim<C: Session>(conn: &mut C, record: &Record<'_>) -> Quer
 /// here.
 pub(super) async fn store<C: Session>(conn: &mut C, hold: Hold, record: &Record<'_>) -> QueryResult<()> {
     let stored = match hold {
-        Hold::Claimed { .. } => conn.execute(Complete::<Datetime>::new(record)).await?,
+        Hold::Claimed { .. } => conn.execute(Complete::new(record)).await?,
         Hold::Free | Hold::Expired | Hold::Recorded(_) | Hold::ClaimedElsewhere => 0,
     };
     // The key is held by this transaction; anything else means something

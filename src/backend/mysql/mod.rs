@@ -72,13 +72,12 @@ use diesel_migrations::EmbeddedMigrations;
 
 use super::history::{self, Count, History};
 use super::migrate;
+use super::send::{AtOnce, Sends};
 
 use super::{BackendRules, BlockingStore, ClaimOutcome, HeldKey, Hold, KeyStatements, KeyStore, Read, Record, Stored};
 use committed::read_committed;
 use key::{LOCK_WAIT_TIMEOUT, claim, hold, key_transaction, read, store};
 use session::{Session, database_now, find_record};
-
-pub(crate) mod schema;
 
 super::raw_connection!(MysqlConnection);
 
@@ -185,6 +184,10 @@ impl<C: Session> KeyStore for C {
         // the crate offers no durable replays on MySQL.
         Ok(())
     }
+}
+
+impl Sends for MysqlConnection {
+    type Way = AtOnce;
 }
 
 impl BlockingStore for MysqlConnection {

@@ -26,9 +26,8 @@ use diesel::sql_types::{BigInt, Datetime, Text};
 use super::clock::UtcNow;
 use super::committed::read_committed;
 use super::session::{Session, lease};
-use crate::backend::mysql::schema;
 use crate::backend::outbox::{
-    BatchClaim, BlockingOutboxStore, Claimed, HEAD_OF_ITS_KEY, OutboxStore, outbox_statements,
+    BatchClaim, BlockingOutboxStore, Claimed, HEAD_OF_ITS_KEY, OutboxStore, shared_outbox_statements,
 };
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
@@ -38,7 +37,7 @@ impl OutboxStore for MysqlConnection {
         claim_batch(self, claim).await
     }
 
-    outbox_statements!(ready schema, created_at = UtcNow; insert_message, settle, mark_delivered, release, next_due, backlog);
+    shared_outbox_statements!(created_at = UtcNow);
 }
 
 /// [`OutboxStore::claim_batch`] on either kind of connection: the due
@@ -102,5 +101,5 @@ impl BlockingOutboxStore for MysqlConnection {
         })
     }
 
-    outbox_statements!(blocking schema; dead_messages, requeue);
+    shared_outbox_statements!(blocking);
 }

@@ -12,22 +12,21 @@ use diesel::sql_types::{BigInt, Datetime, Text};
 
 use super::clock::DatabaseNow;
 use super::committed::read_committed;
-use super::schema;
-use crate::backend::phases::{BlockingPhaseStore, OperationRow, PhaseStore, phase_statements};
+use crate::backend::phases::{BlockingPhaseStore, OperationRow, PhaseStore, shared_phase_statements};
 use crate::backend::row_with::operation_with;
 use crate::backend::sql_limit;
 use crate::row_status::OperationStatus;
 
 impl PhaseStore for MysqlConnection {
     async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
-        operation_with::<DatabaseNow, Datetime, _>(self, scope, key)
+        operation_with::<DatabaseNow, _>(self, scope, key)
     }
 
     async fn pause(&mut self, duration: Duration) {
         std::thread::sleep(duration);
     }
 
-    phase_statements!(ready schema: insert_operation_strictly, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+    shared_phase_statements!(insert strictly);
 }
 
 impl BlockingPhaseStore for MysqlConnection {
@@ -76,5 +75,5 @@ impl BlockingPhaseStore for MysqlConnection {
         })
     }
 
-    phase_statements!(blocking schema: pick_abandoned, park_unheld, park_exhausted, parked_operations, requeue_operation);
+    shared_phase_statements!(blocking);
 }

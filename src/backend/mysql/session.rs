@@ -8,25 +8,21 @@ use std::ops::{Deref, DerefMut};
 
 use chrono::NaiveDateTime;
 use diesel::connection::{AnsiTransactionManager, TransactionManager};
-use diesel::dsl::Eq;
 use diesel::mysql::{Mysql, MysqlConnection};
 use diesel::prelude::*;
 use diesel::query_builder::{QueryFragment, QueryId};
 use diesel::query_dsl::methods::ExecuteDsl;
 use diesel::query_dsl::{LoadQuery, RunQueryDslSupport};
 use diesel::result::Error as DieselError;
-use diesel::sql_types::Datetime;
 
 use super::clock::{DatabaseNow, UtcNow};
 use super::lock::GetLock;
-use super::schema::idempotency_keys as k;
-use super::schema::idempotency_outbox as o;
 use crate::backend::keys::{self, Record, Stored};
 use crate::backend::outbox::{BatchClaim, Claimed};
 use crate::backend::row_with::{KeyRecord, KeyRecordRow, RowWith, stored_of};
 use crate::backend::send::{Sent, first};
 use crate::backend::transaction::{end_level, transaction_depth, unwind_to_depth};
-use crate::row_status::RecordStatus;
+use crate::schema::idempotency_outbox as o;
 
 /// How MySQL's statements are sent on either kind of connection, so that
 /// the rules that decide which to send (`mod.rs`: the key transaction,
@@ -139,7 +135,7 @@ pub(super) async fn now_and_record<C: Session>(
     scope: &str,
     key: &str,
 ) -> QueryResult<(NaiveDateTime, Option<Stored>)> {
-    let read = RowWith::<DatabaseNow, KeyRecord<Datetime>>::new(scope, key);
+    let read = RowWith::<DatabaseNow, KeyRecord>::new(scope, key);
     let (now, row): (NaiveDateTime, KeyRecordRow) = first(conn.load(read).await?)?;
     Ok((now, stored_of(row)))
 }
@@ -163,23 +159,13 @@ pub(super) async fn get_lock<C: Session>(conn: &mut C, lock: GetLock<'_>) -> Que
 /// that has a record (once the transaction that wrote it, if still open,
 /// has ended).
 pub(super) async fn insert<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<usize> {
-    conn.execute(diesel::insert_into(k::table).values((
-        k::scope.eq(record.scope),
-        k::idempotency_key.eq(record.idempotency_key),
-        written(record),
-    )))
-    .await
+    conn.execute(keys::insert(*record)).await
 }
 
 /// Replaces the record of `record`'s key with `record` if its retention
 /// has ended: the rows replaced, 0 or 1.
 pub(super) async fn take_over<C: Session>(conn: &mut C, record: &Record<'_>) -> QueryResult<usize> {
-    conn.execute(
-        diesel::update(k::table.find((record.scope, record.idempotency_key)))
-            .filter(k::expires_at.le(record.reusable_by))
-            .set(written(record)),
-    )
-    .await
+    conn.execute(keys::take_over(*record)).await
 }
 
 /// The record of `(scope, key)`, read with `FOR UPDATE`. (MariaDB does not
@@ -194,7 +180,7 @@ pub(super) async fn lease<C: Session>(conn: &mut C, due: &[Claimed], claim: &Bat
     conn.execute(
         diesel::update(o::table.filter(o::id.eq_any(due.iter().map(|message| &message.id)))).set((
             o::attempts.eq(o::attempts + 1),
-            o::available_at.eq(claim.lease_until),
+            o::available_at.eq(Some(claim.lease_until)),
             o::lease_token.eq(claim.lease_token),
         )),
     )
@@ -245,32 +231,4 @@ impl<C: Session> Drop for TakenSession<'_, C> {
             self.conn.mark_broken();
         }
     }
-}
-
-/// The columns a claim writes besides the key: `Record`'s own `Insertable`
-/// and `AsChangeset` are for the other backends' table.
-pub(super) type Written<'a> = (
-    Eq<k::request_hash, &'a str>,
-    Eq<k::status, RecordStatus>,
-    Eq<k::response, Option<&'a str>>,
-    Eq<k::created_at, NaiveDateTime>,
-    Eq<k::completed_at, Option<NaiveDateTime>>,
-    Eq<k::expires_at, NaiveDateTime>,
-    Eq<k::caller_hash, Option<&'a str>>,
-    Eq<k::traceparent, Option<&'a str>>,
-    Eq<k::request_id, Option<&'a str>>,
-);
-
-pub(super) fn written<'a>(record: &Record<'a>) -> Written<'a> {
-    (
-        k::request_hash.eq(record.request_hash),
-        k::status.eq(record.status),
-        k::response.eq(record.response),
-        k::created_at.eq(record.created_at),
-        k::completed_at.eq(record.completed_at),
-        k::expires_at.eq(record.expires_at),
-        k::caller_hash.eq(record.caller_hash),
-        k::traceparent.eq(record.traceparent),
-        k::request_id.eq(record.request_id),
-    )
 }

@@ -1,8 +1,8 @@
 //! Where outbox messages live: the statements every backend implements.
 //!
-//! The statements whose DSL is the same everywhere are written once in
-//! `outbox_statements!` (`statements.rs`), given each backend's expression
-//! for the database's time; each backend's `outbox.rs` adds the claim, which differs in how
+//! The statements whose DSL is the same everywhere are written once
+//! (`statements.rs`), given each backend's expression for the database's
+//! time; each backend's `outbox.rs` adds the claim, which differs in how
 //! concurrent relays keep off each other's messages, and the purge. The claim and the
 //! purge update or delete through a limited subquery, which diesel's DSL
 //! cannot express, so they are SQL with bound parameters.
@@ -17,17 +17,17 @@ use crate::backend::{BlockingStore, KeyStore};
 use crate::row_status::MessageStatus;
 
 pub(crate) mod rows;
-mod statements;
+pub(crate) mod statements;
 
 pub use rows::{Backlog, BatchClaim, Claimed, DeadRow, Due, MessageId, NewMessage, Settlement};
-pub(crate) use statements::outbox_statements;
+pub(crate) use statements::shared_outbox_statements;
 
 /// The statements of the outbox that a call's operation and a relay send,
 /// one implementation per kind of connection, async-shaped as
 /// [`KeyStore`](crate::backend::KeyStore) is, so `enqueue` and the relay's
 /// pass are written once for both. A supertrait of the crate's public
 /// connection traits, in a private module. Each backend writes
-/// `claim_batch`; the rest is `outbox_statements!`.
+/// `claim_batch`; the rest is `shared_outbox_statements!`.
 pub trait OutboxStore: KeyStore {
     /// Writes a new message, created at the database's time.
     fn insert_message(&mut self, message: &NewMessage<'_>) -> impl Future<Output = QueryResult<()>>;
@@ -140,7 +140,7 @@ where
 /// the relay's upkeep on threads (its backlog, dead letters and purge): a
 /// supertrait of [`RawConnection`](crate::RawConnection), in a private
 /// module, so only the crate implements and calls it. Each backend writes
-/// `purge_delivered_batch`; the rest is `outbox_statements!(blocking ...)`.
+/// `purge_delivered_batch`; the rest is `shared_outbox_statements!(blocking)`.
 pub trait BlockingOutboxStore: OutboxStore + BlockingStore {
     /// Up to `limit` dead messages, oldest first.
     fn dead_messages(&mut self, limit: usize) -> QueryResult<Vec<DeadRow>>;

@@ -6,12 +6,16 @@ use diesel::prelude::*;
 use crate::schema::idempotency_outbox;
 
 /// A message as `enqueue` writes it: pending, never attempted, due at once
-/// or at `not_before`.
+/// or at `not_before`. Its columns bind `NULL` for what it leaves out, not
+/// `DEFAULT`, so that every message is the same statement.
+#[derive(Insertable, Clone, Copy)]
+#[diesel(table_name = idempotency_outbox, treat_none_as_default_value = false)]
 pub struct NewMessage<'a> {
     pub(crate) id: &'a str,
     pub(crate) scope: &'a str,
     pub(crate) topic: &'a str,
     pub(crate) payload: &'a str,
+    #[diesel(column_name = available_at)]
     pub(crate) not_before: Option<NaiveDateTime>,
     /// A JSON object of string to string.
     pub(crate) headers: Option<&'a str>,

@@ -4,8 +4,8 @@
 //!
 //! Every write of an attempt is guarded by its lease token, so an attempt
 //! whose lease was taken over changes nothing. The statements are the same
-//! DSL on every backend (`phase_statements!`, in `statements.rs`), except
-//! the read that brings the database's time along and the purge.
+//! DSL on every backend (`statements.rs`), except the read that brings the
+//! database's time along and the purge.
 //!
 //! A completer picks abandoned operations without locking what it reads:
 //! each pick is a guarded update of one operation, which another
@@ -23,10 +23,10 @@ use diesel::QueryResult;
 use crate::backend::{BlockingStore, KeyStore};
 
 pub(crate) mod rows;
-mod statements;
+pub(crate) mod statements;
 
 pub use rows::{Lease, NewOperation, OperationRow, ParkedRow, PickedRow};
-pub(crate) use statements::{operation_values, phase_statements, update_held};
+pub(crate) use statements::shared_phase_statements;
 
 /// The statements of one attempt of a phased operation, one implementation
 /// per kind of connection, async-shaped as [`KeyStore`] is: the trait the
@@ -112,7 +112,7 @@ pub trait PhaseStore: KeyStore {
 /// What only a synchronous connection runs on operations in phases: the
 /// completer's picks, the lists and requeues of parked operations, and
 /// the purge. Each backend writes `purge_operations_batch`; the rest is
-/// `phase_statements!(blocking ...)`.
+/// `shared_phase_statements!(blocking)`.
 pub trait BlockingPhaseStore: PhaseStore + BlockingStore {
     /// Picks up to `limit` running operations of `operations` whose lease
     /// is free at `now`, idle since `idle_since` and not taken by another

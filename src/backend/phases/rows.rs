@@ -6,8 +6,13 @@ use diesel::prelude::*;
 use crate::outcome::Origin;
 use crate::row_status::OperationStatus;
 use crate::schema::idempotency_phases;
+use crate::sql_time::At;
 
-/// An operation as its first commit writes it.
+/// An operation as its first commit writes it. Its columns bind `NULL` for
+/// what it leaves out, not `DEFAULT`, so that every operation is the same
+/// statement.
+#[derive(Insertable, Clone, Copy)]
+#[diesel(table_name = idempotency_phases, treat_none_as_default_value = false)]
 pub struct NewOperation<'a> {
     pub(crate) scope: &'a str,
     pub(crate) idempotency_key: &'a str,
@@ -18,9 +23,12 @@ pub struct NewOperation<'a> {
     pub(crate) status: OperationStatus,
     pub(crate) points: &'a str,
     pub(crate) lease_token: &'a str,
+    #[diesel(serialize_as = At)]
     pub(crate) lease_until: NaiveDateTime,
     pub(crate) attempts: i32,
+    #[diesel(serialize_as = At)]
     pub(crate) created_at: NaiveDateTime,
+    #[diesel(serialize_as = At)]
     pub(crate) updated_at: NaiveDateTime,
     /// Who may look the operation up, as [`Record::caller_hash`](crate::backend::Record).
     pub(crate) caller_hash: Option<&'a str>,

@@ -14,7 +14,6 @@
 use chrono::NaiveDateTime;
 use diesel::QueryResult;
 use diesel::result::Error as DieselError;
-use diesel::sql_types::Timestamp;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 use futures_util::StreamExt;
 
@@ -22,15 +21,14 @@ use super::clock::{DatabaseNow, database_time};
 use super::key::{await_replication, complete_at_database_time, database_now, hold, key_transaction, read};
 use super::outbox::{CHANNEL, claim_batch};
 use super::session::{Loads, Session};
-use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, outbox_statements};
-use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
+use crate::backend::outbox::{BatchClaim, Claimed, OutboxStore, shared_outbox_statements};
+use crate::backend::phases::{OperationRow, PhaseStore, shared_phase_statements};
 use crate::backend::row_with::{OperationColumns, OperationColumnsRow, RowWith, operation_of};
 use crate::backend::send::{Awaited, Sends, Sent};
 use crate::backend::{
     AsyncStoreConnection, AsyncTransaction, HeldKey, Hold, KeyStore, Read, Record, async_transaction_depth,
     async_unwind_to_depth, end_transaction, sealed,
 };
-use crate::schema;
 
 impl sealed::Sealed for AsyncPgConnection {}
 
@@ -120,7 +118,7 @@ impl Session for AsyncPgConnection {
 
 impl PhaseStore for AsyncPgConnection {
     async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
-        let (now, columns) = RowWith::<DatabaseNow, OperationColumns<Timestamp>>::new(scope, key)
+        let (now, columns) = RowWith::<DatabaseNow, OperationColumns>::new(scope, key)
             .get_result::<(NaiveDateTime, OperationColumnsRow)>(self)
             .await?;
         Ok((operation_of(columns), now))
@@ -130,7 +128,7 @@ impl PhaseStore for AsyncPgConnection {
         tokio::time::sleep(duration).await;
     }
 
-    phase_statements!(async schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+    shared_phase_statements!();
 }
 
 impl OutboxStore for AsyncPgConnection {
@@ -156,5 +154,5 @@ impl OutboxStore for AsyncPgConnection {
         self.batch_execute(&format!("UNLISTEN {CHANNEL}")).await
     }
 
-    outbox_statements!(async schema, created_at = database_time(); insert_message, settle, mark_delivered, release, next_due, backlog);
+    shared_outbox_statements!(created_at = database_time());
 }

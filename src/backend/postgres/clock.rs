@@ -2,14 +2,15 @@
 //! times.
 
 use diesel::pg::Pg;
-use diesel::sql_types::{Text, Timestamp, Timestamptz};
+use diesel::sql_types::{Text, Timestamptz};
 
 use crate::backend::row_with::Head;
+use crate::sql_time::Timestamp;
 
 diesel::define_sql_function! {
     /// PostgreSQL's `timezone(zone, timestamptz)`: the time in `zone`,
     /// without a zone.
-    fn timezone(zone: Text, at: Timestamptz) -> Timestamp;
+    fn timezone(zone: Text, at: Timestamptz) -> crate::sql_time::Timestamp;
 }
 
 diesel::define_sql_function! {

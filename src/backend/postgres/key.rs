@@ -7,7 +7,7 @@ use chrono::{Datelike, Duration, NaiveDateTime};
 use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::{DatabaseErrorInformation, DatabaseErrorKind, Error as DieselError};
-use diesel::sql_types::{Bool, Nullable, Text, Timestamp};
+use diesel::sql_types::{Bool, Nullable, Text};
 use diesel::{OptionalExtension, QueryResult};
 
 use super::clock::database_time;
@@ -19,6 +19,7 @@ use crate::backend::row_with::{Head, KeyRecord, KeyRecordRow, RowWith, stored_of
 use crate::backend::send::first;
 use crate::error::is_connection_lost;
 use crate::in_flight::InFlight;
+use crate::sql_time::Timestamp;
 
 /// The hint a failure of the key's lock statement carries. That statement
 /// only sets local settings of ours and waits for the advisory lock, so on
@@ -224,10 +225,8 @@ pub(super) const DURABLE_REPLAY: &str = "SELECT pg_logical_emit_message(true, 'i
 /// The read after the key's lock: how the transaction holds its key
 /// ([`HoldBy`]) and the record.
 async fn hold_by<C: Session>(conn: &mut C, scope: &str, key: &str) -> QueryResult<(String, Option<Stored>)> {
-    let (hold_by, row): (String, KeyRecordRow) = first(
-        conn.load(RowWith::<HoldBy, KeyRecord<Timestamp>>::new(scope, key))
-            .await?,
-    )?;
+    let (hold_by, row): (String, KeyRecordRow) =
+        first(conn.load(RowWith::<HoldBy, KeyRecord>::new(scope, key)).await?)?;
     Ok((hold_by, stored_of(row)))
 }
 
@@ -387,7 +386,7 @@ fn completed(times: Option<(NaiveDateTime, NaiveDateTime)>) -> QueryResult<(Naiv
 /// first, in one statement.
 pub(super) async fn read<C: Session>(conn: &mut C, scope: &str, key: &str) -> QueryResult<Read> {
     let ((now, claims_first), row): ((NaiveDateTime, bool), KeyRecordRow) = first(
-        conn.load(RowWith::<NowAndClaimFirst, KeyRecord<Timestamp>>::new(scope, key))
+        conn.load(RowWith::<NowAndClaimFirst, KeyRecord>::new(scope, key))
             .await?,
     )?;
     Ok(Read {

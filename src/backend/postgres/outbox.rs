@@ -21,10 +21,10 @@ use super::expired::Expired;
 use super::purge::purge;
 use super::session::{Session, distributed};
 use crate::backend::outbox::{
-    BatchClaim, BlockingOutboxStore, Claimed, HEAD_OF_ITS_KEY, OutboxStore, claim_in_one_statement, outbox_statements,
+    BatchClaim, BlockingOutboxStore, Claimed, HEAD_OF_ITS_KEY, OutboxStore, claim_in_one_statement,
+    shared_outbox_statements,
 };
 use crate::row_status::MessageStatus;
-use crate::schema;
 
 /// The channel the migration's trigger notifies.
 pub(super) const CHANNEL: &str = "idempotency_outbox";
@@ -44,7 +44,7 @@ impl OutboxStore for PgConnection {
         self.batch_execute(&format!("UNLISTEN {CHANNEL}"))
     }
 
-    outbox_statements!(ready schema, created_at = database_time(); insert_message, settle, mark_delivered, release, next_due, backlog);
+    shared_outbox_statements!(created_at = database_time());
 }
 
 /// [`OutboxStore::claim_batch`] on either kind of connection: in one
@@ -93,5 +93,5 @@ impl BlockingOutboxStore for PgConnection {
         Ok(any)
     }
 
-    outbox_statements!(blocking schema; dead_messages, requeue);
+    shared_outbox_statements!(blocking);
 }

@@ -10,21 +10,20 @@ use diesel::sql_types::{Text, Timestamp};
 use super::clock::DatabaseNow;
 use super::expired::Expired;
 use super::purge::purge;
-use crate::backend::phases::{BlockingPhaseStore, OperationRow, PhaseStore, phase_statements};
+use crate::backend::phases::{BlockingPhaseStore, OperationRow, PhaseStore, shared_phase_statements};
 use crate::backend::row_with::operation_with;
 use crate::row_status::OperationStatus;
-use crate::schema;
 
 impl PhaseStore for PgConnection {
     async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
-        operation_with::<DatabaseNow, Timestamp, _>(self, scope, key)
+        operation_with::<DatabaseNow, _>(self, scope, key)
     }
 
     async fn pause(&mut self, duration: Duration) {
         std::thread::sleep(duration);
     }
 
-    phase_statements!(ready schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+    shared_phase_statements!();
 }
 
 impl BlockingPhaseStore for PgConnection {
@@ -62,5 +61,5 @@ impl BlockingPhaseStore for PgConnection {
         purge(self, &expired, limit)
     }
 
-    phase_statements!(blocking schema: pick_abandoned, park_unheld, park_exhausted, parked_operations, requeue_operation);
+    shared_phase_statements!(blocking);
 }

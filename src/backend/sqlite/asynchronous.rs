@@ -29,12 +29,11 @@ use tokio::runtime::{Handle, RuntimeFlavor};
 
 use super::write::{close_write, hold, open_write, settle};
 use crate::backend::outbox::{Backlog, BatchClaim, Claimed, Due, MessageId, NewMessage, OutboxStore, Settlement};
-use crate::backend::phases::{OperationRow, PhaseStore, phase_statements};
+use crate::backend::phases::{OperationRow, PhaseStore, shared_phase_statements};
 use crate::backend::send::{Awaited, Sends};
 use crate::backend::{AsyncStoreConnection, HeldKey, Hold, KeyStore, Read, Record, block_on, sealed, unwind_to_depth};
 use crate::error::UnsupportedRuntime;
 use crate::in_flight::InFlight;
-use crate::schema;
 
 /// The connection the wrapper runs its statements on.
 type Wrapped = SyncConnectionWrapper<SqliteConnection>;
@@ -176,7 +175,7 @@ impl PhaseStore for Wrapped {
         tokio::time::sleep(duration).await;
     }
 
-    phase_statements!(async schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+    shared_phase_statements!();
 }
 
 impl OutboxStore for Wrapped {

@@ -8,11 +8,11 @@ use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
 use crate::backend::outbox::{
-    BatchClaim, BlockingOutboxStore, Claimed, HEAD_OF_ITS_KEY, OutboxStore, claim_in_one_statement, outbox_statements,
+    BatchClaim, BlockingOutboxStore, Claimed, HEAD_OF_ITS_KEY, OutboxStore, claim_in_one_statement,
+    shared_outbox_statements,
 };
 use crate::backend::sql_limit;
 use crate::row_status::MessageStatus;
-use crate::schema;
 
 // SQLite's clock is the application host's.
 impl OutboxStore for SqliteConnection {
@@ -31,7 +31,7 @@ impl OutboxStore for SqliteConnection {
         .load(self)
     }
 
-    outbox_statements!(ready schema, created_at = Utc::now().naive_utc(); insert_message, settle, mark_delivered, release, next_due, backlog);
+    shared_outbox_statements!(created_at = crate::sql_time::At(Utc::now().naive_utc()));
 }
 
 impl BlockingOutboxStore for SqliteConnection {
@@ -46,5 +46,5 @@ impl BlockingOutboxStore for SqliteConnection {
         .execute(self)
     }
 
-    outbox_statements!(blocking schema; dead_messages, requeue);
+    shared_outbox_statements!(blocking);
 }

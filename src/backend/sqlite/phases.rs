@@ -8,10 +8,10 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Text, Timestamp};
 use diesel::sqlite::SqliteConnection;
 
-use crate::backend::phases::{BlockingPhaseStore, OperationRow, PhaseStore, phase_statements};
+use crate::backend::phases::{BlockingPhaseStore, OperationRow, PhaseStore, shared_phase_statements};
 use crate::backend::sql_limit;
 use crate::row_status::OperationStatus;
-use crate::schema::{self, idempotency_phases as p};
+use crate::schema::idempotency_phases as p;
 
 impl PhaseStore for SqliteConnection {
     async fn read_operation(&mut self, scope: &str, key: &str) -> QueryResult<(Option<OperationRow>, NaiveDateTime)> {
@@ -28,7 +28,7 @@ impl PhaseStore for SqliteConnection {
         std::thread::sleep(duration);
     }
 
-    phase_statements!(ready schema: insert_operation, delete_expired_operation, take_over, save_points, complete_operation, release_operation, park_operation);
+    shared_phase_statements!();
 }
 
 impl BlockingPhaseStore for SqliteConnection {
@@ -64,5 +64,5 @@ impl BlockingPhaseStore for SqliteConnection {
         .execute(self)
     }
 
-    phase_statements!(blocking schema: pick_abandoned, park_unheld, park_exhausted, parked_operations, requeue_operation);
+    shared_phase_statements!(blocking);
 }
