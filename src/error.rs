@@ -243,8 +243,17 @@ impl<E> Error<E> {
     /// assert!(matches!(Error::Operation(1).map_operation(|n| n + 1), Error::Operation(2)));
     /// ```
     pub fn map_operation<F>(self, f: impl FnOnce(E) -> F) -> Error<F> {
-        match self {
-            Error::Operation(error) => Error::Operation(f(error)),
+        match self.into_operation_or::<F>() {
+            Ok(error) => Error::Operation(f(error)),
+            Err(other) => other,
+        }
+    }
+
+    /// The operation's own error as `Ok`, or the error, which is then of
+    /// any other variant, typed for an operation error `F`.
+    fn into_operation_or<F>(self) -> Result<E, Error<F>> {
+        Err(match self {
+            Error::Operation(error) => return Ok(error),
             Error::InvalidKey(reason) => Error::InvalidKey(reason),
             Error::InvalidScope(reason) => Error::InvalidScope(reason),
             Error::Mismatch => Error::Mismatch,
@@ -265,7 +274,7 @@ impl<E> Error<E> {
                 recorded,
                 found,
             },
-        }
+        })
     }
 
     /// The operation's own error as `Ok`, or every other error as `Err`,
@@ -284,10 +293,7 @@ impl<E> Error<E> {
     ///
     /// Every error other than [`Error::Operation`], as `Error<Infallible>`.
     pub fn into_operation(self) -> Result<E, Error> {
-        match self {
-            Error::Operation(error) => Ok(error),
-            other => Err(other.map_operation(|_| unreachable!("called for Error::Operation only"))),
-        }
+        self.into_operation_or()
     }
 }
 
