@@ -8,12 +8,6 @@
 
 mod common;
 
-// The OpenAPI example, whose document the tests check. Its `main` is unused.
-#[cfg(feature = "openapi")]
-#[allow(dead_code)]
-#[path = "../../examples/openapi_orders.rs"]
-mod openapi_orders;
-
 #[cfg(feature = "axum")]
 mod abandoned_requests;
 #[cfg(feature = "actix")]

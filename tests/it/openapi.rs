@@ -1,38 +1,44 @@
-//! The OpenAPI document of `examples/openapi_orders.rs`: served by the
-//! example's router, equal to the one checked in beside this file, and
-//! naming the header, the problems and the replay marker.
+//! The OpenAPI document of `examples/openapi_orders.rs`, as the example
+//! binary serves it (`cargo test` builds it beside the tests): equal to the
+//! one checked in beside this file, naming the header, the problems and the
+//! replay marker, and describing a service that places and looks up an
+//! order.
 
-use axum::http::{Request, StatusCode};
 use serde_json::{Value, json};
-use tower::ServiceExt;
 
-use crate::common::http::seen;
-use crate::openapi_orders;
+use crate::common::http::{Answer, ExampleProcess, Launch, client, post_order, send};
 
 /// The document as checked in. After a deliberate change, write the new
 /// one with `curl http://127.0.0.1:8080/openapi.json | python3 -m json.tool`
 /// from the running example.
 const CHECKED_IN: &str = include_str!("openapi_orders.json");
 
-async fn get(app: &axum::Router, path: &str) -> (StatusCode, Value) {
-    let request = Request::get(path).body(axum::body::Body::empty()).expect("a request");
-    let seen = seen(app, request).await;
-    (seen.status, seen.json())
+/// The example, serving on a port of its own.
+async fn example() -> ExampleProcess {
+    ExampleProcess::start_example("openapi_orders", vec![String::from("127.0.0.1:0")], Launch::default()).await
+}
+
+/// The document the example serves.
+async fn served_spec(service: &ExampleProcess) -> Value {
+    let answer = send(client().get(format!("{}/openapi.json", service.base))).await;
+    assert_eq!(answer.status, 200, "{answer:?}");
+    answer.body
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_served_spec_is_the_checked_in_one() {
-    let db = idempotency::testing::SqliteFile::new();
-    let app = openapi_orders::app(db.path().to_str().expect("utf-8 path")).expect("the service");
-    let (status, served) = get(&app, "/openapi.json").await;
-    assert_eq!(status, StatusCode::OK);
+    let service = example().await;
     let checked_in: Value = serde_json::from_str(CHECKED_IN).expect("JSON");
-    assert_eq!(served, checked_in, "the spec changed; see CHECKED_IN");
+    assert_eq!(
+        served_spec(&service).await,
+        checked_in,
+        "the spec changed; see CHECKED_IN"
+    );
 }
 
-#[test]
-fn the_spec_names_the_header_the_problems_and_the_replay_marker() {
-    let spec = serde_json::to_value(openapi_orders::spec()).expect("JSON");
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_spec_names_the_header_the_problems_and_the_replay_marker() {
+    let spec = served_spec(&example().await).await;
     for (path, method, success) in [("/orders", "post", "201"), ("/orders/status", "get", "201")] {
         let operation = &spec["paths"][path][method];
         let parameters = operation["parameters"].as_array().expect("parameters");
@@ -74,22 +80,25 @@ fn the_spec_names_the_header_the_problems_and_the_replay_marker() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_documented_service_places_and_looks_up_an_order() {
-    let db = idempotency::testing::SqliteFile::new();
-    let app = openapi_orders::app(db.path().to_str().expect("utf-8 path")).expect("the service");
-    let post = Request::post("/orders")
-        .header("authorization", "Bearer acct-1")
-        .header("idempotency-key", "o-1")
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(r#"{"item": "book", "quantity": 2}"#))
-        .expect("a request");
-    let placed = app.clone().oneshot(post).await.expect("infallible");
-    assert_eq!(placed.status(), StatusCode::CREATED);
-    let status = Request::get("/orders/status")
-        .header("authorization", "Bearer acct-1")
-        .header("idempotency-key", "o-1")
-        .body(axum::body::Body::empty())
-        .expect("a request");
-    let found = app.clone().oneshot(status).await.expect("infallible");
-    assert_eq!(found.status(), StatusCode::CREATED);
-    assert_eq!(found.headers()["idempotent-replayed"], "true");
+    let service = example().await;
+    let client = client();
+    let placed: Answer = send(post_order(
+        &client,
+        &service.base,
+        "acct-1",
+        &["o-1"],
+        r#"{"item": "book", "quantity": 2}"#,
+    ))
+    .await;
+    assert_eq!(placed.status, 201, "{placed:?}");
+    let found = send(
+        client
+            .get(format!("{}/orders/status", service.base))
+            .bearer_auth("acct-1")
+            .header("idempotency-key", "o-1"),
+    )
+    .await;
+    assert_eq!(found.status, 201, "{found:?}");
+    assert_eq!(found.replayed.as_deref(), Some("true"));
+    assert_eq!(found.body, placed.body, "the order as first answered");
 }

@@ -512,9 +512,9 @@ impl Gate {
     }
 }
 
-/// The example binary that `cargo test` built next to this test binary
-/// (`target/<profile>/examples/`), with the same features.
-fn example_binary() -> PathBuf {
+/// The binary of the example `name` that `cargo test` built next to this
+/// test binary (`target/<profile>/examples/`), with the same features.
+fn example_binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
     let profile_dir = exe
         .parent()
@@ -522,11 +522,11 @@ fn example_binary() -> PathBuf {
         .expect("the test binary lives in target/<profile>/deps");
     let binary = profile_dir
         .join("examples")
-        .join(format!("http_orders{}", std::env::consts::EXE_SUFFIX));
+        .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     assert!(
         binary.exists(),
-        "{} is missing: cargo test builds it along with the tests (cargo test --features axum); \
-         a run limited to this test needs `cargo build --example http_orders --features axum` first",
+        "{} is missing: cargo test builds it along with the tests; a run limited to this test \
+         needs `cargo build --example {name}` with the test's features first",
         binary.display()
     );
     binary
@@ -561,9 +561,15 @@ impl ExampleProcess {
     /// Starts the binary with `args` as `launch` says and waits for its one
     /// line on stdout.
     pub async fn start_with(args: Vec<String>, launch: Launch) -> ExampleProcess {
+        ExampleProcess::start_example("http_orders", args, launch).await
+    }
+
+    /// Starts the binary of the example `name` with `args` as `launch` says
+    /// and waits for its one line on stdout, which announces its address.
+    pub async fn start_example(name: &'static str, args: Vec<String>, launch: Launch) -> ExampleProcess {
         tokio::task::spawn_blocking(move || {
             use std::io::BufRead;
-            let mut command = Command::new(example_binary());
+            let mut command = Command::new(example_binary(name));
             command.args(&args).stdin(Stdio::null()).stdout(Stdio::piped());
             command.stderr(if launch.capture_stderr {
                 Stdio::piped()
