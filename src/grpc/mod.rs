@@ -163,7 +163,7 @@ where
     // A key that can never succeed is refused before the checkout: it
     // must not wait for a busy pool and then be told to retry.
     check_key::<C>(config, key)?;
-    let bound = Bound::of(key, &request);
+    let bound = BoundCall::of(key, &request);
     let (pool, config, key) = (pool.clone(), config.clone(), key.clone());
     let task = tokio::task::spawn_blocking(move || {
         let mut conn = pool.get().map_err(|error| status::unavailable(&error))?;
@@ -255,7 +255,7 @@ where
     config
         .check_rules::<RulesOf<C>, Status>(key.scope(), key.key(), None)
         .map_err(Status::from)?;
-    let bound = Bound::of(key, &request);
+    let bound = BoundCall::of(key, &request);
     let recorded = config
         .run_recorded_by_async(conn, key.scope(), key.key(), &bound, sender(key), async |tx: &mut C| {
             op(tx, &request).await.map(|response| StoredMessage::of(&response))
@@ -307,16 +307,16 @@ fn check_key<C: StoreConnection>(config: &Config, key: &GrpcKey) -> Result<(), S
 /// scope, and the request message by the hash of its encoding (the record
 /// keeps only the fingerprint either way).
 #[derive(Serialize)]
-struct Bound {
+struct BoundCall {
     method: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     principal: Option<String>,
     message: String,
 }
 
-impl Bound {
+impl BoundCall {
     fn of(key: &GrpcKey, request: &impl Message) -> Self {
-        Bound {
+        BoundCall {
             method: key.method().to_owned(),
             principal: key.principal().map(str::to_owned),
             message: sha256_hex(&request.encode_to_vec()),
