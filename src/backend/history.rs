@@ -1,7 +1,9 @@
 //! The crate's schema history, apart from the application's: its table,
-//! and each backend's side of it ([`History`]), whose statements
-//! [`schema_history!`] writes once for every backend.
+//! its statements, and each backend's side of it ([`History`]), whose
+//! methods [`schema_history!`] writes once for every backend.
 
+use chrono::NaiveDateTime;
+use diesel::dsl;
 use diesel::migration::{self, Migration, MigrationSource, MigrationVersion};
 use diesel::prelude::*;
 use diesel_migrations::EmbeddedMigrations;
@@ -80,21 +82,73 @@ pub(crate) struct Count {
     pub(crate) n: i64,
 }
 
-/// The statements of [`History`] for the connection type `$conn`, written
-/// once: in an `impl History for $conn` block.
+/// `version` recorded in the crate's history, applied now.
+#[dsl::auto_type]
+pub(crate) fn record(version: String) -> _ {
+    dsl::insert_into(history::table).values(history::version.eq(version))
+}
+
+/// `version` removed from the crate's history.
+#[dsl::auto_type]
+pub(crate) fn forget(version: String) -> _ {
+    dsl::delete(history::table.find(version))
+}
+
+/// `version` recorded in the crate's history as applied at `run_on`.
+#[dsl::auto_type]
+pub(crate) fn record_applied<'a>(version: &'a str, run_on: &'a NaiveDateTime) -> _ {
+    dsl::insert_into(history::table).values((history::version.eq(version), history::run_on.eq(run_on)))
+}
+
+/// The versions of the crate's history, newest first.
+#[dsl::auto_type]
+pub(crate) fn recorded_versions() -> _ {
+    history::table.select(history::version).order(history::version.desc())
+}
+
+/// Which of `versions` the crate's history holds.
+#[dsl::auto_type]
+pub(crate) fn recorded_of<'a>(versions: &'a [String]) -> _ {
+    history::table
+        .select(history::version)
+        .filter(history::version.eq_any(versions))
+}
+
+/// Which of `versions` diesel's history holds, with when each was applied.
+#[dsl::auto_type]
+pub(crate) fn applied_of<'a>(versions: &'a [String]) -> _ {
+    application::table
+        .select((application::version, application::run_on))
+        .filter(application::version.eq_any(versions))
+}
+
+/// Which of `versions` diesel's history holds.
+#[dsl::auto_type]
+pub(crate) fn applied_versions_of<'a>(versions: &'a [String]) -> _ {
+    application::table
+        .select(application::version)
+        .filter(application::version.eq_any(versions))
+}
+
+/// `versions` removed from diesel's history.
+#[dsl::auto_type]
+pub(crate) fn forget_applied<'a>(versions: &'a [String]) -> _ {
+    dsl::delete(application::table.filter(application::version.eq_any(versions)))
+}
+
+/// [`History`]'s methods but [`History::has_table`] for the connection
+/// type `$conn`, written once: in an `impl History for $conn` block. Each
+/// statement is built by its function above; the macro holds no SQL.
 macro_rules! schema_history {
     ($conn:ty) => {
         fn run_recorded(
             &mut self,
             migration: &dyn diesel::migration::Migration<Self::Backend>,
         ) -> diesel::migration::Result<diesel::migration::MigrationVersion<'static>> {
-            use $crate::backend::history::history;
             let version = migration.name().version().as_owned();
             let apply = |conn: &mut $conn| -> diesel::migration::Result<()> {
                 migration.run(conn)?;
-                diesel::insert_into(history::table)
-                    .values(history::version.eq(version.to_string()))
-                    .execute(conn)?;
+                diesel::RunQueryDsl::execute($crate::backend::history::record(version.to_string()), conn)?;
                 Ok(())
             };
             if migration.metadata().run_in_transaction() {
@@ -109,11 +163,10 @@ macro_rules! schema_history {
             &mut self,
             migration: &dyn diesel::migration::Migration<Self::Backend>,
         ) -> diesel::migration::Result<diesel::migration::MigrationVersion<'static>> {
-            use $crate::backend::history::history;
             let version = migration.name().version().as_owned();
             let revert = |conn: &mut $conn| -> diesel::migration::Result<()> {
                 migration.revert(conn)?;
-                diesel::delete(history::table.find(version.to_string())).execute(conn)?;
+                diesel::RunQueryDsl::execute($crate::backend::history::forget(version.to_string()), conn)?;
                 Ok(())
             };
             if migration.metadata().run_in_transaction() {
@@ -125,39 +178,29 @@ macro_rules! schema_history {
         }
 
         fn recorded(&mut self) -> diesel::migration::Result<Vec<diesel::migration::MigrationVersion<'static>>> {
-            use $crate::backend::history::{application, history};
+            use diesel::RunQueryDsl as _;
+            use $crate::backend::history as h;
 
-            diesel::connection::SimpleConnection::batch_execute(self, $crate::backend::history::CREATE_HISTORY)?;
+            diesel::connection::SimpleConnection::batch_execute(self, h::CREATE_HISTORY)?;
             if self.has_table("__diesel_schema_migrations")? {
-                let ours = $crate::backend::history::versions::<Self::Backend>(&Self::MIGRATIONS)?;
+                let ours = h::versions::<Self::Backend>(&Self::MIGRATIONS)?;
                 // Moves the crate's versions diesel's history holds, with
                 // the times they were applied; a version both hold stays in
                 // the crate's only.
                 self.transaction(|conn| {
-                    let moved: Vec<(String, chrono::NaiveDateTime)> = application::table
-                        .select((application::version, application::run_on))
-                        .filter(application::version.eq_any(&ours))
-                        .load(conn)?;
+                    let moved: Vec<(String, chrono::NaiveDateTime)> = h::applied_of(&ours).load(conn)?;
                     if moved.is_empty() {
-                        return QueryResult::Ok(());
+                        return diesel::QueryResult::Ok(());
                     }
-                    let kept: Vec<String> = history::table
-                        .select(history::version)
-                        .filter(history::version.eq_any(&ours))
-                        .load(conn)?;
+                    let kept: Vec<String> = h::recorded_of(&ours).load(conn)?;
                     for (version, run_on) in moved.iter().filter(|(version, _)| !kept.contains(version)) {
-                        diesel::insert_into(history::table)
-                            .values((history::version.eq(version), history::run_on.eq(run_on)))
-                            .execute(conn)?;
+                        h::record_applied(version, run_on).execute(conn)?;
                     }
-                    diesel::delete(application::table.filter(application::version.eq_any(&ours))).execute(conn)?;
+                    h::forget_applied(&ours).execute(conn)?;
                     Ok(())
                 })?;
             }
-            let versions: Vec<String> = history::table
-                .select(history::version)
-                .order(history::version.desc())
-                .load(self)?;
+            let versions: Vec<String> = h::recorded_versions().load(self)?;
             Ok(versions
                 .into_iter()
                 .map(diesel::migration::MigrationVersion::from)
@@ -165,21 +208,17 @@ macro_rules! schema_history {
         }
 
         fn unapplied(&mut self) -> diesel::migration::Result<Vec<String>> {
-            use $crate::backend::history::{application, history};
+            use diesel::RunQueryDsl as _;
+            use $crate::backend::history as h;
 
-            let ours = $crate::backend::history::versions::<Self::Backend>(&Self::MIGRATIONS)?;
+            let ours = h::versions::<Self::Backend>(&Self::MIGRATIONS)?;
             let mut applied: Vec<String> = Vec::new();
             if self.has_table("__idempotency_schema_migrations")? {
-                applied.extend(history::table.select(history::version).load::<String>(self)?);
+                applied.extend(h::recorded_versions().load::<String>(self)?);
             }
             // A database of a release before, whose history is diesel's.
             if self.has_table("__diesel_schema_migrations")? {
-                applied.extend(
-                    application::table
-                        .select(application::version)
-                        .filter(application::version.eq_any(&ours))
-                        .load::<String>(self)?,
-                );
+                applied.extend(h::applied_versions_of(&ours).load::<String>(self)?);
             }
             Ok(ours
                 .into_iter()
