@@ -464,6 +464,41 @@ fn retention_of_a_hundred_years_is_kept_past_2038() {
     assert_eq!(config.purge_expired(&mut conn, 10).expect("purge"), 0);
 }
 
+/// An operation in phases kept for a hundred years and a message due in a
+/// hundred, written by the statements every backend shares: their times
+/// past 2038 are stored as MySQL's `DATETIME`, not as its `TIMESTAMP`,
+/// which would hold `NULL` there (a record kept for ever, a message due at
+/// once).
+#[test]
+fn a_phased_operation_and_a_message_past_2038_keep_their_times() {
+    let db = Db::new();
+    let mut conn = db.conn();
+    let phased =
+        idempotency::phased::Phased::new("century").config(Config::default().retention(Duration::days(100 * 365)));
+    let run = |conn: &mut MysqlConnection, item: &str| {
+        phased.run(conn, SCOPE, "k-phased-century", REQUEST, |steps| {
+            let order = steps.phase("ordered", |tx| Db::place_order(tx, item, 1))?;
+            steps.finish(|_| Ok::<_, diesel::result::Error>(order))
+        })
+    };
+    let first = run(&mut conn, "century").expect("executes");
+    assert!(!first.is_replayed());
+    let status = phased
+        .status::<_, i64>(&mut conn, SCOPE, "k-phased-century", REQUEST)
+        .expect("the status");
+    let idempotency::KeyStatus::Completed { expires_at, .. } = status else {
+        panic!("completed: {status:?}");
+    };
+    assert!(expires_at.timestamp() > 2_200_000_000, "beyond 2038: {expires_at}");
+    assert!(run(&mut conn, "again").expect("replays").is_replayed());
+    assert_eq!(Db::order_count(&mut conn), 1);
+
+    let due = chrono::Utc::now() + Duration::days(100 * 365);
+    outbox::enqueue_at(&mut conn, "reminders", &"in a century", due).expect("enqueue");
+    let stats = Relay::default().stats(&mut conn).expect("stats");
+    assert_eq!((stats.pending, stats.due_now), (1, 0), "{stats:?}");
+}
+
 /// A purge passes over an expired record that a live call is taking over at
 /// that moment instead of waiting for the call, and deletes the others.
 #[test]
