@@ -63,44 +63,42 @@ where
     }
 }
 
-#[cfg(feature = "sqlite")]
-impl ToSql<Timestamp, diesel::sqlite::Sqlite> for NaiveDateTime {
-    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, diesel::sqlite::Sqlite>) -> serialize::Result {
-        ToSql::<sql_types::Timestamp, _>::to_sql(self, out)
-    }
+/// The type a backend stores the crate's times as, which diesel binds and
+/// reads a `NaiveDateTime` as.
+pub trait StoredAs: diesel::backend::Backend {
+    /// The backend's SQL type of the crate's time columns.
+    type Native: diesel::sql_types::SqlType;
 }
 
 #[cfg(feature = "sqlite")]
-impl FromSql<Timestamp, diesel::sqlite::Sqlite> for NaiveDateTime {
-    fn from_sql(value: diesel::sqlite::SqliteValue<'_, '_, '_>) -> deserialize::Result<Self> {
-        <NaiveDateTime as FromSql<sql_types::Timestamp, diesel::sqlite::Sqlite>>::from_sql(value)
-    }
+impl StoredAs for diesel::sqlite::Sqlite {
+    type Native = sql_types::Timestamp;
 }
 
 #[cfg(feature = "postgres")]
-impl ToSql<Timestamp, diesel::pg::Pg> for NaiveDateTime {
-    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, diesel::pg::Pg>) -> serialize::Result {
-        ToSql::<sql_types::Timestamp, _>::to_sql(self, out)
-    }
-}
-
-#[cfg(feature = "postgres")]
-impl FromSql<Timestamp, diesel::pg::Pg> for NaiveDateTime {
-    fn from_sql(value: diesel::pg::PgValue<'_>) -> deserialize::Result<Self> {
-        <NaiveDateTime as FromSql<sql_types::Timestamp, diesel::pg::Pg>>::from_sql(value)
-    }
+impl StoredAs for diesel::pg::Pg {
+    type Native = sql_types::Timestamp;
 }
 
 #[cfg(feature = "mysql")]
-impl ToSql<Timestamp, diesel::mysql::Mysql> for NaiveDateTime {
-    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, diesel::mysql::Mysql>) -> serialize::Result {
-        ToSql::<sql_types::Datetime, _>::to_sql(self, out)
+impl StoredAs for diesel::mysql::Mysql {
+    type Native = sql_types::Datetime;
+}
+
+impl<DB: StoredAs> ToSql<Timestamp, DB> for NaiveDateTime
+where
+    NaiveDateTime: ToSql<DB::Native, DB>,
+{
+    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, DB>) -> serialize::Result {
+        ToSql::<DB::Native, DB>::to_sql(self, out)
     }
 }
 
-#[cfg(feature = "mysql")]
-impl FromSql<Timestamp, diesel::mysql::Mysql> for NaiveDateTime {
-    fn from_sql(value: diesel::mysql::MysqlValue<'_>) -> deserialize::Result<Self> {
-        <NaiveDateTime as FromSql<sql_types::Datetime, diesel::mysql::Mysql>>::from_sql(value)
+impl<DB: StoredAs> FromSql<Timestamp, DB> for NaiveDateTime
+where
+    NaiveDateTime: FromSql<DB::Native, DB>,
+{
+    fn from_sql(value: DB::RawValue<'_>) -> deserialize::Result<Self> {
+        <NaiveDateTime as FromSql<DB::Native, DB>>::from_sql(value)
     }
 }

@@ -23,6 +23,8 @@ pub struct Record<'a> {
     pub(crate) response: Option<&'a str>,
     #[diesel(serialize_as = At)]
     pub(crate) created_at: NaiveDateTime,
+    /// Bound as it is: diesel's derives cannot convert an `Option` of
+    /// another crate's type to the crate's time (`serialize_as`).
     pub(crate) completed_at: Option<At>,
     #[diesel(serialize_as = At)]
     pub(crate) expires_at: NaiveDateTime,
