@@ -23,7 +23,7 @@ mod harness;
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Mutex, PoisonError, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -38,8 +38,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use harness::{
-    Attempt, Clients, Fault, Formation, Label, PgPool, Stored, assert_no_loss_no_double, drive, judge, report,
-    requests_with_duplicates,
+    Attempt, Clients, Fault, Formation, Label, PgPool, Run, SetOnDrop, Stored, assert_no_loss_no_double, drive, judge,
+    probe_writes, report, requests_with_duplicates, until_the_formation_keeps_its_commits,
 };
 
 const KEYS: usize = 1_000;
@@ -157,13 +157,17 @@ fn assert_every_key_once<A>(effects: &HashMap<usize, Vec<A>>, what: &str) {
 
 fn run_idempotent_under(fault: Fault, schema_name: &str) {
     let formation = Formation::acquire();
+    until_the_formation_keeps_its_commits(|| run_idempotent_once(&formation, fault, schema_name));
+}
+
+fn run_idempotent_once(formation: &Formation, fault: Fault, schema_name: &str) -> Run {
     let schema = formation.schema(schema_name, ORDERS);
     let pool = schema.pool(POOL_SIZE);
     let requests = requests_with_duplicates(KEYS);
     let config = Config::default();
 
     let (traffic, fault_run) = drive(
-        &formation,
+        formation,
         &schema,
         &pool,
         &CLIENTS,
@@ -190,9 +194,14 @@ fn run_idempotent_under(fault: Fault, schema_name: &str) {
         &verdict,
         &[],
     );
+    let formation_lost = schema.lost_probe_writes(&traffic.probe);
+    if formation_lost > 0 {
+        return Run::FormationLost(formation_lost);
+    }
     assert_no_loss_no_double(&verdict, &traffic, &fault_run);
     assert_every_key_once(&stored.effects, "order rows");
     assert_eq!(stored.results.len(), KEYS, "a stored result per key");
+    Run::Judged
 }
 
 #[test]
@@ -266,6 +275,10 @@ fn wait_until_all_delivered(pool: &PgPool) {
 
 fn outbox_under(fault: Fault, schema_name: &str) {
     let formation = Formation::acquire();
+    until_the_formation_keeps_its_commits(|| outbox_once(&formation, fault, schema_name));
+}
+
+fn outbox_once(formation: &Formation, fault: Fault, schema_name: &str) -> Run {
     let schema = formation.schema(schema_name, ORDERS);
     let pool = schema.pool(POOL_SIZE);
     // One connection more than the workers: the service listens for the
@@ -301,7 +314,7 @@ fn outbox_under(fault: Fault, schema_name: &str) {
         });
         let _stop = TriggerOnDrop(&shutdown);
         let (traffic, fault_run) = drive(
-            &formation,
+            formation,
             &schema,
             &pool,
             &CLIENTS,
@@ -371,6 +384,10 @@ fn outbox_under(fault: Fault, schema_name: &str) {
             at.duration_since(traffic.began).as_secs_f64()
         ))
     );
+    let formation_lost = schema.lost_probe_writes(&traffic.probe);
+    if formation_lost > 0 {
+        return Run::FormationLost(formation_lost);
+    }
     assert_no_loss_no_double(&verdict, &traffic, &fault_run);
     assert_every_key_once(&stored.effects, "messages");
     assert_every_key_once(&committed_orders(&mut conn), "order rows");
@@ -380,6 +397,7 @@ fn outbox_under(fault: Fault, schema_name: &str) {
         messages.iter().all(|(_, _, status)| status == "delivered"),
         "every message is marked delivered"
     );
+    Run::Judged
 }
 
 #[test]
@@ -567,9 +585,13 @@ fn batch_rerun_after_a_failover_replays_what_committed() {
 #[test]
 #[ignore = "needs a pg_auto_failover formation (.ci/ha-formation); run with --include-ignored"]
 fn phased_operation_interrupted_by_a_failover_resumes_and_finishes_once() {
+    let formation = Formation::acquire();
+    until_the_formation_keeps_its_commits(|| phased_once(&formation));
+}
+
+fn phased_once(formation: &Formation) -> Run {
     const OPERATIONS: usize = 400;
     const PHASED_CLIENTS: usize = 8;
-    let formation = Formation::acquire();
     let schema = formation.schema("phased", ORDERS);
     let pool = schema.pool(POOL_SIZE);
     let phased = Phased::new("ha_order").lease(chrono::Duration::seconds(3));
@@ -602,14 +624,17 @@ fn phased_operation_interrupted_by_a_failover_resumes_and_finishes_once() {
     };
 
     let (trigger, triggered) = mpsc::channel::<()>();
-    let fault_run = thread::scope(|scope| {
-        let formation = &formation;
+    let clients_done = AtomicBool::new(false);
+    let (fault_run, probe) = thread::scope(|scope| {
+        let clients_running = SetOnDrop(&clients_done);
+        let probe = scope.spawn(|| probe_writes(schema.url(), &clients_done));
         let fault = scope.spawn(move || triggered.recv().ok().map(|()| formation.inject(Fault::PlannedFailover)));
+        let mut clients = Vec::with_capacity(PHASED_CLIENTS);
         for _ in 0..PHASED_CLIENTS {
             let trigger = trigger.clone();
             let (pool, place, next_op, answered, attempts, errors, answers) =
                 (&pool, &place, &next_op, &answered, &attempts, &errors, &answers);
-            scope.spawn(move || {
+            clients.push(scope.spawn(move || {
                 loop {
                     let op = next_op.fetch_add(1, Ordering::SeqCst) as usize;
                     if op >= OPERATIONS {
@@ -646,10 +671,19 @@ fn phased_operation_interrupted_by_a_failover_resumes_and_finishes_once() {
                     // Paced, so that the failover lands among the operations.
                     thread::sleep(Duration::from_millis(20));
                 }
-            });
+            }));
         }
         drop(trigger);
-        fault.join().expect("the fault thread does not panic")
+        let ends: Vec<_> = clients.into_iter().map(|client| client.join()).collect();
+        drop(clients_running);
+        let fault_run = fault.join().expect("the fault thread does not panic");
+        let probe = probe.join().expect("the probe does not panic");
+        for end in ends {
+            if let Err(panic) = end {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        (fault_run, probe)
     });
     let fault_run = fault_run.expect("the failover was injected");
 
@@ -677,6 +711,10 @@ fn phased_operation_interrupted_by_a_failover_resumes_and_finishes_once() {
         errors.into_inner().unwrap_or_else(PoisonError::into_inner),
         provider.len(),
     );
+    let formation_lost = schema.lost_probe_writes(&probe);
+    if formation_lost > 0 {
+        return Run::FormationLost(formation_lost);
+    }
     assert_eq!(answers.len(), OPERATIONS, "every operation answered");
     assert_eq!(orders.len(), OPERATIONS, "an order per operation");
     for (op, (order, charge)) in &answers {
@@ -689,6 +727,7 @@ fn phased_operation_interrupted_by_a_failover_resumes_and_finishes_once() {
         .expect("count unfinished operations")
         .n;
     assert_eq!(unfinished, 0, "every operation finished");
+    Run::Judged
 }
 
 #[derive(QueryableByName)]
