@@ -123,10 +123,11 @@ pub trait KeyStore: KeyStatements {
     fn await_replication(&mut self) -> impl Future<Output = QueryResult<()>>;
 }
 
-/// The reads and writes of one key record: written once in
-/// `statements.rs` for SQLite's and PostgreSQL's connections of either
-/// kind, and by MySQL, whose calls always claim first, for
-/// its own (but for `find`, which it shares).
+/// The reads and writes of one key record, each statement built once in
+/// `statements.rs`: sent by one impl per connection of SQLite and
+/// PostgreSQL (`shared_key_statements!`), and by one impl for both of
+/// MySQL's connections, whose calls always claim first and complete a
+/// claimed record (`mysql/mod.rs`).
 pub trait KeyStatements: Sized {
     /// The stored record for `(scope, key)`.
     fn find(&mut self, scope: &str, key: &str) -> impl Future<Output = QueryResult<Option<Stored>>>;
